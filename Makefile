@@ -1,0 +1,51 @@
+# voxtral_mlx developer commands. `make install` creates .venv; the other targets use it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+UNAME_S := $(shell uname -s)
+
+# On Linux the test-only torch reference must be the CPU build (a plain `torch` pulls CUDA).
+ifeq ($(UNAME_S),Linux)
+TORCH_SPEC := torch==2.13.0
+else
+TORCH_SPEC := torch>=2.4
+endif
+
+.PHONY: install test lint format bench bench-full demo clean
+
+STAMP := $(VENV)/.installed
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check voxtral_mlx tests benchmarks convert
+	$(PY) -m ruff format --check voxtral_mlx tests benchmarks convert
+
+format: $(STAMP)
+	$(PY) -m ruff format voxtral_mlx tests benchmarks convert
+	$(PY) -m ruff check --fix voxtral_mlx tests benchmarks convert
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py --quick
+
+bench-full: $(STAMP)
+	$(PY) benchmarks/run.py --full
+
+# Try the main job on a random checkpoint (the real 8 GB download is not needed).
+demo: $(STAMP)
+	$(VENV)/bin/voxtral-mlx random-checkpoint /tmp/voxtral-tiny --size tiny
+	$(VENV)/bin/voxtral-mlx speak -m /tmp/voxtral-tiny "Hello from Voxtral." -o /tmp/voxtral-hello.wav --verbose
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

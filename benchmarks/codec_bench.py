@@ -1,0 +1,175 @@
+"""Codec decoder speed: exact streaming (caller-held state) vs one-shot vs mlx-audio.
+
+mlx-audio streams by re-decoding every chunk with 16 frames of left context
+(``voxtral_tts.py``, ``generate(stream=True)``, ``context_frames = 16``); its default chunk
+is 25 frames (2 s). Both decoders get the same random weights; mlx-audio is patched to
+Mistral's ALiBi slopes and codebook floor (SPEC §6) so the parity line compares like with
+like. Times are wall-clock per decoded frame (80 ms of audio), evaluated at every chunk
+boundary as a player would; streaming times are steady state (chunks from frame 16 on).
+
+    python benchmarks/codec_bench.py [--configs tiny full] [--frames 200 75]
+        [--slow-frames 100 24] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from voxtral_mlx.checkpoint import sanitize
+from voxtral_mlx.config import ModelConfig
+from voxtral_mlx.model.codec import CodecDecoder
+from voxtral_mlx.model.codec_layers import alibi_slopes
+from voxtral_mlx.synthetic.checkpoint import make_params, random_weights
+
+PREFIX = "audio_tokenizer."
+MLX_AUDIO_CONTEXT = 16
+FRAME_MS = 80.0
+
+
+def build(size: str, dtype: mx.Dtype):
+    from mlx_audio.tts.models.voxtral_tts import audio_tokenizer as at
+
+    config = ModelConfig.from_params(make_params(size))
+    raw = {k: mx.array(v) for k, v in random_weights(config, 0, prefix="audio_tokenizer").items()}
+    ours = CodecDecoder(config.codec)
+    folded = sanitize(raw, config, dtype=dtype)
+    ours.load_weights([(k[len(PREFIX) :], v) for k, v in folded.items()], strict=True)
+    mx.eval(ours.parameters())
+
+    tok = config.raw["multimodal"]["audio_tokenizer_args"]
+    fields = at.AudioTokenizerArgs.__dataclass_fields__
+    ref = at.VoxtralTTSAudioTokenizer(at.AudioTokenizerArgs(**{k: v for k, v in tok.items()
+                                                               if k in fields}))  # fmt: skip
+    ref.load_weights([(k[len(PREFIX) :], v.astype(dtype)) for k, v in raw.items()], strict=True)
+    ref._alibi_slopes = mx.array(alibi_slopes(config.codec.n_heads), dtype=mx.float32)
+    sc = ref.quantizer.semantic_codebook
+    sc.cluster_usage = mx.maximum(sc.cluster_usage.astype(mx.float32), 1e-5)
+    mx.eval(ref.parameters())
+    n_params = sum(v.size for v in folded.values())
+    return config, ours, ref, n_params
+
+
+def random_codes(config: ModelConfig, frames: int) -> mx.array:
+    rng = np.random.default_rng(0)
+    c = config.codec
+    sem = rng.integers(0, c.semantic_codebook_size, (1, frames, 1))
+    ac = rng.integers(0, c.acoustic_codebook_size, (1, frames, c.acoustic_dim))
+    return mx.array((np.concatenate([sem, ac], -1) + 2).astype(np.int32))
+
+
+def ours_stream(dec: CodecDecoder, codes: mx.array, chunk: int, timed_from: int):
+    """Exact streaming; chunks starting before ``timed_from`` run untimed (they build the
+    state). Returns the audio and ms per frame over the timed chunks."""
+    state = dec.new_state()
+    parts, ms, n = [], 0.0, 0
+    for s in range(0, codes.shape[1], chunk):
+        start = time.perf_counter()
+        part = dec.decode_chunk(codes[:, s : s + chunk], state)
+        mx.eval(part)
+        if s >= timed_from:
+            ms += (time.perf_counter() - start) * 1e3
+            n += min(chunk, codes.shape[1] - s)
+        parts.append(part)
+    return mx.concatenate(parts, axis=1), ms / n
+
+
+def ref_stream(ref, codes: mx.array, chunk: int, timed_from: int, spf: int, skip: bool = False):
+    """mlx-audio's streaming: each chunk re-decoded with up to 16 frames of left context.
+
+    It keeps no state, so with ``skip`` the untimed chunks are not run at all (no audio)."""
+    parts, ms, n = [], 0.0, 0
+    for s in range(0, codes.shape[1], chunk):
+        if skip and s < timed_from:
+            continue
+        start = time.perf_counter()
+        ctx = max(0, s - MLX_AUDIO_CONTEXT)
+        audio = ref.decode(codes[:, ctx : s + chunk])[:, (s - ctx) * spf :]
+        mx.eval(audio)
+        if s >= timed_from:
+            ms += (time.perf_counter() - start) * 1e3
+            n += min(chunk, codes.shape[1] - s)
+        parts.append(audio)
+    return (None if skip else mx.concatenate(parts, axis=1)), ms / n
+
+
+def one_shot(decode, codes: mx.array):
+    start = time.perf_counter()
+    out = decode(codes)
+    mx.eval(out)
+    return out, (time.perf_counter() - start) * 1e3 / codes.shape[1]
+
+
+def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype) -> list[tuple]:
+    """Streaming times are steady state: only chunks that start at frame >= 16 (whole
+    mlx-audio context, full attention windows) are timed."""
+    config, ours, ref, n_params = build(size, dtype)
+    spf = config.codec.samples_per_frame
+    codes = random_codes(config, frames)
+    few = codes[:, :slow_frames]
+    label = f"{size} ({n_params / 1e6:.1f}M params, {str(dtype).split('.')[-1]})"
+    steady = MLX_AUDIO_CONTEXT
+
+    # Warm-up (mask construction, allocator) on a few frames.
+    mx.eval(ours.decode(codes[:, :3]), ref.decode(codes[:, :3]))
+
+    rows = []
+    s1, ms = ours_stream(ours, few, 1, steady)
+    rows.append((label, "ours: streaming, chunk 1 (exact state)", slow_frames - steady, ms))
+    from25 = -(-steady // 25) * 25
+    s25, ms = ours_stream(ours, codes, 25, from25)
+    rows.append((label, "ours: streaming, chunk 25 (exact state)", frames - from25, ms))
+    one, ms = one_shot(ours.decode, codes)
+    rows.append((label, "ours: one-shot decode", frames, ms))
+    _, ms = ref_stream(ref, few, 1, steady, spf, skip=True)
+    rows.append((label, "mlx-audio: re-decode chunk 1 + 16 ctx", slow_frames - steady, ms))
+    r25, ms = ref_stream(ref, codes, 25, from25, spf)
+    rows.append((label, "mlx-audio: re-decode chunk 25 + 16 ctx", frames - from25, ms))
+    ref_full, ms = one_shot(ref.decode, codes)
+    rows.append((label, "mlx-audio: one-shot decode", frames, ms))
+
+    def err(a: mx.array, b: mx.array) -> str:
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
+        d = float(mx.abs(a - b).max())
+        return f"max abs {d:.2e} / max rel {d / float(mx.abs(b).max()):.2e}"
+
+    n1 = slow_frames * spf
+    print(f"[{size}] ours one-shot vs mlx-audio one-shot: {err(one, ref_full)}")
+    print(f"[{size}] ours chunk-1 stream vs ours one-shot: {err(s1, one[:, :n1])}")
+    print(f"[{size}] ours chunk-25 stream vs ours one-shot: {err(s25, one)}")
+    print(f"[{size}] mlx-audio re-decode chunk 25 vs its one-shot (seams): {err(r25, ref_full)}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["tiny", "full"])
+    parser.add_argument("--frames", nargs="+", type=int, default=[200, 75],
+                        help="frames per config (chunk-25 and one-shot runs)")  # fmt: skip
+    parser.add_argument("--slow-frames", nargs="+", type=int, default=[100, 24],
+                        help="frames per config for the chunk-1 runs (> 16)")  # fmt: skip
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args()
+    dtype = getattr(mx, args.dtype)
+    rows = []
+    for i, size in enumerate(args.configs):
+        frames = args.frames[min(i, len(args.frames) - 1)]
+        slow = min(frames, args.slow_frames[min(i, len(args.slow_frames) - 1)])
+        if slow <= MLX_AUDIO_CONTEXT or frames < 2 * 25:
+            parser.error("need --slow-frames > 16 and --frames >= 50 (steady state is timed)")
+        rows += bench(size, frames, slow, dtype)
+
+    print(f"\nbackend: {mx.default_device()}; real time = {FRAME_MS:.0f} ms per frame\n")
+    head = ("config", "method", "frames", "ms/frame", "x real time")
+    width = [max(len(str(r[0])) for r in rows), max(len(r[1]) for r in rows), 6, 9, 11]
+    print("  ".join(h.ljust(w) for h, w in zip(head, width)))
+    for cfg, method, n, ms in rows:
+        cells = (cfg, method, str(n), f"{ms:.2f}", f"{FRAME_MS / ms:.2f}")
+        print("  ".join(c.ljust(w) for c, w in zip(cells, width)))
+
+
+if __name__ == "__main__":
+    main()

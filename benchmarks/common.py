@@ -1,0 +1,135 @@
+"""Shared benchmark plumbing: random checkpoints, the mlx-audio reference, timing, RESULTS.md."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+CACHE = Path(
+    os.environ.get("VOXTRAL_MLX_BENCH_DIR", Path.home() / ".cache" / "voxtral_mlx" / "bench")
+)
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs away."
+VOICE = "neutral_female"
+
+
+def checkpoint(
+    size: str,
+    *,
+    dtype: str = "bfloat16",
+    n_layers: int | None = None,
+    flow_layers: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """A random checkpoint in Mistral's layout with END suppressed, built once and cached."""
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
+
+    name = f"{size}-{dtype}-L{n_layers}-F{flow_layers}-s{seed}-noend"
+    out = CACHE / name
+    if not (out / "params.json").is_file():
+        params = make_params(size, n_layers=n_layers, flow_layers=flow_layers)
+        build_random_checkpoint(out, params, seed=seed, dtype=dtype, suppress_end=True)
+    return out
+
+
+def load_reference(model_dir: Path):
+    """mlx-audio's Voxtral model on the same checkpoint (see tests/mlx_audio_reference.py)."""
+    from tests.mlx_audio_reference import load_reference as load
+
+    return load(model_dir)
+
+
+def injected_noise(rows: np.ndarray):
+    from tests.mlx_audio_reference import injected_noise as inject
+
+    return inject(rows)
+
+
+def reference_voice(ref, model_dir: Path, voice: str, dtype) -> None:
+    """Give mlx-audio the voice from our reader (it only reads .safetensors voices)."""
+    import voxtral_mlx.torch_pickle as tp
+
+    ref._voice_embeddings[voice] = tp.to_mlx(
+        tp.read_pt(model_dir / "voice_embedding" / f"{voice}.pt")
+    ).astype(dtype)
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, "
+        f"MLX {mx.__version__} ({mx.default_device()}), Python {platform.python_version()}"
+    )
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "uncommitted"
+
+
+def record(title: str, command: str, table: list[tuple[str, ...]], notes: str = "") -> str:
+    """Append a section to RESULTS.md and return it."""
+    header, *rows = table
+    lines = [
+        f"## {title}",
+        "",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')} (commit {git_rev()})",
+        f"- machine: {machine()}",
+        f"- command: `{command}`",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(r) + " |" for r in rows),
+        "",
+    ]
+    if notes:
+        lines += [notes, ""]
+    text = "\n".join(lines) + "\n"
+    if not RESULTS.exists():
+        RESULTS.write_text(
+            "# Benchmark results\n\nAppended by the scripts in benchmarks/. "
+            "Ratios are measured in one process run on one machine.\n\n"
+        )
+    with RESULTS.open("a") as fh:
+        fh.write(text)
+    return text

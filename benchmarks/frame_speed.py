@@ -1,0 +1,114 @@
+"""Milliseconds per frame and real-time factor: voxtral_mlx vs mlx-audio, same checkpoint.
+
+Per-frame cost is the marginal cost: (time for N2 frames - time for N1 frames) / (N2 - N1),
+medians of repeated runs, so prefill and fixed costs cancel. Both implementations get the
+same injected start noise, so they generate the same frames (END is suppressed in the
+benchmark checkpoints so every run has exactly the requested length).
+
+    python benchmarks/frame_speed.py [--quick] [--configs tiny,wide] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+from common import (
+    TEXT,
+    VOICE,
+    checkpoint,
+    injected_noise,
+    load_reference,
+    median_time,
+    record,
+    reference_voice,
+)
+
+CONFIGS = {
+    # name: (size, backbone layers, flow layers, n1, n2)
+    "tiny": ("tiny", None, None, 8, 40),
+    "wide": ("wide", 2, 3, 2, 6),
+    "full": ("full", None, None, 2, 5),
+}
+
+
+def measure(name: str, repeats: int) -> dict[str, float]:
+    import voxtral_mlx
+
+    size, layers, flow_layers, n1, n2 = CONFIGS[name]
+    path = checkpoint(size, n_layers=layers, flow_layers=flow_layers)
+    noise = np.random.default_rng(0).standard_normal((n2, 36)).astype(np.float32)
+
+    tts = voxtral_mlx.load(path)
+
+    def ours(n: int) -> None:
+        speech = tts.synthesize(TEXT, VOICE, noise=noise[:n], max_frames=n)
+        assert len(speech.codes) == n
+
+    t1 = median_time(lambda: ours(n1), repeats)
+    t2 = median_time(lambda: ours(n2), repeats)
+    ours_ms = 1000 * (t2 - t1) / (n2 - n1)
+    del tts
+
+    ref = load_reference(path)
+    reference_voice(ref, path, VOICE, ref.audio_codebook_embeddings["embeddings"].weight.dtype)
+
+    def theirs(n: int) -> None:
+        with injected_noise(noise[:n]):
+            out = list(ref.generate(TEXT, voice=VOICE, max_tokens=n))
+        assert out[-1].audio.shape[0] == n * 1920
+
+    r1 = median_time(lambda: theirs(n1), repeats)
+    r2 = median_time(lambda: theirs(n2), repeats)
+    ref_ms = 1000 * (r2 - r1) / (n2 - n1)
+    return {"ours_ms": ours_ms, "ref_ms": ref_ms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="tiny,wide")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args(argv)
+    rows = [
+        (
+            "config",
+            "voxtral_mlx ms/frame",
+            "mlx-audio ms/frame",
+            "ratio (ours/theirs)",
+            "voxtral_mlx RTF",
+        )
+    ]
+    for name in args.configs.split(","):
+        m = measure(name, args.repeats)
+        rows.append(
+            (
+                name,
+                f"{m['ours_ms']:.1f}",
+                f"{m['ref_ms']:.1f}",
+                f"{m['ours_ms'] / m['ref_ms']:.2f}",
+                f"{m['ours_ms'] / 80:.2f}",
+            )
+        )
+        print(" | ".join(rows[-1]), flush=True)
+    if not args.no_record:
+        notes = (
+            "tiny: the test config (64-wide backbone): per-frame overhead dominates. "
+            "wide: the real layer shapes (3072-wide backbone and flow head, 1024-wide "
+            "codec) with 2 backbone layers. RTF = ms per frame / 80 ms (below 1 is "
+            "faster than real time)."
+        )
+        print(
+            record(
+                "Frame speed",
+                "python benchmarks/frame_speed.py " + " ".join(argv or sys.argv[1:]),
+                rows,
+                notes,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random checkpoints in Mistral's published layout, built once."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Keep the tokenizer cache (and anything else cached) out of the user's home.
+_CACHE = tempfile.mkdtemp(prefix="voxtral-mlx-test-cache-")
+os.environ.setdefault("VOXTRAL_MLX_CACHE", _CACHE)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """Float32 tiny checkpoint (parity tests run in float32)."""
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+
+    return build_random_checkpoint(
+        tmp_path_factory.mktemp("tiny-f32"), "tiny", seed=0, dtype="float32"
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_bf16(tmp_path_factory) -> Path:
+    """BF16 tiny checkpoint, as published (bf16 weights, bf16 .pt voices)."""
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+
+    return build_random_checkpoint(tmp_path_factory.mktemp("tiny-bf16"), "tiny", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_tts(tiny_checkpoint):
+    import voxtral_mlx
+
+    return voxtral_mlx.load(tiny_checkpoint)

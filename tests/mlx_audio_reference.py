@@ -1,0 +1,82 @@
+"""mlx-audio's Voxtral TTS modules, loaded on our random checkpoints, as an independent reference.
+
+mlx-audio differs from Mistral's reference (SPEC §6) in two places, patched here:
+  * codec ALiBi slopes: mlx-audio uses [1/2, ..., 1/256] for 8 heads, Mistral [1, ..., 1/128];
+  * semantic codebook floor: mlx-audio divides by max(cluster_usage, 1e-8), Mistral 1e-5.
+Its start noise comes from the global ``mx.random.normal``; :func:`injected_noise` replaces
+that with given rows so both implementations integrate the same ODE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+
+def spec_alibi_slopes(n_heads: int) -> mx.array:
+    def rule(n: int) -> list[float]:
+        r = 2.0 ** (-8.0 / n)
+        return [r**h for h in range(n)]
+
+    if n_heads & (n_heads - 1) == 0:
+        return mx.array(rule(n_heads), dtype=mx.float32)
+    m = 2 ** math.floor(math.log2(n_heads))
+    return mx.array(rule(m) + rule(2 * m)[0::2][: n_heads - m], dtype=mx.float32)
+
+
+@contextlib.contextmanager
+def spec_codebook_floor() -> Iterator[None]:
+    from mlx_audio.tts.models.voxtral_tts import audio_tokenizer as at
+
+    original = at.SemanticCodebook.codebook
+
+    def codebook(self):
+        usage = mx.maximum(self.cluster_usage.astype(mx.float32), 1e-5)
+        return self.embedding_sum.astype(mx.float32) / usage[:, None]
+
+    at.SemanticCodebook.codebook = property(codebook)
+    try:
+        yield
+    finally:
+        at.SemanticCodebook.codebook = original
+
+
+@contextlib.contextmanager
+def injected_noise(rows: np.ndarray) -> Iterator[list[int]]:
+    """Make ``mx.random.normal`` return successive rows of ``rows`` (one call per frame)."""
+    original = mx.random.normal
+    used = [0]
+
+    def normal(shape, *args, **kwargs):
+        i = used[0]
+        used[0] += 1
+        out = mx.array(rows[i : i + 1].astype(np.float32))
+        assert tuple(shape) == tuple(out.shape), (shape, out.shape)
+        return out
+
+    mx.random.normal = normal
+    try:
+        yield used
+    finally:
+        mx.random.normal = original
+
+
+def load_reference(model_dir: Path, patch: bool = True):
+    """mlx-audio's Model with our checkpoint's weights (and its tokenizer from tekken.json)."""
+    from mlx_audio.tts.models.voxtral_tts.voxtral_tts import Model, ModelConfig
+
+    params = json.loads((model_dir / "params.json").read_text())
+    model = Model(ModelConfig.from_dict(params))
+    weights = mx.load(str(model_dir / "consolidated.safetensors"))
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    if patch:
+        model.audio_tokenizer._alibi_slopes = spec_alibi_slopes(model.audio_tokenizer.args.n_heads)
+    Model.post_load_hook(model, model_dir)
+    mx.eval(model.parameters())
+    return model

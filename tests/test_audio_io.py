@@ -1,0 +1,432 @@
+"""Audio files (atomic, every format round-trips) and the streaming WAV writer."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import struct
+import threading
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from voxtral_mlx.audio import io as aio
+from voxtral_mlx.audio.io import (
+    FORMATS,
+    AudioFileWriter,
+    WavStreamWriter,
+    check_output_path,
+    float_to_int16,
+    float_to_pcm16,
+    write_audio,
+)
+from voxtral_mlx.errors import AudioOutputError
+
+SR = 24000
+FRAME = 1920
+
+
+def speechlike(seconds: float = 1.5, seed: int = 0) -> np.ndarray:
+    """A few harmonics with a slow envelope plus a little noise, within [-0.8, 0.8]."""
+    t = np.arange(int(seconds * SR)) / SR
+    rng = np.random.default_rng(seed)
+    f0 = 140 + 20 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / SR
+    x = sum(np.sin(k * phase) / k for k in range(1, 6))
+    x = x * (0.5 + 0.5 * np.sin(2 * np.pi * 1.3 * t) ** 2) + 0.01 * rng.standard_normal(t.size)
+    return (0.8 * x / np.abs(x).max()).astype(np.float32)
+
+
+def chunks(x: np.ndarray, size: int = FRAME):
+    for i in range(0, x.size, size):
+        yield x[i : i + size]
+
+
+def aligned_correlation(x: np.ndarray, y: np.ndarray, max_lag: int = 2400) -> float:
+    """Correlation of x and y after shifting y by the best lag (codecs add delay)."""
+    n = min(x.size, y.size)
+    fx, fy = np.fft.rfft(x[:n], 2 * n), np.fft.rfft(y[:n], 2 * n)
+    xc = np.fft.irfft(fy * np.conj(fx), 2 * n)
+    lags = np.arange(-max_lag, max_lag + 1)
+    lag = int(lags[np.argmax(xc[lags % (2 * n)])])
+    a = x[max(0, -lag) : n - max(0, lag)]
+    b = y[max(0, lag) : n - max(0, -lag)]
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def hidden_leftovers(directory: Path) -> list[str]:
+    return [p.name for p in directory.iterdir() if p.name.startswith(".")]
+
+
+# -- float_to_pcm16 ----------------------------------------------------------------
+
+
+def test_float_to_int16_convention():
+    x = np.array([0.0, 1.0, -1.0, 2.0, -3.0, 0.5, -0.5, np.inf, -np.inf, np.nan], np.float32)
+    expected = [0, 32767, -32768, 32767, -32768, 16384, -16384, 32767, -32768, 0]
+    assert float_to_int16(x).tolist() == expected
+    # rounding: to nearest, ties to even
+    half = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 0.4, 0.6], np.float32) / 32768
+    assert float_to_int16(half).tolist() == [0, 2, 2, 0, -2, 0, 1]
+
+
+def test_float_to_int16_inverts_the_usual_reading():
+    k = np.arange(-32768, 32768, dtype=np.int32).astype(np.int16)
+    assert np.array_equal(float_to_int16(k.astype(np.float32) / 32768), k)
+
+
+def test_float_to_pcm16_bytes_are_little_endian():
+    b = float_to_pcm16(np.array([1 / 32768, -2 / 32768, 0.25], np.float32))
+    assert b == struct.pack("<3h", 1, -2, 8192)
+    assert float_to_pcm16(np.zeros(0, np.float32)) == b""
+
+
+# -- formats ------------------------------------------------------------------------
+
+
+def test_this_libsndfile_writes_every_format():
+    # Everything in FORMATS is expected from the soundfile wheels this project uses
+    # (libsndfile >= 1.1); a missing one would show up as a clear AudioOutputError.
+    assert set(aio.available_formats()) == set(FORMATS)
+
+
+@pytest.mark.parametrize("ext", [".wav", ".flac"])
+def test_lossless_round_trip_is_exact_to_16_bits(tmp_path, ext):
+    x = speechlike()
+    x[100] = 1.7  # out of range: clipped, not wrapped
+    x[101] = -1.7
+    path = tmp_path / f"out{ext}"
+    with AudioFileWriter(path, SR) as w:
+        for c in chunks(x):
+            w.write(c)
+    info = sf.info(path)
+    assert (info.samplerate, info.channels, info.subtype) == (SR, 1, "PCM_16")
+    y, sr = sf.read(path, dtype="int16")
+    assert sr == SR
+    assert np.array_equal(y, float_to_int16(x))
+    assert y[100] == 32767 and y[101] == -32768
+
+
+@pytest.mark.parametrize("ext", [".ogg", ".mp3", ".opus"])
+def test_lossy_round_trip_keeps_duration_and_shape(tmp_path, ext):
+    x = speechlike()
+    path = tmp_path / f"out{ext}"
+    with AudioFileWriter(path, SR) as w:
+        for c in chunks(x):
+            w.write(c)
+    y, sr = sf.read(path, dtype="float32")
+    assert sr == SR
+    assert abs(y.size - x.size) <= 0.05 * SR  # encoder delay/padding at most
+    assert aligned_correlation(x, y) > 0.98
+
+
+def test_write_audio_one_shot(tmp_path):
+    x = speechlike(0.3)
+    out = write_audio(tmp_path / "one.flac", x, SR)
+    assert out == tmp_path / "one.flac"
+    y, _ = sf.read(out, dtype="int16")
+    assert np.array_equal(y, float_to_int16(x))
+    assert hidden_leftovers(tmp_path) == []
+
+
+def test_writer_accepts_column_vectors_and_empty_chunks(tmp_path):
+    x = speechlike(0.2)
+    with AudioFileWriter(tmp_path / "a.wav", SR) as w:
+        w.write(x[:100].reshape(-1, 1))
+        w.write(np.zeros(0, np.float32))
+        w.write(x[100:])
+        assert w.frames_written == x.size
+        assert w.duration_s == pytest.approx(x.size / SR)
+    assert sf.info(tmp_path / "a.wav").frames == x.size
+
+
+def test_opus_rejects_unsupported_sample_rate(tmp_path):
+    with pytest.raises(AudioOutputError, match="Opus"):
+        AudioFileWriter(tmp_path / "a.opus", 22050)
+    assert hidden_leftovers(tmp_path) == []
+
+
+# -- atomic behaviour ----------------------------------------------------------------
+
+
+def test_file_appears_only_when_finished(tmp_path):
+    target = tmp_path / "speech.wav"
+    with AudioFileWriter(target, SR) as w:
+        w.write(speechlike(0.2))
+        assert not target.exists()
+        assert w.temp_path.parent == tmp_path
+        assert w.temp_path.name.startswith(".") and w.temp_path.suffix == ".wav"
+        assert w.temp_path.exists()
+    assert target.exists()
+    assert hidden_leftovers(tmp_path) == []
+
+
+def test_exception_mid_write_leaves_no_file(tmp_path):
+    target = tmp_path / "speech.mp3"
+    with pytest.raises(RuntimeError), AudioFileWriter(target, SR) as w:
+        w.write(speechlike(0.2))
+        raise RuntimeError("generation failed")
+    assert not target.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("ext", list(FORMATS))
+def test_exception_mid_write_keeps_existing_file(tmp_path, ext):
+    target = tmp_path / f"speech{ext}"
+    target.write_bytes(b"previous contents")
+    with pytest.raises(KeyboardInterrupt), AudioFileWriter(target, SR) as w:
+        w.write(speechlike(0.2))
+        raise KeyboardInterrupt
+    assert target.read_bytes() == b"previous contents"
+    assert hidden_leftovers(tmp_path) == []
+
+
+def test_abort_and_double_close(tmp_path):
+    target = tmp_path / "x.flac"
+    w = AudioFileWriter(target, SR)
+    w.write(speechlike(0.1))
+    w.abort()
+    w.abort()
+    w.close()  # already closed: nothing happens
+    assert not target.exists() and hidden_leftovers(tmp_path) == []
+    with pytest.raises(AudioOutputError):
+        w.write(speechlike(0.1))
+
+
+def test_successful_write_replaces_existing_file(tmp_path):
+    target = tmp_path / "x.wav"
+    target.write_bytes(b"old")
+    write_audio(target, speechlike(0.1), SR)
+    assert sf.info(target).frames == int(0.1 * SR)
+
+
+@pytest.mark.parametrize("ext", list(FORMATS))
+def test_keep_partial_on_interrupt_leaves_valid_file(tmp_path, ext):
+    x = speechlike(1.0)
+    target = tmp_path / f"chapter{ext}"
+    target.write_bytes(b"old")
+    with pytest.raises(KeyboardInterrupt), AudioFileWriter(target, SR) as w:
+        try:
+            for i, c in enumerate(chunks(x)):
+                w.write(c)
+                if i == 4:
+                    raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            assert w.commit_partial() is True
+            raise
+    y, sr = sf.read(target, dtype="int16")
+    assert sr == SR
+    if ext in aio.LOSSLESS_EXTENSIONS:
+        assert np.array_equal(y, float_to_int16(x[: 5 * FRAME]))
+    else:
+        assert abs(y.size - 5 * FRAME) <= 0.05 * SR
+    assert hidden_leftovers(tmp_path) == []
+
+
+def test_close_keep_true_and_false(tmp_path):
+    x = speechlike(0.3)
+    with AudioFileWriter(tmp_path / "a.wav", SR) as w:
+        w.write(x)
+        assert w.close(keep=True) == tmp_path / "a.wav"
+    assert sf.info(tmp_path / "a.wav").frames == x.size
+    with AudioFileWriter(tmp_path / "b.wav", SR) as w:
+        w.write(x)
+        assert w.close(keep=False) is None
+    assert not (tmp_path / "b.wav").exists()
+
+
+def test_commit_partial_without_audio_keeps_old_file(tmp_path):
+    target = tmp_path / "a.wav"
+    target.write_bytes(b"old")
+    w = AudioFileWriter(target, SR)
+    assert w.commit_partial() is False
+    assert target.read_bytes() == b"old" and hidden_leftovers(tmp_path) == []
+
+
+def test_dropped_writer_cleans_up(tmp_path):
+    w = AudioFileWriter(tmp_path / "a.ogg", SR)
+    w.write(speechlike(0.1))
+    tmp = w.temp_path
+    assert tmp.exists()
+    del w
+    gc.collect()
+    assert not tmp.exists()
+
+
+def test_new_file_gets_normal_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_audio(tmp_path / "a.wav", speechlike(0.05), SR)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.wav").stat().st_mode & 0o777 == 0o644
+
+
+# -- check_output_path -------------------------------------------------------------
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_check_output_path_accepts_good_paths(tmp_path, monkeypatch):
+    for ext in FORMATS:
+        check_output_path(tmp_path / f"x{ext}")
+        check_output_path(tmp_path / f"X{ext.upper()}")
+    (tmp_path / "exists.wav").write_bytes(b"")
+    check_output_path(tmp_path / "exists.wav")
+    monkeypatch.chdir(tmp_path)
+    check_output_path("relative.wav")
+
+
+@pytest.mark.parametrize("name", ["x.txt", "x", "x.wav.bak", "x.aiff"])
+def test_check_output_path_unknown_extension(tmp_path, name):
+    with pytest.raises(AudioOutputError) as e:
+        check_output_path(tmp_path / name)
+    msg = _one_line(e)
+    for ext in FORMATS:
+        assert ext in msg
+
+
+def test_check_output_path_missing_directory(tmp_path):
+    with pytest.raises(AudioOutputError, match="does not exist") as e:
+        check_output_path(tmp_path / "nope" / "x.wav")
+    assert "nope" in _one_line(e)
+
+
+def test_check_output_path_parent_is_a_file(tmp_path):
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(AudioOutputError, match="not a directory") as e:
+        check_output_path(tmp_path / "f" / "x.wav")
+    _one_line(e)
+
+
+def test_check_output_path_is_a_directory(tmp_path):
+    (tmp_path / "d.wav").mkdir()
+    with pytest.raises(AudioOutputError, match="is a directory") as e:
+        check_output_path(tmp_path / "d.wav")
+    _one_line(e)
+
+
+def test_check_output_path_unwritable_directory(tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if os.geteuid() == 0:  # root may write anywhere: make access() say no
+            real = os.access
+            monkeypatch.setattr(
+                os, "access", lambda p, m, **kw: False if Path(p) == ro else real(p, m, **kw)
+            )
+        with pytest.raises(AudioOutputError, match="not writable") as e:
+            check_output_path(ro / "x.wav")
+        _one_line(e)
+    finally:
+        ro.chmod(0o755)
+
+
+def test_missing_format_in_libsndfile_is_a_clear_error(tmp_path, monkeypatch):
+    real = sf.available_subtypes
+    monkeypatch.setattr(sf, "available_subtypes", lambda f=None: {} if f == "MP3" else real(f))
+    with pytest.raises(AudioOutputError, match=r"cannot write \.mp3") as e:
+        check_output_path(tmp_path / "x.mp3")
+    assert ".wav" in _one_line(e)
+    assert ".mp3" not in aio.available_formats()
+
+
+# -- streaming WAV -----------------------------------------------------------------
+
+
+class Unseekable(io.RawIOBase):
+    """A write-only, unseekable stream, like a pipe."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.flushes = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.data += bytes(b)
+        return len(b)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_wav_stream_unseekable_uses_unknown_sizes_and_reads_back():
+    x = speechlike(0.5)
+    out = Unseekable()
+    w = WavStreamWriter(out, SR)
+    assert not w.seekable
+    assert len(out.data) == 44  # header goes out before any audio
+    for c in chunks(x):
+        w.write(c)
+    w.close()
+    data = bytes(out.data)
+    assert data[:4] == b"RIFF" and data[36:40] == b"data"
+    assert struct.unpack("<I", data[4:8])[0] == 0xFFFFFFFF
+    assert struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
+    assert out.flushes >= x.size // FRAME  # every chunk is pushed out promptly
+    # libsndfile takes the bytes actually present when the sizes claim more.
+    y, sr = sf.read(io.BytesIO(data), dtype="int16")
+    assert sr == SR and np.array_equal(y, float_to_int16(x))
+    with wave.open(io.BytesIO(data)) as wv:
+        got = np.frombuffer(wv.readframes(10**9), "<i2")
+    assert np.array_equal(got, float_to_int16(x))
+
+
+def test_wav_stream_seekable_gets_real_sizes():
+    x = speechlike(0.5)
+    buf = io.BytesIO()
+    buf.write(b"junk")  # the header need not start at offset 0
+    with WavStreamWriter(buf, SR) as w:
+        assert w.seekable
+        for c in chunks(x):
+            w.write(c)
+        assert w.frames_written == x.size
+    data = buf.getvalue()[4:]
+    assert buf.tell() == len(buf.getvalue())  # left at the end
+    assert struct.unpack("<I", data[4:8])[0] == 36 + 2 * x.size
+    assert struct.unpack("<I", data[40:44])[0] == 2 * x.size
+    y, sr = sf.read(io.BytesIO(data), dtype="int16")
+    assert sr == SR and np.array_equal(y, float_to_int16(x))
+
+
+def test_wav_stream_through_a_real_pipe():
+    x = speechlike(0.3)
+    r, wfd = os.pipe()
+    received = bytearray()
+
+    def reader():
+        with os.fdopen(r, "rb") as f:
+            received.extend(f.read())
+
+    t = threading.Thread(target=reader)
+    t.start()
+    with os.fdopen(wfd, "wb") as pipe, WavStreamWriter(pipe, SR) as w:
+        assert not w.seekable
+        for c in chunks(x):
+            w.write(c)
+    t.join(5)
+    y, _ = sf.read(io.BytesIO(bytes(received)), dtype="int16")
+    assert np.array_equal(y, float_to_int16(x))
+
+
+def test_wav_stream_empty_and_closed():
+    buf = io.BytesIO()
+    w = WavStreamWriter(buf, SR)
+    w.close()
+    w.close()
+    assert struct.unpack("<I", buf.getvalue()[40:44])[0] == 0
+    with pytest.raises(AudioOutputError):
+        w.write(np.zeros(10, np.float32))
+    info = sf.info(io.BytesIO(buf.getvalue()))
+    assert info.frames == 0 and info.samplerate == SR

@@ -1,0 +1,251 @@
+"""The generation loop and the SPEC pitfalls, checked against small numpy references."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import voxtral_mlx
+from voxtral_mlx.config import END_AUDIO
+from voxtral_mlx.errors import InputError
+from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
+
+TEXT = "Hello there."
+VOICE = "fr_male"
+
+
+def np_rms_norm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def np_rope_interleaved(x, positions, theta):
+    """x [T, H, D]: rotate consecutive pairs (x[2i], x[2i+1]) by pos * theta^(-2i/D)."""
+    d = x.shape[-1]
+    inv = theta ** (-np.arange(0, d, 2) / d)
+    ang = positions[:, None] * inv[None, :]  # [T, D/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * cos - b * sin
+    out[..., 1::2] = a * sin + b * cos
+    return out
+
+
+def np_backbone(weights, cfg, x, rope=np_rope_interleaved):
+    """Causal Mistral decoder over all positions of x [T, dim] -> final-normed hidden states."""
+    b = cfg.backbone
+    t = x.shape[0]
+    pos = np.arange(t, dtype=np.float64)
+    mask = np.triu(np.full((t, t), -np.inf), 1)
+    g = b.n_heads // b.n_kv_heads
+    for i in range(b.n_layers):
+        p = f"layers.{i}."
+        h = np_rms_norm(x, weights[p + "attention_norm.weight"], b.norm_eps)
+        q = (h @ weights[p + "attention.wq.weight"].T).reshape(t, b.n_heads, b.head_dim)
+        k = (h @ weights[p + "attention.wk.weight"].T).reshape(t, b.n_kv_heads, b.head_dim)
+        v = (h @ weights[p + "attention.wv.weight"].T).reshape(t, b.n_kv_heads, b.head_dim)
+        q, k = rope(q, pos, b.rope_theta), rope(k, pos, b.rope_theta)
+        k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+        s = np.einsum("thd,shd->hts", q, k) / math.sqrt(b.head_dim) + mask
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        o = np.einsum("hts,shd->thd", s, v).reshape(t, -1)
+        x = x + o @ weights[p + "attention.wo.weight"].T
+        h = np_rms_norm(x, weights[p + "ffn_norm.weight"], b.norm_eps)
+        a = h @ weights[p + "feed_forward.w1.weight"].T
+        gate = a / (1 + np.exp(-a)) * (h @ weights[p + "feed_forward.w3.weight"].T)
+        x = x + gate @ weights[p + "feed_forward.w2.weight"].T
+    return np_rms_norm(x, weights["norm.weight"], b.norm_eps)
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_checkpoint):
+    from safetensors.numpy import load_file
+
+    return {
+        k: v.astype(np.float64)
+        for k, v in load_file(tiny_checkpoint / "consolidated.safetensors").items()
+    }
+
+
+def test_interleaved_rope_and_kv_cache_match_numpy(tiny_tts, weights):
+    """Prefill + two cached steps equal a numpy decoder with interleaved-pair RoPE; the
+    split-half convention would not (checked too, so the comparison can fail)."""
+    model = tiny_tts.model
+    prompt = tiny_tts.prompt_embeddings(TEXT, VOICE)
+    extra = mx.array(
+        np.random.default_rng(0).standard_normal((2, model.config.backbone.dim)), mx.float32
+    )
+    cache = model.make_cache()
+    ours = [np.array(model(prompt, cache)[0])]
+    for j in range(2):
+        ours.append(np.array(model(extra[j][None, None], cache)[0]))
+    ours = np.concatenate(ours)
+    x = np.concatenate([np.array(prompt[0]), np.array(extra)]).astype(np.float64)
+    ref = np_backbone(weights, tiny_tts.config, x)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+
+    def split_half(x, positions, theta):
+        d = x.shape[-1]
+        y = np.concatenate([x[..., : d // 2, None], x[..., d // 2 :, None]], -1).reshape(x.shape)
+        r = np_rope_interleaved(y, positions, theta)
+        return np.concatenate([r[..., 0::2], r[..., 1::2]], -1)
+
+    wrong = np_backbone(weights, tiny_tts.config, x, rope=split_half)
+    assert np.abs(wrong - ours).max() > 1e-2
+
+
+def test_time_tokens_are_cos_then_sin(tiny_tts, weights):
+    f = tiny_tts.config.flow
+    half = f.dim // 2
+    freqs = np.exp(-math.log(1e4) * np.arange(half) / half)
+    for i in range(f.n_decoding_steps):
+        t = i / f.n_decoding_steps
+        temb = np.concatenate([np.cos(t * freqs), np.sin(t * freqs)])
+        ref = weights["acoustic_transformer.time_projection.weight"] @ temb
+        ours = np.array(tiny_tts.model.acoustic_transformer.time_tokens[i])
+        np.testing.assert_allclose(ours, ref, atol=1e-4 * np.abs(ref).max())
+
+
+def test_first_frame_comes_from_the_last_prompt_position(tiny_tts):
+    """No extra [AUDIO] step after prefill: frame 0 is predicted by the prompt's last state."""
+    noise = np.random.default_rng(1).standard_normal((3, 36)).astype(np.float32)
+    speech = tiny_tts.synthesize(TEXT, VOICE, noise=noise, max_frames=3)
+    model = tiny_tts.model
+    prompt = tiny_tts.prompt_embeddings(TEXT, VOICE)
+    assert prompt.shape[1] == len(tiny_tts.prompt_ids(TEXT, VOICE))
+    assert tiny_tts.prompt_ids(TEXT, VOICE)[-2:] == [35, 25]
+    h = model(prompt, model.make_cache())[:, -1]
+    frame0 = np.array(model.frame(h, mx.array(noise[:1]), 1.2)[1])[0]
+    np.testing.assert_array_equal(speech.codes[0], frame0)
+
+
+def test_voice_rows_replace_audio_placeholders(tiny_tts):
+    ids = tiny_tts.prompt_ids(TEXT, VOICE)
+    n = tiny_tts.voices[VOICE].num_tokens
+    assert ids[:2] == [1, 25] and ids[2 : 2 + n] == [24] * n and ids[2 + n] == 36
+    emb = np.array(tiny_tts.prompt_embeddings(TEXT, VOICE)[0])
+    voice = np.array(tiny_tts.voices.embedding(VOICE, mx.float32))
+    np.testing.assert_array_equal(emb[2 : 2 + n], voice)
+    table = np.array(tiny_tts.model.mm_audio_embeddings.tok_embeddings.weight)
+    np.testing.assert_array_equal(emb[:2], table[[1, 25]])
+    np.testing.assert_array_equal(emb[2 + n :], table[ids[2 + n :]])
+
+
+class _ScriptedSemantic:
+    """Replaces the semantic head's choice by a script: END at frame ``end_at``."""
+
+    def __init__(self, head, end_at):
+        self.head, self.end_at, self.calls = head, end_at, 0
+        self.original = head.semantic_code
+
+    def __call__(self, h):
+        i = self.calls
+        self.calls += 1
+        code = END_AUDIO if i == self.end_at else 2 + (i % 7)
+        return mx.full((h.shape[0],), code, dtype=mx.int32)
+
+
+@pytest.mark.parametrize("end_at", [0, 1, 5])
+def test_end_stops_and_is_neither_decoded_nor_fed_back(tiny_tts, monkeypatch, end_at):
+    model = tiny_tts.model
+    script = _ScriptedSemantic(model.acoustic_transformer, end_at)
+    monkeypatch.setattr(model.acoustic_transformer, "semantic_code", script)
+    fed = []
+    original_embed = model.embed_codes
+
+    def embed_codes(codes):
+        fed.append(np.array(codes))
+        return original_embed(codes)
+
+    monkeypatch.setattr(model, "embed_codes", embed_codes)
+    speech = tiny_tts.synthesize(TEXT, VOICE, seed=0, max_frames=20)
+    assert len(speech.codes) == end_at
+    assert speech.audio.shape == (end_at * 1920,)
+    assert not (speech.codes[:, 0] == END_AUDIO).any()
+    # Frames are fed back as they are generated; the END frame never is (the one frame
+    # queued ahead of the END check may have been fed, but never the END codes themselves).
+    assert all(f[0, 0] != END_AUDIO for f in fed)
+
+
+def test_max_frames_and_noise_limit(tiny_tts, monkeypatch):
+    script = _ScriptedSemantic(tiny_tts.model.acoustic_transformer, end_at=10**9)
+    monkeypatch.setattr(tiny_tts.model.acoustic_transformer, "semantic_code", script)
+    assert len(tiny_tts.synthesize(TEXT, VOICE, seed=3, max_frames=7).codes) == 7
+    noise = np.zeros((4, 36), np.float32)
+    assert len(tiny_tts.synthesize(TEXT, VOICE, noise=noise, max_frames=7).codes) == 4
+    assert len(tiny_tts.synthesize(TEXT, VOICE, seed=3, max_frames=0).codes) == 0
+
+
+def test_same_seed_same_audio_and_noise_rows_drive_frames(tiny_tts):
+    a = tiny_tts.synthesize(TEXT, VOICE, seed=11, max_frames=12)
+    b = tiny_tts.synthesize(TEXT, VOICE, seed=11, max_frames=12)
+    np.testing.assert_array_equal(a.codes, b.codes)
+    np.testing.assert_array_equal(a.audio, b.audio)
+    # The global random state plays no part.
+    mx.random.seed(123)
+    c = tiny_tts.synthesize(TEXT, VOICE, seed=11, max_frames=12)
+    np.testing.assert_array_equal(a.codes, c.codes)
+    # Frame i's noise depends only on (seed, i): a shorter run is a prefix of a longer one.
+    d = tiny_tts.synthesize(TEXT, VOICE, seed=11, max_frames=5)
+    np.testing.assert_array_equal(d.codes, a.codes[: len(d.codes)])
+    assert a.seed == 11
+
+
+@pytest.mark.parametrize(
+    "bad", [np.zeros((3, 35)), np.zeros((3, 36), np.int32), np.full((2, 36), np.nan)]
+)
+def test_bad_noise_is_rejected(tiny_tts, bad):
+    with pytest.raises(InputError):
+        tiny_tts.synthesize(TEXT, VOICE, noise=bad)
+
+
+@pytest.mark.parametrize("text", ["", "   \n\t "])
+def test_empty_text_is_rejected(tiny_tts, text):
+    with pytest.raises(InputError, match="empty"):
+        tiny_tts.synthesize(text, VOICE)
+
+
+REAL_EVAL, REAL_ASYNC_EVAL = mx.eval, mx.async_eval
+
+
+def _count_evals(monkeypatch):
+    counts = {"eval": 0, "async_eval": 0}
+    real_eval, real_async = REAL_EVAL, REAL_ASYNC_EVAL
+
+    def eval_(*a, **k):
+        counts["eval"] += 1
+        return real_eval(*a, **k)
+
+    def async_eval(*a, **k):
+        counts["async_eval"] += 1
+        return real_async(*a, **k)
+
+    monkeypatch.setattr(mx, "eval", eval_)
+    monkeypatch.setattr(mx, "async_eval", async_eval)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def deep_tts(tmp_path_factory):
+    params = make_params("tiny", n_layers=6, flow_layers=4)
+    path = build_random_checkpoint(tmp_path_factory.mktemp("deep"), params, dtype="float32")
+    return voxtral_mlx.load(path)
+
+
+def test_eval_calls_per_frame_do_not_grow_with_layers(tiny_tts, deep_tts, monkeypatch):
+    per_frame = []
+    for tts in (tiny_tts, deep_tts):
+        script = _ScriptedSemantic(tts.model.acoustic_transformer, end_at=10**9)
+        monkeypatch.setattr(tts.model.acoustic_transformer, "semantic_code", script)
+        counts = {}
+        for frames in (4, 12):
+            c = _count_evals(monkeypatch)
+            tts.synthesize(TEXT, VOICE, seed=0, max_frames=frames)
+            counts[frames] = c["eval"] + c["async_eval"]
+        per_frame.append((counts[12] - counts[4]) / 8)
+    assert per_frame[0] == per_frame[1], per_frame
+    assert per_frame[0] <= 2, per_frame

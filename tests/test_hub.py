@@ -1,0 +1,407 @@
+"""Finding a model: local directories, path typos (never a Hub call), and the Hub's own cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import huggingface_hub
+import huggingface_hub.errors
+import numpy as np
+import pytest
+from huggingface_hub import constants as hf_constants
+
+import voxtral_mlx
+from voxtral_mlx.errors import ModelNotFoundError, VoxtralError
+from voxtral_mlx.hub import (
+    DEFAULT_REPO,
+    MISTRAL_PATTERNS,
+    MLX_PATTERNS,
+    allow_patterns,
+    looks_like_repo_id,
+    resolve_model_dir,
+)
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+REPO = "owner-x/voxtral-tiny"
+
+
+def one_line(e: BaseException) -> str:
+    assert isinstance(e, VoxtralError)
+    text = str(e)
+    assert text and "\n" not in text and "\r" not in text, repr(text)
+    return text
+
+
+@pytest.fixture
+def no_hub(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Fail the test if snapshot_download is called; returns the calls (for the message)."""
+    calls: list = []
+
+    def forbidden(*args, **kwargs):
+        calls.append((args, kwargs))
+        pytest.fail(f"snapshot_download was called with {args} {kwargs}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", forbidden)
+    return calls
+
+
+@pytest.fixture
+def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[tuple, dict]]:
+    """snapshot_download recording its arguments and returning an empty snapshot directory."""
+    calls: list[tuple[tuple, dict]] = []
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+
+    def fake(*args, **kwargs):
+        calls.append((args, kwargs))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    return calls
+
+
+def populate_hub_cache(cache: Path, repo_id: str, source: Path, commit: str = COMMIT) -> Path:
+    """Lay ``source`` out as huggingface_hub does: blobs by hash, symlinked snapshot, refs/main."""
+    owner, name = repo_id.split("/")
+    repo = cache / f"models--{owner}--{name}"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    for file in sorted(p for p in source.rglob("*") if p.is_file()):
+        rel = file.relative_to(source)
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        if not blob.exists():
+            blob.write_bytes(data)
+        link = snapshot / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs" / "main").write_text(commit)  # no newline, as the Hub writes it
+    return snapshot
+
+
+# --------------------------------------------------------------------------- local paths
+
+
+def test_existing_directory_is_used_as_is(tiny_checkpoint: Path, no_hub) -> None:
+    assert resolve_model_dir(tiny_checkpoint) == tiny_checkpoint.resolve()
+    assert resolve_model_dir(str(tiny_checkpoint)) == tiny_checkpoint.resolve()
+
+
+def test_relative_and_home_directories(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_hub
+) -> None:
+    monkeypatch.chdir(tiny_checkpoint.parent)
+    assert resolve_model_dir(f"./{tiny_checkpoint.name}") == tiny_checkpoint.resolve()
+    monkeypatch.setenv("HOME", str(tiny_checkpoint.parent))
+    assert resolve_model_dir(f"~/{tiny_checkpoint.name}") == tiny_checkpoint.resolve()
+
+
+def test_file_path_is_an_error(tiny_checkpoint: Path, no_hub) -> None:
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(tiny_checkpoint / "params.json")
+    message = one_line(exc.value)
+    assert "is a file" in message and "directory" in message
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "./nope",
+        "/abs/nope",
+        "~/nope",
+        "a/b/c",
+        "nope",
+        "../nope",
+        "nope/",
+        "owner/name/",
+        "owner//name",
+        "owner/na me",
+        "models--owner--name",
+        "owner/../name",
+        "C:\\models\\voxtral",
+        "",
+    ],
+)
+def test_missing_path_like_string_never_calls_the_hub(
+    spec: str, no_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if spec == "":  # "" is the current directory: an existing directory without a model
+        assert resolve_model_dir(spec) == tmp_path.resolve()
+        return
+    assert not looks_like_repo_id(spec)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(spec)
+    message = one_line(exc.value)
+    assert "does not exist" in message and spec in message
+    assert not no_hub
+
+
+def test_path_object_is_never_a_repo(no_hub, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError):
+        resolve_model_dir(Path("owner/name"))
+
+
+def test_typo_under_an_existing_local_folder_is_a_path(
+    no_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir("models/voxtral-tiny")
+    assert "does not exist" in one_line(exc.value)
+
+
+def test_load_of_a_missing_path_never_calls_the_hub(no_hub, tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError):
+        voxtral_mlx.load(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [DEFAULT_REPO, "mlx-community/Voxtral-4B-TTS-2603-mlx-bf16", "a/b", "Owner_1/name.v2-x"],
+)
+def test_repo_ids_are_recognised(spec: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert looks_like_repo_id(spec)
+
+
+# --------------------------------------------------------------------------- allow_patterns
+
+
+def test_mistral_patterns_are_exactly_what_inference_reads() -> None:
+    assert allow_patterns(DEFAULT_REPO) == [
+        "params.json",
+        "tekken.json",
+        "consolidated.safetensors",
+        "voice_embedding/*",
+    ]
+
+
+@pytest.mark.parametrize("quant", ["bf16", "6bit", "4bit"])
+def test_mlx_community_patterns(quant: str) -> None:
+    patterns = allow_patterns(f"mlx-community/Voxtral-4B-TTS-2603-mlx-{quant}")
+    assert set(patterns) == {
+        "config.json",
+        "params.json",
+        "tekken.json",
+        "model*.safetensors",
+        "model.safetensors.index.json",
+        "voice_embedding/*",
+    }
+    assert "consolidated.safetensors" not in patterns
+
+
+def test_patterns_are_fresh_lists() -> None:
+    allow_patterns(DEFAULT_REPO).append("*")
+    assert "*" not in MISTRAL_PATTERNS and "*" not in allow_patterns(DEFAULT_REPO)
+    assert "*" not in MLX_PATTERNS
+
+
+@pytest.mark.parametrize(
+    ("repo", "expected"),
+    [
+        (DEFAULT_REPO, MISTRAL_PATTERNS),
+        ("someone/Voxtral-4B-TTS-2603", MISTRAL_PATTERNS),
+        ("mlx-community/Voxtral-4B-TTS-2603-mlx-bf16", MLX_PATTERNS),
+        ("mlx-community/Voxtral-4B-TTS-2603-mlx-4bit", MLX_PATTERNS),
+    ],
+)
+def test_snapshot_download_receives_the_layout_patterns(
+    repo: str, expected: list[str], fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = resolve_model_dir(repo)
+    assert path == tmp_path / "snapshot"
+    assert len(fake_hub) == 1
+    args, kwargs = fake_hub[0]
+    assert (args[0] if args else kwargs["repo_id"]) == repo
+    assert sorted(kwargs["allow_patterns"]) == sorted(expected)
+    # no forced download / token / revision games: the cache and HF_HUB_OFFLINE decide
+    assert not {"force_download", "local_files_only", "token", "revision"} & set(kwargs)
+
+
+def test_default_is_mistrals_repo(fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    resolve_model_dir()
+    resolve_model_dir(None)
+    assert [(a[0] if a else k["repo_id"]) for a, k in fake_hub] == [DEFAULT_REPO] * 2
+    assert all(k["allow_patterns"] == MISTRAL_PATTERNS for _, k in fake_hub)
+
+
+def test_load_default_goes_through_the_hub(
+    fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as exc:  # the fake snapshot is empty
+        voxtral_mlx.load()
+    assert "params.json" in one_line(exc.value)
+    assert fake_hub[0][0][0] == DEFAULT_REPO
+
+
+def _oserror() -> Exception:
+    return OSError("No space left on device\nsecond line")
+
+
+def _offline() -> Exception:
+    return huggingface_hub.errors.LocalEntryNotFoundError("gone\nmore")
+
+
+def _http_error(cls: type, status: int) -> Callable[[], Exception]:
+    def make() -> Exception:
+        httpx = pytest.importorskip("httpx2")  # huggingface_hub's HTTP client in 2.x
+        request = httpx.Request("GET", f"https://huggingface.co/api/models/{REPO}")
+        return cls("server says\nno", response=httpx.Response(status, request=request))
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("make_error", "words"),
+    [
+        (_oserror, "No space left on device"),
+        (_offline, "HF_HUB_OFFLINE"),
+        (_http_error(huggingface_hub.errors.GatedRepoError, 403), "accept its license"),
+        (_http_error(huggingface_hub.errors.RepositoryNotFoundError, 404), "not found"),
+    ],
+    ids=["oserror", "offline", "gated", "not-found"],
+)
+def test_hub_failures_become_one_line_errors(
+    make_error: Callable[[], Exception], words: str, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    error = make_error()
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", failing)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(REPO)
+    message = one_line(exc.value)
+    assert words in message and REPO in message
+
+
+# ------------------------------------------------------------------------ the real cache, offline
+
+
+@pytest.fixture
+def offline_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty Hub cache, offline. huggingface_hub reads these variables at import, so the
+    module constants are patched too (the subprocess test below checks the variables alone)."""
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    return cache
+
+
+def test_repo_resolves_from_the_cache_offline(offline_cache: Path, tiny_checkpoint: Path) -> None:
+    snapshot = populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
+    path = resolve_model_dir(REPO)
+    assert path == snapshot.resolve() or Path(os.path.realpath(path)) == snapshot.resolve()
+    assert (path / "params.json").is_symlink()
+
+
+def test_load_from_the_cache_offline(offline_cache: Path, tiny_checkpoint: Path, tiny_tts) -> None:
+    populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
+    tts = voxtral_mlx.load(REPO)
+    assert sorted(tts.voices) == sorted(tiny_tts.voices)
+    ours = tts.synthesize("Hi.", max_frames=2, seed=0)
+    ref = tiny_tts.synthesize("Hi.", max_frames=2, seed=0)
+    np.testing.assert_array_equal(ours.codes, ref.codes)
+    np.testing.assert_array_equal(ours.audio, ref.audio)
+
+
+def test_repo_missing_from_the_cache_offline(offline_cache: Path, tiny_checkpoint: Path) -> None:
+    populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir("owner-x/not-cached")
+    message = one_line(exc.value)
+    assert "HF_HUB_OFFLINE" in message and "owner-x/not-cached" in message
+
+
+def test_cache_without_refs_main_is_missing_offline(
+    offline_cache: Path, tiny_checkpoint: Path
+) -> None:
+    snapshot = populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
+    (snapshot.parent.parent / "refs" / "main").unlink()
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(REPO)
+    assert "HF_HUB_OFFLINE" in one_line(exc.value)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["models/tiny-", "owner/name.", "owner./name", "owner/name.git", "owner/" + "a" * 97],
+)
+def test_ids_the_hub_rejects_are_model_not_found(spec: str, offline_cache: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(spec)
+    assert spec in one_line(exc.value)
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import voxtral_mlx
+    from voxtral_mlx.errors import ModelNotFoundError
+    from voxtral_mlx.hub import resolve_model_dir
+
+    out = {"path": str(resolve_model_dir(sys.argv[1]))}
+    tts = voxtral_mlx.load(sys.argv[1])
+    out["codes"] = tts.synthesize("Hi.", max_frames=2, seed=0).codes.tolist()
+    try:
+        resolve_model_dir("owner-x/not-cached")
+    except ModelNotFoundError as e:
+        out["missing"] = str(e)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_environment_variables_alone_select_the_cache(
+    tmp_path: Path, tiny_checkpoint: Path, tiny_tts
+) -> None:
+    """A fresh interpreter configured only through the environment, as a user would do it
+    (huggingface_hub reads HF_HUB_CACHE / HF_HUB_OFFLINE once, at import)."""
+    cache = tmp_path / "cache"
+    snapshot = populate_hub_cache(cache, REPO, tiny_checkpoint)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"), HF_HUB_CACHE=str(cache))
+    env["PYTHONPATH"] = str(Path(voxtral_mlx.__file__).parents[1])
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, REPO],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(out["path"]).resolve() == snapshot.resolve()
+    ref = tiny_tts.synthesize("Hi.", max_frames=2, seed=0)
+    assert out["codes"] == ref.codes.tolist()
+    assert "HF_HUB_OFFLINE" in out["missing"] and "\n" not in out["missing"]
+
+
+def test_populated_cache_is_what_huggingface_hub_expects(offline_cache, tiny_checkpoint) -> None:
+    """Control for the fixture: huggingface_hub itself finds the snapshot offline."""
+    snapshot = populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
+    found = huggingface_hub.snapshot_download(REPO, allow_patterns=MISTRAL_PATTERNS)
+    assert Path(found) == snapshot

@@ -1,0 +1,454 @@
+"""split_text: recoverability, length limits, protected spans, split preferences, spoken text."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from voxtral_mlx.errors import InputError
+from voxtral_mlx.segment import PAUSE_AFTER, TERMINALS, Segment, split_text
+
+CLOSERS = "\"'”’»›)]}」』）】〕〉》〗〙〛＂＇"
+
+# Pieces that must never be split internally; the generator surrounds each with spaces.
+PROTECTED = [
+    "3.14",
+    "1,000,000",
+    "10:30",
+    "2024-01-05",
+    "v1.2.3",
+    "10–20",
+    "https://example.com/a.b?c=d",
+    "www.example.org",
+    "jane.doe@example.com",
+    "Mr. Smith",
+    "Mrs. Jones",
+    "Ms. Lee",
+    "Dr. Who",
+    "Prof. Xavier",
+    "St. Louis",
+    "Sr. García",
+    "vs. Them",
+    "e.g. apples",
+    "i.e. pears",
+    "a.m.",
+    "p.m.",
+    "U.S.",
+    "Inc.",
+    "Ltd.",
+    "etc.",
+    "No. 5",
+    "J. R. R. Tolkien",
+    "I. M. Pei",
+    "M. Dupont",
+    "Mme. Curie",
+    "z.B. Äpfel",
+    "z. B. Birnen",
+    "bzw. Kirschen",
+    "Nr. 7",
+    "Sra. Ruiz",
+    "Ud. tiene",
+    "Sig. Rossi",
+    "Dhr. Jansen",
+    "wait... what",
+    "Hmm… okay",
+    '"Stop!"',
+    "(really?)",
+]
+# Filler: no ellipses, titles or initials, so protection never chains across many tokens.
+FILLER = [
+    "the", "quick", "Brown", "fox", "jumps", "over", "lazy", "dog", "Hello,", "world.",
+    "Really?", "Yes!", "done;", "note:", "—", "-", "well—then", "42", "end.", '"Hi."',
+    "(aside)", "'quoted'", "«bien»", "今日は晴れです。", "明日は雨、", "你好世界", "مرحبا",
+    "بالعالم.", "كيف؟", "نعم،", "नमस्ते", "दुनिया।", "क्षत्रिय", "e\u0301te\u0301", "naïve",
+    "😀", "👨\u200d👩\u200d👧", "👍🏽", "🇫🇷🇩🇪", "❤\ufe0f", "Ünïcödé", "ΑΒΓ.", "Привет,",
+]  # fmt: skip
+SEPARATORS = [" ", " ", " ", " ", "", "\n", "\n\n", "  ", "\t", "\u3000", " \xa0"]
+
+
+def check_invariants(text: str, segs: list[Segment], max_chars: int) -> None:
+    assert bool(segs) == bool(text.strip())
+    prev = 0
+    for seg in segs:
+        assert text[seg.start : seg.end] == seg.text
+        assert seg.text and seg.text == seg.text.strip()
+        assert prev <= seg.start < seg.end
+        assert not text[prev : seg.start].strip(), "only whitespace may lie between segments"
+        assert len(seg.text) <= max_chars
+        assert seg.pause_after >= 0
+        prev = seg.end
+    assert not text[prev:].strip()
+    if segs:
+        assert segs[-1].pause_after == 0.0
+
+
+def ends_terminal(s: str) -> bool:
+    s = s.rstrip(CLOSERS)
+    return bool(s) and s[-1] in TERMINALS
+
+
+def boundaries(segs: list[Segment]) -> list[tuple[int, int]]:
+    return [(a.end, b.start) for a, b in itertools.pairwise(segs)]
+
+
+def assert_not_inside(segs: list[Segment], spans: list[tuple[int, int]]) -> None:
+    for end, start in boundaries(segs):
+        for x, y in spans:
+            assert not (x < end and start < y), f"boundary {end}:{start} inside span {x}:{y}"
+
+
+@st.composite
+def sentences(draw: st.DrawFn) -> tuple[str, list[tuple[int, int]]]:
+    """Generated text plus the offsets of the protected pieces embedded in it."""
+    parts: list[str] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    for _ in range(draw(st.integers(0, 120))):
+        if draw(st.integers(0, 5)) == 0:
+            piece = " " + draw(st.sampled_from(PROTECTED)) + " "
+            spans.append((pos + 1, pos + len(piece) - 1))
+        else:
+            piece = draw(st.sampled_from(FILLER)) + draw(st.sampled_from(SEPARATORS))
+        parts.append(piece)
+        pos += len(piece)
+    return "".join(parts), spans
+
+
+limits = st.integers(1, 300).flatmap(lambda t: st.tuples(st.just(t), st.integers(t, 600)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text(max_size=3000), lim=limits, add_period=st.booleans())
+def test_arbitrary_unicode_invariants(text: str, lim: tuple[int, int], add_period: bool) -> None:
+    target, max_chars = lim
+    segs = split_text(text, target_chars=target, max_chars=max_chars, add_period=add_period)
+    check_invariants(text, segs, max_chars)
+    for seg in segs:
+        if add_period:
+            assert ends_terminal(seg.spoken)
+        else:
+            assert seg.spoken == seg.text
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pieces=st.lists(
+        st.one_of(st.text(max_size=30), st.sampled_from(FILLER + PROTECTED + SEPARATORS)),
+        max_size=200,
+    ),
+    lim=limits,
+)
+def test_mixed_pieces_invariants(pieces: list[str], lim: tuple[int, int]) -> None:
+    text = "".join(pieces)
+    segs = split_text(text, target_chars=lim[0], max_chars=lim[1])
+    check_invariants(text, segs, lim[1])
+    assert all(ends_terminal(seg.spoken) for seg in segs)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sample=sentences(),
+    target=st.integers(1, 300),
+    extra=st.integers(0, 300),
+    add_period=st.booleans(),
+)
+def test_no_split_inside_protected_spans(
+    sample: tuple[str, list[tuple[int, int]]], target: int, extra: int, add_period: bool
+) -> None:
+    text, spans = sample
+    max_chars = max(target, 40) + extra
+    segs = split_text(text, target_chars=target, max_chars=max_chars, add_period=add_period)
+    check_invariants(text, segs, max_chars)
+    assert_not_inside(segs, spans)
+    for seg in segs:
+        assert ends_terminal(seg.spoken) if add_period else seg.spoken == seg.text
+
+
+# ---- examples: one per rule and adversarial input ----
+
+
+def texts(segs: list[Segment]) -> list[str]:
+    return [s.text for s in segs]
+
+
+@pytest.mark.parametrize("text", ["", " ", "\n\n\t \u3000\xa0"])
+def test_empty_and_whitespace_only(text: str) -> None:
+    assert split_text(text) == []
+
+
+def test_short_text_is_one_segment() -> None:
+    (seg,) = split_text("  Hello world.  ")
+    assert (seg.text, seg.start, seg.end, seg.pause_after) == ("Hello world.", 2, 14, 0.0)
+    assert seg.spoken == "Hello world."
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(InputError):
+        split_text("hi", target_chars=0)
+    with pytest.raises(InputError):
+        split_text("hi", target_chars=300, max_chars=200)
+    with pytest.raises(InputError):
+        split_text(b"hi")  # type: ignore[arg-type]
+
+
+def test_sentences_accumulate_up_to_target() -> None:
+    text = " ".join(f"Sentence number {i} is here." for i in range(40))
+    segs = split_text(text, target_chars=100, max_chars=200)
+    check_invariants(text, segs, 200)
+    assert all(s.text.endswith(".") for s in segs)
+    assert all(60 <= len(s.text) <= 130 for s in segs[:-1])
+    assert all(s.pause_after == PAUSE_AFTER["sentence"] for s in segs[:-1])
+
+
+def test_paragraph_break_always_splits() -> None:
+    text = "One.\n\nTwo\r\n\r\nThree\u2029Four"
+    segs = split_text(text)
+    assert texts(segs) == ["One.", "Two", "Three", "Four"]
+    assert [s.pause_after for s in segs] == [PAUSE_AFTER["paragraph"]] * 3 + [0.0]
+    assert [s.spoken for s in segs] == ["One.", "Two.", "Three.", "Four."]
+
+
+def test_mid_split_preferred_over_space() -> None:
+    text = "alpha beta gamma delta, epsilon zeta eta theta iota kappa lambda mu"
+    segs = split_text(text, target_chars=30, max_chars=50)
+    assert segs[0].text == "alpha beta gamma delta,"
+    assert segs[0].pause_after == PAUSE_AFTER["clause"]
+    assert segs[0].spoken == "alpha beta gamma delta."  # trailing comma becomes the period
+
+
+def test_hard_split_preferred_over_mid() -> None:
+    text = "First part, second part. Third part, fourth part and more words here."
+    segs = split_text(text, target_chars=30, max_chars=60)
+    assert segs[0].text == "First part, second part."
+
+
+def test_no_punctuation_splits_at_spaces_near_target() -> None:
+    rng = random.Random(1)
+    words = ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 5))) for _ in range(3000)]
+    text = " ".join(words)
+    segs = split_text(text, target_chars=200, max_chars=400)
+    check_invariants(text, segs, 400)
+    assert all(194 <= len(s.text) <= 206 for s in segs[:-1])
+    assert all(s.pause_after == PAUSE_AFTER["word"] for s in segs[:-1])
+    assert all(s.spoken == s.text + "." for s in segs)
+
+
+def test_single_long_word_is_hard_cut() -> None:
+    text = "x" * 5000
+    segs = split_text(text, max_chars=400)
+    check_invariants(text, segs, 400)
+    assert "".join(texts(segs)) == text
+    assert [len(s.text) for s in segs] == [400] * 12 + [200]
+    assert all(s.pause_after == 0.0 for s in segs)
+
+
+@pytest.mark.parametrize(
+    ("cluster", "size"),
+    [
+        ("👨\u200d👩\u200d👧", 5),  # ZWJ sequence
+        ("🇫🇷", 2),  # flag: regional indicator pair
+        ("👍🏽", 2),  # skin-tone modifier
+        ("❤\ufe0f", 2),  # variation selector
+        ("e\u0301\u0323", 3),  # base + combining marks
+        ("क्ष", 3),  # Devanagari conjunct: virama joins consonants
+        ("\ud83d\ude00", 2),  # a surrogate pair left as two code points
+    ],
+)
+def test_hard_cut_never_inside_grapheme(cluster: str, size: int) -> None:
+    assert len(cluster) == size
+    text = cluster * (5000 // size)
+    segs = split_text(text, target_chars=100, max_chars=401)
+    check_invariants(text, segs, 401)
+    assert "".join(texts(segs)) == text
+    assert all(end % size == 0 for end, _ in boundaries(segs))
+    assert len(segs[0].text) >= 401 - size
+
+
+def test_flags_pair_from_run_start() -> None:
+    text = "x" + "🇫🇷" * 300
+    segs = split_text(text, target_chars=50, max_chars=100)
+    assert all((end - 1) % 2 == 0 for end, _ in boundaries(segs))
+
+
+def test_hard_cut_avoids_protected_number() -> None:
+    text = "a" * 395 + "1,000,000" + "b" * 100
+    segs = split_text(text, max_chars=400)
+    check_invariants(text, segs, 400)
+    assert segs[0].end == 395
+    assert segs[1].text.startswith("1,000,000")
+
+
+def test_emoji_only() -> None:
+    segs = split_text("😀😀😀 🎉")
+    assert texts(segs) == ["😀😀😀 🎉"]
+    assert segs[0].spoken == "😀😀😀 🎉."
+
+
+def test_mixed_scripts() -> None:
+    text = "Hello world. 你好世界。今天很好。 مرحبا بالعالم. كيف حالك؟ नमस्ते दुनिया। आप कैसे हैं॥"
+    segs = split_text(text, target_chars=1, max_chars=40)
+    check_invariants(text, segs, 40)
+    assert texts(segs) == [
+        "Hello world.",
+        "你好世界。",
+        "今天很好。",
+        "مرحبا بالعالم.",
+        "كيف حالك؟",
+        "नमस्ते दुनिया।",
+        "आप कैसे हैं॥",
+    ]
+    assert all(s.pause_after == PAUSE_AFTER["sentence"] for s in segs[:-1])
+
+
+def test_cjk_without_spaces() -> None:
+    text = "今日は晴れです。明日は雨ですが、たぶん大丈夫でしょう。"
+    segs = split_text(text, target_chars=8, max_chars=15)
+    assert texts(segs) == ["今日は晴れです。", "明日は雨ですが、", "たぶん大丈夫でしょう。"]
+
+
+def test_dialogue_quotes_stay_with_sentence() -> None:
+    text = '"Stop!" he said. "Why?" she asked. «Parce que.» Il est parti. (Really?) Yes.'
+    segs = split_text(text, target_chars=5, max_chars=40)
+    assert texts(segs) == [
+        '"Stop!"',
+        "he said.",
+        '"Why?"',
+        "she asked.",
+        "«Parce que.»",
+        "Il est parti.",
+        "(Really?)",
+        "Yes.",
+    ]
+    assert all(s.spoken == s.text for s in segs)
+
+
+def test_abbreviations_and_initials() -> None:
+    text = (
+        "Mr. Smith met Dr. Jones, e.g. at St. Mary's. J. R. R. Tolkien wrote it. "
+        "Mme. Curie et M. Dupont. Das ist z. B. gut, bzw. Nr. 5 ist besser. "
+        "So did I. Then we left. Apples, pears, etc. Then more. No. 5 is mine. No. Thanks."
+    )
+    segs = split_text(text, target_chars=1, max_chars=60)
+    check_invariants(text, segs, 60)
+    assert texts(segs) == [
+        "Mr. Smith met Dr. Jones, e.g. at St. Mary's.",
+        "J. R. R. Tolkien wrote it.",
+        "Mme. Curie et M. Dupont.",
+        "Das ist z. B. gut, bzw. Nr. 5 ist besser.",
+        "So did I.",
+        "Then we left.",
+        "Apples, pears, etc.",
+        "Then more.",
+        "No. 5 is mine.",
+        "No.",
+        "Thanks.",
+    ]
+
+
+def test_title_stays_with_next_word_even_when_forced() -> None:
+    text = "Mr. Smith and Dr. Jones with Prof. Xavier and J. R. Ewing"
+    segs = split_text(text, target_chars=1, max_chars=12)
+    check_invariants(text, segs, 12)
+    assert texts(segs) == [
+        "Mr. Smith",
+        "and",
+        "Dr. Jones",
+        "with",
+        "Prof. Xavier",
+        "and",
+        "J. R. Ewing",
+    ]
+
+
+def test_period_before_lowercase_is_not_a_sentence_end() -> None:
+    text = "We met at 5 p.m. and talked approx. an hour about U.S. politics with Acme Inc. today."
+    segs = split_text(text, target_chars=5, max_chars=100)
+    assert all(s.pause_after != PAUSE_AFTER["sentence"] for s in segs)
+
+
+def test_numbers_urls_emails() -> None:
+    text = (
+        "Pi is 3.14 and e is 2.718. Big: 1,000,000 at 10:30 on 2024-01-05 with v1.2.3. "
+        "Visit https://example.com/a.b?c=d. Or www.example.org, then write to jane.doe@example.com."
+    )
+    segs = split_text(text, target_chars=5, max_chars=60)
+    check_invariants(text, segs, 60)
+    for token in ("3.14", "2.718", "1,000,000", "10:30", "2024-01-05", "v1.2.3", "c=d"):
+        assert any(token in s.text for s in segs)
+    assert "Visit https://example.com/a.b?c=d." in texts(segs)
+    assert any(s.text.endswith("jane.doe@example.com.") for s in segs)
+
+
+def test_ellipsis() -> None:
+    segs = split_text("I was thinking... maybe not. I waited… Then it came.", target_chars=5)
+    assert texts(segs) == ["I was thinking... maybe not.", "I waited…", "Then it came."]
+
+
+def test_numbered_list() -> None:
+    text = "Shopping list:\n1. First item\n2. Second item\n  3. Third item\n10. Tenth item"
+    segs = split_text(text, target_chars=5, max_chars=16)
+    assert texts(segs) == [
+        "Shopping list:",
+        "1. First item",
+        "2. Second item",
+        "3. Third item",
+        "10. Tenth item",
+    ]
+    assert segs[1].spoken == "1. First item."
+    assert segs[1].pause_after == PAUSE_AFTER["clause"]  # a line break without punctuation
+
+
+def test_dashes() -> None:
+    text = "He paused — then spoke. It was big - really big. Word—word and pages 10–20."
+    segs = split_text(text, target_chars=5, max_chars=15)
+    assert texts(segs)[:5] == ["He paused —", "then spoke.", "It was big -", "really big.", "Word—"]
+    assert texts(segs)[-1] == "10–20."  # an en dash between numbers is a range, not a split
+    assert segs[0].spoken == "He paused."
+
+
+def test_no_break_space_is_not_a_split() -> None:
+    text = "aaaa 100\xa0km bbbb"
+    segs = split_text(text, target_chars=3, max_chars=10)
+    assert texts(segs) == ["aaaa", "100\xa0km", "bbbb"]
+
+
+@pytest.mark.parametrize(
+    ("text", "spoken"),
+    [
+        ("Hello world", "Hello world."),
+        ('He said "hi."', 'He said "hi."'),
+        ('He said "hi"', 'He said "hi".'),
+        ("(Really?)", "(Really?)"),
+        ("Wait…", "Wait…"),
+        ("Note:", "Note."),
+        ("你好世界", "你好世界。"),
+        ("こんにちは", "こんにちは。"),
+        ("안녕하세요", "안녕하세요."),
+        ("नमस्ते दुनिया", "नमस्ते दुनिया।"),
+        ("আমি ভাত খাই", "আমি ভাত খাই।"),
+        ("مرحبا بالعالم", "مرحبا بالعالم."),
+        ("سلام دنیا", "سلام دنیا."),
+        ("یہ اچھا ہے", "یہ اچھا ہے۔"),
+        ("Version 2", "Version 2."),
+        ("42", "42."),
+    ],
+)
+def test_spoken_terminal_punctuation(text: str, spoken: str) -> None:
+    (seg,) = split_text(text)
+    assert seg.spoken == spoken
+    (seg,) = split_text(text, add_period=False)
+    assert seg.spoken == text
+
+
+def test_ten_thousand_words() -> None:
+    rng = random.Random(0)
+    vocab = FILLER + PROTECTED
+    words = [rng.choice(vocab) for _ in range(10_000)]
+    text = "".join(w + rng.choice([" "] * 20 + ["\n", "\n\n"]) for w in words)
+    segs = split_text(text)
+    check_invariants(text, segs, 400)
+    assert len(segs) > 100

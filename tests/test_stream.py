@@ -1,0 +1,92 @@
+"""The streaming API: chunks as they decode, equal to one-shot synthesis, stoppable."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from voxtral_mlx.errors import InputError
+
+TEXT = "Streaming test sentence number one."
+VOICE = "casual_female"
+
+
+@pytest.fixture(scope="module")
+def noise():
+    return np.random.default_rng(7).standard_normal((40, 36)).astype(np.float32)
+
+
+@pytest.mark.parametrize("chunk_frames", [1, 2, 3, 5, 25])
+def test_stream_concatenation_equals_synthesize(tiny_tts, noise, chunk_frames):
+    one_shot = tiny_tts.synthesize(TEXT, VOICE, noise=noise)
+    chunks = list(tiny_tts.stream(TEXT, VOICE, noise=noise, chunk_frames=chunk_frames))
+    assert len(one_shot.codes) > 0
+    assert [c.is_final for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    starts = [c.frame_index for c in chunks]
+    assert starts == list(np.cumsum([0] + [c.frames for c in chunks[:-1]]))
+    assert all(c.frames == chunk_frames for c in chunks[:-1])
+    assert all(len(c.audio) == c.frames * 1920 for c in chunks)
+    np.testing.assert_array_equal(np.concatenate([c.codes for c in chunks]), one_shot.codes)
+    audio = np.concatenate([c.audio for c in chunks])
+    assert audio.dtype == np.float32 and audio.shape == one_shot.audio.shape
+    assert np.max(np.abs(audio - one_shot.audio)) <= 1e-5
+
+
+def test_stream_with_seed_equals_synthesize(tiny_tts):
+    a = np.concatenate([c.audio for c in tiny_tts.stream(TEXT, VOICE, seed=42, max_frames=30)])
+    b = tiny_tts.synthesize(TEXT, VOICE, seed=42, max_frames=30).audio
+    assert a.shape == b.shape and np.max(np.abs(a - b)) <= 1e-5
+
+
+def test_first_chunk_needs_only_one_frame(tiny_tts, noise, monkeypatch):
+    model = tiny_tts.model
+    calls = {"frame": 0}
+    original = model.frame
+
+    def frame(*args, **kwargs):
+        calls["frame"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "frame", frame)
+    stream = tiny_tts.stream(TEXT, VOICE, noise=noise, chunk_frames=1)
+    first = next(stream)
+    assert first.frames == 1 and len(first.audio) == 1920
+    assert calls["frame"] == 1  # the second frame is queued only after the first is handed over
+    assert first.timings.first_audio_s > 0
+    stream.close()
+
+
+def test_closing_the_stream_stops_generation(tiny_tts, noise, monkeypatch):
+    model = tiny_tts.model
+    steps = {"n": 0}
+    original = model.step
+
+    def step(*args, **kwargs):
+        steps["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "step", step)
+    stream = tiny_tts.stream(TEXT, VOICE, noise=noise, chunk_frames=1)
+    next(stream)
+    next(stream)
+    stream.close()
+    after_close = steps["n"]
+    assert after_close <= 3  # frames 1 and 2 (queued ahead), nothing more
+    # The model is free again: another thread can use it right away.
+    done = threading.Event()
+
+    def other():
+        tiny_tts.synthesize(TEXT, VOICE, seed=1, max_frames=2)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(timeout=60)
+    assert done.is_set()
+
+
+def test_bad_chunk_size(tiny_tts):
+    with pytest.raises(InputError):
+        next(tiny_tts.stream(TEXT, VOICE, seed=0, chunk_frames=0))

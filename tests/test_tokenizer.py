@@ -1,0 +1,540 @@
+"""TekkenTokenizer against mistral-common's Tekkenizer (the reference), its cache and its errors."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from voxtral_mlx import tokenizer as tokenizer_mod
+from voxtral_mlx.errors import TokenizerError
+from voxtral_mlx.synthetic.tekken import (
+    TEKKEN_PATTERN,
+    build_tekken,
+    mistral_common_tekken_path,
+    write_tekken,
+)
+from voxtral_mlx.tokenizer import TekkenTokenizer, default_cache_dir
+
+Tekkenizer = pytest.importorskip("mistral_common.tokens.tokenizers.tekken").Tekkenizer
+
+# The 20 preset voices of Voxtral-4B-TTS-2603 and their [AUDIO] counts (tekken.json).
+VOICES = {
+    "casual_female": 214,
+    "casual_male": 147,
+    "cheerful_female": 132,
+    "neutral_female": 218,
+    "neutral_male": 169,
+    "pt_male": 144,
+    "pt_female": 175,
+    "nl_male": 138,
+    "nl_female": 146,
+    "it_male": 168,
+    "it_female": 172,
+    "fr_male": 97,
+    "fr_female": 97,
+    "es_male": 208,
+    "es_female": 138,
+    "de_male": 163,
+    "de_female": 147,
+    "ar_male": 67,
+    "hi_male": 94,
+    "hi_female": 86,
+}
+
+CORPUS = {
+    "english": "The quick brown fox jumps over the lazy dog. It's 5 o'clock, isn't it?",
+    "english_caps": "HELLO World! McDonald's iPhone XKCD camelCaseWords and snake_case_words",
+    "french": "Où est la bibliothèque ? L'été dernier, nous étions à Besançon — c'était génial !",
+    "german": "Größenwahn: Die Straße ist naß, Äpfel und Übermäßigkeit. Fußgängerübergänge!",
+    "spanish": "¿Dónde está el baño? ¡Mañana será otro día, señor Muñoz!",
+    "italian": "Perché non è già arrivato? Più tardi, all'università.",
+    "portuguese": "Não sei se você está pronto, mas ações falam mais que palavras. Coração!",
+    "dutch": "Het is een prachtige dag in Amsterdam; de fietsen staan klaar bij 't IJ.",
+    "arabic": "مرحبا بالعالم! كيف حالك اليوم؟ هذه جملة عربية مع تشكيل: مُحَمَّدٌ",
+    "hindi": "नमस्ते दुनिया! आप कैसे हैं? यह हिन्दी का एक वाक्य है। क्षत्रिय ज्ञान",
+    "chinese": "你好，世界！今天天气很好。我们一起去公园散步吧。",
+    "japanese": "こんにちは世界。カタカナとひらがな、そして漢字を混ぜた文章です。ｶﾀｶﾅ",
+    "korean": "안녕하세요, 세계! 오늘은 날씨가 좋네요. 한국어 문장입니다.",
+    "russian": "Съешь же ещё этих мягких французских булок, да выпей чаю. ЁЖИК!",
+    "greek_hebrew_thai": "Καλημέρα κόσμε — שלום עולם — สวัสดีชาวโลก",
+    "emoji": "I ❤️ it 😀😃😄 👍🏽 🎉🎊 ☕️ 🇫🇷🇩🇪🇯🇵 🏳️‍🌈",
+    "emoji_zwj": "👨‍👩‍👧‍👦 family, 👩🏽‍💻 coder, 🧑‍🤝‍🧑 pair, 🏴‍☠️ pirate",
+    "digits": "0 1 12 123 1234 12345 3.14159 -42 1,000,000 2024-03-26 10:45:00",
+    "long_number": "31415926535897932384626433832795028841971693993751058209749445923",
+    "whitespace": "a  b   c    d\te\t\tf\ng\n\nh\r\ni\r\n\r\nj \n k\t\n",
+    "trailing": "trailing spaces   ",
+    "leading": "   leading spaces",
+    "only_spaces": "     ",
+    "only_newlines": "\n\n\n",
+    "crlf": "line one\r\nline two\r\n\r\nline four\r\n",
+    "nbsp_and_wide": "non\u00a0breaking\u2009thin\u3000ideographic\u200bzw",
+    "punctuation": "Wait... what?!? (yes) [no] {maybe} <tag> --- *** ''' \"\"\" ;;; :: ,, !!",
+    "quotes": "“Curly” ‘quotes’ «guillemets» „German“ 「Japanese」",
+    "url_email": "Visit https://example.com/path?q=1&b=two#frag or mail jane.doe+tts@example.org",
+    "code": "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n\tprint(f\"{x!r}\")\n",
+    "special_strings": "[AUDIO] <s> </s> [BEGIN_AUDIO][NEXT_AUDIO_TEXT] <unk> <SPECIAL_42> [INST]",
+    "control_chars": "a\x00b\x01c\x7fd\x1be\x0cf\x0bg",
+    "combining": "e\u0301 a\u0308 n\u0303 \u0301lonely mark Z\u0351\u0352\u0353",
+    "math_symbols": "∑ x² ≤ ∞ ∂f/∂x ≈ π·r² ± √2 → ⇒ ∀ε>0 ∃δ",
+    "mixed_scripts": "Hello世界Привет123مرحبا🙂नमस्ते",
+    "single_char": "a",
+    "single_space": " ",
+    "empty": "",
+}
+LONG_TEXT = "".join(CORPUS.values()) * 40 + "a" * 5000 + " " * 3000 + "9" * 2000 + "\n" * 500 + "x"
+
+
+@pytest.fixture(scope="session")
+def tekken_file(tmp_path_factory) -> Path:
+    """The TTS layout with mistral-common's BPE vocab (equal to the TTS model's) and real voices."""
+    source = mistral_common_tekken_path()
+    assert source is not None, "mistral-common's data/tekken_240911.json not found"
+    data = build_tekken(VOICES, vocab_source=source)
+    return write_tekken(tmp_path_factory.mktemp("tekken") / "tekken.json", data)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tok-cache")
+
+
+@pytest.fixture(scope="session")
+def ref(tekken_file):
+    return Tekkenizer.from_file(tekken_file)
+
+
+@pytest.fixture(scope="session")
+def tok(tekken_file, cache_dir) -> TekkenTokenizer:
+    return TekkenTokenizer.from_file(tekken_file, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="session")
+def byte_tekken_file(tmp_path_factory) -> Path:
+    data = build_tekken({"ar_male": 67, "tiny": 2}, vocab_source=None)
+    return write_tekken(tmp_path_factory.mktemp("byte-tekken") / "tekken.json", data)
+
+
+def ref_encode(ref, text: str) -> list[int]:
+    return ref.encode(text, bos=False, eos=False)
+
+
+# ---------------------------------------------------------------------- layout
+
+
+def test_built_file_has_the_published_layout(tekken_file):
+    data = json.loads(tekken_file.read_text(encoding="utf-8"))
+    assert list(data) == ["config", "vocab", "special_tokens", "audio"]
+    cfg = data["config"]
+    assert cfg["pattern"] == TEKKEN_PATTERN
+    assert (cfg["num_vocab_tokens"], cfg["default_vocab_size"]) == (150000, 131072)
+    assert (cfg["default_num_special_tokens"], cfg["version"]) == (1000, "v7")
+    specials = data["special_tokens"]
+    assert [t["rank"] for t in specials] == list(range(1000))
+    assert all(t["is_control"] for t in specials)
+    named = {t["rank"]: t["token_str"] for t in specials}
+    assert [named[i] for i in (0, 1, 2, 24, 25, 35, 36)] == [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "[AUDIO]",
+        "[BEGIN_AUDIO]",
+        "[REPEAT_AUDIO_TEXT]",
+        "[NEXT_AUDIO_TEXT]",
+    ]
+    assert named[999] == "<SPECIAL_999>"
+    assert data["audio"]["voice_num_audio_tokens"] == VOICES
+    assert data["audio"]["sampling_rate"] == 24000
+    assert data["audio"]["frame_rate"] == 12.5
+
+
+def test_attributes(tok, tekken_file, ref):
+    assert tok.vocab_size == 131072
+    assert tok.num_special_tokens == 1000
+    assert tok.version == "v7"
+    assert tok.path == tekken_file
+    assert tok.voice_num_audio_tokens == VOICES
+    assert tok.audio["sampling_rate"] == 24000
+    assert tok.audio["audio_encoding_config"]["num_mel_bins"] == 128
+    for name in ("<unk>", "<s>", "</s>", "[AUDIO]", "[BEGIN_AUDIO]", "[NEXT_AUDIO_TEXT]"):
+        assert tok.special_id(name) == tok.special_ids[name] == ref.get_special_token(name)
+    assert len(tok.special_ids) == 1000
+
+
+def test_unknown_special_token_is_named(tok):
+    with pytest.raises(TokenizerError, match=r"\[NOT_A_TOKEN\]"):
+        tok.special_id("[NOT_A_TOKEN]")
+
+
+# ---------------------------------------------------------------------- encode / decode
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_encode_matches_mistral_common(tok, ref, name):
+    text = CORPUS[name]
+    assert tok.encode(text) == ref_encode(ref, text)
+
+
+def test_encode_long_input(tok, ref):
+    assert len(LONG_TEXT) > 50_000
+    ids = tok.encode(LONG_TEXT)
+    assert ids == ref_encode(ref, LONG_TEXT)
+    assert tok.decode(ids) == LONG_TEXT
+
+
+def test_known_ids(tok):
+    assert tok.encode("Hello.") == [22177, 1046]
+    assert tok.encode("") == []
+
+
+def test_special_token_strings_are_plain_text(tok):
+    ids = tok.encode(CORPUS["special_strings"])
+    assert all(i >= tok.num_special_tokens for i in ids)
+    assert tok.encode("[AUDIO]") != [tok.special_id("[AUDIO]")]
+
+
+def test_lone_surrogates_are_replaced_like_tiktoken(tok, ref):
+    for text in ["a\ud800b", "\udfff", "x\ud83dy", "\ud83d\ude00 pair"]:
+        assert tok.encode(text) == ref_encode(ref, text)
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_decode_roundtrip(tok, name):
+    text = CORPUS[name]
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_decode_skips_special_ids_like_mistral_common(tok, ref):
+    hello = tok.encode("Hello, world")
+    ids = [1, 25, 24, *hello, 35, 2]
+    assert tok.decode(ids) == "Hello, world"
+    # A special id between the bytes of one character: each side decodes on its own.
+    euro = tok.encode("€")
+    raw = [1000 + b for b in "€".encode()]
+    assert tok.decode(raw) == "€" == tok.decode(euro)
+    split = [raw[0], 24, *raw[1:]]
+    assert tok.decode(split) == ref.decode(split)
+
+
+def test_decode_rejects_out_of_range_ids(tok):
+    with pytest.raises(TokenizerError, match="131072"):
+        tok.decode([1000, 131072])
+    with pytest.raises(TokenizerError, match="-1"):
+        tok.decode([-1])
+
+
+_HYPO = settings(
+    max_examples=300,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+_ANY_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=80)
+# Letters of several scripts, digits, marks, whitespace and punctuation: exercises the regex.
+_MIXED_TEXT = st.text(
+    st.sampled_from(
+        list("aAzZéÉßøñçğıİ")
+        + list("абвЖЯ")
+        + list("你好世界")
+        + list("かカ한글")
+        + list("مرحبा")
+        + list("नमस्ते")
+        + ["\u0301", "\u093f", "\u200d", "\ufe0f", "🏽"]
+        + list("0123456789")
+        + list(" \t\n\r\u00a0\u3000")
+        + list(".,;:!?'\"()[]<>/\\-_*#@&%$")
+        + ["😀", "👍", "🇫", "🇷", "…", "—", "’"]
+    ),
+    max_size=120,
+)
+
+
+@_HYPO
+@given(text=st.one_of(_ANY_TEXT, _MIXED_TEXT))
+def test_encode_matches_mistral_common_on_generated_text(tok, ref, text):
+    ids = tok.encode(text)
+    assert ids == ref_encode(ref, text)
+    assert tok.decode(ids) == text
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(ranks=st.lists(st.integers(0, 130071), min_size=1, max_size=12), strip=st.booleans())
+def test_encode_matches_on_concatenated_vocab_tokens(tok, ref, ranks, strip):
+    """Glued vocab tokens reach many intermediate BPE states inside one pre-token."""
+    pieces = [ref.id_to_byte_piece(r + 1000) for r in ranks]
+    if strip:
+        pieces = [p.strip() for p in pieces]
+    text = b"".join(pieces).decode("utf-8", "ignore")
+    assert tok.encode(text) == ref_encode(ref, text)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(ids=st.lists(st.integers(0, 131071), max_size=16))
+def test_decode_matches_mistral_common_on_any_ids(tok, ref, ids):
+    assert tok.decode(ids) == ref.decode(ids)
+
+
+def test_random_token_concatenations_bulk(tok, ref):
+    """Wider, seeded sweep of the same idea (cheap: about a second)."""
+    rng = random.Random(1234)
+    texts = []
+    for _ in range(3000):
+        pieces = [ref.id_to_byte_piece(rng.randrange(1000, 131072)) for _ in range(8)]
+        texts.append(b"".join(pieces).decode("utf-8", "ignore"))
+    assert [tok.encode(t) for t in texts] == [ref_encode(ref, t) for t in texts]
+
+
+# ---------------------------------------------------------------------- other vocabs
+
+
+def test_byte_vocab_tekken_agrees_with_mistral_common(byte_tekken_file, tmp_path):
+    ours = TekkenTokenizer.from_file(byte_tekken_file, cache_dir=tmp_path)
+    ref = Tekkenizer.from_file(byte_tekken_file)
+    assert ours.vocab_size == 1256
+    assert ours.voice_num_audio_tokens == {"ar_male": 67, "tiny": 2}
+    for text in [*CORPUS.values(), LONG_TEXT[:5000]]:
+        ids = ours.encode(text)
+        assert ids == ref_encode(ref, text)
+        assert ids == [1000 + b for b in text.encode("utf-8")]
+        assert ours.decode(ids) == text
+
+
+def test_truncated_vocab_tekken_agrees_with_mistral_common(tmp_path):
+    data = build_tekken({"v": 1}, vocab_source="auto", n_vocab=3000)
+    assert data["config"]["default_vocab_size"] == 4000
+    assert len(data["vocab"]) == 3000
+    path = write_tekken(tmp_path / "model" / "tekken.json", data)
+    ours = TekkenTokenizer.from_file(path, cache_dir=tmp_path / "cache")
+    ref = Tekkenizer.from_file(path)
+    for text in CORPUS.values():
+        assert ours.encode(text) == ref_encode(ref, text)
+
+
+def test_library_never_imports_mistral_common(tmp_path):
+    code = (
+        "import sys\n"
+        "from voxtral_mlx.synthetic.tekken import build_tekken, write_tekken\n"
+        "from voxtral_mlx.tokenizer import TekkenTokenizer\n"
+        f"data = build_tekken({{'v': 1}}, 'auto', n_vocab=1000)\n"
+        f"p = write_tekken({str(tmp_path / 'tekken.json')!r}, data)\n"
+        f"TekkenTokenizer.from_file(p, cache_dir={str(tmp_path)!r}).encode('hi')\n"
+        "assert 'mistral_common' not in sys.modules, 'mistral_common was imported'\n"
+        "assert 'tiktoken' not in sys.modules, 'tiktoken was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_build_tekken_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="n_vocab"):
+        build_tekken({"v": 1}, vocab_source=None, n_vocab=100)
+    with pytest.raises(ValueError, match="negative"):
+        build_tekken({"v": -1}, vocab_source=None)
+
+
+# ---------------------------------------------------------------------- cache
+
+
+def _cache_files(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "tokenizers").glob("tekken-*.json"))
+
+
+def _forbid_build(monkeypatch):
+    def fail(*_args, **_kwargs):
+        raise AssertionError("tokenizer was rebuilt instead of loaded from the cache")
+
+    monkeypatch.setattr(tokenizer_mod, "_build", fail)
+
+
+def test_second_load_uses_the_cache(tok, tekken_file, cache_dir, monkeypatch):
+    files = _cache_files(cache_dir)
+    assert len(files) == 1
+    _forbid_build(monkeypatch)
+    again = TekkenTokenizer.from_file(tekken_file, cache_dir=cache_dir)
+    assert again.encode(CORPUS["mixed_scripts"]) == tok.encode(CORPUS["mixed_scripts"])
+    assert again.special_ids == tok.special_ids
+    assert again.voice_num_audio_tokens == VOICES
+    assert again.audio == tok.audio
+    assert (again.vocab_size, again.version) == (131072, "v7")
+
+
+def test_unwritable_cache_dir_still_loads(byte_tekken_file, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache folder would go")
+    model_dir = byte_tekken_file.parent
+    before = sorted(p.name for p in model_dir.iterdir())
+    ours = TekkenTokenizer.from_file(byte_tekken_file, cache_dir=blocker / "cache")
+    assert ours.encode("ok") == [1111, 1107]
+    assert sorted(p.name for p in model_dir.iterdir()) == before  # nothing next to the model
+
+
+def test_read_only_cache_dir_still_loads(byte_tekken_file, tmp_path):
+    ro = tmp_path / "ro"
+    (ro / "tokenizers").mkdir(parents=True)
+    (ro / "tokenizers").chmod(0o500)
+    try:
+        ours = TekkenTokenizer.from_file(byte_tekken_file, cache_dir=ro)
+        assert ours.encode("ok") == [1111, 1107]
+    finally:
+        (ro / "tokenizers").chmod(0o700)
+
+
+def test_changed_file_never_reuses_a_stale_entry(tmp_path):
+    path = tmp_path / "model" / "tekken.json"
+    cache = tmp_path / "cache"
+    write_tekken(path, build_tekken({"a": 3}, vocab_source=None))
+    first = TekkenTokenizer.from_file(path, cache_dir=cache)
+    assert first.encode("ab") == [1097, 1098]
+
+    # Same path, same size class, different content: a merge "ab" and a different voice table.
+    data = build_tekken({"a": 5}, vocab_source=None)
+    data["vocab"].append({"rank": 256, "token_bytes": "YWI=", "token_str": "ab"})
+    data["config"]["default_vocab_size"] += 1
+    data["config"]["num_vocab_tokens"] += 1
+    write_tekken(path, data)
+    second = TekkenTokenizer.from_file(path, cache_dir=cache)
+    assert second.encode("ab") == [1256]
+    assert second.voice_num_audio_tokens == {"a": 5}
+    assert len(_cache_files(cache)) == 2
+
+
+def test_corrupt_cache_entry_is_rebuilt(byte_tekken_file, tmp_path):
+    TekkenTokenizer.from_file(byte_tekken_file, cache_dir=tmp_path)
+    (entry,) = _cache_files(tmp_path)
+    entry.write_text('{"sha256": "x"}\nnot a tokenizer')
+    ours = TekkenTokenizer.from_file(byte_tekken_file, cache_dir=tmp_path)
+    assert ours.encode("ok") == [1111, 1107]
+    assert entry.read_text().startswith("{")
+    assert "not a tokenizer" not in entry.read_text()
+
+
+def test_default_cache_dir_resolution(monkeypatch, tmp_path, byte_tekken_file):
+    monkeypatch.setenv("VOXTRAL_MLX_CACHE", str(tmp_path / "vc"))
+    assert default_cache_dir() == tmp_path / "vc"
+    TekkenTokenizer.from_file(byte_tekken_file)
+    assert len(_cache_files(tmp_path / "vc")) == 1
+
+    monkeypatch.delenv("VOXTRAL_MLX_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "voxtral_mlx"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "voxtral_mlx"
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def _write_json(path: Path, obj) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj), encoding="utf-8")
+    return path
+
+
+def _byte_tekken(**changes):
+    data = build_tekken({"v": 1}, vocab_source=None)
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            data[section][field] = value
+        else:
+            data[section] = value
+    return data
+
+
+def _load_error(path: Path, tmp_path: Path) -> str:
+    with pytest.raises(TokenizerError) as info:
+        TekkenTokenizer.from_file(path, cache_dir=tmp_path / "cache")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_error_missing_file(tmp_path):
+    message = _load_error(tmp_path / "nope" / "tekken.json", tmp_path)
+    assert "not found" in message and "tekken.json" in message
+
+
+def test_error_directory(tmp_path):
+    assert "directory" in _load_error(tmp_path, tmp_path)
+
+
+def test_error_invalid_json(tmp_path):
+    path = tmp_path / "tekken.json"
+    path.write_text('{"config": {', encoding="utf-8")
+    assert "not valid JSON" in _load_error(path, tmp_path)
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    assert "not valid JSON" in _load_error(path, tmp_path)
+
+
+def test_error_legacy_bare_list(tmp_path):
+    bare = build_tekken({}, vocab_source=None)["vocab"]
+    path = _write_json(tmp_path / "tekken.json", bare)
+    assert "legacy bare-list" in _load_error(path, tmp_path)
+
+
+def test_error_not_an_object(tmp_path):
+    path = _write_json(tmp_path / "tekken.json", 42)
+    assert "unsupported layout" in _load_error(path, tmp_path)
+
+
+@pytest.mark.parametrize("key", ["config", "vocab"])
+def test_error_missing_section(tmp_path, key):
+    data = _byte_tekken()
+    del data[key]
+    path = _write_json(tmp_path / "tekken.json", data)
+    assert f"missing the '{key}' section" in _load_error(path, tmp_path)
+
+
+def test_error_vocab_too_short(tmp_path):
+    data = _byte_tekken(config__default_vocab_size=1300)
+    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    assert "256 entries" in message and "300" in message
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"config__pattern": None}, "config.pattern"),
+        ({"config__pattern": "(unclosed"}, "regex"),
+        ({"config__default_num_special_tokens": "1000"}, "default_num_special_tokens"),
+        ({"config__default_vocab_size": 1100}, "at least the 256 byte tokens"),
+        ({"special_tokens": [{"rank": i, "token_str": "<s>"} for i in (0, 1)]}, "more than once"),
+        ({"special_tokens": [{"rank": 5, "token_str": "<s>"}]}, "rank 5"),
+        ({"audio__voice_num_audio_tokens": {"v": "many"}}, "voice_num_audio_tokens"),
+    ],
+)
+def test_error_malformed_fields(tmp_path, changes, needle):
+    path = _write_json(tmp_path / "tekken.json", _byte_tekken(**changes))
+    assert needle in _load_error(path, tmp_path)
+
+
+def test_error_bad_vocab_entries(tmp_path):
+    data = _byte_tekken()
+    data["vocab"][3]["rank"] = 7
+    assert "vocab[3] has rank 7" in _load_error(_write_json(tmp_path / "a.json", data), tmp_path)
+    data = _byte_tekken()
+    data["vocab"][65]["token_bytes"] = "Qg=="  # b"B" where b"A" belongs
+    assert "single byte 65" in _load_error(_write_json(tmp_path / "b.json", data), tmp_path)
+    data = _byte_tekken()
+    data["vocab"].append({"rank": 256, "token_bytes": "QQ==", "token_str": "A"})
+    data["config"]["default_vocab_size"] += 1
+    assert "repeats" in _load_error(_write_json(tmp_path / "c.json", data), tmp_path)
+
+
+def test_legacy_file_without_special_tokens_gets_mistral_common_defaults(tmp_path):
+    data = _byte_tekken()
+    del data["special_tokens"]
+    data["config"]["version"] = "v3"
+    path = _write_json(tmp_path / "tekken.json", data)
+    ours = TekkenTokenizer.from_file(path, cache_dir=tmp_path / "cache")
+    ref = Tekkenizer.from_file(path)
+    for name in ("<unk>", "<s>", "</s>", "[INST]", "<pad>", "[TOOL_CONTENT]", "<SPECIAL_20>"):
+        assert ours.special_id(name) == ref.get_special_token(name)
+    with pytest.raises(TokenizerError, match=r"\[AUDIO\]"):
+        ours.special_id("[AUDIO]")

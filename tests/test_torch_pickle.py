@@ -1,0 +1,715 @@
+"""read_pt / write_pt against real torch: bit-exact values, and hostile files refused unexecuted."""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import pickletools
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+import voxtral_mlx.torch_pickle as tp
+from voxtral_mlx.errors import UnsafePickleError, VoiceError, VoxtralError
+from voxtral_mlx.torch_pickle import PtTensor, from_mlx, read_pt, to_mlx, write_pt
+
+TORCH_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def torch_bits(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor's values in C order."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        bits = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32, torch.float64: 64}
+        if bits[dtype] == 16:  # every bit pattern, NaNs and infinities included
+            raw = torch.randint(0, 2**16, shape, generator=g, dtype=torch.int32).to(torch.int16)
+            return raw.view(dtype)
+        return torch.randn(shape, generator=g, dtype=dtype) * 100
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=g, dtype=dtype)
+
+
+def assert_same(ours: PtTensor, ref: torch.Tensor) -> None:
+    assert ours.dtype == {v: k for k, v in TORCH_DTYPES.items()}[ref.dtype]
+    assert ours.shape == tuple(ref.shape)
+    assert ours.data.flags.c_contiguous
+    assert ours.data.tobytes() == torch_bits(ref)
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    text = str(exc.value)
+    assert "\n" not in text and "\r" not in text
+    assert isinstance(exc.value, VoxtralError)
+    return text
+
+
+# --------------------------------------------------------------------------- reading torch files
+
+
+@pytest.mark.parametrize("name", list(TORCH_DTYPES))
+def test_read_every_dtype_bit_exact(tmp_path: Path, name: str) -> None:
+    ref = random_tensor(TORCH_DTYPES[name], (7, 12))
+    torch.save(ref, tmp_path / "t.pt")
+    assert_same(read_pt(tmp_path / "t.pt"), torch.load(tmp_path / "t.pt", weights_only=True))
+
+
+def test_read_voice_like_bf16(tmp_path: Path) -> None:
+    ref = random_tensor(torch.bfloat16, (97, 384), seed=3)
+    torch.save(ref, tmp_path / "fr_male.pt")
+    ours = read_pt(tmp_path / "fr_male.pt")
+    assert ours.dtype == "BF16" and ours.data.dtype == np.uint16
+    assert_same(ours, ref)
+    # mlx sees the same bfloat16 bits
+    arr = to_mlx(ours)
+    assert arr.dtype == mx.bfloat16
+    assert np.array(arr.view(mx.uint16)).tobytes() == torch_bits(ref)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: t[2:7, ::2],
+        lambda t: t.T,
+        lambda t: t[3],
+        lambda t: t[1:, 3:5].T,
+        lambda t: t[5, 2],
+        lambda t: t[:, None, 1:4].expand(10, 3, 3),
+        lambda t: t[4:4],
+    ],
+    ids=["slice-step", "transpose", "row", "slice-transpose", "scalar-element", "expand", "empty"],
+)
+def test_read_views(tmp_path: Path, make) -> None:
+    base = random_tensor(torch.bfloat16, (10, 9), seed=1)
+    view = make(base)
+    torch.save(view, tmp_path / "v.pt")
+    loaded = torch.load(tmp_path / "v.pt", weights_only=True)
+    assert loaded.stride() == view.stride()  # torch kept the view: we must resolve it
+    assert_same(read_pt(tmp_path / "v.pt"), loaded)
+
+
+def test_read_shared_storage(tmp_path: Path) -> None:
+    big = random_tensor(torch.float32, (6, 5), seed=2)
+    torch.save({"big": big, "small": big[2:4, 1:], "again": big}, tmp_path / "s.pt")
+    with zipfile.ZipFile(tmp_path / "s.pt") as zf:
+        assert sum("/data/" in n for n in zf.namelist()) == 1  # one storage, three tensors
+    ref = torch.load(tmp_path / "s.pt", weights_only=True)
+    for key in ("big", "small", "again"):
+        assert_same(read_pt(tmp_path / "s.pt", key=key), ref[key])
+
+
+def test_read_slice_of_bigger_storage(tmp_path: Path) -> None:
+    big = random_tensor(torch.int64, (50, 4), seed=4)
+    torch.save(big[40:43], tmp_path / "s.pt")
+    assert_same(read_pt(tmp_path / "s.pt"), big[40:43])
+
+
+def test_read_parameter_and_requires_grad(tmp_path: Path) -> None:
+    p = torch.nn.Parameter(random_tensor(torch.float32, (3, 4)))
+    torch.save(p, tmp_path / "p.pt")
+    assert_same(read_pt(tmp_path / "p.pt"), p)
+    g = random_tensor(torch.float32, (5,)).requires_grad_()
+    torch.save(g, tmp_path / "g.pt")
+    assert_same(read_pt(tmp_path / "g.pt"), g)
+
+
+def test_read_dict_wrapped(tmp_path: Path) -> None:
+    t = random_tensor(torch.bfloat16, (4, 8))
+    torch.save({"embedding": t}, tmp_path / "d.pt")
+    assert_same(read_pt(tmp_path / "d.pt"), t)
+    torch.save(collections.OrderedDict(emb=t, note="hello", n=3), tmp_path / "od.pt")
+    assert_same(read_pt(tmp_path / "od.pt"), t)  # exactly one tensor among other values
+    assert_same(read_pt(tmp_path / "od.pt", key="emb"), t)
+
+
+def test_read_dict_several_tensors_needs_key(tmp_path: Path) -> None:
+    a, b = random_tensor(torch.float16, (2, 3)), random_tensor(torch.float16, (3,), seed=9)
+    torch.save({"alpha": a, "beta": b}, tmp_path / "two.pt")
+    with pytest.raises(VoiceError) as exc:
+        read_pt(tmp_path / "two.pt")
+    text = one_line(exc)
+    assert "'alpha'" in text and "'beta'" in text and "key=" in text and "two.pt" in text
+    assert_same(read_pt(tmp_path / "two.pt", key="beta"), b)
+    with pytest.raises(VoiceError) as exc:
+        read_pt(tmp_path / "two.pt", key="gamma")
+    assert "'gamma'" in one_line(exc) and "'alpha'" in str(exc.value)
+
+
+def test_read_state_dict_module(tmp_path: Path) -> None:
+    lin = torch.nn.Linear(4, 3)
+    torch.save(lin.state_dict(), tmp_path / "sd.pt")
+    assert_same(read_pt(tmp_path / "sd.pt", key="weight"), lin.weight)
+    assert_same(read_pt(tmp_path / "sd.pt", key="bias"), lin.bias)
+
+
+def test_read_scalar_and_empty(tmp_path: Path) -> None:
+    for i, t in enumerate([torch.tensor(2.5), torch.zeros(0, 3), torch.ones(2, 0, 4)]):
+        torch.save(t, tmp_path / f"{i}.pt")
+        ours = read_pt(tmp_path / f"{i}.pt")
+        assert_same(ours, t)
+
+
+def test_read_only_needed_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = random_tensor(torch.float32, (1000,))
+    b = random_tensor(torch.float32, (3,), seed=5)
+    torch.save({"a": a, "b": b}, tmp_path / "ab.pt")
+    read: list[str] = []
+    original = zipfile.ZipFile.read
+
+    def spy(self, name, pwd=None):
+        read.append(name if isinstance(name, str) else name.filename)
+        return original(self, name, pwd)
+
+    monkeypatch.setattr(zipfile.ZipFile, "read", spy)
+    assert_same(read_pt(tmp_path / "ab.pt", key="b"), b)
+    storages = [n for n in read if "/data/" in n]
+    assert storages == ["ab/data/1"]
+
+
+def big_endian_copy(src: Path, dst: Path, itemsize: int) -> None:
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename and not info.filename.endswith("serialization_id"):
+                data = np.frombuffer(data, f"<u{itemsize}").astype(f">u{itemsize}").tobytes()
+            zout.writestr(info.filename, data)
+
+
+@pytest.mark.parametrize("name", ["BF16", "F32", "I64", "I16"])
+def test_read_big_endian(tmp_path: Path, name: str) -> None:
+    ref = random_tensor(TORCH_DTYPES[name], (3, 5))
+    torch.save(ref, tmp_path / "le.pt")
+    big_endian_copy(tmp_path / "le.pt", tmp_path / "be.pt", ref.element_size())
+    assert torch.equal(torch.load(tmp_path / "be.pt", weights_only=True).view(-1), ref.view(-1))
+    assert_same(read_pt(tmp_path / "be.pt"), ref)
+
+
+# --------------------------------------------------------------------------- to_mlx / from_mlx
+
+
+@pytest.mark.parametrize("name", list(TORCH_DTYPES))
+def test_mlx_round_trip(tmp_path: Path, name: str) -> None:
+    ref = random_tensor(TORCH_DTYPES[name], (3, 4))
+    torch.save(ref, tmp_path / "t.pt")
+    ours = read_pt(tmp_path / "t.pt")
+    arr = to_mlx(ours)
+    assert arr.shape == [3, 4] or tuple(arr.shape) == (3, 4)
+    back = from_mlx(arr)
+    assert back == ours
+
+
+def test_pttensor_validates() -> None:
+    with pytest.raises(VoiceError):
+        PtTensor("BF16", (2,), np.zeros(2, np.float32))
+    with pytest.raises(VoiceError):
+        PtTensor("F32", (3,), np.zeros(2, np.float32))
+    with pytest.raises(VoiceError):
+        PtTensor("C64", (2,), np.zeros(2, np.complex64))
+    with pytest.raises(VoiceError):
+        PtTensor("F32", (2, 2), np.zeros((2, 2), np.float32).T.copy(order="F"))
+    t = PtTensor("F32", [2], np.array([1.0, np.nan], np.float32))
+    assert t.shape == (2,) and t == PtTensor("F32", (2,), t.data.copy())
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@pytest.mark.parametrize("name", list(TORCH_DTYPES))
+@pytest.mark.parametrize("shape", [(5, 7), (3,), (), (0, 4), (2, 3, 4)])
+def test_write_round_trip_through_torch(tmp_path: Path, name: str, shape) -> None:
+    ref = random_tensor(TORCH_DTYPES[name], shape, seed=11)
+    if name == "BF16":
+        tensor = PtTensor("BF16", shape, ref.view(torch.uint16).numpy().copy())
+    else:
+        tensor = ref.numpy().copy()
+    write_pt(tmp_path / "w.pt", tensor)
+    back = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert back.dtype == ref.dtype and back.shape == ref.shape
+    assert back.stride() == ref.stride()
+    assert torch_bits(back) == torch_bits(ref)
+    assert_same(read_pt(tmp_path / "w.pt"), ref)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("BF16", (9, 16)),
+        ("F32", ()),
+        ("I8", (0, 4)),
+        ("BOOL", (2, 3, 4, 5)),
+        ("U8", (70000,)),
+        ("F16", (300, 300)),
+    ],
+)
+def test_write_matches_torch_layout(tmp_path: Path, name: str, shape) -> None:
+    ref = random_tensor(TORCH_DTYPES[name], shape)
+    torch.save(ref, tmp_path / "voice.pt")
+    ours = tmp_path / "mine" / "voice.pt"
+    ours.parent.mkdir()
+    bits = ref.view(torch.uint16) if name == "BF16" else ref
+    write_pt(ours, PtTensor(name, shape, bits.numpy().copy()))
+    with zipfile.ZipFile(tmp_path / "voice.pt") as theirs, zipfile.ZipFile(ours) as mine:
+        assert mine.namelist() == theirs.namelist()
+        for n in theirs.namelist():
+            if not n.endswith("serialization_id"):
+                assert mine.read(n) == theirs.read(n), n
+        assert mine.testzip() is None
+    # every record's data starts on a 64-byte boundary, as torch aligns them
+    raw = ours.read_bytes()
+    with zipfile.ZipFile(ours) as zf:
+        for info in zf.infolist():
+            name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26 :][:4])
+            assert (info.header_offset + 30 + name_len + extra_len) % 64 == 0
+    mapped = torch.load(ours, weights_only=True, mmap=True)
+    assert torch_bits(mapped) == torch_bits(ref)
+
+
+def test_write_normalises_numpy_input(tmp_path: Path) -> None:
+    base = np.arange(40, dtype=">f4").reshape(5, 8)
+    view = base[::2, 1::3]  # big-endian and non-contiguous
+    write_pt(tmp_path / "n.pt", view)
+    back = torch.load(tmp_path / "n.pt", weights_only=True)
+    assert back.dtype == torch.float32 and np.array_equal(back.numpy(), view)
+
+
+def test_write_rejects_unsupported(tmp_path: Path) -> None:
+    for bad in (np.zeros(3, np.uint16), np.zeros(3, np.complex64), np.array(["a"])):
+        with pytest.raises(VoiceError) as exc:
+            write_pt(tmp_path / "bad.pt", bad)
+        one_line(exc)
+    assert not list(tmp_path.iterdir())
+
+
+def test_write_zip64_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tp, "_ZIP64_LIMIT", 16)  # exercise the >4 GiB code path on tiny data
+    ref = random_tensor(torch.float32, (10, 10))
+    write_pt(tmp_path / "z.pt", ref.numpy())
+    with zipfile.ZipFile(tmp_path / "z.pt") as zf:
+        assert zf.testzip() is None
+    assert torch_bits(torch.load(tmp_path / "z.pt", weights_only=True)) == torch_bits(ref)
+    assert_same(read_pt(tmp_path / "z.pt"), ref)
+
+
+def test_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "v.pt"
+    write_pt(target, np.ones(3, np.float32))
+    before = target.read_bytes()
+
+    def boom(f, records):
+        f.write(b"PK\x03\x04 partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tp, "_write_zip", boom)
+    with pytest.raises(VoiceError) as exc:
+        write_pt(target, np.zeros(3, np.float32))
+    assert "No space left" in one_line(exc)
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["v.pt"]
+
+
+def test_write_to_missing_dir(tmp_path: Path) -> None:
+    with pytest.raises(VoiceError) as exc:
+        write_pt(tmp_path / "nope" / "v.pt", np.ones(2, np.float32))
+    assert "nope" in one_line(exc)
+
+
+def test_library_needs_no_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import numpy as np\n"
+        "from voxtral_mlx.torch_pickle import PtTensor, read_pt, write_pt\n"
+        "import voxtral_mlx.voices\n"
+        f"p = {str(tmp_path / 'x.pt')!r}\n"
+        "write_pt(p, PtTensor('BF16', (2, 2), np.arange(4, dtype=np.uint16).reshape(2, 2)))\n"
+        "assert read_pt(p).data.tolist() == [[0, 1], [2, 3]]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+    back = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert back.view(torch.uint16).tolist() == [[0, 1], [2, 3]]
+
+
+# --------------------------------------------------------------------------- hostile files
+
+
+def op_global(module: str, name: str) -> bytes:
+    return f"c{module}\n{name}\n".encode()
+
+
+def op_str(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def op_int(value: int) -> bytes:
+    return b"J" + struct.pack("<i", value)
+
+
+def op_tuple(*items: bytes) -> bytes:
+    return b"(" + b"".join(items) + b"t"
+
+
+def tensor_pickle(
+    storage: str = "FloatStorage",
+    numel: int = 4,
+    offset: int = 0,
+    shape: tuple[int, ...] = (4,),
+    stride: tuple[int, ...] = (1,),
+    key: str = "0",
+) -> bytes:
+    """The opcodes torch.save emits for a tensor, with every field under the test's control."""
+    pid = op_tuple(op_str("storage"), op_global("torch", storage), op_str(key), op_str("cpu"))
+    pid = pid[:-1] + op_int(numel) + b"t"
+    args = (
+        pid
+        + b"Q"
+        + op_int(offset)
+        + op_tuple(*(op_int(s) for s in shape))
+        + op_tuple(*(op_int(s) for s in stride))
+        + b"\x89"
+        + op_global("collections", "OrderedDict")
+        + b")R"
+    )
+    return b"\x80\x02" + op_global("torch._utils", "_rebuild_tensor_v2") + b"(" + args + b"tR."
+
+
+def make_pt(
+    path: Path, pkl: bytes, records: dict[str, bytes] | None = None, byteorder: bytes = b"little"
+) -> Path:
+    records = {"data/0": np.arange(4, dtype=np.float32).tobytes()} if records is None else records
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", pkl)
+        zf.writestr("archive/byteorder", byteorder)
+        for name, data in records.items():
+            zf.writestr(f"archive/{name}", data)
+        zf.writestr("archive/version", b"3\n")
+    return path
+
+
+def test_crafted_tensor_pickle_is_accepted(tmp_path: Path) -> None:
+    path = make_pt(tmp_path / "ok.pt", tensor_pickle())
+    assert read_pt(path).data.tolist() == [0, 1, 2, 3]
+    assert torch.load(path, weights_only=True).tolist() == [0, 1, 2, 3]
+
+
+class _Reduce:
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def hostile_payloads(marker: Path) -> dict[str, bytes]:
+    cmd = f"touch {marker}"
+    code = f"open({str(marker)!r}, 'w').write('pwned')"
+    payloads = {
+        "os.system GLOBAL": b"\x80\x02" + op_global("os", "system") + op_tuple(op_str(cmd)) + b"R.",
+        "posix.system proto0": b"cposix\nsystem\n(V" + cmd.encode() + b"\ntR.",
+        "builtins.exec STACK_GLOBAL": b"\x80\x04"
+        + op_str("builtins")
+        + op_str("exec")
+        + b"\x93"
+        + op_tuple(op_str(code))
+        + b"R.",
+        "__builtin__.exec": b"\x80\x02"
+        + op_global("__builtin__", "exec")
+        + op_tuple(op_str(code))
+        + b"R.",
+        "builtins.eval": b"\x80\x02"
+        + op_global("builtins", "eval")
+        + op_tuple(op_str(code))
+        + b"R.",
+        "after a tensor": tensor_pickle()[:-1]
+        + op_global("os", "system")
+        + op_tuple(op_str(cmd))
+        + b"R\x86.",
+        "before a tensor GLOBAL only": b"\x80\x02"
+        + op_global("subprocess", "Popen")
+        + b"0"
+        + tensor_pickle()[2:],
+        "getattr chain": b"\x80\x02"
+        + op_global("builtins", "getattr")
+        + op_tuple(op_global("os", "system"), op_str("__call__"))
+        + b"R.",
+    }
+    for proto in (0, 2, 4, 5):
+        payloads[f"__reduce__ os.system p{proto}"] = pickle.dumps(
+            _Reduce(os.system, cmd), protocol=proto
+        )
+        payloads[f"__reduce__ subprocess p{proto}"] = pickle.dumps(
+            _Reduce(subprocess.Popen, ["touch", str(marker)]), protocol=proto
+        )
+        payloads[f"__reduce__ exec p{proto}"] = pickle.dumps(_Reduce(exec, code), protocol=proto)
+    return payloads
+
+
+def test_hostile_pickles_refused_unexecuted(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    for label, pkl in hostile_payloads(marker).items():
+        globals_named = [
+            arg for op, arg, _ in pickletools.genops(pkl) if op.name in ("GLOBAL", "STACK_GLOBAL")
+        ]
+        assert globals_named or b"\x93" in pkl, label  # the payload does name a global
+        path = make_pt(tmp_path / "voice.pt", pkl)
+        with pytest.raises(UnsafePickleError) as exc:
+            read_pt(path)
+        text = one_line(exc)
+        assert "voice.pt" in text and "refusing" in text, label
+        assert any(w in text for w in ("system", "exec", "eval", "Popen", "getattr")), label
+        assert not marker.exists(), f"{label} executed"
+
+
+def test_hostile_payloads_are_live(tmp_path: Path) -> None:
+    """Control: unrestricted pickle.loads does run these payloads (in a child process)."""
+    control = tmp_path / "CONTROL"
+    payloads = hostile_payloads(control)
+    for label in ("os.system GLOBAL", "builtins.exec STACK_GLOBAL", "__reduce__ subprocess p2"):
+        code = f"import pickle, time; pickle.loads({payloads[label]!r}); time.sleep(0.2)"
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+        assert control.exists(), label
+        control.unlink()
+
+
+def test_hostile_object_saved_by_torch(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    evil = _Reduce(os.system, f"touch {marker}")
+    torch.save({"embedding": torch.ones(3), "extra": evil}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafePickleError) as exc:
+        read_pt(tmp_path / "evil.pt")
+    assert "system" in one_line(exc)  # posix.system or nt.system
+    assert not marker.exists()
+
+
+def test_refusal_message_example(tmp_path: Path) -> None:
+    path = make_pt(tmp_path / "voice.pt", hostile_payloads(tmp_path / "m")["os.system GLOBAL"])
+    with pytest.raises(UnsafePickleError) as exc:
+        read_pt(path)
+    assert "its pickle asks for os.system, which is not part of a tensor file" in str(exc.value)
+
+
+def test_refused_global_with_newline_stays_one_line(tmp_path: Path) -> None:
+    pkl = b"\x80\x04" + op_str("os\nx") + op_str("sys\ntem") + b"\x93."
+    with pytest.raises(UnsafePickleError) as exc:
+        read_pt(make_pt(tmp_path / "n.pt", pkl))
+    one_line(exc)
+
+
+@pytest.mark.parametrize(
+    "pkl",
+    [
+        # NEWOBJ on a storage placeholder
+        b"\x80\x02" + op_global("torch", "FloatStorage") + b")\x81.",
+        # BUILD (setstate) on a placeholder
+        b"\x80\x02" + op_global("torch._utils", "_rebuild_tensor_v2") + b"}b.",
+        # calling a storage class
+        b"\x80\x02" + op_global("torch", "FloatStorage") + b")R.",
+        # OrderedDict with arguments
+        b"\x80\x02" + op_global("collections", "OrderedDict") + op_tuple(op_str("x")) + b"R.",
+        # persistent id that is not a storage tuple
+        b"\x80\x02" + op_str("oops") + b"Q.",
+        # rebuild with a non-storage first argument
+        b"\x80\x02"
+        + op_global("torch._utils", "_rebuild_tensor_v2")
+        + op_tuple(op_str("x"), op_int(0), b")", b")", b"\x89", b"}")
+        + b"R.",
+        b"\x80\x02garbage",
+        b"",
+    ],
+    ids=[
+        "newobj",
+        "build",
+        "call-storage",
+        "odict-args",
+        "bad-pid",
+        "bad-storage",
+        "junk",
+        "empty",
+    ],
+)
+def test_malformed_pickles_are_voice_errors(tmp_path: Path, pkl: bytes) -> None:
+    with pytest.raises(VoiceError) as exc:
+        read_pt(make_pt(tmp_path / "m.pt", pkl))
+    assert "m.pt" in one_line(exc)
+
+
+def test_unsupported_torch_dtypes_refused(tmp_path: Path) -> None:
+    for dtype in (torch.uint16, torch.complex64, torch.float8_e4m3fn):
+        torch.save(torch.zeros(3, dtype=dtype), tmp_path / "u.pt")
+        with pytest.raises(UnsafePickleError) as exc:
+            read_pt(tmp_path / "u.pt")
+        assert "BF16" in one_line(exc)  # names the supported dtypes
+
+
+# --------------------------------------------------------------------------- broken files
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(VoiceError) as exc:
+        read_pt(tmp_path / "absent.pt")
+    assert "absent.pt" in one_line(exc)
+
+
+def test_empty_and_non_zip_files(tmp_path: Path) -> None:
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "text.pt").write_text("hello\nworld\n")
+    for name in ("empty.pt", "text.pt"):
+        with pytest.raises(VoiceError) as exc:
+            read_pt(tmp_path / name)
+        assert name in one_line(exc)
+
+
+def test_legacy_format(tmp_path: Path) -> None:
+    torch.save(torch.ones(2), tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(VoiceError) as exc:
+        read_pt(tmp_path / "old.pt")
+    assert "legacy" in one_line(exc)
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.6, 0.95])
+def test_truncated_zip(tmp_path: Path, keep: float) -> None:
+    torch.save(random_tensor(torch.bfloat16, (20, 32)), tmp_path / "full.pt")
+    raw = (tmp_path / "full.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(raw[: int(len(raw) * keep)])
+    with pytest.raises(VoiceError) as exc:
+        read_pt(tmp_path / "cut.pt")
+    assert "cut.pt" in one_line(exc)
+
+
+def test_corrupt_storage_bytes(tmp_path: Path) -> None:
+    torch.save(random_tensor(torch.float32, (8, 8)), tmp_path / "c.pt")
+    raw = bytearray((tmp_path / "c.pt").read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(raw))) as zf:
+        info = zf.getinfo("c/data/0")
+    name_len, extra_len = struct.unpack(
+        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
+    )
+    data_start = info.header_offset + 30 + name_len + extra_len
+    raw[data_start + 5] ^= 0xFF
+    (tmp_path / "c.pt").write_bytes(bytes(raw))
+    with pytest.raises(VoiceError) as exc:
+        read_pt(tmp_path / "c.pt")
+    assert "corrupt" in one_line(exc)
+
+
+def test_zip_without_data_pkl(tmp_path: Path) -> None:
+    with zipfile.ZipFile(tmp_path / "z.pt", "w") as zf:
+        zf.writestr("archive/data/0", b"\0" * 16)
+    with pytest.raises(VoiceError) as exc:
+        read_pt(tmp_path / "z.pt")
+    assert "data.pkl" in one_line(exc)
+
+
+def test_storage_record_missing(tmp_path: Path) -> None:
+    path = make_pt(tmp_path / "m.pt", tensor_pickle(), records={})
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    assert "archive/data/0" in one_line(exc)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"numel": 4, "shape": (5,)},
+        {"numel": 4, "offset": 1, "shape": (4,)},
+        {"numel": 4, "shape": (2, 2), "stride": (3, 1)},
+        {"numel": 4, "shape": (2, 3), "stride": (1, 2)},
+    ],
+)
+def test_storage_too_small(tmp_path: Path, fields: dict) -> None:
+    path = make_pt(tmp_path / "s.pt", tensor_pickle(**fields))
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    assert "needs" in one_line(exc) and "s.pt" in str(exc.value)
+
+
+def test_storage_record_shorter_than_declared(tmp_path: Path) -> None:
+    path = make_pt(tmp_path / "s.pt", tensor_pickle(numel=8, shape=(4,)))
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    assert "truncated" in one_line(exc)
+
+
+def test_storage_record_longer_than_declared(tmp_path: Path) -> None:
+    path = make_pt(tmp_path / "s.pt", tensor_pickle(numel=2, shape=(2,)))
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    assert "16 bytes" in one_line(exc) and "declares 8" in str(exc.value)
+
+
+def test_expansion_bomb_refused(tmp_path: Path) -> None:
+    path = make_pt(tmp_path / "b.pt", tensor_pickle(numel=1, shape=(10**9, 10**6), stride=(0, 0)))
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    one_line(exc)
+
+
+@pytest.mark.parametrize(
+    "pkl",
+    [
+        tensor_pickle(shape=(2, 2), stride=(1,)),
+        tensor_pickle(shape=(-1,)),
+        tensor_pickle(offset=-2),
+        tensor_pickle(numel=-4),
+    ],
+    ids=["stride-len", "negative-shape", "negative-offset", "negative-numel"],
+)
+def test_bad_tensor_fields(tmp_path: Path, pkl: bytes) -> None:
+    path = make_pt(tmp_path / "f.pt", pkl)
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    one_line(exc)
+
+
+def test_byteorder_record(tmp_path: Path) -> None:
+    path = make_pt(tmp_path / "o.pt", tensor_pickle(), byteorder=b"middle\n")
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    assert "byteorder" in one_line(exc)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [[torch.ones(2)], "text", 42, {"a": 1}, torch.ones(2).untyped_storage()],
+    ids=["list", "str", "int", "dict-no-tensor", "storage"],
+)
+def test_non_tensor_payloads(tmp_path: Path, obj) -> None:
+    torch.save(obj, tmp_path / "x.pt")
+    with pytest.raises(VoxtralError) as exc:
+        read_pt(tmp_path / "x.pt")
+    assert "x.pt" in one_line(exc)
+
+
+def test_duplicate_storage_declarations(tmp_path: Path) -> None:
+    one = tensor_pickle()
+    two = tensor_pickle(storage="IntStorage")
+    pkl = one[:-1] + two[2:-1] + b"\x86."  # a tuple of two tensors on the same record
+    with pytest.raises(VoiceError) as exc:
+        read_pt(make_pt(tmp_path / "d.pt", pkl))
+    one_line(exc)

@@ -1,0 +1,390 @@
+"""Voice registry (scan, lazy loading, validation) and the .pt -> safetensors converter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import voxtral_mlx.voices as voices_mod
+from voxtral_mlx.errors import UnsafePickleError, VoiceError, VoxtralError
+from voxtral_mlx.torch_pickle import PtTensor, write_pt
+from voxtral_mlx.voices import (
+    LANGUAGE_NAMES,
+    Voice,
+    VoiceRegistry,
+    convert_voice_files,
+    voice_language,
+)
+
+REFERENCE = Path("/work/shared/reference/voices.json")
+REPO = Path(__file__).resolve().parent.parent
+DIM = 48
+
+
+def expected_tokens() -> dict[str, int]:
+    if REFERENCE.exists():
+        return json.loads(REFERENCE.read_text())["voice_num_audio_tokens"]
+    return {"casual_male": 147, "fr_female": 97, "hi_male": 94}
+
+
+def bf16_voice(rows: int, dim: int = DIM, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 2**16, (rows, dim), generator=g, dtype=torch.int32).to(torch.int16)
+    return bits.view(torch.bfloat16)
+
+
+def raw_bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def mx_bits(a: mx.array) -> bytes:
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a).tobytes()
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    text = str(exc.value)
+    assert "\n" not in text and isinstance(exc.value, VoxtralError)
+    return text
+
+
+# --------------------------------------------------------------------------- languages
+
+
+def test_voice_languages() -> None:
+    langs = {name: voice_language(name) for name in expected_tokens()}
+    for name, lang in langs.items():
+        prefix = name.split("_")[0]
+        assert lang == ("en" if prefix in ("casual", "cheerful", "neutral") else prefix), name
+        assert lang in LANGUAGE_NAMES
+    assert set(LANGUAGE_NAMES) == {"en", "fr", "es", "de", "it", "pt", "nl", "ar", "hi"}
+    assert LANGUAGE_NAMES["fr"] == "French" and LANGUAGE_NAMES["en"] == "English"
+    assert voice_language("my_clone") is None
+    assert voice_language("fr") is None
+    assert voice_language("de_custom") == "de"
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def make_voice_dir(root: Path, names: dict[str, int], kind: str = "pt") -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i, (name, rows) in enumerate(names.items()):
+        t = bf16_voice(rows, seed=i)
+        if kind == "pt":
+            torch.save(t, root / f"{name}.pt")
+        else:
+            arr = mx.array(t.view(torch.uint16).numpy()).view(mx.bfloat16)
+            mx.save_safetensors(str(root / f"{name}.safetensors"), {"embedding": arr})
+    return root
+
+
+def test_scan_by_name_only(tmp_path: Path) -> None:
+    tokens = expected_tokens()
+    vdir = tmp_path / "voice_embedding"
+    vdir.mkdir()
+    for name in ["casual_male", "fr_female", "my_clone"]:
+        (vdir / f"{name}.pt").write_bytes(b"not read during the scan")
+    (vdir / "fr_female.safetensors").write_bytes(b"also not read")
+    (vdir / "README.md").write_text("ignored")
+    (vdir / "._casual_male.pt").write_bytes(b"macOS resource fork")
+    (vdir / "notes.json").write_text("{}")
+    (vdir / "subdir.pt").mkdir()
+
+    reg = VoiceRegistry.from_dir(vdir, tokens, DIM)
+    assert list(reg) == ["casual_male", "fr_female", "my_clone"]
+    assert len(reg) == 3 and "fr_female" in reg and "hi_male" not in reg  # no file, no voice
+    assert reg["fr_female"].path.name == "fr_female.safetensors"  # preferred over .pt
+    assert reg["casual_male"] == Voice(
+        "casual_male", vdir / "casual_male.pt", "en", tokens["casual_male"]
+    )
+    assert reg.get_voice("my_clone").num_tokens is None
+    assert reg.get_voice("my_clone").language is None
+    assert reg.get("nope") is None
+
+
+def test_missing_dir_gives_empty_registry(tmp_path: Path) -> None:
+    for vdir in (None, tmp_path / "absent"):
+        reg = VoiceRegistry.from_dir(vdir, expected_tokens(), DIM)
+        assert len(reg) == 0
+        with pytest.raises(VoiceError) as exc:
+            reg.get_voice("casual_male")
+        assert "no voice files" in one_line(exc)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(VoiceError):
+        VoiceRegistry.from_dir(tmp_path / "file", {}, DIM)
+
+
+def test_unknown_voice_lists_names(tmp_path: Path) -> None:
+    vdir = make_voice_dir(tmp_path / "v", {"neutral_male": 5, "de_female": 5, "ar_male": 5})
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    with pytest.raises(VoiceError) as exc:
+        reg.get_voice("klingon_male")
+    text = one_line(exc)
+    assert "'klingon_male'" in text
+    assert "ar_male, de_female, neutral_male" in text  # sorted
+    assert "voxtral-mlx voices" in text
+    with pytest.raises(VoiceError):
+        reg.embedding("klingon_male")
+    with pytest.raises(KeyError):
+        reg["klingon_male"]
+
+
+@pytest.mark.parametrize("kind", ["pt", "safetensors"])
+def test_embedding_loads_lazily_and_caches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    tokens = {"casual_male": 7, "fr_female": 4}
+    vdir = make_voice_dir(tmp_path / "v", tokens, kind)
+    calls: list[str] = []
+    if kind == "pt":
+        real = voices_mod.read_pt
+        monkeypatch.setattr(voices_mod, "read_pt", lambda p, *a: calls.append(p.name) or real(p))
+    else:
+        real_load = mx.load
+        monkeypatch.setattr(mx, "load", lambda p, *a: calls.append(Path(p).name) or real_load(p))
+
+    reg = VoiceRegistry.from_dir(vdir, tokens, DIM)
+    assert calls == []
+    emb = reg.embedding("casual_male")
+    assert calls == [f"casual_male.{kind}"]
+    assert emb.dtype == mx.bfloat16 and tuple(emb.shape) == (7, DIM)
+    assert mx_bits(emb) == raw_bits(bf16_voice(7, seed=0))
+    assert reg.embedding("casual_male") is emb
+    as_f32 = reg.embedding("casual_male", mx.float32)
+    assert as_f32.dtype == mx.float32 and reg.embedding("casual_male", mx.float32) is as_f32
+    assert reg.embedding("casual_male", mx.bfloat16) is emb
+    assert calls == [f"casual_male.{kind}"]  # casts reuse the loaded array
+    reg.embedding("fr_female")
+    assert calls == [f"casual_male.{kind}", f"fr_female.{kind}"]
+
+
+def test_concurrent_first_use_reads_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    vdir = make_voice_dir(tmp_path / "v", {"it_male": 6})
+    calls: list[int] = []
+    real = voices_mod.read_pt
+    monkeypatch.setattr(voices_mod, "read_pt", lambda p, *a: calls.append(1) or real(p))
+    reg = VoiceRegistry.from_dir(vdir, {"it_male": 6}, DIM)
+    results: list[mx.array] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(reg.embedding("it_male"))) for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(results) == 8 and all(r is results[0] for r in results)
+
+
+def test_validation_errors(tmp_path: Path) -> None:
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    torch.save(bf16_voice(5), vdir / "casual_male.pt")  # tekken expects 6
+    torch.save(bf16_voice(6, dim=DIM + 1), vdir / "fr_male.pt")  # wrong width
+    torch.save(torch.zeros(DIM, dtype=torch.bfloat16), vdir / "es_male.pt")  # 1-D
+    torch.save(torch.zeros(0, DIM, dtype=torch.bfloat16), vdir / "x_empty.pt")  # no rows
+    torch.save(torch.zeros(3, DIM, dtype=torch.int32), vdir / "x_int.pt")
+    torch.save(bf16_voice(9), vdir / "my_clone.pt")  # not in tekken: any rows
+    (vdir / "nl_male.pt").write_bytes(b"garbage")
+    reg = VoiceRegistry.from_dir(vdir, {"casual_male": 6, "fr_male": 6, "es_male": 1}, DIM)
+    checks = {
+        "casual_male": ("5 rows", "expects 6"),
+        "fr_male": (f"{DIM + 1} wide", str(DIM)),
+        "es_male": ("2-D",),
+        "x_empty": ("no rows",),
+        "x_int": ("int32",),
+        "nl_male": ("nl_male.pt",),
+    }
+    for name, needles in checks.items():
+        with pytest.raises(VoiceError) as exc:
+            reg.embedding(name)
+        text = one_line(exc)
+        for needle in needles:
+            assert needle in text, (name, text)
+    assert tuple(reg.embedding("my_clone").shape) == (9, DIM)
+
+
+def test_safetensors_keys(tmp_path: Path) -> None:
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    arr = mx.ones((3, DIM), dtype=mx.float16)
+    mx.save_safetensors(str(vdir / "single.safetensors"), {"weird_key": arr})
+    mx.save_safetensors(str(vdir / "two.safetensors"), {"a": arr, "b": arr})
+    (vdir / "broken.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    assert reg.embedding("single").dtype == mx.float16
+    with pytest.raises(VoiceError) as exc:
+        reg.embedding("two")
+    assert "a, b" in one_line(exc)
+    with pytest.raises(VoiceError) as exc:
+        reg.embedding("broken")
+    assert "broken.safetensors" in one_line(exc)
+
+
+def test_full_preset_layout(tmp_path: Path) -> None:
+    tokens = expected_tokens()
+    vdir = make_voice_dir(tmp_path / "voice_embedding", tokens)
+    reg = VoiceRegistry.from_dir(vdir, tokens, DIM)
+    assert sorted(reg) == sorted(tokens)
+    for name, rows in tokens.items():
+        assert tuple(reg.embedding(name).shape) == (rows, DIM)
+        assert reg[name].language == voice_language(name)
+
+
+# --------------------------------------------------------------------------- converter
+
+
+def test_convert_bit_exact(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    refs = {
+        "casual_female": bf16_voice(21, seed=1),
+        "de_male": bf16_voice(16, seed=2),
+        "f32_voice": torch.randn(5, DIM),
+    }
+    for name, t in refs.items():
+        torch.save(t, src / f"{name}.pt")
+    torch.save(refs["casual_female"][3:9, ::2], src / "sliced.pt")
+    refs["sliced"] = refs["casual_female"][3:9, ::2]
+    out = tmp_path / "out" / "nested"
+    written = convert_voice_files([src], out)
+    assert [p.name for p in written] == sorted(f"{n}.safetensors" for n in refs)
+    for name, ref in refs.items():
+        loaded = load_file(str(out / f"{name}.safetensors"))
+        assert list(loaded) == ["embedding"]
+        ours = loaded["embedding"]
+        theirs = torch.load(src / f"{name}.pt", weights_only=True)
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        assert raw_bits(ours) == raw_bits(theirs) == raw_bits(ref)
+        assert mx_bits(mx.load(str(out / f"{name}.safetensors"))["embedding"]) == raw_bits(theirs)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)
+
+    # the converted directory works as a registry
+    reg = VoiceRegistry.from_dir(out, {"casual_female": 21}, DIM)
+    assert mx_bits(reg.embedding("casual_female")) == raw_bits(refs["casual_female"])
+
+
+def test_convert_files_and_our_own_pt(tmp_path: Path) -> None:
+    t = bf16_voice(4)
+    write_pt(tmp_path / "hi_male.pt", PtTensor("BF16", (4, DIM), t.view(torch.uint16).numpy()))
+    torch.save({"embedding": t}, tmp_path / "wrapped.pt")
+    out = tmp_path / "out"
+    written = convert_voice_files([tmp_path / "hi_male.pt", tmp_path / "wrapped.pt", tmp_path], out)
+    assert [p.name for p in written] == ["hi_male.safetensors", "wrapped.safetensors"]
+    for p in written:
+        assert raw_bits(load_file(str(p))["embedding"]) == raw_bits(t)
+
+
+def test_convert_overwrite(tmp_path: Path) -> None:
+    torch.save(bf16_voice(3), tmp_path / "a.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.safetensors").write_bytes(b"old")
+    with pytest.raises(VoiceError) as exc:
+        convert_voice_files([tmp_path / "a.pt"], out, overwrite=False)
+    assert "already exists" in one_line(exc)
+    assert (out / "a.safetensors").read_bytes() == b"old"
+    convert_voice_files([tmp_path / "a.pt"], out)
+    assert raw_bits(load_file(str(out / "a.safetensors"))["embedding"]) == raw_bits(bf16_voice(3))
+
+
+def test_convert_bad_sources(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "v.txt").write_text("x")
+    for sources in ([tmp_path / "missing.pt"], [tmp_path / "empty"], [tmp_path / "v.txt"]):
+        with pytest.raises(VoiceError) as exc:
+            convert_voice_files(sources, tmp_path / "out")
+        one_line(exc)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_unwritable_output(tmp_path: Path) -> None:
+    torch.save(bf16_voice(3), tmp_path / "a.pt")
+    (tmp_path / "blocker").write_text("a file, so nothing can be created under it")
+    for out in (tmp_path / "blocker" / "voices", tmp_path / "blocker"):
+        with pytest.raises(VoiceError) as exc:
+            convert_voice_files([tmp_path / "a.pt"], out)
+        assert "blocker" in one_line(exc)
+    assert (tmp_path / "blocker").read_text().startswith("a file")
+
+
+def test_convert_failure_leaves_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.save(bf16_voice(3), tmp_path / "a.pt")
+    out = tmp_path / "out"
+
+    def no_space(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(VoiceError) as exc:
+        convert_voice_files([tmp_path / "a.pt"], out)
+    assert "No space left" in one_line(exc)
+    assert list(out.iterdir()) == []
+
+
+def test_convert_refuses_hostile_before_writing(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    torch.save(bf16_voice(3), tmp_path / "a_good.pt")
+    torch.save({"embedding": bf16_voice(3), "x": Evil()}, tmp_path / "b_evil.pt")
+    out = tmp_path / "out"
+    with pytest.raises(UnsafePickleError) as exc:
+        convert_voice_files([tmp_path], out)
+    assert "b_evil.pt" in one_line(exc)
+    assert not marker.exists()
+    assert not out.exists()  # every source is checked before anything is written
+
+
+def test_registry_refuses_hostile_voice(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    torch.save({"embedding": bf16_voice(3), "x": Evil()}, vdir / "casual_male.pt")
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    with pytest.raises(UnsafePickleError) as exc:
+        reg.embedding("casual_male")
+    assert "casual_male.pt" in one_line(exc)
+    assert not marker.exists()
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "convert" / "convert_voices.py"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+def test_convert_script(tmp_path: Path) -> None:
+    torch.save(bf16_voice(3), tmp_path / "a.pt")
+    torch.save(bf16_voice(4), tmp_path / "b.pt")
+    done = run_script(str(tmp_path), "-o", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].endswith("a.safetensors")
+    failed = run_script(str(tmp_path / "missing.pt"), "-o", str(tmp_path / "out"))
+    assert failed.returncode == 1
+    assert len(failed.stderr.strip().splitlines()) == 1 and "missing.pt" in failed.stderr

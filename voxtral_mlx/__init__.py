@@ -1,0 +1,43 @@
+"""voxtral_mlx: Mistral's Voxtral-4B-TTS on Apple Silicon with MLX.
+
+>>> import voxtral_mlx
+>>> tts = voxtral_mlx.load()                       # mistralai/Voxtral-4B-TTS-2603
+>>> speech = tts.synthesize("Hello!", voice="casual_male", seed=0)
+>>> speech.audio, speech.sample_rate               # float32 mono at 24 kHz
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from .errors import VoxtralError
+from .hub import DEFAULT_REPO
+from .tts import AudioChunk, Speech, Timings, VoxtralTTS
+
+__all__ = [
+    "DEFAULT_REPO",
+    "AudioChunk",
+    "Speech",
+    "Timings",
+    "VoxtralError",
+    "VoxtralTTS",
+    "load",
+]
+__version__ = "0.1.0"
+
+
+def load(
+    path_or_repo: str | os.PathLike[str] | None = DEFAULT_REPO,
+    dtype: str | mx.Dtype | None = None,
+) -> VoxtralTTS:
+    """Load Voxtral TTS from a local directory or a Hugging Face repo id.
+
+    ``dtype``: compute dtype (``"bfloat16"``, ``"float16"``, ``"float32"``); default: the
+    checkpoint's own (bfloat16 for Mistral's release).
+    """
+    from .hub import resolve_model_dir
+    from .loader import load_model_dir
+
+    return VoxtralTTS(load_model_dir(resolve_model_dir(path_or_repo), dtype))

@@ -1,0 +1,417 @@
+"""Writing generated audio: atomic files on disk and a streaming WAV for pipes.
+
+Audio is mono float32 in [-1, 1]. Every integer encoding here uses one convention
+(see :func:`float_to_int16`), so what is written, streamed or played through an int16
+device is the same sample for sample.
+
+Files are written as they are generated into a hidden temp file next to the target and
+moved onto it with :func:`os.replace` only when the run ends well (or when the caller
+asks to keep what is finished), so a failed run never leaves a half-written file and
+never clobbers an existing one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import struct
+import time
+import weakref
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
+
+import numpy as np
+import soundfile as sf
+
+from ..errors import AudioOutputError
+
+# extension -> (libsndfile major format, subtype)
+FORMATS: dict[str, tuple[str, str]] = {
+    ".wav": ("WAV", "PCM_16"),
+    ".flac": ("FLAC", "PCM_16"),
+    ".ogg": ("OGG", "VORBIS"),
+    ".mp3": ("MP3", "MPEG_LAYER_III"),
+    ".opus": ("OGG", "OPUS"),
+}
+LOSSLESS_EXTENSIONS = frozenset(ext for ext, (_, sub) in FORMATS.items() if sub == "PCM_16")
+OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
+
+_INT16_SCALE = 32768.0
+_WAV_UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def float_to_int16(audio: np.ndarray) -> np.ndarray:
+    """Float samples to int16: ``clip(rint(x * 32768), -32768, 32767)``.
+
+    Scaling by 32768 (not 32767) makes this the exact inverse of the usual int16 to
+    float reading (``k / 32768``, which soundfile, numpy users and ALSA all use), so
+    int16 -> float -> int16 is the identity. Rounding is to nearest, ties to even
+    (:func:`numpy.rint`). Values beyond full scale clip (+1.0 becomes 32767, the only
+    in-range value that clips); NaN becomes 0.
+    """
+    scaled = np.asarray(audio, dtype=np.float32) * np.float32(_INT16_SCALE)
+    if np.isnan(scaled).any():
+        scaled = np.nan_to_num(scaled, nan=0.0)
+    np.rint(scaled, out=scaled)
+    np.clip(scaled, -32768.0, 32767.0, out=scaled)
+    return scaled.astype(np.int16)
+
+
+def float_to_pcm16(audio: np.ndarray) -> bytes:
+    """Float samples to little-endian int16 bytes (convention of :func:`float_to_int16`)."""
+    return float_to_int16(audio).astype("<i2", copy=False).tobytes()
+
+
+def available_formats() -> dict[str, tuple[str, str]]:
+    """The entries of :data:`FORMATS` that the linked libsndfile can write."""
+    return {ext: fs for ext, fs in FORMATS.items() if _supported(*fs)}
+
+
+def _supported(fmt: str, subtype: str) -> bool:
+    try:
+        return fmt in sf.available_formats() and subtype in sf.available_subtypes(fmt)
+    except Exception:  # an old libsndfile may not even know the major format
+        return False
+
+
+def _extension(path: Path) -> str:
+    return path.suffix.lower()
+
+
+def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = None) -> None:
+    """Fail early, before any generation, if audio cannot be written to ``path``.
+
+    Raises :class:`AudioOutputError` (one line: the problem and the fix) for an unknown
+    extension, a format the linked libsndfile cannot write, a sample rate the format
+    cannot hold, a path that is a directory, or a missing or unwritable parent directory.
+    An existing file at ``path`` is fine: it is replaced only when writing succeeds.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise AudioOutputError(
+            f"output path {str(p)!r} is a directory; give a file name such as "
+            f"{str(p / 'speech.wav')!r}"
+        )
+    ext = _extension(p)
+    supported = ", ".join(FORMATS)
+    if ext not in FORMATS:
+        what = f"extension {ext!r}" if ext else "no extension"
+        raise AudioOutputError(
+            f"cannot write audio to {str(p)!r}: {what} is not supported; "
+            f"end the file name with one of {supported}"
+        )
+    fmt, subtype = FORMATS[ext]
+    if not _supported(fmt, subtype):
+        ok = ", ".join(available_formats()) or "none"
+        raise AudioOutputError(
+            f"the linked libsndfile {sf.__libsndfile_version__} cannot write {ext} "
+            f"({fmt}/{subtype}); use one of {ok} or install a newer soundfile "
+            "(libsndfile >= 1.1 writes MP3 and Opus)"
+        )
+    if subtype == "OPUS" and sample_rate is not None and sample_rate not in OPUS_SAMPLE_RATES:
+        raise AudioOutputError(
+            f"Opus cannot hold {sample_rate} Hz audio (only {OPUS_SAMPLE_RATES} Hz); "
+            "write .ogg, .flac or .wav instead"
+        )
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.exists():
+        raise AudioOutputError(
+            f"cannot write {str(p)!r}: directory {str(parent)!r} does not exist; "
+            "create it first or choose another path"
+        )
+    if not parent.is_dir():
+        raise AudioOutputError(
+            f"cannot write {str(p)!r}: {str(parent)!r} is not a directory; choose another path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise AudioOutputError(
+            f"cannot write {str(p)!r}: directory {str(parent)!r} is not writable; "
+            "choose another location or fix its permissions"
+        )
+
+
+def _as_mono_float(chunk: np.ndarray, channels: int) -> np.ndarray:
+    a = np.asarray(chunk, dtype=np.float32)
+    if channels == 1:
+        if a.ndim == 2 and a.shape[1] == 1:
+            a = a[:, 0]
+        if a.ndim != 1:
+            raise ValueError(f"expected 1-D mono audio, got shape {a.shape}")
+    elif a.ndim != 2 or a.shape[1] != channels:
+        raise ValueError(f"expected audio of shape (n, {channels}), got {a.shape}")
+    return a
+
+
+def _discard(handle: sf.SoundFile | None, tmp: Path) -> None:
+    """Close the encoder and delete the temp file; never raises (used on error paths)."""
+    if handle is not None:
+        with contextlib.suppress(Exception):
+            handle.close()
+    with contextlib.suppress(OSError):
+        tmp.unlink()
+
+
+class AudioFileWriter:
+    """Streams audio chunks into a file that appears atomically when finished.
+
+    Chunks go straight to libsndfile (memory does not grow with length) in a hidden
+    temp file in the target's directory (``.<stem>.partial-<random><ext>``). Then:
+
+    * ``close()`` / leaving the ``with`` block normally: the temp file is finalised and
+      renamed onto the target with :func:`os.replace` (atomic on POSIX).
+    * ``abort()`` / ``close(keep=False)`` / an exception in the ``with`` block: the temp
+      file is deleted; an existing target is untouched.
+    * ``commit_partial()``: for "interrupted, keep what is finished" (Ctrl-C in a long
+      chapter): finalise and keep the audio written so far, a valid file.
+
+    WAV and FLAC are 16-bit PCM encoded with :func:`float_to_int16` (so reading the file
+    back gives exactly those integers); lossy formats get the float samples clipped to
+    [-1, 1].
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], sample_rate: int, *, channels: int = 1
+    ) -> None:
+        self.path = Path(path)
+        self.sample_rate = int(sample_rate)
+        self.channels = int(channels)
+        check_output_path(self.path, self.sample_rate)
+        ext = _extension(self.path)
+        fmt, subtype = FORMATS[ext]
+        self._pcm16 = subtype == "PCM_16"
+        self.frames_written = 0
+        self._closed = False
+        self._kept = False
+        self._tmp = self.path.parent / f".{self.path.stem}.partial-{secrets.token_hex(4)}{ext}"
+        try:
+            # O_EXCL: never reuse someone else's file; mode 0o666 lets the umask decide.
+            fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        except OSError as e:
+            raise AudioOutputError(
+                f"cannot create a file in {str(self.path.parent)!r}: {e.strerror}; "
+                "choose another location"
+            ) from e
+        try:
+            self._sf: sf.SoundFile | None = sf.SoundFile(
+                fd,
+                mode="w",
+                samplerate=self.sample_rate,
+                channels=self.channels,
+                format=fmt,
+                subtype=subtype,
+                closefd=True,
+            )
+        except Exception as e:
+            with contextlib.suppress(OSError):  # libsndfile may have closed it already
+                os.close(fd)
+            _discard(None, self._tmp)
+            raise AudioOutputError(
+                f"cannot open {str(self.path)!r} for {fmt}/{subtype} at {self.sample_rate} Hz: "
+                f"{e}; choose another format"
+            ) from e
+        # Deletes the temp file if the writer is dropped without close() (or at exit).
+        self._finalizer = weakref.finalize(self, _discard, self._sf, self._tmp)
+
+    @property
+    def temp_path(self) -> Path:
+        return self._tmp
+
+    @property
+    def duration_s(self) -> float:
+        return self.frames_written / self.sample_rate
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def write(self, chunk: np.ndarray) -> None:
+        """Append samples (float, nominally in [-1, 1]; clipped before encoding)."""
+        if self._closed or self._sf is None:
+            raise AudioOutputError(f"write to {str(self.path)!r} after it was closed")
+        a = _as_mono_float(chunk, self.channels)
+        if a.shape[0] == 0:
+            return
+        data = float_to_int16(a) if self._pcm16 else np.clip(a, -1.0, 1.0)
+        try:
+            self._sf.write(data)
+        except Exception as e:
+            self.abort()
+            raise AudioOutputError(
+                f"writing {str(self.path)!r} failed: {e}; check free space and permissions"
+            ) from e
+        self.frames_written += a.shape[0]
+
+    def close(self, *, keep: bool = True) -> Path | None:
+        """Finish the file: keep=True moves it onto the target, keep=False deletes it.
+
+        Returns the target path when kept. A second call does nothing (and returns the
+        same).
+        """
+        if self._closed:
+            return self.path if self._kept else None
+        self._closed = True
+        self._finalizer.detach()
+        handle, self._sf = self._sf, None
+        if not keep:
+            _discard(handle, self._tmp)
+            return None
+        try:
+            assert handle is not None
+            handle.close()
+            fd = os.open(self._tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # the rename must not land before the data after a crash
+            finally:
+                os.close(fd)
+            os.replace(self._tmp, self.path)  # a symlink at the target is replaced, not followed
+        except Exception as e:
+            _discard(None, self._tmp)
+            raise AudioOutputError(
+                f"finishing {str(self.path)!r} failed: {e}; check free space and permissions"
+            ) from e
+        self._kept = True
+        return self.path
+
+    def abort(self) -> None:
+        """Delete the temp file; an existing target is left as it was."""
+        self.close(keep=False)
+
+    def commit_partial(self) -> bool:
+        """Keep what was written so far as a valid file (for interrupted runs).
+
+        Returns True if a file was written; with no audio yet nothing is written and an
+        existing target is left alone.
+        """
+        if self.frames_written == 0:
+            self.abort()
+            return False
+        return self.close(keep=True) is not None
+
+    def __enter__(self) -> AudioFileWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(keep=exc_type is None)
+
+
+def write_audio(path: str | os.PathLike[str], audio: np.ndarray, sample_rate: int) -> Path:
+    """Write a whole signal at once (atomically, like :class:`AudioFileWriter`)."""
+    a = np.asarray(audio)
+    channels = 1 if a.ndim == 1 else a.shape[1]
+    with AudioFileWriter(path, sample_rate, channels=channels) as w:
+        w.write(a)
+    return w.path
+
+
+def wav_header(sample_rate: int, channels: int = 1, data_bytes: int | None = None) -> bytes:
+    """A 44-byte PCM16 WAV header; ``data_bytes=None`` writes the unknown-length sizes."""
+    if data_bytes is None or data_bytes > _WAV_UNKNOWN_SIZE - 36:
+        riff_size = data_size = _WAV_UNKNOWN_SIZE
+    else:
+        riff_size, data_size = 36 + data_bytes, data_bytes
+    block_align = 2 * channels
+    return (
+        b"RIFF"
+        + struct.pack("<I", riff_size)
+        + b"WAVEfmt "
+        + struct.pack(
+            "<IHHIIHH", 16, 1, channels, sample_rate, sample_rate * block_align, block_align, 16
+        )
+        + b"data"
+        + struct.pack("<I", data_size)
+    )
+
+
+class WavStreamWriter:
+    """PCM16 WAV onto a binary stream (e.g. ``sys.stdout.buffer``) of unknown total length.
+
+    The header goes out at once with both size fields 0xFFFFFFFF, the convention for
+    "length unknown" on pipes; chunks follow as they arrive, flushed so a consumer
+    (``| aplay``, ``| ffmpeg``) hears them promptly. If the stream is seekable (stdout
+    redirected to a file) the real sizes are patched in at :meth:`close`.
+
+    libsndfile (and so soundfile) reads such a stream: it notes that the declared sizes
+    exceed the file and uses the bytes actually present; Python's :mod:`wave` does too.
+    The stream itself is flushed but not closed.
+    """
+
+    def __init__(self, stream: BinaryIO, sample_rate: int, *, channels: int = 1) -> None:
+        self.stream = stream
+        self.sample_rate = int(sample_rate)
+        self.channels = int(channels)
+        self.data_bytes = 0
+        self._closed = False
+        self._start: int | None = None
+        try:
+            if stream.seekable():
+                self._start = stream.tell()
+        except (AttributeError, OSError, ValueError):
+            self._start = None
+        self._write(wav_header(self.sample_rate, self.channels))
+
+    @property
+    def seekable(self) -> bool:
+        return self._start is not None
+
+    @property
+    def frames_written(self) -> int:
+        return self.data_bytes // (2 * self.channels)
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # raw (unbuffered) streams may write only part
+            n = self.stream.write(view)
+            if n is None:  # a non-blocking stream with no room yet
+                time.sleep(0.001)
+                continue
+            view = view[n:]
+        flush = getattr(self.stream, "flush", None)
+        if flush is not None:
+            flush()
+
+    def write(self, chunk: np.ndarray) -> None:
+        if self._closed:
+            raise AudioOutputError("write to a WAV stream after it was closed")
+        a = _as_mono_float(chunk, self.channels)
+        if a.shape[0] == 0:
+            return
+        data = float_to_pcm16(a)
+        self._write(data)
+        self.data_bytes += len(data)
+
+    def close(self) -> None:
+        """Patch the sizes if the stream is seekable, then flush. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._start is None:
+            return
+        try:
+            end = self.stream.tell()
+            header = wav_header(self.sample_rate, self.channels, self.data_bytes)
+            self.stream.seek(self._start + 4)
+            self.stream.write(header[4:8])
+            self.stream.seek(self._start + 40)
+            self.stream.write(header[40:44])
+            self.stream.seek(end)
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass  # seekable() lied (e.g. some character devices): unknown sizes stay
+
+    def __enter__(self) -> WavStreamWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

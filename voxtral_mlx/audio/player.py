@@ -1,0 +1,518 @@
+"""Live playback of audio as it is generated, over a sounddevice callback stream.
+
+The generator feeds chunks; a PortAudio callback drains them at the device's pace. Two
+things keep speech from stuttering:
+
+* an adaptive pre-roll: the stream starts only once enough audio is buffered to play to
+  the end without a gap at the generation speed measured so far (see
+  :meth:`AudioPlayer.required_preroll_s`);
+* the stream is never stopped and restarted on an underrun: the callback plays silence
+  for the missing part and resumes as soon as data arrives.
+
+sounddevice is imported lazily, so importing this module never needs PortAudio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType, TracebackType
+from typing import Any
+
+import numpy as np
+
+from ..errors import AudioOutputError
+
+_NO_DEVICE_HINT = "or use -o FILE to write a file instead"
+_POLL_S = 0.02  # how often blocking waits look at stop() and the clock
+_STALL_S = 3.0  # a device whose callback stops for this long is considered gone
+_CALLBACK_LOCK_S = 0.02  # longest the audio callback waits for the buffer lock
+
+# Pre-roll when generation is slower than real time.
+PREROLL_SAFETY = 1.1  # margin on the computed deficit: the speed is an estimate
+UNKNOWN_HORIZON_S = 10.0  # assumed remaining length when the total is unknown ...
+MAX_UNKNOWN_PREROLL_S = 3.0  # ... and the most we make the listener wait for it
+
+
+def import_sounddevice() -> ModuleType:
+    """Import sounddevice, turning a missing PortAudio into a one-line AudioOutputError."""
+    try:
+        import sounddevice
+    except OSError as e:  # sounddevice raises OSError when libportaudio cannot be loaded
+        raise AudioOutputError(
+            "PortAudio library not found; install it (macOS: brew install portaudio, "
+            f"Debian/Ubuntu: apt install libportaudio2) {_NO_DEVICE_HINT}"
+        ) from e
+    except ImportError as e:
+        raise AudioOutputError(
+            f"the sounddevice package is not installed; pip install sounddevice {_NO_DEVICE_HINT}"
+        ) from e
+    return sounddevice
+
+
+def _portaudio_errors(sd: Any) -> tuple[type[BaseException], ...]:
+    err = getattr(sd, "PortAudioError", None)
+    return (err, OSError, ValueError) if isinstance(err, type) else (OSError, ValueError)
+
+
+def _default_output_index(sd: Any) -> int | None:
+    try:
+        info = sd.query_devices(kind="output")
+    except Exception:
+        return None
+    idx = info.get("index") if isinstance(info, dict) else None
+    return int(idx) if isinstance(idx, int) and idx >= 0 else None
+
+
+def list_output_devices(sd: Any = None) -> list[dict[str, Any]]:
+    """Output devices as ``{"index", "name", "channels", "default"}`` dicts."""
+    sd = sd if sd is not None else import_sounddevice()
+    try:
+        devices = list(sd.query_devices())
+    except _portaudio_errors(sd) as e:
+        raise AudioOutputError(f"cannot list audio devices: {e}; {_NO_DEVICE_HINT[3:]}") from e
+    default = _default_output_index(sd)
+    out = []
+    for i, d in enumerate(devices):
+        channels = int(d.get("max_output_channels", 0))
+        if channels <= 0:
+            continue
+        index = int(d.get("index", i))
+        name = str(d["name"])
+        out.append(
+            {"index": index, "name": name, "channels": channels, "default": index == default}
+        )
+    return out
+
+
+def _describe(devices: list[dict[str, Any]]) -> str:
+    if not devices:
+        return "none"
+    return ", ".join(f"{d['index']} {d['name']!r}" for d in devices)
+
+
+def resolve_device(spec: str | int | None, sd: Any = None) -> int | None:
+    """Turn a device spec into a PortAudio index (None = the default output).
+
+    ``spec`` is an index (int or digits) or a case-insensitive substring of the device
+    name; an exact name wins over substring matches. Raises AudioOutputError (one line,
+    listing the output devices) when nothing or more than one device matches, or when
+    there is no output device at all.
+    """
+    devices = list_output_devices(sd)
+    if not devices:
+        raise AudioOutputError(f"no audio output device found; connect one {_NO_DEVICE_HINT}")
+    if spec is None or (isinstance(spec, str) and not spec.strip()):
+        if not any(d["default"] for d in devices):
+            raise AudioOutputError(
+                "no default audio output device; pick one with --device "
+                f"(available: {_describe(devices)}) {_NO_DEVICE_HINT}"
+            )
+        return None
+    text = str(spec).strip()
+    if isinstance(spec, int) or text.lstrip("-").isdigit():
+        idx = int(text)
+        if any(d["index"] == idx for d in devices):
+            return idx
+        raise AudioOutputError(
+            f"no audio output device with index {idx}; available: {_describe(devices)}"
+        )
+    needle = text.casefold()
+    exact = [d for d in devices if d["name"].casefold() == needle]
+    matches = exact or [d for d in devices if needle in d["name"].casefold()]
+    if len(matches) == 1:
+        return int(matches[0]["index"])
+    if not matches:
+        raise AudioOutputError(
+            f"no audio output device matches {text!r}; available: {_describe(devices)}"
+        )
+    raise AudioOutputError(
+        f"audio output device {text!r} is ambiguous: it matches {_describe(matches)}; "
+        "give more of the name or the index"
+    )
+
+
+@dataclass
+class PlaybackStats:
+    """What happened during playback. Times are in the player's clock (time.monotonic)."""
+
+    started_at: float | None = None  # when the stream was started
+    first_audio_at: float | None = None  # when the first real sample reached the DAC
+    underruns: int = 0  # gaps inside the audio (trailing silence at the end is not one)
+    underrun_s: float = 0.0  # total silence played inside those gaps
+    played_s: float = 0.0  # real audio handed to the device
+    preroll_s: float = 0.0  # audio buffered when the stream started
+    generation_speed: float | None = None  # audio s per wall s when the stream started
+    device_xruns: int = 0  # callbacks PortAudio flagged as output underflow (late callback)
+
+
+class AudioPlayer:
+    """Plays fed audio through a sounddevice OutputStream with an adaptive jitter buffer.
+
+    ``feed()`` from the generating thread, then ``finish()`` to play out the end (or use
+    it as a context manager: a normal exit finishes, an exception stops). ``stop()`` may
+    be called from any thread or a signal handler and silences output within one poll.
+    """
+
+    def __init__(
+        self,
+        sample_rate: int = 24000,
+        device: str | int | None = None,
+        blocksize: int = 1920,
+        *,
+        sd: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        min_preroll_s: float = 0.16,
+        latency: float | str | None = None,
+    ) -> None:
+        self._sd = sd if sd is not None else import_sounddevice()
+        self.sample_rate = int(sample_rate)
+        self.blocksize = int(blocksize)
+        self.min_preroll_s = float(min_preroll_s)
+        self._clock = clock
+        self.device = resolve_device(device, self._sd)
+        self.stats = PlaybackStats()
+
+        # Buffer state, shared with the callback thread. RLock: stop() may run in a
+        # signal handler on a thread that already holds it.
+        self._lock = threading.RLock()
+        self._chunks: deque[np.ndarray] = deque()
+        self._head = 0  # read position in self._chunks[0]
+        self._buffered = 0  # samples fed and not yet handed to the device
+        self._fed = 0
+        self._played = 0
+        self._first_feed_at: float | None = None
+        self._first_chunk = 0
+        self._expected_total_s: float | None = None
+        self._eof = False
+        self._gap = 0  # silence samples played since the buffer ran dry
+        self._missed = 0  # silence played because the lock was busy
+        self._last_end_at: float | None = None  # when the latest real sample leaves the DAC
+        self._last_sample_at: float | None = None  # same, for the very last sample
+        self._last_callback_at: float | None = None
+
+        self._started = False
+        self._closed = False
+        self._stream_lock = threading.RLock()
+        self._stopped = threading.Event()
+        self._drained = threading.Event()  # the callback has handed out the last sample
+        self._finished = threading.Event()  # PortAudio says the stream has ended
+
+        kwargs: dict[str, Any] = {
+            "samplerate": self.sample_rate,
+            "blocksize": self.blocksize,
+            "device": self.device,
+            "channels": 1,
+            "dtype": "float32",
+            "callback": self._callback,
+            "finished_callback": self._finished.set,
+        }
+        if latency is not None:
+            kwargs["latency"] = latency
+        try:
+            self._stream = self._sd.OutputStream(**kwargs)
+        except _portaudio_errors(self._sd) as e:
+            raise AudioOutputError(
+                f"cannot open audio output ({e}); choose another device with --device "
+                f"{_NO_DEVICE_HINT}"
+            ) from e
+        lat = getattr(self._stream, "latency", 0.0)
+        self._latency = float(lat) if isinstance(lat, (int, float)) else 0.0
+
+    # -- measurements ---------------------------------------------------------------
+
+    @property
+    def buffered_s(self) -> float:
+        return self._buffered / self.sample_rate
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def generation_speed(self, now: float | None = None) -> float | None:
+        """Audio seconds produced per wall second since the first feed (None: one feed yet).
+
+        The first chunk is left out of the numerator: it was produced before the first
+        feed, whose time starts the measurement.
+        """
+        if self._first_feed_at is None or self._fed == self._first_chunk:
+            return None
+        elapsed = (self._clock() if now is None else now) - self._first_feed_at
+        produced = (self._fed - self._first_chunk) / self.sample_rate
+        return math.inf if elapsed <= 0 else produced / elapsed
+
+    def required_preroll_s(self, now: float | None = None) -> float:
+        """Audio to buffer before starting so playback can reach the end without a gap.
+
+        With r = :meth:`generation_speed` and B the buffered audio at start, playback at
+        real time needs B + r·t ≥ t for every t up to the end, i.e. B ≥ (1 − r)·E for a
+        remaining length E. Hence:
+
+        * r unknown (only one feed so far): wait for a second feed (inf), unless the
+          expected total is already buffered;
+        * r ≥ 1: ``min_preroll_s`` (covers jitter in chunk arrival);
+        * r < 1, ``expected_total_s`` known: ``min_preroll_s + 1.1·(1 − r)·E`` with E the
+          expected total (never more than E itself: everything buffered always starts);
+        * r < 1, total unknown: as if ``E = 10 s``, capped at 3 s: a bounded wait that
+          smooths short utterances; longer ones may underrun later (counted in stats).
+
+        ``finish()`` starts playback whatever is buffered.
+        """
+        speed = self.generation_speed(now)
+        total = self._expected_total_s
+        fed_s = self._fed / self.sample_rate
+        if total is not None:
+            total = max(total, fed_s)
+        if speed is None:
+            need = math.inf
+        elif speed >= 1.0:
+            need = self.min_preroll_s
+        elif total is not None:
+            need = self.min_preroll_s + PREROLL_SAFETY * (1.0 - speed) * total
+        else:
+            need = min(
+                MAX_UNKNOWN_PREROLL_S,
+                self.min_preroll_s + PREROLL_SAFETY * (1.0 - speed) * UNKNOWN_HORIZON_S,
+            )
+        if total is not None:
+            need = min(need, total)
+        return need
+
+    # -- producer side --------------------------------------------------------------
+
+    def feed(self, chunk: np.ndarray, *, expected_total_s: float | None = None) -> None:
+        """Queue audio for playback; starts the stream once the pre-roll is buffered.
+
+        ``expected_total_s`` (the whole utterance's expected length, if known) sharpens
+        the pre-roll when generation is slower than real time; the latest value wins.
+        Feeding after ``stop()`` is a no-op (the generator may still be running).
+        """
+        if self._stopped.is_set():
+            return
+        if self._eof:
+            raise RuntimeError("AudioPlayer.feed() called after finish()")
+        # Out-of-range floats are clipped here: devices differ on what they do with them
+        # (ALSA's float-to-int16 conversion wraps around).
+        a = np.clip(np.array(chunk, dtype=np.float32, copy=True).reshape(-1), -1.0, 1.0)
+        now = self._clock()
+        with self._lock:
+            if expected_total_s is not None:
+                self._expected_total_s = float(expected_total_s)
+            if a.size:
+                if self._first_feed_at is None:
+                    self._first_feed_at = now
+                    self._first_chunk = a.size
+                self._chunks.append(a)
+                self._buffered += a.size
+                self._fed += a.size
+            start = not self._started and self._buffered > 0
+            start = start and self.buffered_s >= self.required_preroll_s(now) - 1e-9
+        if start:
+            self._start(now)
+
+    def _start(self, now: float | None = None) -> None:
+        with self._stream_lock:
+            if self._started or self._closed or self._stopped.is_set():
+                return
+            with self._lock:
+                self._started = True
+                t = self._clock()
+                self.stats.started_at = t
+                self.stats.preroll_s = self.buffered_s
+                self.stats.generation_speed = self.generation_speed(now)
+                self._last_callback_at = t
+            try:
+                self._stream.start()
+            except _portaudio_errors(self._sd) as e:
+                self._close_stream(abort=True)
+                raise AudioOutputError(
+                    f"cannot start audio output ({e}); choose another device with --device "
+                    f"{_NO_DEVICE_HINT}"
+                ) from e
+
+    # -- device side (PortAudio's thread) -------------------------------------------
+
+    def _dac_delay(self, time_info: Any) -> float:
+        """Seconds from now until this block's first sample leaves the DAC."""
+        try:
+            now = float(time_info.currentTime)
+            dac = float(time_info.outputBufferDacTime)
+        except (AttributeError, TypeError, ValueError):
+            return self._latency
+        delay = dac - now
+        if (now == 0.0 and dac == 0.0) or not 0.0 <= delay < 10.0:
+            return self._latency  # host API gives no timing: fall back on its latency
+        return delay
+
+    def _callback(self, outdata: np.ndarray, frames: int, time_info: Any, status: Any) -> None:
+        now = self._clock()
+        out = outdata[:, 0]
+        # Bounded wait: if stop() runs in a signal handler that interrupted feed() while
+        # it held the lock, abort() waits for this callback, which must not wait forever.
+        if not self._lock.acquire(timeout=_CALLBACK_LOCK_S):
+            outdata.fill(0)
+            self._missed += frames  # written by this thread only; folded in below
+            return
+        try:
+            self._last_callback_at = now
+            if self._missed:
+                self._gap += self._missed
+                self._missed = 0
+            if status and getattr(status, "output_underflow", False):
+                self.stats.device_xruns += 1
+            if self._stopped.is_set():
+                outdata.fill(0)
+                return
+            n = self._pop_into(out, frames)
+            if n < frames:
+                outdata[n:] = 0
+            delay = self._dac_delay(time_info)
+            sr = self.sample_rate
+            if n:
+                if self.stats.first_audio_at is None:
+                    self.stats.first_audio_at = now + delay
+                if self._gap:
+                    self.stats.underruns += 1
+                    self.stats.underrun_s += self._gap / sr
+                    self._gap = 0
+                self._played += n
+                self.stats.played_s = self._played / sr
+                self._last_end_at = now + delay + n / sr
+            if self._eof:
+                # No CallbackStop at the end: CoreAudio's PortAudio answers it by stopping
+                # the audio unit at once, which can cut the last block. The stream plays
+                # silence instead until finish() has waited out the DAC time and aborts.
+                if self._buffered == 0 and not self._drained.is_set():
+                    self._last_sample_at = (
+                        self._last_end_at if self._last_end_at is not None else now + delay
+                    )
+                    self._gap = 0
+                    self._drained.set()
+                return
+            if n < frames:
+                self._gap += frames - n
+        finally:
+            self._lock.release()
+
+    def _pop_into(self, out: np.ndarray, frames: int) -> int:
+        n = 0
+        while n < frames and self._chunks:
+            head = self._chunks[0]
+            take = min(frames - n, head.size - self._head)
+            out[n : n + take] = head[self._head : self._head + take]
+            n += take
+            self._head += take
+            if self._head == head.size:
+                self._chunks.popleft()
+                self._head = 0
+        self._buffered -= n
+        return n
+
+    # -- ending ---------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Mark the end of input, play everything out, then close the stream.
+
+        Starts the stream if the pre-roll was never reached (short utterances). Returns
+        once the callback has handed out the last sample and the clock has passed the
+        time that sample leaves the DAC: PortAudio's ``outputBufferDacTime`` for its
+        block (``stream.latency`` where the host API gives no timing) plus its offset in
+        the block, plus one block for PortAudio's adaptation of our block size to the
+        host's buffers. Returns at once after ``stop()``. KeyboardInterrupt (or any
+        exception) while waiting stops playback and propagates.
+        """
+        try:
+            with self._lock:
+                if self._closed or self._stopped.is_set():
+                    return
+                self._eof = True
+                if self._buffered == 0:
+                    self._gap = 0  # silence after the last sample is not a gap
+                nothing = self._buffered == 0 and not self._started
+            if nothing:
+                self._close_stream(abort=False)
+                return
+            self._start()
+            self._wait_drained()
+            self._wait_until_played()
+            # Only silence is left in the host's buffers: no need to wait for it.
+            self._close_stream(abort=True)
+        except BaseException:
+            self.stop()
+            raise
+
+    drain = finish
+
+    def _check_alive(self) -> None:
+        if self._finished.is_set() and not self._stopped.is_set():
+            raise AudioOutputError(
+                f"the audio stream ended unexpectedly; check the output device {_NO_DEVICE_HINT}"
+            )
+        last = self._last_callback_at
+        if last is not None and self._clock() - last > max(_STALL_S, 4 * self._latency):
+            raise AudioOutputError(
+                f"the audio device stopped taking audio (no callback for {_STALL_S:.0f} s); "
+                f"check the output device {_NO_DEVICE_HINT}"
+            )
+
+    def _wait_drained(self) -> None:
+        while not self._drained.wait(_POLL_S):
+            if self._stopped.is_set():
+                return
+            self._check_alive()
+
+    def _wait_until_played(self) -> None:
+        if self._stopped.is_set() or self._last_sample_at is None:
+            return
+        end = self._last_sample_at + self.blocksize / self.sample_rate
+        while (remaining := end - self._clock()) > 0:
+            if self._stopped.wait(min(remaining, _POLL_S)):
+                return
+            self._check_alive()
+
+    def stop(self) -> None:
+        """Silence output now: abort the stream, drop buffered audio, close.
+
+        Safe from any thread, from a signal handler, and more than once.
+        """
+        self._stopped.set()
+        with self._lock:
+            self._chunks.clear()
+            self._head = 0
+            self._buffered = 0
+        self._close_stream(abort=True)
+
+    def _close_stream(self, *, abort: bool) -> None:
+        with self._stream_lock:
+            if self._closed:
+                return
+            self._closed = True
+            # Closing anyway: an error on the way out has nothing useful to report.
+            if abort and self._started:
+                with contextlib.suppress(Exception):
+                    self._stream.abort()
+            with contextlib.suppress(Exception):
+                self._stream.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> AudioPlayer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.stop()

@@ -1,0 +1,361 @@
+"""Mistral's ``consolidated.safetensors``: expected tensors, lazy reading, verification, folding.
+
+Nothing is materialised at load beyond the header: tensors come back as lazy MLX arrays
+backed by the file. Every tensor is checked against the shapes ``params.json`` implies
+before any of it is used. The codec's weight norm and the semantic codebook are folded
+once here (``sanitize``), never per call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from .config import N_SPECIAL_AUDIO_CODES, ModelConfig, pad_to
+from .errors import CheckpointError
+from .fileio import one_line
+
+# safetensors dtype name -> (bytes per element, MLX dtype)
+SAFETENSORS_DTYPES: dict[str, tuple[int, mx.Dtype]] = {
+    "BF16": (2, mx.bfloat16),
+    "F16": (2, mx.float16),
+    "F32": (4, mx.float32),
+    "F64": (8, mx.float32),
+    "I64": (8, mx.int64),
+    "I32": (4, mx.int32),
+    "U32": (4, mx.uint32),
+    "I16": (2, mx.int16),
+    "U16": (2, mx.uint16),
+    "I8": (1, mx.int8),
+    "U8": (1, mx.uint8),
+    "BOOL": (1, mx.bool_),
+}
+
+CODEBOOK_EPS = 1e-5  # Mistral's value; mlx-audio uses 1e-8
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A tensor the config implies. ``min_rows`` marks a padded table (rows >= needed)."""
+
+    shape: tuple[int, ...]
+    min_rows: int | None = None
+
+    def matches(self, shape: tuple[int, ...]) -> bool:
+        if self.min_rows is None:
+            return shape == self.shape
+        return (
+            len(shape) == len(self.shape)
+            and shape[0] >= self.min_rows
+            and (shape[1:] == self.shape[1:])
+        )
+
+    def describe(self) -> str:
+        if self.min_rows is None:
+            return str(list(self.shape))
+        return f"[>={self.min_rows}, {', '.join(map(str, self.shape[1:]))}]"
+
+
+def _transformer_layer(
+    prefix: str, dim: int, n_heads: int, n_kv: int, head_dim: int, hidden: int
+) -> dict[str, Expected]:
+    q, kv = n_heads * head_dim, n_kv * head_dim
+    return {
+        f"{prefix}.attention.wq.weight": Expected((q, dim)),
+        f"{prefix}.attention.wk.weight": Expected((kv, dim)),
+        f"{prefix}.attention.wv.weight": Expected((kv, dim)),
+        f"{prefix}.attention.wo.weight": Expected((dim, q)),
+        f"{prefix}.attention_norm.weight": Expected((dim,)),
+        f"{prefix}.ffn_norm.weight": Expected((dim,)),
+        f"{prefix}.feed_forward.w1.weight": Expected((hidden, dim)),
+        f"{prefix}.feed_forward.w2.weight": Expected((dim, hidden)),
+        f"{prefix}.feed_forward.w3.weight": Expected((hidden, dim)),
+    }
+
+
+def conv_is_transposed(config: ModelConfig, stage: int) -> bool:
+    """Stride-1 stages use a causal Conv1d, upsampling stages a ConvTranspose1d."""
+    return config.codec.conv_strides[stage] > 1
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, Expected]:
+    """Every tensor of Mistral's checkpoint with the shape ``config`` implies."""
+    b, f, c = config.backbone, config.flow, config.codec
+    out: dict[str, Expected] = {
+        "mm_audio_embeddings.tok_embeddings.weight": Expected((b.vocab_size, b.dim)),
+        "mm_audio_embeddings.audio_codebook_embeddings.embeddings.weight": Expected(
+            (pad_to(config.audio_embedding_rows, 128), b.dim), min_rows=config.audio_embedding_rows
+        ),
+        "norm.weight": Expected((b.dim,)),
+    }
+    for i in range(b.n_layers):
+        out.update(
+            _transformer_layer(
+                f"layers.{i}", b.dim, b.n_heads, b.n_kv_heads, b.head_dim, b.hidden_dim
+            )
+        )
+
+    at = "acoustic_transformer"
+    sem_rows = f.semantic_codebook_size + N_SPECIAL_AUDIO_CODES
+    out.update(
+        {
+            f"{at}.input_projection.weight": Expected((f.dim, f.n_acoustic_codebook)),
+            f"{at}.llm_projection.weight": Expected((f.dim, f.input_dim)),
+            f"{at}.time_projection.weight": Expected((f.dim, f.dim)),
+            f"{at}.norm.weight": Expected((f.dim,)),
+            f"{at}.semantic_codebook_output.weight": Expected(
+                (f.semantic_output_rows, f.dim), min_rows=sem_rows
+            ),
+            f"{at}.acoustic_codebook_output.weight": Expected((f.n_acoustic_codebook, f.dim)),
+        }
+    )
+    for i in range(f.n_layers):
+        out.update(
+            _transformer_layer(
+                f"{at}.layers.{i}", f.dim, f.n_heads, f.n_kv_heads, f.head_dim, f.hidden_dim
+            )
+        )
+
+    tok = "audio_tokenizer"
+    for s in range(c.n_stages):
+        in_ch = c.codebook_dim if s == 0 else c.dim
+        k = c.conv_kernels[s]
+        # PyTorch layouts: Conv1d [out, in, k]; ConvTranspose1d [in, out, k]. Weight norm
+        # (dim=0) keeps one gain per row of axis 0.
+        v = (in_ch, c.dim, k) if conv_is_transposed(config, s) else (c.dim, in_ch, k)
+        conv = f"{tok}.decoder_blocks.{2 * s}.conv.parametrizations.weight"
+        out[f"{conv}.original0"] = Expected((v[0], 1, 1))
+        out[f"{conv}.original1"] = Expected(v)
+        for j in range(c.transformer_lengths[s]):
+            layer = f"{tok}.decoder_blocks.{2 * s + 1}.layers.{j}"
+            out.update(
+                _transformer_layer(layer, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim)
+            )
+            out[f"{layer}.attention.q_norm.weight"] = Expected((c.n_heads * c.head_dim,))
+            out[f"{layer}.attention.k_norm.weight"] = Expected((c.n_kv_heads * c.head_dim,))
+            out[f"{layer}.attention_scale"] = Expected((c.dim,))
+            out[f"{layer}.ffn_scale"] = Expected((c.dim,))
+    conv = f"{tok}.output_proj.conv.parametrizations.weight"
+    out[f"{conv}.original0"] = Expected((c.patch_size, 1, 1))
+    out[f"{conv}.original1"] = Expected((c.patch_size, c.dim, c.patch_proj_kernel_size))
+    out[f"{tok}.quantizer.semantic_codebook.cluster_usage"] = Expected((c.semantic_codebook_size,))
+    out[f"{tok}.quantizer.semantic_codebook.embedding_sum"] = Expected(
+        (c.semantic_codebook_size, c.semantic_dim)
+    )
+    return out
+
+
+# Present in some exports, never used for speech (the LM head is tied and unused).
+IGNORED_TENSORS = frozenset({"output.weight"})
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
+    """Parse and sanity-check a safetensors header without reading any tensor data."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(
+                    f"{path} is truncated or not a safetensors file (only {size} bytes): "
+                    "re-download it"
+                )
+            (n,) = struct.unpack("<Q", head)
+            if n == 0 or n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(
+                    f"{path} is truncated or not a safetensors file (header of {n} bytes, file of "
+                    f"{size} bytes): re-download it"
+                )
+            raw = fh.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} not found: the model directory is incomplete") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path} is a directory, expected a safetensors file") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(
+            f"{path} has a corrupt safetensors header: re-download or re-convert it"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header: re-download it")
+    data_size = size - 8 - n
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = entry["dtype"]
+            shape = tuple(int(d) for d in entry["shape"])
+            start, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{path}: malformed header entry for tensor '{one_line(name, 80)}'"
+            ) from None
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor '{one_line(name, 80)}' has unsupported dtype {dtype}"
+            )
+        nbytes = SAFETENSORS_DTYPES[dtype][0]
+        for d in shape:
+            nbytes *= d
+        if start < 0 or end - start != nbytes or any(d < 0 for d in shape):
+            raise CheckpointError(
+                f"{path}: tensor '{one_line(name, 80)}' has offsets inconsistent with its "
+                f"shape {list(shape)}"
+            )
+        if end > data_size:
+            raise CheckpointError(
+                f"{path} is truncated: tensor '{one_line(name, 80)}' ends at byte {8 + n + end} "
+                f"but the file has {size} bytes; re-download it"
+            )
+        infos[name] = TensorInfo(dtype, shape, start, end)
+    return infos
+
+
+class CheckpointMismatch(CheckpointError):
+    """Tensors missing, unexpected or mis-shaped with respect to the config."""
+
+    def __init__(
+        self,
+        source: str,
+        missing: list[str],
+        unexpected: list[str],
+        misshaped: list[tuple[str, tuple[int, ...], str]],
+    ):
+        self.missing, self.unexpected, self.misshaped = missing, unexpected, misshaped
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing ({_names(missing)})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected ({_names(unexpected)})")
+        if misshaped:
+            shown = ", ".join(
+                f"{one_line(n, 80)} {list(s)} expected {e}" for n, s, e in misshaped[:4]
+            )
+            more = f", ... {len(misshaped) - 4} more" if len(misshaped) > 4 else ""
+            parts.append(f"{len(misshaped)} mis-shaped ({shown}{more})")
+        super().__init__(
+            f"{source} does not match params.json: "
+            + "; ".join(parts)
+            + ". Check that params.json and the weights come from the same model."
+        )
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(one_line(n, 80) for n in names[:limit])
+    return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
+
+
+def verify_tensors(
+    shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, Expected], source: str
+) -> None:
+    """Raise :class:`CheckpointMismatch` listing every discrepancy."""
+    missing = sorted(n for n in expected if n not in shapes)
+    unexpected = sorted(n for n in shapes if n not in expected and n not in IGNORED_TENSORS)
+    misshaped = [
+        (n, tuple(shapes[n]), expected[n].describe())
+        for n in sorted(expected)
+        if n in shapes and not expected[n].matches(tuple(shapes[n]))
+    ]
+    if missing or unexpected or misshaped:
+        raise CheckpointMismatch(source, missing, unexpected, misshaped)
+
+
+def load_tensors(path: str | Path, names: Iterable[str] | None = None) -> dict[str, mx.array]:
+    """Lazily load tensors (memory-mapped by MLX; nothing is read until evaluated)."""
+    path = Path(path)
+    try:
+        arrays = mx.load(str(path))
+    except Exception as e:  # MLX raises RuntimeError/ValueError with long messages
+        raise CheckpointError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+    if names is not None:
+        wanted = set(names)
+        arrays = {k: v for k, v in arrays.items() if k in wanted}
+    return arrays
+
+
+def checkpoint_dtype(infos: Mapping[str, TensorInfo]) -> mx.Dtype:
+    """The floating dtype most of the weights are stored in (bf16 for the real checkpoint)."""
+    counts: dict[str, int] = {}
+    for info in infos.values():
+        if info.dtype in ("BF16", "F16", "F32"):
+            counts[info.dtype] = counts.get(info.dtype, 0) + info.end - info.start
+    if not counts:
+        return mx.float32
+    return SAFETENSORS_DTYPES[max(counts, key=counts.__getitem__)][1]
+
+
+def fold_weight_norm(g: mx.array, v: mx.array) -> mx.array:
+    """``g * v / ||v||`` with the norm over every axis but 0 (PyTorch weight_norm, dim=0)."""
+    v32 = v.astype(mx.float32)
+    norm = mx.sqrt(mx.sum(v32 * v32, axis=tuple(range(1, v.ndim)), keepdims=True))
+    return g.astype(mx.float32) * v32 / norm
+
+
+def fold_codebook(embedding_sum: mx.array, cluster_usage: mx.array) -> mx.array:
+    usage = mx.maximum(cluster_usage.astype(mx.float32), CODEBOOK_EPS)
+    return embedding_sum.astype(mx.float32) / usage[:, None]
+
+
+def sanitize(
+    weights: Mapping[str, mx.array], config: ModelConfig, dtype: mx.Dtype
+) -> dict[str, mx.array]:
+    """Mistral checkpoint names -> module parameters (pure; lazy arrays stay lazy).
+
+    Folds the codec's weight norm into MLX-layout conv weights ([out, k, in] for both
+    conv1d and conv_transpose1d) and the EMA semantic codebook into a plain table.
+    Everything else keeps its checkpoint name and is cast to ``dtype``.
+    """
+    out: dict[str, mx.array] = {}
+    tok = "audio_tokenizer"
+    convs = {f"{tok}.decoder_blocks.{2 * s}.conv": s for s in range(config.codec.n_stages)}
+    convs[f"{tok}.output_proj.conv"] = None
+    for prefix, stage in convs.items():
+        g = weights[f"{prefix}.parametrizations.weight.original0"]
+        v = weights[f"{prefix}.parametrizations.weight.original1"]
+        w = fold_weight_norm(g, v)
+        if stage is not None and conv_is_transposed(config, stage):
+            w = w.transpose(1, 2, 0)  # [in, out, k] -> [out, k, in]
+        else:
+            w = w.transpose(0, 2, 1)  # [out, in, k] -> [out, k, in]
+        out[f"{prefix}.weight"] = w.astype(dtype)
+    sem = f"{tok}.quantizer.semantic_codebook"
+    out[f"{tok}.semantic_codebook"] = fold_codebook(
+        weights[f"{sem}.embedding_sum"], weights[f"{sem}.cluster_usage"]
+    ).astype(dtype)
+
+    for name, value in weights.items():
+        if name in IGNORED_TENSORS or ".parametrizations." in name or name.startswith(sem):
+            continue
+        out[name] = value.astype(dtype) if value.dtype != dtype else value
+    return out
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    return sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+
+
+def file_size(path: Path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0

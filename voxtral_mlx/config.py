@@ -1,0 +1,461 @@
+"""Typed model configuration, read from Mistral's ``params.json``.
+
+The published file nests the flow-matching head under
+``multimodal.audio_model_args.acoustic_transformer_args`` and the codec under
+``multimodal.audio_tokenizer_args``; the codec's stage lists are comma-separated
+strings (``"2,2,2,2"``). Unknown keys are ignored, missing required keys and
+inconsistent values raise :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+N_SPECIAL_AUDIO_CODES = 2  # 0 = EMPTY_AUDIO, 1 = END_AUDIO; real codes start at 2
+END_AUDIO = 1
+EMPTY_AUDIO = 0
+
+
+def pad_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class _Reader:
+    """Reads typed values out of one JSON object, naming the full key path in errors."""
+
+    def __init__(self, data: Any, path: str):
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"{path or 'params.json'} must be a JSON object, got {type(data).__name__}"
+            )
+        self.data = data
+        self.path = path
+
+    def _name(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def section(self, key: str) -> _Reader:
+        if key not in self.data:
+            raise ConfigError(f"params.json is missing required key '{self._name(key)}'")
+        return _Reader(self.data[key], self._name(key))
+
+    def get(self, key: str, kind: type, default: Any = ..., *, positive: bool = False) -> Any:
+        if key not in self.data:
+            if default is ...:
+                raise ConfigError(f"params.json is missing required key '{self._name(key)}'")
+            return default
+        value = self.data[key]
+        name = self._name(key)
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"params.json key '{name}' must be true or false, got {value!r}")
+        elif kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                else:
+                    raise ConfigError(f"params.json key '{name}' must be an integer, got {value!r}")
+        elif kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"params.json key '{name}' must be a number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ConfigError(f"params.json key '{name}' must be finite, got {value!r}")
+        elif kind is str and not isinstance(value, str):
+            raise ConfigError(f"params.json key '{name}' must be a string, got {value!r}")
+        if positive and not value > 0:
+            raise ConfigError(f"params.json key '{name}' must be positive, got {value!r}")
+        return value
+
+    def int_list(self, key: str) -> tuple[int, ...]:
+        """A comma-separated list of positive integers stored as a string ("2,2,2,2")."""
+        raw = self.get(key, str)
+        name = self._name(key)
+        try:
+            values = tuple(int(part) for part in raw.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"params.json key '{name}' must be comma-separated integers like \"2,2,2,2\", "
+                f"got {raw!r}"
+            ) from None
+        if not values or any(v <= 0 for v in values):
+            raise ConfigError(f"params.json key '{name}' must list positive integers, got {raw!r}")
+        return values
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"params.json key '{key}' is inconsistent: {message}")
+
+
+@dataclass(frozen=True)
+class BackboneArgs:
+    """The 26-layer Mistral decoder (top level of params.json)."""
+
+    dim: int
+    n_layers: int
+    head_dim: int
+    hidden_dim: int
+    n_heads: int
+    n_kv_heads: int
+    rope_theta: float
+    norm_eps: float
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class FlowArgs:
+    """Semantic head + flow-matching acoustic transformer (``acoustic_transformer``)."""
+
+    input_dim: int
+    dim: int
+    n_layers: int
+    head_dim: int
+    hidden_dim: int
+    n_heads: int
+    n_kv_heads: int
+    norm_eps: float
+    sigma_max: float
+    n_decoding_steps: int
+    semantic_codebook_size: int
+    acoustic_codebook_size: int
+    n_acoustic_codebook: int
+
+    @property
+    def semantic_output_rows(self) -> int:
+        """Rows of ``semantic_codebook_output`` written by Mistral: size + 2 specials, padded."""
+        return pad_to(self.semantic_codebook_size + N_SPECIAL_AUDIO_CODES, 128)
+
+
+@dataclass(frozen=True)
+class CodecArgs:
+    """The codec decoder (``audio_tokenizer``)."""
+
+    dim: int
+    hidden_dim: int
+    head_dim: int
+    n_heads: int
+    n_kv_heads: int
+    norm_eps: float
+    qk_norm_eps: float
+    qk_norm: bool
+    layer_scale: bool
+    attn_sliding_window_size: int
+    half_attn_window_upon_downsampling: bool
+    patch_size: int
+    patch_proj_kernel_size: int
+    semantic_codebook_size: int
+    semantic_dim: int
+    acoustic_codebook_size: int
+    acoustic_dim: int
+    transformer_lengths: tuple[int, ...]
+    conv_kernels: tuple[int, ...]
+    conv_strides: tuple[int, ...]
+    sampling_rate: int
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.conv_strides)
+
+    @property
+    def codebook_dim(self) -> int:
+        return self.semantic_dim + self.acoustic_dim
+
+    @property
+    def upsample(self) -> int:
+        return math.prod(self.conv_strides)
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.upsample * self.patch_size
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Causal attention window of each decoder stage (2, 4, 8, 16 for the real codec).
+
+        The configured window belongs to the last (full-rate) stage; with
+        ``half_attn_window_upon_downsampling`` it halves for every upsampling conv
+        that lies after a stage.
+        """
+        out = []
+        for s in range(self.n_stages):
+            w = self.attn_sliding_window_size
+            if self.half_attn_window_upon_downsampling:
+                later = sum(1 for st in self.conv_strides[s + 1 :] if st > 1)
+                w = max(1, w >> later)
+            out.append(w)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model needs from ``params.json``."""
+
+    backbone: BackboneArgs
+    flow: FlowArgs
+    codec: CodecArgs
+    sampling_rate: int
+    frame_rate: float
+    num_codebooks: int
+    bos_token_id: int
+    audio_token_id: int
+    begin_audio_token_id: int
+    voice_index: dict[str, int] = field(default_factory=dict)
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.codec.samples_per_frame
+
+    @property
+    def audio_embedding_rows(self) -> int:
+        """Rows the 37 offset codebooks need in ``audio_codebook_embeddings`` (before padding)."""
+        f = self.flow
+        return (f.semantic_codebook_size + N_SPECIAL_AUDIO_CODES) + f.n_acoustic_codebook * (
+            f.acoustic_codebook_size + N_SPECIAL_AUDIO_CODES
+        )
+
+    @property
+    def codebook_offsets(self) -> tuple[int, ...]:
+        """Offset of each of the 37 codebooks in the shared embedding table."""
+        f = self.flow
+        sem = f.semantic_codebook_size + N_SPECIAL_AUDIO_CODES
+        ac = f.acoustic_codebook_size + N_SPECIAL_AUDIO_CODES
+        return (0, *(sem + k * ac for k in range(f.n_acoustic_codebook)))
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> ModelConfig:
+        """Build the config from a parsed ``params.json`` (Mistral layout)."""
+        top = _Reader(params, "")
+        backbone = BackboneArgs(
+            dim=top.get("dim", int, positive=True),
+            n_layers=top.get("n_layers", int, positive=True),
+            head_dim=top.get("head_dim", int, positive=True),
+            hidden_dim=top.get("hidden_dim", int, positive=True),
+            n_heads=top.get("n_heads", int, positive=True),
+            n_kv_heads=top.get("n_kv_heads", int, positive=True),
+            rope_theta=top.get("rope_theta", float, positive=True),
+            norm_eps=top.get("norm_eps", float, positive=True),
+            vocab_size=top.get("vocab_size", int, positive=True),
+        )
+        if top.get("use_biases", bool, False):
+            raise ConfigError("params.json key 'use_biases' is true: Voxtral TTS has no biases")
+
+        mm = top.section("multimodal")
+        audio = mm.section("audio_model_args")
+        enc = audio.section("audio_encoding_args")
+        at = audio.section("acoustic_transformer_args")
+        codec_r = mm.section("audio_tokenizer_args")
+
+        flow = FlowArgs(
+            input_dim=at.get("input_dim", int, backbone.dim, positive=True),
+            dim=at.get("dim", int, positive=True),
+            n_layers=at.get("n_layers", int, positive=True),
+            head_dim=at.get("head_dim", int, positive=True),
+            hidden_dim=at.get("hidden_dim", int, positive=True),
+            n_heads=at.get("n_heads", int, positive=True),
+            n_kv_heads=at.get("n_kv_heads", int, positive=True),
+            norm_eps=at.get("norm_eps", float, backbone.norm_eps, positive=True),
+            sigma_max=at.get("sigma_max", float, 1.0, positive=True),
+            n_decoding_steps=at.get("n_decoding_steps", int, 7, positive=True),
+            semantic_codebook_size=audio.get("semantic_codebook_size", int, positive=True),
+            acoustic_codebook_size=audio.get("acoustic_codebook_size", int, positive=True),
+            n_acoustic_codebook=audio.get("n_acoustic_codebook", int, positive=True),
+        )
+        if at.get("use_biases", bool, False):
+            raise ConfigError(
+                "params.json key "
+                "'multimodal.audio_model_args.acoustic_transformer_args.use_biases' "
+                "is true: Voxtral TTS has no biases"
+            )
+
+        codec = CodecArgs(
+            dim=codec_r.get("dim", int, positive=True),
+            hidden_dim=codec_r.get("hidden_dim", int, positive=True),
+            head_dim=codec_r.get("head_dim", int, positive=True),
+            n_heads=codec_r.get("n_heads", int, positive=True),
+            n_kv_heads=codec_r.get("n_kv_heads", int, positive=True),
+            norm_eps=codec_r.get("norm_eps", float, positive=True),
+            qk_norm_eps=codec_r.get("qk_norm_eps", float, 1e-6, positive=True),
+            qk_norm=codec_r.get("qk_norm", bool, True),
+            layer_scale=codec_r.get("layer_scale", bool, True),
+            attn_sliding_window_size=codec_r.get("attn_sliding_window_size", int, positive=True),
+            half_attn_window_upon_downsampling=codec_r.get(
+                "half_attn_window_upon_downsampling", bool, True
+            ),
+            patch_size=codec_r.get("pretransform_patch_size", int, positive=True),
+            patch_proj_kernel_size=codec_r.get("patch_proj_kernel_size", int, positive=True),
+            semantic_codebook_size=codec_r.get("semantic_codebook_size", int, positive=True),
+            semantic_dim=codec_r.get("semantic_dim", int, positive=True),
+            acoustic_codebook_size=codec_r.get("acoustic_codebook_size", int, positive=True),
+            acoustic_dim=codec_r.get("acoustic_dim", int, positive=True),
+            transformer_lengths=codec_r.int_list("decoder_transformer_lengths_str"),
+            conv_kernels=codec_r.int_list("decoder_convs_kernels_str"),
+            conv_strides=codec_r.int_list("decoder_convs_strides_str"),
+            sampling_rate=codec_r.get("sampling_rate", int, positive=True),
+        )
+        if codec_r.get("use_biases", bool, False):
+            raise ConfigError(
+                "params.json key 'multimodal.audio_tokenizer_args.use_biases' is true: "
+                "Voxtral TTS has no biases"
+            )
+        if codec_r.get("channels", int, 1) != 1:
+            raise ConfigError(
+                "params.json key 'multimodal.audio_tokenizer_args.channels' must be 1"
+            )
+
+        voice_index = {}
+        raw_voice = codec_r.data.get("voice", {})
+        if isinstance(raw_voice, Mapping):
+            voice_index = {str(k): v for k, v in raw_voice.items() if isinstance(v, int)}
+
+        config = cls(
+            backbone=backbone,
+            flow=flow,
+            codec=codec,
+            sampling_rate=enc.get("sampling_rate", int, positive=True),
+            frame_rate=enc.get("frame_rate", float, positive=True),
+            num_codebooks=enc.get("num_codebooks", int, positive=True),
+            bos_token_id=mm.get("bos_token_id", int, 1),
+            audio_token_id=audio.get("audio_token_id", int),
+            begin_audio_token_id=audio.get("begin_audio_token_id", int),
+            voice_index=voice_index,
+            raw=dict(params),
+        )
+        config._check()
+        return config
+
+    def _check(self) -> None:
+        b, f, c = self.backbone, self.flow, self.codec
+        at = "multimodal.audio_model_args.acoustic_transformer_args"
+        tok = "multimodal.audio_tokenizer_args"
+        enc = "multimodal.audio_model_args.audio_encoding_args"
+        _require(
+            b.dim % b.n_heads == 0, "dim", f"dim {b.dim} is not divisible by n_heads {b.n_heads}"
+        )
+        _require(
+            b.n_heads % b.n_kv_heads == 0,
+            "n_kv_heads",
+            f"n_heads {b.n_heads} is not a multiple of n_kv_heads {b.n_kv_heads}",
+        )
+        _require(b.head_dim % 2 == 0, "head_dim", f"RoPE needs an even head_dim, got {b.head_dim}")
+        _require(
+            f.input_dim == b.dim,
+            f"{at}.input_dim",
+            f"input_dim {f.input_dim} must equal the backbone dim {b.dim}",
+        )
+        _require(
+            f.dim == f.input_dim,
+            f"{at}.dim",
+            f"dim {f.dim} must equal input_dim {f.input_dim}: the semantic head reads the "
+            "backbone's hidden state",
+        )
+        _require(
+            f.dim % f.n_heads == 0,
+            f"{at}.dim",
+            f"dim {f.dim} is not divisible by n_heads {f.n_heads}",
+        )
+        _require(
+            f.n_heads % f.n_kv_heads == 0,
+            f"{at}.n_kv_heads",
+            f"n_heads {f.n_heads} is not a multiple of n_kv_heads {f.n_kv_heads}",
+        )
+        _require(f.dim % 2 == 0, f"{at}.dim", f"the time embedding needs an even dim, got {f.dim}")
+        _require(
+            c.dim % c.n_heads == 0,
+            f"{tok}.dim",
+            f"dim {c.dim} is not divisible by n_heads {c.n_heads}",
+        )
+        _require(
+            c.n_heads % c.n_kv_heads == 0,
+            f"{tok}.n_kv_heads",
+            f"n_heads {c.n_heads} is not a multiple of n_kv_heads {c.n_kv_heads}",
+        )
+        _require(
+            c.qk_norm and c.layer_scale,
+            f"{tok}.qk_norm",
+            "the Voxtral codec decoder uses qk_norm and layer_scale; both must be true",
+        )
+        n = c.n_stages
+        _require(
+            len(c.conv_kernels) == n and len(c.transformer_lengths) == n,
+            f"{tok}.decoder_convs_kernels_str",
+            "decoder_transformer_lengths_str, decoder_convs_kernels_str and "
+            "decoder_convs_strides_str must have the same length, got "
+            f"{len(c.transformer_lengths)}, "
+            f"{len(c.conv_kernels)} and {n}",
+        )
+        for s, (k, st) in enumerate(zip(c.conv_kernels, c.conv_strides)):
+            _require(
+                k >= st,
+                f"{tok}.decoder_convs_kernels_str",
+                f"stage {s}: kernel {k} is smaller than its stride {st}",
+            )
+        _require(
+            f.semantic_codebook_size == c.semantic_codebook_size,
+            f"{tok}.semantic_codebook_size",
+            f"{c.semantic_codebook_size} differs from audio_model_args.semantic_codebook_size "
+            f"{f.semantic_codebook_size}",
+        )
+        _require(
+            f.acoustic_codebook_size == c.acoustic_codebook_size,
+            f"{tok}.acoustic_codebook_size",
+            f"{c.acoustic_codebook_size} differs from audio_model_args.acoustic_codebook_size "
+            f"{f.acoustic_codebook_size}",
+        )
+        _require(
+            f.acoustic_codebook_size >= 2,
+            "multimodal.audio_model_args.acoustic_codebook_size",
+            f"FSQ needs at least 2 levels, got {f.acoustic_codebook_size}",
+        )
+        _require(
+            f.n_acoustic_codebook == c.acoustic_dim,
+            f"{tok}.acoustic_dim",
+            f"acoustic_dim {c.acoustic_dim} must equal n_acoustic_codebook {f.n_acoustic_codebook}",
+        )
+        _require(
+            self.num_codebooks == 1 + f.n_acoustic_codebook,
+            f"{enc}.num_codebooks",
+            f"num_codebooks {self.num_codebooks} must be 1 + n_acoustic_codebook "
+            f"({1 + f.n_acoustic_codebook})",
+        )
+        _require(
+            c.sampling_rate == self.sampling_rate,
+            f"{tok}.sampling_rate",
+            f"{c.sampling_rate} differs from audio_encoding_args.sampling_rate "
+            f"{self.sampling_rate}",
+        )
+        per_frame = self.sampling_rate / self.frame_rate
+        _require(
+            math.isclose(per_frame, c.samples_per_frame),
+            f"{enc}.frame_rate",
+            f"sampling_rate / frame_rate = {per_frame:g} samples per frame, but the codec "
+            f"produces pretransform_patch_size x strides = {c.samples_per_frame}",
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{path} not found: the model directory needs params.json") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path} is not UTF-8 text: re-download the model") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+        try:
+            params = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"{path} is not valid JSON (line {e.lineno}, column {e.colno}): "
+                "re-download the model"
+            ) from None
+        return cls.from_params(params)

@@ -1,0 +1,43 @@
+"""Errors raised by voxtral_mlx.
+
+Every message is one line that names the problem and, where there is one, the fix;
+the CLI prints it as is.
+"""
+
+from __future__ import annotations
+
+
+class VoxtralError(Exception):
+    """Base class of every error voxtral_mlx raises on purpose."""
+
+
+class ConfigError(VoxtralError, ValueError):
+    """params.json / config.json is missing a key or holds an inconsistent value."""
+
+
+class CheckpointError(VoxtralError):
+    """The weights file is missing, truncated, malformed or does not match the config."""
+
+
+class ModelNotFoundError(VoxtralError, FileNotFoundError):
+    """A model directory or Hub repo could not be found or is incomplete."""
+
+
+class TokenizerError(VoxtralError, ValueError):
+    """tekken.json is missing or malformed."""
+
+
+class VoiceError(VoxtralError, ValueError):
+    """Unknown voice or a voice file that does not fit the model."""
+
+
+class UnsafePickleError(VoxtralError):
+    """A .pt file asked for something other than a plain tensor: refused unexecuted."""
+
+
+class InputError(VoxtralError, ValueError):
+    """Bad request input: empty or oversized text, bad arguments."""
+
+
+class AudioOutputError(VoxtralError):
+    """No audio device, no PortAudio library, or an output file that cannot be written."""

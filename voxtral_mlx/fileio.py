@@ -1,0 +1,40 @@
+"""Small file helpers shared by every writer: atomic replacement and one-line messages."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def one_line(text: str, limit: int = 160) -> str:
+    """Text from a file or the OS (names, keys, reasons) made safe for a one-line message."""
+    if not text.isprintable():
+        text = text.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` through ``write(f)`` into a temp file beside it, then rename it in place.
+
+    A failure (including in ``write``) leaves no partial file behind. Raises ``OSError``.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    # os.open with mode 0o666 lets the umask decide the final permissions, like open() does.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))

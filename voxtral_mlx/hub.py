@@ -1,0 +1,108 @@
+"""Find a model: a local directory, or a Hugging Face repo resolved through the local cache."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .errors import ModelNotFoundError
+
+DEFAULT_REPO = "mistralai/Voxtral-4B-TTS-2603"
+
+# Only what inference reads; the Mistral repo also carries README and license files.
+MISTRAL_PATTERNS = ["params.json", "tekken.json", "consolidated.safetensors", "voice_embedding/*"]
+MLX_PATTERNS = [
+    "config.json",
+    "params.json",
+    "tekken.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "voice_embedding/*",
+]
+
+# The Hub's rules: segments of [A-Za-z0-9_.-], not starting or ending with '-' or '.',
+# no '--' or '..', names of at most 96 characters, no '.git' suffix.
+_SEGMENT = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_REPO_ID = re.compile(rf"^{_SEGMENT}/{_SEGMENT}$")
+
+
+def allow_patterns(repo_id: str) -> list[str]:
+    """The files to fetch for a repo, by its layout (MLX conversions vs Mistral's original)."""
+    owner, name = repo_id.split("/", 1)
+    if owner.lower() == "mlx-community" or "mlx" in name.lower():
+        return list(MLX_PATTERNS)
+    return list(MISTRAL_PATTERNS)
+
+
+def looks_like_repo_id(spec: str) -> bool:
+    if not _REPO_ID.match(spec) or ".." in spec or "--" in spec or spec.endswith(".git"):
+        return False
+    # "models/tiny" with an existing local "models/" is a path typo, not a repo.
+    return not Path(spec.split("/", 1)[0]).expanduser().is_dir()
+
+
+def resolve_model_dir(path_or_repo: str | os.PathLike[str] | None = None) -> Path:
+    """Return a local directory holding the model, downloading it from the Hub if needed.
+
+    Existing paths are used as they are. Strings shaped like ``owner/name`` are Hub repos,
+    fetched with ``snapshot_download`` (honouring ``HF_HUB_OFFLINE``, ``HF_HOME`` and the
+    local cache). Anything else that does not exist is an error, never a Hub lookup.
+    """
+    spec = DEFAULT_REPO if path_or_repo is None else os.fspath(path_or_repo)
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFoundError(
+                f"{spec} is a file; pass the model directory that holds params.json"
+            )
+        return path.resolve()
+    if isinstance(path_or_repo, Path) or not looks_like_repo_id(spec):
+        raise ModelNotFoundError(
+            f"model directory {spec} does not exist: pass an existing directory or a Hugging "
+            f"Face repo id such as {DEFAULT_REPO}"
+        )
+    return _download(spec)
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HFValidationError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+        )
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise ModelNotFoundError(
+            f"cannot fetch {repo_id}: huggingface_hub is not installed "
+            "(pip install huggingface_hub)"
+        ) from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=allow_patterns(repo_id)))
+    except HFValidationError:
+        raise ModelNotFoundError(
+            f"{repo_id} is neither an existing directory nor a valid Hugging Face repo id"
+        ) from None
+    except GatedRepoError:
+        raise ModelNotFoundError(
+            f"{repo_id} is gated: accept its license on https://huggingface.co/{repo_id} and "
+            "log in with `hf auth login`"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(
+            f"Hugging Face repo {repo_id} not found (or private): check the name, or pass a "
+            "local directory"
+        ) from None
+    except LocalEntryNotFoundError:
+        raise ModelNotFoundError(
+            f"{repo_id} is not in the local Hugging Face cache and downloading is off or "
+            "impossible (HF_HUB_OFFLINE set or no network): connect and unset HF_HUB_OFFLINE, "
+            "or pass a local directory"
+        ) from None
+    except OSError as e:
+        raise ModelNotFoundError(
+            f"could not download {repo_id}: {str(e).splitlines()[0] if str(e) else e!r}; check "
+            "the connection and free disk space, or pass a local directory"
+        ) from None

@@ -1,0 +1,282 @@
+"""The codec decoder (``audio_tokenizer``): 37 codes per frame -> 1920 samples at 24 kHz.
+
+SPEC §6: dequantize -> causal Conv1d (replicate pad) -> per stage a transformer with a
+causal ALiBi sliding window (stages > 0 first upsample with a ConvTranspose1d trimmed on
+the right) -> causal Conv1d (reflect pad) -> unpatch. The decoder is causal with a
+bounded receptive field, so streaming is exact with bounded state: the caller holds a
+:class:`CodecState` (conv tails, the last ``W`` keys/values of every layer, the position)
+and feeds frames through :meth:`CodecDecoder.decode_chunk`; nothing is ever re-decoded.
+:meth:`CodecDecoder.decode` is the same path over bounded chunks, so long inputs never
+need quadratic memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..config import N_SPECIAL_AUDIO_CODES, CodecArgs
+from ..errors import InputError
+from .codec_layers import (
+    CausalConv1d,
+    CausalConvTranspose1d,
+    CodecTransformer,
+    ConvBlock,
+    alibi_slopes,
+    attention_bias,
+    reflect_context,
+    replicate_context,
+)
+
+# Frames per chunk in one-shot decode: large enough that per-call overhead vanishes,
+# small enough that the in-chunk attention (quadratic in the chunk) stays a few MB.
+ONE_SHOT_CHUNK_FRAMES = 64
+# Masks for up to this many queries (the streaming sizes) are kept; larger ones are cheap
+# next to the chunk they serve and would hold megabytes each.
+_CACHED_MASK_MAX_QUERIES = 64
+_MAX_CACHED_MASKS = 256
+
+
+@dataclass
+class CodecState:
+    """Streaming state of one stream (or one batch of streams), held by the caller.
+
+    All arrays have fixed shapes from :meth:`CodecDecoder.new_state` on, so memory per
+    stream is constant however long the stream runs. :meth:`CodecDecoder.decode_chunk`
+    replaces the arrays in place.
+
+    ``conv``: per stage, the last inputs its conv needs (``[B, context, channels]``).
+    ``keys``/``values``: per stage, per layer, the last ``W`` keys (after k_norm) and values
+    ``[B, kv_heads, W, head_dim]``; slots before the first frame are masked out.
+    ``output``: the last inputs of ``output_proj``. ``position``: frames decoded so far.
+    """
+
+    batch: int
+    conv: list[mx.array]
+    keys: list[list[mx.array]]
+    values: list[list[mx.array]]
+    output: mx.array
+    position: int = 0
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the state holds."""
+        out = [*self.conv, self.output]
+        for ks, vs in zip(self.keys, self.values):
+            out += ks + vs
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+
+@dataclass
+class _Plan:
+    """Constants fixed at construction (a plain object, so MLX sees no parameters in it)."""
+
+    windows: tuple[int, ...]  # attention window of each stage, in that stage's steps
+    rates: tuple[int, ...]  # steps per frame at each stage (1, 2, 4, 8 for the real codec)
+    slopes: mx.array  # ALiBi slope per head
+    # Additive ALiBi + window masks by (stage, queries, valid cache slots, dtype), LRU.
+    masks: OrderedDict = field(default_factory=OrderedDict)
+
+
+class CodecDecoder(nn.Module):
+    """Mistral's codec decoder; parameter names equal the sanitized checkpoint's."""
+
+    def __init__(self, args: CodecArgs):
+        super().__init__()
+        self.args = args
+        blocks: list[nn.Module] = []
+        for s in range(args.n_stages):
+            in_ch = args.codebook_dim if s == 0 else args.dim
+            k, stride = args.conv_kernels[s], args.conv_strides[s]
+            if stride > 1:
+                conv = CausalConvTranspose1d(in_ch, args.dim, k, stride)
+            else:
+                conv = CausalConv1d(in_ch, args.dim, k)
+            blocks.append(ConvBlock(conv))
+            blocks.append(
+                CodecTransformer(
+                    args.transformer_lengths[s],
+                    dim=args.dim,
+                    hidden_dim=args.hidden_dim,
+                    n_heads=args.n_heads,
+                    n_kv_heads=args.n_kv_heads,
+                    head_dim=args.head_dim,
+                    norm_eps=args.norm_eps,
+                    qk_norm_eps=args.qk_norm_eps,
+                )
+            )
+        self.decoder_blocks = blocks
+        self.output_proj = ConvBlock(
+            CausalConv1d(args.dim, args.patch_size, args.patch_proj_kernel_size)
+        )
+        self.semantic_codebook = mx.zeros((args.semantic_codebook_size, args.semantic_dim))
+        self._plan = _Plan(
+            windows=args.windows,
+            rates=tuple(math.prod(args.conv_strides[: s + 1]) for s in range(args.n_stages)),
+            slopes=mx.array(alibi_slopes(args.n_heads), dtype=mx.float32),
+        )
+
+    # -- properties ---------------------------------------------------------------------
+    @property
+    def samples_per_frame(self) -> int:
+        return self.args.samples_per_frame
+
+    @property
+    def num_codebooks(self) -> int:
+        return 1 + self.args.acoustic_dim
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Compute dtype: that of the loaded weights."""
+        return self.output_proj.conv.weight.dtype
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        return self._plan.windows
+
+    def _conv(self, s: int) -> CausalConv1d | CausalConvTranspose1d:
+        return self.decoder_blocks[2 * s].conv
+
+    # -- codes -> features --------------------------------------------------------------
+    def dequantize(self, codes: mx.array) -> mx.array:
+        """Codes ``[B, T, 37]`` (with their +2 offset) -> ``[B, T, semantic_dim + acoustic_dim]``.
+
+        Semantic: a row of the folded codebook; acoustic: ``c * 2 / (levels - 1) - 1`` with
+        ``c = code - 2``. Out-of-range semantic codes are clipped rather than read out of
+        bounds (the generator never produces them).
+        """
+        a = self.args
+        sem = mx.clip(codes[..., 0] - N_SPECIAL_AUDIO_CODES, 0, a.semantic_codebook_size - 1)
+        semantic = self.semantic_codebook[sem]
+        c = (codes[..., 1:] - N_SPECIAL_AUDIO_CODES).astype(mx.float32)
+        acoustic = (c * 2) / (a.acoustic_codebook_size - 1) - 1
+        return mx.concatenate([semantic, acoustic.astype(semantic.dtype)], axis=-1)
+
+    # -- streaming ----------------------------------------------------------------------
+    def new_state(self, batch: int = 1) -> CodecState:
+        """A fresh state for ``batch`` streams decoded together (in the compute dtype)."""
+        a, dt = self.args, self.dtype
+        conv = []
+        for s in range(a.n_stages):
+            in_ch = a.codebook_dim if s == 0 else a.dim
+            conv.append(mx.zeros((batch, self._conv(s).context, in_ch), dtype=dt))
+        keys, values = [], []
+        for s in range(a.n_stages):
+            shape = (batch, a.n_kv_heads, self._plan.windows[s], a.head_dim)
+            n_layers = a.transformer_lengths[s]
+            keys.append([mx.zeros(shape, dtype=dt) for _ in range(n_layers)])
+            values.append([mx.zeros(shape, dtype=dt) for _ in range(n_layers)])
+        output = mx.zeros((batch, self.output_proj.conv.context, a.dim), dtype=dt)
+        return CodecState(batch, conv, keys, values, output)
+
+    def decode_chunk(self, codes: mx.array, state: CodecState) -> mx.array:
+        """Decode ``t`` new frames ``[B, t, 37]`` -> audio ``[B, t * samples_per_frame]``.
+
+        Updates ``state`` in place (arrays replaced, ``position`` advanced). Lazy: nothing is
+        evaluated here; evaluate the audio (and with it the state) at frame boundaries.
+        Exact: any split of a stream into chunks gives the one-shot result, the first chunk
+        included, provided the first chunk yields more than ``patch_proj_kernel_size - 1``
+        steps at the last stage (one frame gives 8 for the real codec).
+        """
+        codes = self._check_codes(codes, state.batch)
+        t = codes.shape[1]
+        if t == 0:
+            return mx.zeros((state.batch, 0), dtype=self.dtype)
+        first = state.position == 0
+        x = self.dequantize(codes)
+        for s in range(self.args.n_stages):
+            conv = self._conv(s)
+            context = state.conv[s]
+            if first and isinstance(conv, CausalConv1d):
+                context = replicate_context(x, conv.context)
+            x, state.conv[s] = conv(x, context)
+            x = self._transformer(s, x, state)
+        conv = self.output_proj.conv
+        context = reflect_context(x, conv.context) if first else state.output
+        y, state.output = conv(x, context)
+        state.position += t
+        return y.reshape(state.batch, -1)
+
+    def _transformer(self, s: int, x: mx.array, state: CodecState) -> mx.array:
+        """Stage ``s``'s transformer over new steps ``x``, updating the stage's K/V windows."""
+        window = self._plan.windows[s]
+        start = state.position * self._plan.rates[s]
+        mask = self._mask(s, x.shape[1], min(start, window), x.dtype)
+        keys, values = state.keys[s], state.values[s]
+        for j, layer in enumerate(self.decoder_blocks[2 * s + 1].layers):
+            x, k, v = layer(x, keys[j], values[j], mask)
+            keys[j], values[j] = k[:, :, -window:], v[:, :, -window:]
+        return x
+
+    def _mask(self, s: int, n: int, n_valid: int, dtype: mx.Dtype) -> mx.array:
+        if n > _CACHED_MASK_MAX_QUERIES:
+            return attention_bias(self._plan.slopes, self._plan.windows[s], n, n_valid, dtype)
+        key = (s, n, n_valid, dtype)
+        masks = self._plan.masks
+        mask = masks.get(key)
+        if mask is None:
+            mask = attention_bias(self._plan.slopes, self._plan.windows[s], n, n_valid, dtype)
+            masks[key] = mask
+            if len(masks) > _MAX_CACHED_MASKS:
+                masks.popitem(last=False)
+        else:
+            masks.move_to_end(key)
+        return mask
+
+    def _check_codes(self, codes: mx.array, batch: int) -> mx.array:
+        if not isinstance(codes, mx.array):
+            codes = mx.array(np.asarray(codes))
+        if codes.ndim != 3 or codes.shape[-1] != self.num_codebooks:
+            raise InputError(
+                f"codec codes must have shape [batch, frames, {self.num_codebooks}], got "
+                f"{list(codes.shape)}"
+            )
+        if codes.shape[0] != batch:
+            raise InputError(
+                f"codes hold {codes.shape[0]} streams but the codec state was made for {batch}: "
+                f"use new_state(batch={codes.shape[0]})"
+            )
+        if not mx.issubdtype(codes.dtype, mx.integer):
+            raise InputError(f"codec codes must be integers, got {codes.dtype}")
+        return codes
+
+    # -- one-shot -----------------------------------------------------------------------
+    def decode(self, codes: mx.array, chunk_frames: int = ONE_SHOT_CHUNK_FRAMES) -> mx.array:
+        """Codes ``[T, 37]`` -> audio ``[T * spf]``, or ``[B, T, 37]`` -> ``[B, T * spf]``.
+
+        Runs the streaming path over chunks of ``chunk_frames`` frames, evaluating each, so
+        memory stays bounded for any length (a single chunk is not evaluated: up to
+        ``chunk_frames`` frames the result is as lazy as :meth:`decode_chunk`'s).
+        """
+        if not isinstance(codes, mx.array):
+            codes = mx.array(np.asarray(codes))
+        single = codes.ndim == 2
+        if single:
+            codes = codes[None]
+        if codes.ndim != 3:
+            raise InputError(
+                f"codec codes must have shape [frames, {self.num_codebooks}] or "
+                f"[batch, frames, {self.num_codebooks}], got {list(codes.shape)}"
+            )
+        if chunk_frames < 1:
+            raise InputError(f"chunk_frames must be at least 1, got {chunk_frames}")
+        state = self.new_state(codes.shape[0])
+        total = codes.shape[1]
+        if total <= chunk_frames:
+            audio = self.decode_chunk(codes, state)
+        else:
+            parts = []
+            for start in range(0, total, chunk_frames):
+                part = self.decode_chunk(codes[:, start : start + chunk_frames], state)
+                mx.eval(part, state.arrays())
+                parts.append(part)
+            audio = mx.concatenate(parts, axis=1)
+        return audio[0] if single else audio

@@ -1,0 +1,122 @@
+"""``acoustic_transformer``: the greedy semantic head and the flow-matching acoustic head."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import N_SPECIAL_AUDIO_CODES, FlowArgs
+from .layers import TransformerBlock
+
+DEFAULT_CFG_ALPHA = 1.2
+
+
+def time_embedding(t: mx.array, dim: int) -> mx.array:
+    """Sinusoidal embedding of times ``t`` ``[n]`` -> ``[n, dim]``, cosines first."""
+    half = dim // 2
+    freqs = mx.exp(-math.log(10000.0) * mx.arange(half, dtype=mx.float32) / half)
+    angles = t.astype(mx.float32)[:, None] * freqs[None, :]
+    return mx.concatenate([mx.cos(angles), mx.sin(angles)], axis=-1)
+
+
+class FlowHead(nn.Module):
+    """Semantic code by argmax, 36 acoustic codes by Euler-integrated flow matching.
+
+    The 3 transformer layers see 3 tokens ``[x, time, llm]``, bidirectionally and with no
+    positional encoding; conditional and unconditional (llm token zeroed) passes run as
+    one batch.
+    """
+
+    def __init__(self, args: FlowArgs, semantic_rows: int | None = None):
+        super().__init__()
+        self.args = args
+        rows = semantic_rows or args.semantic_output_rows
+        self.input_projection = nn.Linear(args.n_acoustic_codebook, args.dim, bias=False)
+        self.llm_projection = nn.Linear(args.input_dim, args.dim, bias=False)
+        self.time_projection = nn.Linear(args.dim, args.dim, bias=False)
+        self.layers = [
+            TransformerBlock(
+                args.dim,
+                args.n_heads,
+                args.n_kv_heads,
+                args.head_dim,
+                args.hidden_dim,
+                args.norm_eps,
+            )
+            for _ in range(args.n_layers)
+        ]
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.semantic_codebook_output = nn.Linear(args.dim, rows, bias=False)
+        self.acoustic_codebook_output = nn.Linear(args.dim, args.n_acoustic_codebook, bias=False)
+        valid = mx.arange(rows)
+        limit = args.semantic_codebook_size + N_SPECIAL_AUDIO_CODES
+        # EMPTY_AUDIO (0) and the padding rows can never be predicted.
+        self._semantic_mask = mx.where((valid == 0) | (valid >= limit), -mx.inf, 0.0)
+        self._time_tokens: mx.array | None = None
+
+    def prepare(self) -> None:
+        """Precompute the time tokens once (after the weights are loaded)."""
+        n = self.args.n_decoding_steps
+        t = mx.arange(n, dtype=mx.float32) / n
+        emb = time_embedding(t, self.args.dim).astype(self.time_projection.weight.dtype)
+        self._time_tokens = self.time_projection(emb)
+        mx.eval(self._time_tokens, self._semantic_mask)
+
+    @property
+    def time_tokens(self) -> mx.array:
+        """``time_projection(temb(i / n))`` for the n Euler steps, ``[n, dim]``."""
+        if self._time_tokens is None:
+            raise RuntimeError("FlowHead.prepare() must run after the weights are loaded")
+        return self._time_tokens
+
+    def semantic_code(self, h: mx.array) -> mx.array:
+        """Greedy semantic code ``[B]`` (with the +2 offset; 1 = END_AUDIO) from ``h [B, dim]``."""
+        logits = self.semantic_codebook_output(h).astype(mx.float32) + self._semantic_mask
+        return mx.argmax(logits, axis=-1)
+
+    def velocity(self, x: mx.array, time_token: mx.array, llm: mx.array) -> mx.array:
+        """Velocities ``[2B, 36]`` for cond (first B rows) and uncond (last B rows)."""
+        b = x.shape[0]
+        xin = self.input_projection(x.astype(llm.dtype))
+        tok = mx.broadcast_to(time_token, xin.shape)
+        cond = mx.stack([xin, tok, llm], axis=1)
+        uncond = mx.stack([xin, tok, mx.zeros_like(llm)], axis=1)
+        seq = mx.concatenate([cond, uncond], axis=0)
+        for layer in self.layers:
+            seq = layer(seq)
+        out = self.acoustic_codebook_output(self.norm(seq[:, 0]))
+        return out.astype(mx.float32).reshape(2 * b, -1)
+
+    def acoustic_codes(
+        self, h: mx.array, noise: mx.array, cfg_alpha: float = DEFAULT_CFG_ALPHA
+    ) -> mx.array:
+        """36 acoustic codes ``[B, 36]`` (values 2..levels+1) for hidden states ``h [B, dim]``.
+
+        ``noise [B, 36]`` is the start point of the ODE (float32, scaled by sigma_max here).
+        The ODE state stays float32 whatever the compute dtype.
+        """
+        args = self.args
+        n = args.n_decoding_steps
+        b = h.shape[0]
+        llm = self.llm_projection(h)
+        x = noise.astype(mx.float32) * args.sigma_max
+        for i in range(n):
+            v = self.velocity(x, self.time_tokens[i], llm)
+            x = x + (cfg_alpha * v[:b] + (1.0 - cfg_alpha) * v[b:]) * (1.0 / n)
+        levels = args.acoustic_codebook_size - 1
+        q = mx.round((mx.clip(x, -1.0, 1.0) + 1.0) / 2.0 * levels)
+        return q.astype(mx.int32) + N_SPECIAL_AUDIO_CODES
+
+    def __call__(
+        self, h: mx.array, noise: mx.array, cfg_alpha: float = DEFAULT_CFG_ALPHA
+    ) -> tuple[mx.array, mx.array]:
+        """One frame: the semantic codes ``[B]`` and all codes ``[B, 37]`` (semantic first).
+
+        The semantic code is returned on its own so that END can be checked as soon as the
+        semantic head is done, while the flow-matching steps are still running.
+        """
+        semantic = self.semantic_code(h).astype(mx.int32)
+        codes = mx.concatenate([semantic[:, None], self.acoustic_codes(h, noise, cfg_alpha)], -1)
+        return semantic, codes

@@ -1,0 +1,99 @@
+"""Transformer pieces shared by the backbone and the flow-matching head.
+
+Parameter names follow Mistral's checkpoint (``attention.wq``, ``feed_forward.w1``,
+``attention_norm``, ``ffn_norm``) so loading it is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class Attention(nn.Module):
+    """GQA attention; K/V are never repeated (the fused kernel handles the grouping).
+
+    With ``rope_theta`` set, RoPE is applied in the interleaved-pair convention
+    (``traditional=True``): Mistral's native checkpoint stores wq/wk for it, and the
+    split-half convention gives plausible-looking garbage.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        rope_theta: float | None = None,
+    ):
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.rope_theta = rope_theta
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def __call__(
+        self, x: mx.array, cache: Any = None, mask: mx.array | str | None = None
+    ) -> mx.array:
+        b, t, _ = x.shape
+        q = self.wq(x).reshape(b, t, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.wk(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.wv(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.rope_theta is not None:
+            offset = cache.offset if cache is not None else 0
+            q = mx.fast.rope(
+                q, self.head_dim, traditional=True, base=self.rope_theta, scale=1.0, offset=offset
+            )
+            k = mx.fast.rope(
+                k, self.head_dim, traditional=True, base=self.rope_theta, scale=1.0, offset=offset
+            )
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.wo(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.w2(nn.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: attention and SwiGLU, each with a residual."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        hidden_dim: int,
+        norm_eps: float,
+        rope_theta: float | None = None,
+    ):
+        super().__init__()
+        self.attention = Attention(dim, n_heads, n_kv_heads, head_dim, rope_theta)
+        self.feed_forward = FeedForward(dim, hidden_dim)
+        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+
+    def __call__(
+        self, x: mx.array, cache: Any = None, mask: mx.array | str | None = None
+    ) -> mx.array:
+        h = x + self.attention(self.attention_norm(x), cache, mask)
+        return h + self.feed_forward(self.ffn_norm(h))

@@ -1,0 +1,56 @@
+"""The whole Voxtral TTS network, with parameter names equal to ``consolidated.safetensors``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import ModelConfig
+from .backbone import AudioEmbeddings, Backbone
+from .codec import CodecDecoder
+from .flow import FlowHead
+
+
+class VoxtralModel(Backbone):
+    """Backbone (its layers and norm sit at the checkpoint's top level) plus its heads.
+
+    ``mm_audio_embeddings`` holds the text and audio-code tables, ``acoustic_transformer``
+    the semantic and flow-matching heads, ``audio_tokenizer`` the codec decoder.
+    """
+
+    def __init__(
+        self, config: ModelConfig, semantic_rows: int | None = None, audio_rows: int | None = None
+    ):
+        super().__init__(config.backbone)
+        self.config = config
+        b = config.backbone
+        self.mm_audio_embeddings = AudioEmbeddings(
+            b.vocab_size, b.dim, audio_rows or config.audio_embedding_rows
+        )
+        self.acoustic_transformer = FlowHead(config.flow, semantic_rows)
+        self.audio_tokenizer = CodecDecoder(config.codec)
+        self._code_offsets = mx.array(config.codebook_offsets, dtype=mx.int32)
+
+    def embed_prompt(self, ids: list[int], voice: mx.array, voice_start: int) -> mx.array:
+        """Token embeddings ``[1, T, dim]`` with the ``[AUDIO]`` rows replaced by the voice."""
+        table = self.mm_audio_embeddings.tok_embeddings
+        n = voice.shape[0]
+        before = table(mx.array(ids[:voice_start]))
+        after = table(mx.array(ids[voice_start + n :]))
+        return mx.concatenate([before, voice.astype(before.dtype), after], axis=0)[None]
+
+    def embed_codes(self, codes: mx.array) -> mx.array:
+        """Sum of the 37 offset codebook embeddings: ``[B, 37]`` -> ``[B, 1, dim]``."""
+        rows = self.mm_audio_embeddings.audio_codebook_embeddings.embeddings(
+            codes + self._code_offsets
+        )
+        return rows.sum(axis=-2)[:, None, :]
+
+    def frame(self, h: mx.array, noise: mx.array, cfg_alpha: float) -> tuple[mx.array, mx.array]:
+        """Semantic codes ``[B]`` and codes ``[B, 37]`` of the frame ``h [B, dim]`` predicts."""
+        return self.acoustic_transformer(h, noise, cfg_alpha)
+
+    def step(self, codes: mx.array, cache: list[Any]) -> mx.array:
+        """Feed one frame's codes back: next hidden state ``[B, dim]``."""
+        return self(self.embed_codes(codes), cache)[:, -1]

@@ -1,0 +1,363 @@
+"""Split long text into segments that one generation handles well.
+
+Each segment is synthesized on its own and the audio joined with ``pause_after`` seconds of
+silence. Split points, best first:
+
+* paragraph: a blank line (or form feed / U+2029) - always a split;
+* sentence (HARD): ``. ! ? …`` ``。！？`` ``؟ ۔`` ``। ॥`` (and a few other scripts' stops);
+* clause (MID): ``, ; :`` ``，；：、`` ``، ؛``, dashes (em/en, spaced hyphen), a single line break;
+* word (WEAK): any other space;
+* cut: no usable split within ``max_chars``; cut at ``max_chars``, outside grapheme clusters and
+  protected spans when possible.
+
+No split ever falls inside a number, URL or e-mail address, between a title-like abbreviation
+("Mr.", "e.g.", "z.B."), an initial or a line-start list marker ("1.") and the next word, or
+after an ellipsis followed by a lowercase word. Any other period ends a sentence only when the
+next word is not lowercase: "etc. and" continues, "Apple Inc. The" ends.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from bisect import bisect_right
+from dataclasses import dataclass
+
+from .errors import InputError
+
+PARAGRAPH, SENTENCE, CLAUSE, WORD, CUT = "paragraph", "sentence", "clause", "word", "cut"
+
+# Seconds of silence natural after a segment, by how it ended (the last segment gets 0.0).
+PAUSE_AFTER: dict[str, float] = {
+    PARAGRAPH: 0.75,
+    SENTENCE: 0.4,
+    CLAUSE: 0.2,
+    WORD: 0.1,
+    CUT: 0.0,
+}
+
+TERMINALS = frozenset(".!?…‼⁇⁈⁉‽。！？｡．؟۔।॥։።፧။។៕།")
+_CJK_HARD = frozenset("。！？｡")
+_MID = frozenset(",;:，；：、､،؛")
+_DASHES = frozenset("—–―")
+_CLOSERS = frozenset("\"'”’»›)]}」』）】〕〉》〗〙〛＂＇")
+_OPENERS = frozenset("\"'“‘„«‹([{「『（【〔〈《〖〘〚¿¡")
+_LINE_ENDS = frozenset("\n\r\x0b\x0c\x85\u2028\u2029")
+
+# A period after these never ends a sentence: they precede what they qualify.
+_TITLES_BY_LANGUAGE = {
+    "en": "mr mrs ms mx dr prof st mt rev fr sr vs e.g i.e cf approx fig vol ch pp ca",
+    "fr": "mme mlle ste p.ex c.-à-d",
+    "de": "z.b bzw d.h vgl ggf sog inkl evtl bspw hr",
+    "es": "sra srta dra ud uds vd dña p.ej pág",
+    "it": "sig sigg dott ing avv p.es",
+    "pt": "exmo exma",
+    "nl": "dhr mevr bijv d.w.z m.b.t t.a.v",
+}
+_TITLES = frozenset(w + "." for words in _TITLES_BY_LANGUAGE.values() for w in words.split())
+# ... only when a number follows ("No. 5", "Jan. 3"; but "No. Thanks." ends a sentence).
+_BEFORE_NUMBERS = "no nos nr núm art jan feb mar apr jun jul aug sep sept oct nov dec"
+_NUMBER_ABBREVIATIONS = frozenset(w + "." for w in _BEFORE_NUMBERS.split())
+
+_WS = re.compile(r"\s+")
+_LINE_BREAK = re.compile(r"\r\n|[\n\r\x0b\x85\u2028]")
+_PARAGRAPH_SEPARATORS = frozenset("\x0c\x1c\x1d\x1e\u2029")
+_NO_BREAK_SPACES = "\xa0\u2007\u202f"
+# The lookbehinds make each pattern start only at the beginning of a run: linear time on long
+# unbroken input.
+_PROTECTED = re.compile(
+    r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://[^\s<>\"]+"
+    r"|(?<![\w.])www\.[^\s<>\"]+"
+    r"|(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+"
+    r"|(?<!\d)\d+(?:[.,:/\-–—٫٬]\d+)+",
+    re.IGNORECASE,
+)
+_TRAILING_PUNCT = ".,;:!?'\")]}»”’"
+_NO_SPACE_BREAK = re.compile(r"[。！？｡，；：、､—―]+")
+
+# Appended period by the script of the last letter; default ".". Arabic-script text uses the
+# Latin "." in Arabic and Persian, and U+06D4 in Urdu (detected by Urdu-only letters).
+_PERIOD_BY_SCRIPT = {
+    "CJK": "。",
+    "HIRAGANA": "。",
+    "KATAKANA": "。",
+    "DEVANAGARI": "।",
+    "BENGALI": "।",
+    "GURMUKHI": "।",
+    "ARMENIAN": "։",
+    "ETHIOPIC": "።",
+    "MYANMAR": "။",
+    "KHMER": "។",
+}
+_URDU_LETTERS = frozenset("ٹڈڑںےۓ")
+
+_LEVEL_COST = {SENTENCE: 0.0, CLAUSE: 1.0, WORD: 2.0}
+_SHORT_TAIL_COST = 0.5
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of the input: ``input[start:end] == text``.
+
+    ``spoken`` is what to send to the model; ``pause_after`` the seconds of silence natural
+    before the next segment (``PAUSE_AFTER`` by how this one ended; 0.0 after the last).
+    """
+
+    text: str
+    start: int
+    end: int
+    pause_after: float
+    spoken: str
+
+
+def split_text(
+    text: str, *, target_chars: int = 200, max_chars: int = 400, add_period: bool = True
+) -> list[Segment]:
+    """Split ``text`` into segments of about ``target_chars`` and at most ``max_chars``.
+
+    Segments are stripped, non-empty, in order and non-overlapping; only whitespace between
+    them is dropped. ``spoken`` is the segment with a script-appropriate period when it lacks
+    terminal punctuation and ``add_period`` (a trailing comma/colon/dash becomes the period).
+    """
+    if not isinstance(text, str):
+        raise InputError(f"text must be a str, got {type(text).__name__}: pass the text itself")
+    if not 1 <= target_chars <= max_chars:
+        raise InputError(
+            f"need 1 <= target_chars <= max_chars, got {target_chars} and {max_chars}: fix them"
+        )
+    if not text or text.isspace():
+        return []
+    paragraphs, cands, forbid = _find_splits(text)
+    ends = [c[0] for c in cands]
+    pieces: list[tuple[int, int, str]] = []  # (start, end, how it ended)
+    for p0, p1 in paragraphs:
+        cur = p0
+        while p1 - cur > target_chars:
+            e, s, kind = _best_split(text, cur, p1, cands, ends, forbid, target_chars, max_chars)
+            if e == p1:
+                break
+            pieces.append((cur, e, kind))
+            cur = s
+        pieces.append((cur, p1, PARAGRAPH))
+
+    segments = []
+    for i, (a, b, kind) in enumerate(pieces):
+        pause = 0.0 if i == len(pieces) - 1 else PAUSE_AFTER[kind]
+        segments.append(Segment(text[a:b], a, b, pause, _spoken(text[a:b], add_period)))
+    return segments
+
+
+def _find_splits(
+    text: str,
+) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]], bytearray]:
+    """Paragraph spans, allowed splits (end, next start, kind) sorted, and the forbid mask."""
+    n = len(text)
+    forbid = bytearray(n + 1)  # forbid[e]: no segment may end at e
+    for m in _PROTECTED.finditer(text):
+        a, b = m.start(), m.start() + len(m.group().rstrip(_TRAILING_PUNCT))
+        forbid[a + 1 : b] = b"\x01" * max(b - a - 1, 0)
+
+    paragraphs: list[tuple[int, int]] = []
+    cands: list[tuple[int, int, str]] = []
+    start = 0
+    for m in _WS.finditer(text):
+        e, s = m.span()
+        if e == 0:
+            start = s
+            continue
+        if s == n:
+            break
+        run = m.group()
+        if not run.strip(_NO_BREAK_SPACES):
+            continue
+        breaks = _line_breaks(run)
+        if breaks > 1:
+            paragraphs.append((start, e))
+            start = s
+            continue
+        kind = _classify(text, e, s, forbid)
+        if kind == WORD and breaks:
+            kind = CLAUSE
+        if kind:
+            cands.append((e, s, kind))
+    paragraphs.append((start, len(text.rstrip())))
+
+    for m in _NO_SPACE_BREAK.finditer(text):  # CJK punctuation and em dashes need no space
+        a, q = m.span()
+        if a == 0 or text[a - 1].isspace():
+            continue
+        while q < n and text[q] in _CLOSERS:
+            q += 1
+        if q < n and not text[q].isspace():
+            hard = any(ch in _CJK_HARD for ch in m.group())
+            cands.append((q, q, SENTENCE if hard else CLAUSE))
+
+    cands = sorted(c for c in cands if not forbid[c[0]] and _cuttable(text, c[1]))
+    return paragraphs, cands, forbid
+
+
+def _line_breaks(run: str) -> int:
+    """0, 1, or 2 meaning 'a paragraph break' for a whitespace run."""
+    if any(ch in _PARAGRAPH_SEPARATORS for ch in run):
+        return 2
+    return min(len(_LINE_BREAK.findall(run)), 2)
+
+
+def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
+    """Kind of split at the whitespace ``text[e:s]``; None, with ``forbid`` marked, if protected."""
+    j = e
+    while j > 0 and text[j - 1] in _CLOSERS:
+        j -= 1
+    c = text[j - 1] if j else ""
+    if c in _MID or c in _DASHES or (c == "-" and (j < 2 or text[j - 2].isspace())):
+        return CLAUSE
+    if c not in TERMINALS:
+        return WORD
+    if c not in ".…":
+        return SENTENCE
+    nxt = _next_char(text, s)
+    t0 = j - 1
+    while t0 > 0 and not text[t0 - 1].isspace():
+        t0 -= 1
+    if _protected_period(text, t0, j, s, nxt):
+        forbid[t0 + 1 : s + 1] = b"\x01" * (s - t0)
+        return None
+    return WORD if nxt.islower() else SENTENCE
+
+
+def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
+    """True when the period ending the token ``text[t0:j]`` must stay with the next word."""
+    k = t0
+    while k < j and text[k] in _OPENERS:
+        k += 1
+    word = text[k:j].lower()
+    if word.endswith(("..", "…")):
+        return nxt.islower()
+    if word in _TITLES:
+        return True
+    if word in _NUMBER_ABBREVIATIONS:
+        return nxt.isdigit()
+    if len(word) == 2 and word[0].isalpha():  # an initial: "J. R. R. Tolkien", "z. B."
+        if word[0] in "ia" and text[k].isupper():  # "So did I. Then" but "I. M. Pei"
+            return nxt.isupper() and text[s + 1 : s + 2] == "."
+        return nxt.isupper() or nxt.isdigit()
+    if word[:-1].isdigit():  # "1. First item" at the start of a line
+        b = t0
+        while b > 0 and text[b - 1] in " \t":
+            b -= 1
+        return b == 0 or text[b - 1] in _LINE_ENDS
+    return False
+
+
+def _next_char(text: str, s: int) -> str:
+    while s < len(text) and text[s] in _OPENERS:
+        s += 1
+    return text[s] if s < len(text) else ""
+
+
+def _best_split(
+    text: str,
+    cur: int,
+    p1: int,
+    cands: list[tuple[int, int, str]],
+    ends: list[int],
+    forbid: bytearray,
+    target: int,
+    max_chars: int,
+) -> tuple[int, int, str]:
+    """Cheapest split of ``text[cur:p1]`` within ``max_chars``: (end, next start, kind)."""
+    limit = cur + max_chars
+    best, best_cost = None, float("inf")
+    if p1 <= limit:
+        best, best_cost = (p1, p1, PARAGRAPH), _length_cost(p1 - cur, target, max_chars)
+    for e, s, kind in cands[bisect_right(ends, cur) : bisect_right(ends, min(limit, p1))]:
+        cost = _LEVEL_COST[kind] + _length_cost(e - cur, target, max_chars)
+        if p1 - s < target / 4:
+            cost += _SHORT_TAIL_COST
+        if cost < best_cost:
+            best, best_cost = (e, s, kind), cost
+    return best or _hard_cut(text, cur, limit, forbid)
+
+
+def _length_cost(length: int, target: int, max_chars: int) -> float:
+    if length <= target:
+        return 1.5 * (target - length) / target
+    return (length - target) / max(max_chars - target, 1)
+
+
+def _hard_cut(text: str, cur: int, limit: int, forbid: bytearray) -> tuple[int, int, str]:
+    """Cut near ``limit``; prefer outside grapheme clusters, then outside protected spans."""
+    best, best_rank = None, (-1,)
+    for i in range(limit, cur, -1):
+        e, s = i, i
+        while text[e - 1].isspace():
+            e -= 1
+        while text[s].isspace():
+            s += 1
+        rank = (_cuttable(text, e) and _cuttable(text, s), not forbid[e], e != s)
+        if rank > best_rank:
+            best, best_rank = (e, s, CUT), rank
+            if rank[:2] == (True, True):
+                break
+    assert best is not None
+    return best
+
+
+def _cuttable(text: str, i: int) -> bool:
+    """False when a cut before ``text[i]`` would split a grapheme cluster (simplified UAX #29)."""
+    if i <= 0 or i >= len(text):
+        return True
+    p, c = text[i - 1], text[i]
+    op, oc = ord(p), ord(c)
+    if c == "\u200d" or p == "\u200d" or (p == "\r" and c == "\n"):
+        return False
+    # Variation selectors, skin-tone modifiers, tag characters, Hangul medial/final jamo.
+    if (
+        0xFE00 <= oc <= 0xFE0F
+        or 0x1F3FB <= oc <= 0x1F3FF
+        or 0xE0020 <= oc <= 0xE01EF
+        or 0x1160 <= oc <= 0x11FF
+        or 0xD7B0 <= oc <= 0xD7FF
+    ):
+        return False
+    if 0xD800 <= op <= 0xDBFF and 0xDC00 <= oc <= 0xDFFF:
+        return False
+    if unicodedata.category(c) in ("Mn", "Mc", "Me"):
+        return False
+    if unicodedata.combining(p) == 9 and c.isalpha():  # virama + consonant: Indic conjunct
+        return False
+    if _is_regional(c) and _is_regional(p):
+        k = i - 1
+        while k > 0 and _is_regional(text[k - 1]):
+            k -= 1
+        return (i - k) % 2 == 0  # flags pair up from the start of the run
+    return True
+
+
+def _is_regional(ch: str) -> bool:
+    return 0x1F1E6 <= ord(ch) <= 0x1F1FF
+
+
+def _spoken(seg: str, add_period: bool) -> str:
+    if not add_period:
+        return seg
+    j = len(seg)
+    while j > 0 and seg[j - 1] in _CLOSERS:
+        j -= 1
+    if j and seg[j - 1] in TERMINALS:
+        return seg
+    if j == len(seg) and (seg[-1] in _MID or seg[-1] in _DASHES or seg[-1] == "-"):
+        head = seg[:-1].rstrip()
+        if head:
+            return head + _period_for(head)
+    return seg + _period_for(seg)
+
+
+def _period_for(seg: str) -> str:
+    for ch in reversed(seg):
+        if ch.isalpha():
+            script = unicodedata.name(ch, "").split(" ", 1)[0]
+            if script == "ARABIC":
+                return "۔" if any(c in _URDU_LETTERS for c in seg) else "."
+            return _PERIOD_BY_SCRIPT.get(script, ".")
+    return "."

@@ -1,0 +1,453 @@
+"""Mistral's Tekken tokenizer (``tekken.json``) on top of HuggingFace ``tokenizers``.
+
+Tekken is tiktoken-style byte-level BPE: the text is split by ``config.pattern``, each
+piece's UTF-8 bytes are merged by rank (a token's rank is its merge priority) over the
+first ``default_vocab_size - default_num_special_tokens`` vocab entries, and a text
+token's id is its rank plus the number of special tokens. Special tokens are never
+produced from text.
+
+tiktoken's semantics map onto a ``tokenizers`` BPE model as follows:
+
+* the vocab is every rank's bytes in the GPT-2 byte-to-unicode alphabet, id = rank + offset;
+* tiktoken may merge *any* adjacent pair whose concatenation is a token, so every split
+  ``(a, b)`` of a token ``T`` with both halves in the vocab becomes a merge, ranked by
+  ``rank(T)`` (then by split point; among splits of one token the order is arbitrary);
+* tiktoken emits a piece that is itself a token directly, without merging: that is
+  ``ignore_merges=True``.
+
+Building that model from the 15 MB ``tekken.json`` takes about a second, so the serialized
+result is cached, keyed by the file's SHA-256 (see :func:`default_cache_dir`).
+"""
+
+from __future__ import annotations
+
+import binascii
+import contextlib
+import hashlib
+import json
+import operator
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from .errors import InputError, TokenizerError
+
+# Bump when the cached file's layout or the way the model is built changes.
+CACHE_FORMAT = 1
+
+BOS = "<s>"
+AUDIO = "[AUDIO]"
+BEGIN_AUDIO = "[BEGIN_AUDIO]"
+NEXT_AUDIO_TEXT = "[NEXT_AUDIO_TEXT]"
+REPEAT_AUDIO_TEXT = "[REPEAT_AUDIO_TEXT]"
+
+# What mistral-common assumes for files without a special_tokens list (v7 and older).
+LEGACY_SPECIAL_TOKENS = (
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CALLS]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[PREFIX]",
+    "[MIDDLE]",
+    "[SUFFIX]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[TOOL_CONTENT]",
+)
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character table, the alphabet of ByteLevel models."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+_BYTE_CHARS = _byte_alphabet()
+# bytes.decode("latin-1") maps byte b to chr(b); this finishes the mapping to the alphabet.
+_LATIN1_TO_ALPHABET = {b: c for b, c in enumerate(_BYTE_CHARS) if chr(b) != c}
+
+
+def default_cache_dir() -> Path:
+    """``$VOXTRAL_MLX_CACHE``, else ``$XDG_CACHE_HOME/voxtral_mlx``, else ``~/.cache/voxtral_mlx``.
+
+    Tokenizer builds go in its ``tokenizers/`` subfolder.
+    """
+    env = os.environ.get("VOXTRAL_MLX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "voxtral_mlx"
+
+
+class TekkenTokenizer:
+    """Text <-> ids for a ``tekken.json``; ids are the model's ids (rank + special count)."""
+
+    def __init__(
+        self,
+        backend: Tokenizer,
+        *,
+        vocab_size: int,
+        special_tokens: list[str],
+        version: str | None,
+        audio: dict[str, Any],
+        path: Path | None = None,
+    ):
+        self._backend = backend
+        self.vocab_size = vocab_size
+        self.num_special_tokens = len(special_tokens)
+        self.version = version
+        self.special_tokens: tuple[str, ...] = tuple(special_tokens)
+        self.special_ids: dict[str, int] = {s: i for i, s in enumerate(special_tokens)}
+        self.audio = audio
+        self.voice_num_audio_tokens: dict[str, int] = _voice_counts(audio)
+        self.path = path
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_file(cls, path: str | Path, cache_dir: Path | None = None) -> TekkenTokenizer:
+        """Load ``tekken.json``, reusing a cached build of the same file content if present.
+
+        The cache lives in ``<cache_dir or default_cache_dir()>/tokenizers``; when it cannot
+        be written, the tokenizer is simply built every time.
+        """
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise TokenizerError(
+                f"tokenizer file {path} not found: point to the model's tekken.json "
+                "or download the model again"
+            ) from None
+        except IsADirectoryError:
+            raise TokenizerError(
+                f"{path} is a directory: pass the tekken.json file inside it"
+            ) from None
+        except OSError as e:
+            raise TokenizerError(f"cannot read tokenizer file {path}: {e.strerror or e}") from None
+
+        digest = hashlib.sha256(raw).hexdigest()
+        cache_file = _cache_root(cache_dir) / f"tekken-{digest}-f{CACHE_FORMAT}.json"
+        cached = _read_cache(cache_file, digest)
+        if cached is not None:
+            meta, backend = cached
+        else:
+            meta, backend = _build(raw, path)
+            _write_cache(cache_file, {"sha256": digest, "format": CACHE_FORMAT, **meta}, backend)
+        return cls(
+            backend,
+            vocab_size=meta["vocab_size"],
+            special_tokens=meta["special_tokens"],
+            version=meta["version"],
+            audio=meta["audio"],
+            path=path,
+        )
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, text: str) -> list[int]:
+        """Text ids of ``text`` (no BOS/EOS); special-token strings in it are plain text."""
+        if not isinstance(text, str):
+            raise InputError(f"text to tokenize must be a str, got {type(text).__name__}")
+        try:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            # Lone surrogates cannot cross into Rust; tiktoken replaces them the same way.
+            fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            return self._backend.encode(fixed, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; special ids are skipped, invalid UTF-8 becomes U+FFFD."""
+        ids = [int(i) for i in ids]
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise TokenizerError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        n_special = self.num_special_tokens
+        # Like mistral-common, each run between special ids is decoded on its own.
+        return "".join(
+            self._backend.decode(list(run))
+            for is_special, run in groupby(ids, lambda i: i < n_special)
+            if not is_special
+        )
+
+    def special_id(self, token_str: str) -> int:
+        """Id of the special token ``token_str`` (e.g. ``"[AUDIO]"``)."""
+        try:
+            return self.special_ids[token_str]
+        except KeyError:
+            where = f" {self.path}" if self.path else ""
+            raise TokenizerError(
+                f"special token {token_str} is not in tokenizer{where}: "
+                "use the tekken.json shipped with Voxtral-4B-TTS"
+            ) from None
+
+    @property
+    def backend(self) -> Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (text ids only, no special tokens)."""
+        return self._backend
+
+    def __repr__(self) -> str:
+        return (
+            f"TekkenTokenizer(path={str(self.path)!r}, version={self.version!r}, "
+            f"vocab_size={self.vocab_size}, num_special_tokens={self.num_special_tokens})"
+        )
+
+
+def speech_prompt_ids(tokenizer: TekkenTokenizer, text: str, num_voice_tokens: int) -> list[int]:
+    """The TTS prompt: ``<s> [BEGIN_AUDIO] [AUDIO]*N [NEXT_AUDIO_TEXT] text
+    [REPEAT_AUDIO_TEXT] [BEGIN_AUDIO]``, text tokenized raw."""
+    try:
+        if isinstance(num_voice_tokens, bool):
+            raise TypeError
+        num_voice_tokens = operator.index(num_voice_tokens)
+    except TypeError:
+        raise InputError(
+            f"num_voice_tokens must be an int, got {type(num_voice_tokens).__name__}"
+        ) from None
+    if num_voice_tokens < 0:
+        raise InputError(f"num_voice_tokens must be >= 0, got {num_voice_tokens}")
+    sid = tokenizer.special_id
+    begin_audio = sid(BEGIN_AUDIO)
+    return [
+        sid(BOS),
+        begin_audio,
+        *([sid(AUDIO)] * num_voice_tokens),
+        sid(NEXT_AUDIO_TEXT),
+        *tokenizer.encode(text),
+        sid(REPEAT_AUDIO_TEXT),
+        begin_audio,
+    ]
+
+
+# ---------------------------------------------------------------------- building
+
+
+def _build(raw: bytes, path: Path) -> tuple[dict[str, Any], Tokenizer]:
+    """Validate a tekken.json's bytes and build its metadata and BPE tokenizer."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(
+            f"{path} is not valid JSON ({e}): download tekken.json again"
+        ) from None
+    if isinstance(data, list):
+        raise TokenizerError(
+            f"{path} uses the legacy bare-list tekken layout, which is not supported: "
+            "use a tekken.json with 'config', 'vocab' and 'special_tokens'"
+        )
+    if not isinstance(data, dict):
+        raise TokenizerError(
+            f"{path} has an unsupported layout (top level is {type(data).__name__}, "
+            "expected an object with 'config' and 'vocab')"
+        )
+    for key in ("config", "vocab"):
+        if key not in data:
+            raise TokenizerError(
+                f"{path} is missing the '{key}' section: it is not a tekken.json file"
+            )
+    config, vocab = data["config"], data["vocab"]
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path}: 'config' must be an object")
+    if not isinstance(vocab, list):
+        raise TokenizerError(f"{path}: 'vocab' must be a list of tokens")
+
+    pattern = config.get("pattern")
+    if not isinstance(pattern, str) or not pattern:
+        raise TokenizerError(f"{path}: config.pattern is missing or not a string")
+    vocab_size = _config_int(config, "default_vocab_size", path)
+    n_special = _config_int(config, "default_num_special_tokens", path)
+    version = config.get("version")
+    if version is not None and not isinstance(version, str):
+        raise TokenizerError(f"{path}: config.version must be a string, got {version!r}")
+    n_text = vocab_size - n_special
+    if n_text < 256:
+        raise TokenizerError(
+            f"{path}: default_vocab_size {vocab_size} leaves {n_text} text tokens after "
+            f"{n_special} special tokens; byte-level BPE needs at least the 256 byte tokens"
+        )
+    if len(vocab) < n_text:
+        raise TokenizerError(
+            f"{path}: vocab has {len(vocab)} entries but default_vocab_size - "
+            f"default_num_special_tokens = {n_text}: the file is truncated or inconsistent"
+        )
+
+    special_tokens = _special_tokens(data.get("special_tokens"), n_special, path)
+    audio = data.get("audio") or {}
+    if not isinstance(audio, dict):
+        raise TokenizerError(f"{path}: 'audio' must be an object")
+    try:
+        _voice_counts(audio)
+    except TokenizerError as e:
+        raise TokenizerError(f"{path}: {e}") from None
+
+    backend = _build_backend(_vocab_strings(vocab[:n_text], path), pattern, n_special, path)
+    meta = {
+        "vocab_size": vocab_size,
+        "special_tokens": special_tokens,
+        "version": version,
+        "audio": audio,
+    }
+    return meta, backend
+
+
+def _config_int(config: Mapping[str, Any], key: str, path: Path) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TokenizerError(f"{path}: config.{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _special_tokens(entries: Any, n_special: int, path: Path) -> list[str]:
+    """Special token strings by id, padded with ``<SPECIAL_i>`` like mistral-common."""
+    if entries is None:
+        names = list(LEGACY_SPECIAL_TOKENS[:n_special])
+    else:
+        if not isinstance(entries, list):
+            raise TokenizerError(f"{path}: 'special_tokens' must be a list")
+        if len(entries) > n_special:
+            raise TokenizerError(
+                f"{path}: {len(entries)} special tokens but "
+                f"config.default_num_special_tokens is {n_special}"
+            )
+        names = []
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict) or not isinstance(entry.get("token_str"), str):
+                raise TokenizerError(f"{path}: special_tokens[{i}] has no string 'token_str'")
+            if entry.get("rank") != i:
+                raise TokenizerError(
+                    f"{path}: special_tokens[{i}] ({entry['token_str']}) has rank "
+                    f"{entry.get('rank')!r}, expected {i}"
+                )
+            names.append(entry["token_str"])
+    names += [f"<SPECIAL_{i}>" for i in range(len(names), n_special)]
+    if len(set(names)) != len(names):
+        dup = next(s for s in names if names.count(s) > 1)
+        raise TokenizerError(f"{path}: special token {dup} appears more than once")
+    return names
+
+
+def _voice_counts(audio: Mapping[str, Any]) -> dict[str, int]:
+    counts = audio.get("voice_num_audio_tokens") or {}
+    if not isinstance(counts, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k, v in counts.items()
+    ):
+        raise TokenizerError(
+            "audio.voice_num_audio_tokens must map voice names to non-negative integers"
+        )
+    return dict(counts)
+
+
+def _vocab_strings(vocab: list[Any], path: Path) -> list[str]:
+    """Each rank's bytes spelled in the byte-level alphabet; checks tiktoken's invariants."""
+    out: list[str] = []
+    for i, entry in enumerate(vocab):
+        try:
+            rank, b64 = entry["rank"], entry["token_bytes"]
+            token = binascii.a2b_base64(b64)
+        except (TypeError, KeyError, binascii.Error, ValueError):
+            raise TokenizerError(
+                f"{path}: vocab[{i}] needs an integer 'rank' and base64 'token_bytes'"
+            ) from None
+        if rank != i:
+            raise TokenizerError(f"{path}: vocab[{i}] has rank {rank!r}, expected {i}")
+        if i < 256 and token != bytes([i]):
+            raise TokenizerError(f"{path}: vocab[{i}] must be the single byte {i}, got {token!r}")
+        if not token:
+            raise TokenizerError(f"{path}: vocab[{i}] has empty token_bytes")
+        out.append(token.decode("latin-1").translate(_LATIN1_TO_ALPHABET))
+    return out
+
+
+def _build_backend(strings: list[str], pattern: str, offset: int, path: Path) -> Tokenizer:
+    vocab = {s: i + offset for i, s in enumerate(strings)}
+    if len(vocab) != len(strings):
+        first = {}
+        for i, s in enumerate(strings):
+            if s in first:
+                raise TokenizerError(f"{path}: vocab[{i}] repeats the bytes of vocab[{first[s]}]")
+            first[s] = i
+    # Strings are in rank order, so merges come out ordered by rank(T), then split point.
+    merges = [
+        (a, b)
+        for s in strings
+        for k in range(1, len(s))
+        if (a := s[:k]) in vocab and (b := s[k:]) in vocab
+    ]
+    try:
+        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+    except Exception as e:
+        raise TokenizerError(f"{path}: config.pattern is not a usable regex ({e})") from None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            split,
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+# ---------------------------------------------------------------------- cache
+
+
+def _cache_root(cache_dir: Path | None) -> Path:
+    return Path(cache_dir if cache_dir is not None else default_cache_dir()) / "tokenizers"
+
+
+def _read_cache(file: Path, digest: str) -> tuple[dict[str, Any], Tokenizer] | None:
+    """Cache entry = one JSON line of metadata, a newline, the tokenizer's own JSON."""
+    try:
+        with open(file, encoding="utf-8", newline="") as f:
+            text = f.read()
+        head, _, body = text.partition("\n")
+        meta = json.loads(head)
+        if meta.get("sha256") != digest or meta.get("format") != CACHE_FORMAT:
+            return None
+        if not all(k in meta for k in ("vocab_size", "special_tokens", "version", "audio")):
+            return None
+        return meta, Tokenizer.from_str(body)
+    except Exception:
+        # Missing, unreadable, half-written by an older version, ...: rebuild.
+        return None
+
+
+def _write_cache(file: Path, meta: dict[str, Any], backend: Tokenizer) -> None:
+    tmp = None
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        payload = json.dumps(meta, ensure_ascii=False) + "\n" + backend.to_str()
+        fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(payload)
+        os.replace(tmp, file)
+        tmp = None
+    except OSError:
+        pass  # an unwritable cache only costs the build time on the next load
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

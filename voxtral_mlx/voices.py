@@ -1,0 +1,309 @@
+"""Preset voices: which exist, their language, and their embeddings (loaded on first use).
+
+A voice is a ``[N, dim]`` matrix in the backbone's embedding space, shipped as
+``voice_embedding/<name>.pt`` (Mistral's checkpoint, a ``torch.save``d BF16 tensor) or
+``voice_embedding/<name>.safetensors`` (converted; one tensor under key ``embedding``).
+tekken.json lists the row count N each voice must have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import VoiceError
+from .fileio import atomic_write, one_line
+from .torch_pickle import PtTensor, read_pt, to_mlx
+
+LANGUAGE_NAMES: dict[str, str] = {
+    "en": "English",
+    "fr": "French",
+    "es": "Spanish",
+    "de": "German",
+    "it": "Italian",
+    "pt": "Portuguese",
+    "nl": "Dutch",
+    "ar": "Arabic",
+    "hi": "Hindi",
+}
+_ENGLISH_STYLES = ("casual", "cheerful", "neutral")
+EMBEDDING_KEY = "embedding"
+_SUFFIXES = (".safetensors", ".pt")  # preferred first
+
+
+def voice_language(name: str) -> str | None:
+    """The language code of a preset voice name (``fr_male`` -> ``fr``), None if unknown."""
+    prefix = name.split("_", 1)[0]
+    if prefix in _ENGLISH_STYLES:
+        return "en"
+    return prefix if prefix in LANGUAGE_NAMES and "_" in name else None
+
+
+@dataclass(frozen=True)
+class Voice:
+    name: str
+    path: Path
+    language: str | None
+    num_tokens: int | None  # rows tekken.json expects; None when tekken does not list the voice
+
+
+class VoiceRegistry(Mapping[str, Voice]):
+    """The voices found in a directory, by name; embeddings are read lazily and cached."""
+
+    def __init__(self, voices: Mapping[str, Voice], dim: int, voice_dir: Path | None = None):
+        self._voices = dict(sorted(voices.items()))
+        self.dim = dim
+        self.voice_dir = voice_dir
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[str, mx.Dtype | None], mx.array] = {}
+
+    @classmethod
+    def from_dir(
+        cls, voice_dir: Path | None, expected_tokens: Mapping[str, int], dim: int
+    ) -> VoiceRegistry:
+        """Scan ``voice_dir`` by file name only (no file is opened).
+
+        ``<name>.safetensors`` wins over ``<name>.pt``; other files are ignored. A missing
+        directory (or None) gives an empty registry: the checkpoint simply has no voices.
+        """
+        found: dict[str, Path] = {}
+        if voice_dir is not None:
+            voice_dir = Path(voice_dir)
+            if voice_dir.exists() and not voice_dir.is_dir():
+                raise VoiceError(
+                    f"voice directory {one_line(str(voice_dir))} is a file, not a directory"
+                )
+            try:
+                entries = list(os.scandir(voice_dir)) if voice_dir.is_dir() else []
+            except OSError as e:
+                raise VoiceError(
+                    f"cannot list voice directory {one_line(str(voice_dir))}: "
+                    f"{one_line(e.strerror or str(e))}"
+                ) from e
+            for entry in sorted(entries, key=lambda e: e.name):
+                path = Path(entry.path)
+                if path.name.startswith(".") or path.suffix not in _SUFFIXES:
+                    continue
+                if not entry.is_file():
+                    continue
+                known = found.get(path.stem)
+                if known is None or _SUFFIXES.index(path.suffix) < _SUFFIXES.index(known.suffix):
+                    found[path.stem] = path
+        voices = {
+            name: Voice(name, path, voice_language(name), expected_tokens.get(name))
+            for name, path in found.items()
+        }
+        return cls(voices, dim, voice_dir)
+
+    # Mapping protocol: KeyError for unknown names, as Mapping.get / `in` expect.
+    def __getitem__(self, name: str) -> Voice:
+        return self._voices[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._voices)
+
+    def __len__(self) -> int:
+        return len(self._voices)
+
+    def get_voice(self, name: str) -> Voice:
+        """The voice called ``name``; :class:`VoiceError` listing the valid names otherwise."""
+        voice = self._voices.get(name)
+        if voice is not None:
+            return voice
+        if not self._voices:
+            where = f" in {one_line(str(self.voice_dir))}" if self.voice_dir is not None else ""
+            raise VoiceError(
+                f"unknown voice {one_line(repr(name))}: no voice files were found{where}; "
+                f"download the checkpoint's voice_embedding folder or convert voices with "
+                f"`voxtral-mlx convert-voices`"
+            )
+        names = one_line(", ".join(self._voices), 4000)
+        raise VoiceError(
+            f"unknown voice {one_line(repr(name))}; available voices: {names} "
+            f"(run `voxtral-mlx voices` to list them with their languages)"
+        )
+
+    def embedding(self, name: str, dtype: mx.Dtype | None = None) -> mx.array:
+        """The voice's ``[N, dim]`` embedding (file dtype unless ``dtype``), read on first use."""
+        voice = self.get_voice(name)
+        with self._lock:
+            cached = self._cache.get((name, dtype))
+            if cached is not None:
+                return cached
+            raw = self._cache.get((name, None))
+            if raw is None:
+                raw = self._cache[(name, None)] = self._load(voice)
+            if dtype is None or raw.dtype == dtype:
+                result = raw
+            else:
+                result = raw.astype(dtype)
+                mx.eval(result)
+            self._cache[(name, dtype)] = result
+            return result
+
+    def _load(self, voice: Voice) -> mx.array:
+        src = one_line(str(voice.path))
+        if voice.path.suffix == ".pt":
+            array = to_mlx(read_pt(voice.path))
+        else:
+            array = _load_safetensors(voice.path, src)
+        shape = tuple(array.shape)
+        fix = "re-convert it from the checkpoint's .pt with `voxtral-mlx convert-voices`"
+        if len(shape) != 2:
+            raise VoiceError(
+                f"voice {voice.name!r} ({src}) has shape {list(shape)}, expected a 2-D "
+                f"[N, {self.dim}] embedding; {fix}"
+            )
+        rows, width = shape
+        if width != self.dim:
+            raise VoiceError(
+                f"voice {voice.name!r} ({src}) is {width} wide but the model's embeddings are "
+                f"{self.dim}; it belongs to a different model: use this checkpoint's voices"
+            )
+        if voice.num_tokens is not None and rows != voice.num_tokens:
+            raise VoiceError(
+                f"voice {voice.name!r} ({src}) has {rows} rows but tekken.json expects "
+                f"{voice.num_tokens}; {fix}"
+            )
+        if not mx.issubdtype(array.dtype, mx.floating):
+            raise VoiceError(
+                f"voice {voice.name!r} ({src}) holds {array.dtype} values, not floats; {fix}"
+            )
+        if rows < 1:
+            raise VoiceError(f"voice {voice.name!r} ({src}) has no rows; {fix}")
+        return array
+
+
+def _first_line(e: Exception) -> str:
+    return one_line(str(e).splitlines()[0] if str(e) else type(e).__name__, 120)
+
+
+def _load_safetensors(path: Path, src: str) -> mx.array:
+    try:
+        tensors = mx.load(str(path))
+    except Exception as e:  # mlx raises RuntimeError/ValueError with multi-line texts
+        raise VoiceError(
+            f"cannot read voice file {src} ({_first_line(e)}); re-download or re-convert it"
+        ) from e
+    if not isinstance(tensors, dict):
+        raise VoiceError(f"voice file {src} is not a safetensors file; re-convert it")
+    if EMBEDDING_KEY in tensors:
+        array = tensors[EMBEDDING_KEY]
+    elif len(tensors) == 1:
+        array = next(iter(tensors.values()))
+    else:
+        keys = ", ".join(one_line(k, 60) for k in sorted(tensors)[:20]) or "none"
+        raise VoiceError(
+            f"voice file {src} has no '{EMBEDDING_KEY}' tensor (it holds: {keys}); re-convert it"
+        )
+    try:
+        mx.eval(array)  # read now, under the lock, so a truncated file fails here
+    except Exception as e:
+        raise VoiceError(
+            f"cannot read voice file {src} ({_first_line(e)}); re-download or re-convert it"
+        ) from e
+    return array
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def _safetensors_bytes_header(t: PtTensor) -> bytes:
+    header = {
+        "__metadata__": {"format": "pt"},
+        EMBEDDING_KEY: {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [0, t.data.nbytes],
+        },
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the tensor data 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_safetensors(path: Path, t: PtTensor) -> None:
+    def write(f: BinaryIO) -> None:
+        f.write(_safetensors_bytes_header(t))
+        f.write(memoryview(t.data.reshape(-1).view(np.uint8)))
+
+    atomic_write(path, write)
+
+
+def _voice_sources(sources: list[Path]) -> list[Path]:
+    files: list[Path] = []
+    for source in sources:
+        source = Path(source)
+        if source.is_dir():
+            found = sorted(
+                p for p in source.glob("*.pt") if p.is_file() and not p.name.startswith(".")
+            )
+            if not found:
+                raise VoiceError(f"{one_line(str(source))} holds no .pt voice files")
+            files.extend(found)
+        elif source.is_file():
+            if source.suffix != ".pt":
+                raise VoiceError(f"{one_line(str(source))} is not a .pt voice file")
+            files.append(source)
+        else:
+            raise VoiceError(f"voice source {one_line(str(source))} does not exist; check the path")
+    unique: dict[Path, Path] = {}
+    for file in files:  # a file named both directly and through its directory counts once
+        unique.setdefault(file.resolve(), file)
+    return list(unique.values())
+
+
+def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = True) -> list[Path]:
+    """Convert ``.pt`` voices (files, or directories of them) to ``out_dir/<stem>.safetensors``.
+
+    Each output holds one tensor under key ``embedding`` with the source's dtype and shape,
+    bit-exact, written atomically. Every source is read and checked before the first file is
+    written; returns the written paths in order. Raises :class:`VoiceError` (or
+    :class:`UnsafePickleError` for a hostile .pt).
+    """
+    files = _voice_sources(sources)
+    out_dir = Path(out_dir)
+    targets = [out_dir / f"{src.stem}.safetensors" for src in files]
+    seen: dict[Path, Path] = {}
+    for src, dst in zip(files, targets, strict=True):
+        if dst in seen:
+            raise VoiceError(
+                f"{one_line(str(seen[dst]))} and {one_line(str(src))} would both be written to "
+                f"{one_line(str(dst))}; convert them into separate directories"
+            )
+        seen[dst] = src
+        if not overwrite and dst.exists():
+            raise VoiceError(f"{one_line(str(dst))} already exists; remove it or allow overwriting")
+    tensors = [read_pt(src) for src in files]  # voices are small: fail before writing any
+    if out_dir.exists() and not out_dir.is_dir():
+        raise VoiceError(
+            f"output {one_line(str(out_dir))} is a file, not a directory; pick another"
+        )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise VoiceError(
+            f"cannot create output directory {one_line(str(out_dir))}: "
+            f"{one_line(e.strerror or str(e))}; choose a writable directory"
+        ) from e
+
+    written: list[Path] = []
+    for tensor, dst in zip(tensors, targets, strict=True):
+        try:
+            _write_safetensors(dst, tensor)
+        except OSError as e:
+            raise VoiceError(
+                f"cannot write {one_line(str(dst))}: {one_line(e.strerror or str(e))}; "
+                f"choose a writable output directory"
+            ) from e
+        written.append(dst)
+    return written
