@@ -7,8 +7,8 @@ Mistral's ALiBi slopes and codebook floor (SPEC §6) so the parity line compares
 like. Times are wall-clock per decoded frame (80 ms of audio), evaluated at every chunk
 boundary as a player would; streaming times are steady state (chunks from frame 16 on).
 
-    python benchmarks/codec_bench.py [--configs tiny full] [--frames 200 75]
-        [--slow-frames 100 24] [--dtype float32]
+    python benchmarks/codec_bench.py [--configs tiny full] [--frames N] [--slow-frames N]
+        [--dtype float32]
 """
 
 from __future__ import annotations
@@ -144,20 +144,23 @@ def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype) -> list[tup
     return rows
 
 
+# Frames per config: (chunk-25 and one-shot runs, chunk-1 runs); the real width is slow on CPU.
+DEFAULT_FRAMES = {"tiny": (200, 100), "wide": (75, 24), "full": (75, 24)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=["tiny", "full"])
-    parser.add_argument("--frames", nargs="+", type=int, default=[200, 75],
-                        help="frames per config (chunk-25 and one-shot runs)")  # fmt: skip
-    parser.add_argument("--slow-frames", nargs="+", type=int, default=[100, 24],
-                        help="frames per config for the chunk-1 runs (> 16)")  # fmt: skip
+    parser.add_argument("--configs", nargs="+", default=["tiny", "full"],
+                        choices=sorted(DEFAULT_FRAMES))  # fmt: skip
+    parser.add_argument("--frames", type=int, help="frames for the chunk-25 and one-shot runs")
+    parser.add_argument("--slow-frames", type=int, help="frames for the chunk-1 runs")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     dtype = getattr(mx, args.dtype)
     rows = []
-    for i, size in enumerate(args.configs):
-        frames = args.frames[min(i, len(args.frames) - 1)]
-        slow = min(frames, args.slow_frames[min(i, len(args.slow_frames) - 1)])
+    for size in args.configs:
+        frames = args.frames or DEFAULT_FRAMES[size][0]
+        slow = min(frames, args.slow_frames or DEFAULT_FRAMES[size][1])
         if slow <= MLX_AUDIO_CONTEXT or frames < 2 * 25:
             parser.error("need --slow-frames > 16 and --frames >= 50 (steady state is timed)")
         rows += bench(size, frames, slow, dtype)

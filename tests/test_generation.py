@@ -11,6 +11,7 @@ import pytest
 import voxtral_mlx
 from voxtral_mlx.config import END_AUDIO
 from voxtral_mlx.errors import InputError
+from voxtral_mlx.model.flow import cfg_weights
 from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
 
 TEXT = "Hello there."
@@ -79,11 +80,15 @@ def test_interleaved_rope_and_kv_cache_match_numpy(tiny_tts, weights):
     extra = mx.array(
         np.random.default_rng(0).standard_normal((2, model.config.backbone.dim)), mx.float32
     )
-    cache = model.make_cache()
-    ours = [np.array(model(prompt, cache)[0])]
-    for j in range(2):
-        ours.append(np.array(model(extra[j][None, None], cache)[0]))
-    ours = np.concatenate(ours)
+
+    def run():  # on the model's worker thread (MLX arrays are bound to their thread)
+        cache = model.make_cache()
+        out = [model(prompt, cache)[0]]
+        for j in range(2):
+            out.append(model(extra[j][None, None], cache)[0])
+        return mx.concatenate(out)
+
+    ours = np.array(tiny_tts.call(run))
     x = np.concatenate([np.array(prompt[0]), np.array(extra)]).astype(np.float64)
     ref = np_backbone(weights, tiny_tts.config, x)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
@@ -106,7 +111,9 @@ def test_time_tokens_are_cos_then_sin(tiny_tts, weights):
         t = i / f.n_decoding_steps
         temb = np.concatenate([np.cos(t * freqs), np.sin(t * freqs)])
         ref = weights["acoustic_transformer.time_projection.weight"] @ temb
-        ours = np.array(tiny_tts.model.acoustic_transformer.time_tokens[i])
+        ours = np.array(
+            tiny_tts.call(lambda i=i: tiny_tts.model.acoustic_transformer.time_tokens[i])
+        )
         np.testing.assert_allclose(ours, ref, atol=1e-4 * np.abs(ref).max())
 
 
@@ -118,8 +125,12 @@ def test_first_frame_comes_from_the_last_prompt_position(tiny_tts):
     prompt = tiny_tts.prompt_embeddings(TEXT, VOICE)
     assert prompt.shape[1] == len(tiny_tts.prompt_ids(TEXT, VOICE))
     assert tiny_tts.prompt_ids(TEXT, VOICE)[-2:] == [35, 25]
-    h = model(prompt, model.make_cache())[:, -1]
-    frame0 = np.array(model.frame(h, mx.array(noise[:1]), 1.2)[1])[0]
+
+    def run():
+        h = model(prompt, model.make_cache())[:, -1]
+        return model.frame(h, mx.array(noise[:1]), cfg_weights([1.2]))[1]
+
+    frame0 = np.array(tiny_tts.call(run))[0]
     np.testing.assert_array_equal(speech.codes[0], frame0)
 
 
@@ -130,30 +141,34 @@ def test_voice_rows_replace_audio_placeholders(tiny_tts):
     emb = np.array(tiny_tts.prompt_embeddings(TEXT, VOICE)[0])
     voice = np.array(tiny_tts.voices.embedding(VOICE, mx.float32))
     np.testing.assert_array_equal(emb[2 : 2 + n], voice)
-    table = np.array(tiny_tts.model.mm_audio_embeddings.tok_embeddings.weight)
+    table = np.array(
+        tiny_tts.call(lambda: tiny_tts.model.mm_audio_embeddings.tok_embeddings.weight)
+    )
     np.testing.assert_array_equal(emb[:2], table[[1, 25]])
     np.testing.assert_array_equal(emb[2 + n :], table[ids[2 + n :]])
 
 
 class _ScriptedSemantic:
-    """Replaces the semantic head's choice by a script: END at frame ``end_at``."""
+    """Wraps ``model.frame`` so that the semantic code follows a script: END at frame
+    ``end_at`` (counted per sequence row 0), other codes arbitrary but valid."""
 
-    def __init__(self, head, end_at):
-        self.head, self.end_at, self.calls = head, end_at, 0
-        self.original = head.semantic_code
+    def __init__(self, model, end_at):
+        self.model, self.end_at, self.calls = model, end_at, 0
+        self.original = model.frame
 
-    def __call__(self, h):
+    def __call__(self, h, noise, cfg):
+        _sem, codes = self.original(h, noise, cfg)
         i = self.calls
         self.calls += 1
         code = END_AUDIO if i == self.end_at else 2 + (i % 7)
-        return mx.full((h.shape[0],), code, dtype=mx.int32)
+        sem = mx.full((h.shape[0],), code, dtype=mx.int32)
+        return sem, mx.concatenate([sem[:, None], codes[:, 1:]], axis=-1)
 
 
 @pytest.mark.parametrize("end_at", [0, 1, 5])
 def test_end_stops_and_is_neither_decoded_nor_fed_back(tiny_tts, monkeypatch, end_at):
     model = tiny_tts.model
-    script = _ScriptedSemantic(model.acoustic_transformer, end_at)
-    monkeypatch.setattr(model.acoustic_transformer, "semantic_code", script)
+    monkeypatch.setattr(model, "frame", _ScriptedSemantic(model, end_at))
     fed = []
     original_embed = model.embed_codes
 
@@ -172,8 +187,7 @@ def test_end_stops_and_is_neither_decoded_nor_fed_back(tiny_tts, monkeypatch, en
 
 
 def test_max_frames_and_noise_limit(tiny_tts, monkeypatch):
-    script = _ScriptedSemantic(tiny_tts.model.acoustic_transformer, end_at=10**9)
-    monkeypatch.setattr(tiny_tts.model.acoustic_transformer, "semantic_code", script)
+    monkeypatch.setattr(tiny_tts.model, "frame", _ScriptedSemantic(tiny_tts.model, 10**9))
     assert len(tiny_tts.synthesize(TEXT, VOICE, seed=3, max_frames=7).codes) == 7
     noise = np.zeros((4, 36), np.float32)
     assert len(tiny_tts.synthesize(TEXT, VOICE, noise=noise, max_frames=7).codes) == 4
@@ -239,8 +253,8 @@ def deep_tts(tmp_path_factory):
 def test_eval_calls_per_frame_do_not_grow_with_layers(tiny_tts, deep_tts, monkeypatch):
     per_frame = []
     for tts in (tiny_tts, deep_tts):
-        script = _ScriptedSemantic(tts.model.acoustic_transformer, end_at=10**9)
-        monkeypatch.setattr(tts.model.acoustic_transformer, "semantic_code", script)
+        monkeypatch.setattr(tts.model, "frame", _ScriptedSemantic(tts.model, 10**9))
+        tts.synthesize(TEXT, VOICE, seed=0, max_frames=2)  # voice prefix cached, graphs compiled
         counts = {}
         for frames in (4, 12):
             c = _count_evals(monkeypatch)

@@ -17,6 +17,7 @@ from tests.mlx_audio_reference import (
     load_reference,
     spec_codebook_floor,
 )
+from voxtral_mlx.model.flow import cfg_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -47,7 +48,7 @@ def test_prompt_ids_match_reference(tiny_tts, ref):
 def test_backbone_hidden_states(tiny_tts, ref):
     ids = tiny_tts.prompt_ids(TEXT, VOICE)
     prompt = tiny_tts.prompt_embeddings(TEXT, VOICE)
-    ours = tiny_tts.model(prompt, tiny_tts.model.make_cache())
+    ours = tiny_tts.call(lambda: tiny_tts.model(prompt, tiny_tts.model.make_cache()))
 
     from mlx_audio.lm.models.cache import make_prompt_cache
 
@@ -70,7 +71,9 @@ def test_flow_velocity_and_codes(tiny_tts, ref):
     x = mx.array(rng.standard_normal((1, 36)).astype(np.float32))
     n = tiny_tts.config.flow.n_decoding_steps
     for i in range(n):
-        ours = np.array(head.velocity(x, head.time_tokens[i], head.llm_projection(h)))
+        ours = np.array(
+            tiny_tts.call(lambda i=i: head.velocity(x, head.time_tokens[i], head.llm_projection(h)))
+        )
         theirs = np.array(
             ref.acoustic_transformer._predict_velocity(
                 mx.concatenate([x, x]), mx.full((2,), i / n), mx.concatenate([h, mx.zeros_like(h)])
@@ -81,7 +84,11 @@ def test_flow_velocity_and_codes(tiny_tts, ref):
     noise = rng.standard_normal((1, 36)).astype(np.float32)
     for _ in range(5):
         h = mx.array(rng.standard_normal((1, dim)).astype(np.float32) * 4)
-        ours = np.array(tiny_tts.model.frame(h, mx.array(noise), 1.2)[1])
+        ours = np.array(
+            tiny_tts.call(lambda h=h: tiny_tts.model.frame(h, mx.array(noise), cfg_weights([1.2])))[
+                1
+            ]
+        )
         with injected_noise(noise):
             theirs = np.array(ref.acoustic_transformer.decode_one_frame(h))
         np.testing.assert_array_equal(ours, theirs)

@@ -39,5 +39,13 @@ def load(
     """
     from .hub import resolve_model_dir
     from .loader import load_model_dir
+    from .worker import Worker
 
-    return VoxtralTTS(load_model_dir(resolve_model_dir(path_or_repo), dtype))
+    model_dir = resolve_model_dir(path_or_repo)
+    worker = Worker()
+    try:
+        loaded = worker.call(load_model_dir, model_dir, dtype)
+    except BaseException:
+        worker.close()
+        raise
+    return VoxtralTTS(loaded, worker)

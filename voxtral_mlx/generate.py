@@ -1,14 +1,15 @@
-"""Frames from a prompt: prefill, then one backbone step and one flow-matching step per frame.
+"""Frames for one or many sequences at once: prefill, then per frame one backbone step and
+one flow-matching step shared by every live sequence.
 
-Layering (as in mlx-lm): :func:`generate_frames` yields the codes of each frame as soon as
+Layering (as in mlx-lm): :class:`FrameBatch` produces the codes of each frame as soon as
 they are known; the TTS object turns frames into audio chunks and whole utterances.
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -16,6 +17,8 @@ import numpy as np
 
 from .config import END_AUDIO
 from .errors import InputError
+from .model.cache import BatchKVCache, KVCache
+from .model.flow import cfg_weights
 from .model.voxtral import VoxtralModel
 
 NOISE_BLOCK = 64  # frames of start noise drawn per key; independent of max_frames
@@ -62,71 +65,150 @@ class NoiseSource:
 
 
 @dataclass
-class FrameTimings:
-    prefill_s: float = 0.0
-    first_frame_s: float = 0.0
-    frames_s: float = 0.0
-    frames: int = 0
-    prompt_tokens: int = 0
+class Sequence:
+    """One utterance inside a :class:`FrameBatch`: its noise, limits and progress.
 
-
-@dataclass
-class Frame:
-    index: int
-    codes: mx.array  # [37] int32 on the device, +2-offset codes as generated
-    timings: FrameTimings = field(repr=False)
-
-
-def generate_frames(
-    model: VoxtralModel,
-    prompt: mx.array,
-    noise: NoiseSource,
-    *,
-    max_frames: int,
-    cfg_alpha: float,
-    cache: list | None = None,
-) -> Iterator[Frame]:
-    """Yield frames until END_AUDIO or ``max_frames``.
-
-    ``prompt`` holds the prompt embeddings ``[1, T, dim]`` (voice rows spliced in); the
-    hidden state of its last position predicts frame 0 directly. The one host sync per
-    frame reads the semantic code (END check) as soon as the semantic head is done; the
-    next frame is queued right after it, while this frame's flow-matching steps still run,
-    and never on an END frame. Codes stay on the device. The first frame is handed over
-    before the second is queued, so that its audio is not stuck behind a second frame.
+    ``cancel()`` may be called from any thread; the sequence leaves the batch at the next
+    frame boundary.
     """
-    timings = FrameTimings(prompt_tokens=prompt.shape[1])
-    if noise.limit is not None:
-        max_frames = min(max_frames, noise.limit)
-    if max_frames <= 0:
-        return
-    cache = model.make_cache() if cache is None else cache
+
+    noise: NoiseSource
+    max_frames: int
+    cfg_alpha: float
+    frames: int = 0
+    finished: bool = False
+    stop_reason: str | None = None  # "end", "max_frames" or "cancelled"
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    _h: mx.array | None = field(default=None, repr=False)
+    _cache: list[KVCache] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.noise.limit is not None:
+            self.max_frames = min(self.max_frames, self.noise.limit)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+
+def prefill(model: VoxtralModel, seq: Sequence, text: mx.array, cache: list[KVCache]) -> None:
+    """Run the prompt's text part on top of ``cache`` (which holds the voice prefix).
+
+    The hidden state of the last prompt position predicts the sequence's first frame
+    directly (there is no extra ``[AUDIO]`` step).
+    """
     t0 = time.perf_counter()
-    h = model(prompt, cache)[:, -1]
+    h = model(text, cache)[:, -1]
     mx.eval(h)
-    start = time.perf_counter()
-    timings.prefill_s = start - t0
+    seq._h, seq._cache = h, cache
+    seq.prefill_s = time.perf_counter() - t0
+    seq.prompt_tokens = cache[0].offset
 
-    def queue(i: int, codes: mx.array) -> tuple[mx.array, mx.array]:
-        nxt = model.frame(model.step(codes, cache), noise.row(i), cfg_alpha)
-        mx.async_eval(*nxt)
-        return nxt
 
-    semantic, codes = model.frame(h, noise.row(0), cfg_alpha)
-    mx.async_eval(semantic, codes)
-    for i in range(max_frames):
-        if semantic.item() == END_AUDIO:
+class FrameBatch:
+    """Advances several sequences by one frame per step, as one batch.
+
+    Each row keeps its own prompt length, positions (RoPE offsets), KV rows, noise and END.
+    Sequences join between steps (after :func:`prefill`) and leave when they end, hit their
+    frame limit or are cancelled, without disturbing the others.
+
+    A step is split in two so the caller can choose what the device does first:
+    :meth:`poll` waits for the semantic codes of the queued frame (the one host sync per
+    frame) and returns the frames produced; :meth:`advance` queues the next frame for the
+    sequences still running (and those that joined).
+    """
+
+    def __init__(self, model: VoxtralModel):
+        self.model = model
+        self.rows: list[Sequence] = []
+        self._joining: list[Sequence] = []
+        self._cache: list[BatchKVCache] | None = None
+        self._queued: tuple[mx.array, mx.array] | None = None
+        self._polled = False
+        self._continuing: list[int] = []
+
+    def add(self, seq: Sequence) -> None:
+        """Add a prefilled sequence; it produces its first frame at the next step."""
+        if seq._h is None:
+            raise ValueError("prefill() the sequence before adding it")
+        if seq.max_frames <= 0:
+            seq.finished, seq.stop_reason = True, "max_frames"
             return
-        last = i + 1 == max_frames
-        pending = queue(i + 1, codes) if i > 0 and not last else None
-        now = time.perf_counter()
-        if i == 0:
-            timings.first_frame_s = now - t0
-        timings.frames = i + 1
-        timings.frames_s = now - start
-        yield Frame(i, codes[0], timings)
-        if i == 0 and not last:
-            pending = queue(1, codes)
-        if pending is None:
-            return
-        semantic, codes = pending
+        self._joining.append(seq)
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self._joining)
+
+    def _frame(self, h: mx.array, rows: list[Sequence]) -> tuple[mx.array, mx.array]:
+        noise = mx.concatenate([s.noise.row(s.frames) for s in rows])
+        cfg = cfg_weights([s.cfg_alpha for s in rows])
+        out = self.model.frame(h, noise, cfg)
+        mx.async_eval(*out)
+        return out
+
+    def advance(self) -> None:
+        """Queue the next frame of every continuing and joining sequence (after :meth:`poll`)."""
+        h = None
+        if self._queued is not None:
+            if not self._polled:
+                raise RuntimeError("FrameBatch.poll() must come before advance()")
+            codes = self._queued[1]
+            keep = self._continuing
+            if len(keep) != len(self.rows):
+                self.rows = [self.rows[i] for i in keep]
+                if keep:
+                    codes = codes[mx.array(keep)]
+                    for c in self._cache:
+                        c.filter(keep)
+                else:
+                    self._cache = None
+            if self.rows:
+                h = self.model.step(codes, self._cache)
+            self._queued = None
+        joining, self._joining = self._joining, []
+        for seq in joining:
+            if seq.cancelled:
+                seq.finished, seq.stop_reason = True, "cancelled"
+                continue
+            single = [BatchKVCache.from_single(c) for c in seq._cache]
+            if self._cache is None:
+                self._cache = single
+            else:
+                for mine, theirs in zip(self._cache, single):
+                    mine.merge(theirs)
+            h = seq._h if h is None else mx.concatenate([h, seq._h])
+            seq._h = seq._cache = None
+            self.rows.append(seq)
+        if self.rows:
+            self._queued = self._frame(h, self.rows)
+            self._polled = False
+
+    def poll(self) -> list[tuple[Sequence, mx.array]]:
+        """Wait for the queued frame's END check; return ``(sequence, codes [37])`` for every
+        sequence that produced a frame. Finished sequences are marked and leave the batch
+        at the next :meth:`advance`."""
+        if self._queued is None:
+            return []
+        semantic, codes = self._queued
+        sem = np.array(semantic)
+        self._polled = True
+        produced, self._continuing = [], []
+        for i, seq in enumerate(self.rows):
+            if seq.cancelled:
+                seq.finished, seq.stop_reason = True, "cancelled"
+                continue
+            if sem[i] == END_AUDIO:
+                seq.finished, seq.stop_reason = True, "end"
+                continue
+            seq.frames += 1
+            produced.append((seq, codes[i]))
+            if seq.frames >= seq.max_frames:
+                seq.finished, seq.stop_reason = True, "max_frames"
+            else:
+                self._continuing.append(i)
+        return produced

@@ -180,6 +180,9 @@ class VoiceRegistry(Mapping[str, Voice]):
             )
         if rows < 1:
             raise VoiceError(f"voice {voice.name!r} ({src}) has no rows; {fix}")
+        # Evaluated now: MLX cannot evaluate a lazy array from another thread than the one
+        # that built it, and cached voices are shared between threads.
+        mx.eval(array)
         return array
 
 

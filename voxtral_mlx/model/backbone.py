@@ -54,7 +54,7 @@ class Backbone(nn.Module):
 
     def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
         """Embeddings ``[B, T, dim]`` -> final-normed hidden states ``[B, T, dim]``."""
-        mask = "causal" if x.shape[1] > 1 else None
+        mask = cache[0].mask(x.shape[1])
         for layer, layer_cache in zip(self.layers, cache):
             x = layer(x, layer_cache, mask)
         return self.norm(x)

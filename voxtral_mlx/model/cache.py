@@ -36,6 +36,9 @@ class KVCache:
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    def mask(self, n_queries: int) -> str | None:
+        return "causal" if n_queries > 1 else None
+
     def copy(self) -> KVCache:
         """An independent cache starting from this one's content (e.g. a cached voice prefix).
 
@@ -58,3 +61,97 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class BatchKVCache:
+    """Keys/values of several sequences of different lengths, right-aligned.
+
+    Row ``b`` holds ``left_padding[b]`` empty slots, then its own positions; every decode
+    step writes one slot for all rows at index ``length``. Sequences join (:meth:`merge`)
+    and leave (:meth:`filter`) between steps. RoPE takes each row's own position
+    (``offset``) and the mask hides the padding.
+    """
+
+    step = 256
+
+    def __init__(self, keys: mx.array, values: mx.array, left_padding: list[int], length: int):
+        self.keys = keys
+        self.values = values
+        self.left_padding = list(left_padding)
+        self.length = length  # slots used, padding included
+        self._offset = mx.array([length - p for p in self.left_padding], dtype=mx.int32)
+
+    @classmethod
+    def from_single(cls, cache: KVCache) -> BatchKVCache:
+        k, v = cache.state
+        return cls(k, v, [0], cache.offset)
+
+    @property
+    def batch(self) -> int:
+        return len(self.left_padding)
+
+    @property
+    def offset(self) -> mx.array:
+        """Position of the next token of each row ``[B]`` (for RoPE)."""
+        return self._offset
+
+    def mask(self, n_queries: int) -> mx.array | None:
+        """Additive mask ``[B, 1, 1, length + 1]`` hiding each row's padding (None if none)."""
+        if n_queries != 1:
+            raise ValueError("a batch cache only decodes one position per step")
+        if not any(self.left_padding):
+            return None
+        slots = mx.arange(self.length + 1)[None, :]
+        pad = mx.array(self.left_padding)[:, None]
+        return mx.where(slots < pad, -mx.inf, 0.0)[:, None, None, :].astype(self.keys.dtype)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        i = self.length
+        if i + 1 > self.keys.shape[2]:
+            b, h, _, d = self.keys.shape
+            pad_k = mx.zeros((b, h, self.step, d), self.keys.dtype)
+            pad_v = mx.zeros((b, h, self.step, self.values.shape[3]), self.values.dtype)
+            self.keys = mx.concatenate([self.keys[..., :i, :], pad_k], axis=2)
+            self.values = mx.concatenate([self.values[..., :i, :], pad_v], axis=2)
+        self.keys[..., i : i + 1, :] = keys
+        self.values[..., i : i + 1, :] = values
+        self.length += 1
+        self._offset = self._offset + 1
+        return self.keys[..., : i + 1, :], self.values[..., : i + 1, :]
+
+    def filter(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order); drop the padding no remaining row needs."""
+        idx = mx.array(rows)
+        pads = [self.left_padding[r] for r in rows]
+        trim = min(pads) if pads else 0
+        self.keys = self.keys[idx, :, trim : self.length, :]
+        self.values = self.values[idx, :, trim : self.length, :]
+        self.left_padding = [p - trim for p in pads]
+        self.length -= trim
+        self._offset = self._offset[idx]
+
+    def merge(self, other: BatchKVCache) -> None:
+        """Append ``other``'s rows, padding whichever side is shorter on the left."""
+        n = max(self.length, other.length)
+        k1, v1, p1 = _left_pad(self, n)
+        k2, v2, p2 = _left_pad(other, n)
+        self.keys = mx.concatenate([k1, k2], axis=0)
+        self.values = mx.concatenate([v1, v2], axis=0)
+        self._offset = mx.concatenate([self._offset, other._offset])
+        self.left_padding = p1 + p2
+        self.length = n
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+def _left_pad(cache: BatchKVCache, n: int) -> tuple[mx.array, mx.array, list[int]]:
+    k = cache.keys[..., : cache.length, :]
+    v = cache.values[..., : cache.length, :]
+    extra = n - cache.length
+    if extra:
+        b, h, _, d = k.shape
+        k = mx.concatenate([mx.zeros((b, h, extra, d), k.dtype), k], axis=2)
+        v = mx.concatenate([mx.zeros((b, h, extra, v.shape[3]), v.dtype), v], axis=2)
+    return k, v, [p + extra for p in cache.left_padding]

@@ -55,14 +55,20 @@ class FlowHead(nn.Module):
         # EMPTY_AUDIO (0) and the padding rows can never be predicted.
         self._semantic_mask = mx.where((valid == 0) | (valid >= limit), -mx.inf, 0.0)
         self._time_tokens: mx.array | None = None
+        self._compiled = None
 
-    def prepare(self) -> None:
-        """Precompute the time tokens once (after the weights are loaded)."""
+    def prepare(self, compile: bool = True) -> None:
+        """Precompute the time tokens once (after the weights are loaded) and compile the
+        frame: semantic head + all Euler steps, fixed shapes per batch size."""
         n = self.args.n_decoding_steps
         t = mx.arange(n, dtype=mx.float32) / n
-        emb = time_embedding(t, self.args.dim).astype(self.time_projection.weight.dtype)
+        dtype = self.llm_projection.weight.dtype
+        if dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized: use the scales'
+            dtype = self.llm_projection.scales.dtype
+        emb = time_embedding(t, self.args.dim).astype(dtype)
         self._time_tokens = self.time_projection(emb)
         mx.eval(self._time_tokens, self._semantic_mask)
+        self._compiled = mx.compile(self.frame) if compile else None
 
     @property
     def time_tokens(self) -> mx.array:
@@ -89,13 +95,12 @@ class FlowHead(nn.Module):
         out = self.acoustic_codebook_output(self.norm(seq[:, 0]))
         return out.astype(mx.float32).reshape(2 * b, -1)
 
-    def acoustic_codes(
-        self, h: mx.array, noise: mx.array, cfg_alpha: float = DEFAULT_CFG_ALPHA
-    ) -> mx.array:
+    def acoustic_codes(self, h: mx.array, noise: mx.array, cfg: mx.array) -> mx.array:
         """36 acoustic codes ``[B, 36]`` (values 2..levels+1) for hidden states ``h [B, dim]``.
 
-        ``noise [B, 36]`` is the start point of the ODE (float32, scaled by sigma_max here).
-        The ODE state stays float32 whatever the compute dtype.
+        ``noise [B, 36]`` is the start point of the ODE (float32, scaled by sigma_max here);
+        ``cfg [B, 2]`` the guidance weights of the conditional and unconditional velocities
+        (see :func:`cfg_weights`). The ODE state stays float32 whatever the compute dtype.
         """
         args = self.args
         n = args.n_decoding_steps
@@ -104,19 +109,31 @@ class FlowHead(nn.Module):
         x = noise.astype(mx.float32) * args.sigma_max
         for i in range(n):
             v = self.velocity(x, self.time_tokens[i], llm)
-            x = x + (cfg_alpha * v[:b] + (1.0 - cfg_alpha) * v[b:]) * (1.0 / n)
+            x = x + (cfg[:, :1] * v[:b] + cfg[:, 1:] * v[b:]) * (1.0 / n)
         levels = args.acoustic_codebook_size - 1
         q = mx.round((mx.clip(x, -1.0, 1.0) + 1.0) / 2.0 * levels)
         return q.astype(mx.int32) + N_SPECIAL_AUDIO_CODES
 
-    def __call__(
-        self, h: mx.array, noise: mx.array, cfg_alpha: float = DEFAULT_CFG_ALPHA
-    ) -> tuple[mx.array, mx.array]:
+    def frame(self, h: mx.array, noise: mx.array, cfg: mx.array) -> tuple[mx.array, mx.array]:
         """One frame: the semantic codes ``[B]`` and all codes ``[B, 37]`` (semantic first).
 
         The semantic code is returned on its own so that END can be checked as soon as the
         semantic head is done, while the flow-matching steps are still running.
         """
         semantic = self.semantic_code(h).astype(mx.int32)
-        codes = mx.concatenate([semantic[:, None], self.acoustic_codes(h, noise, cfg_alpha)], -1)
+        codes = mx.concatenate([semantic[:, None], self.acoustic_codes(h, noise, cfg)], -1)
         return semantic, codes
+
+    def __call__(self, h: mx.array, noise: mx.array, cfg: mx.array) -> tuple[mx.array, mx.array]:
+        """:meth:`frame`, compiled when :meth:`prepare` compiled it."""
+        if self._compiled is not None:
+            return self._compiled(h, noise, cfg)
+        return self.frame(h, noise, cfg)
+
+
+def cfg_weights(alphas: list[float]) -> mx.array:
+    """Guidance weights ``[B, 2]``: ``v = a * v_cond + (1 - a) * v_uncond`` per sequence.
+
+    ``1 - a`` is formed on the host in double precision, as a float argument would be.
+    """
+    return mx.array([[a, 1.0 - a] for a in alphas], dtype=mx.float32)

@@ -47,9 +47,10 @@ class VoxtralModel(Backbone):
         )
         return rows.sum(axis=-2)[:, None, :]
 
-    def frame(self, h: mx.array, noise: mx.array, cfg_alpha: float) -> tuple[mx.array, mx.array]:
-        """Semantic codes ``[B]`` and codes ``[B, 37]`` of the frame ``h [B, dim]`` predicts."""
-        return self.acoustic_transformer(h, noise, cfg_alpha)
+    def frame(self, h: mx.array, noise: mx.array, cfg: mx.array) -> tuple[mx.array, mx.array]:
+        """Semantic codes ``[B]`` and codes ``[B, 37]`` of the frame ``h [B, dim]`` predicts
+        (``cfg [B, 2]``: see :func:`~voxtral_mlx.model.flow.cfg_weights`)."""
+        return self.acoustic_transformer(h, noise, cfg)
 
     def step(self, codes: mx.array, cache: list[Any]) -> mx.array:
         """Feed one frame's codes back: next hidden state ``[B, dim]``."""

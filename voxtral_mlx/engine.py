@@ -1,0 +1,282 @@
+"""Requests to audio: the voice-prefix cache, the shared frame batch, the codec.
+
+Every request (a stream, a synthesis, a text segment, a server request) becomes a
+:class:`Job` submitted to the model's one :class:`Engine`, which runs on the model's
+worker thread: concurrent callers from any thread are served in one batch and never
+corrupt each other. Chunks go back through each job's thread-safe queue (or a callback).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .generate import FrameBatch, Sequence, prefill
+from .model.cache import KVCache
+from .model.voxtral import VoxtralModel
+
+PREFIX_CACHE_VOICES = 8
+
+
+@dataclass
+class Timings:
+    """Wall-clock figures of one request (seconds unless named otherwise)."""
+
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    first_audio_s: float = 0.0
+    total_s: float = 0.0
+    frames: int = 0
+    audio_s: float = 0.0
+    peak_memory_bytes: int = 0
+    prefix_cached: bool = False
+
+    @property
+    def ms_per_frame(self) -> float:
+        gen = self.total_s - self.prefill_s
+        return 1000.0 * gen / self.frames if self.frames else 0.0
+
+    @property
+    def rtf(self) -> float:
+        """Real-time factor: wall time / audio duration (below 1 is faster than real time)."""
+        return self.total_s / self.audio_s if self.audio_s else float("inf")
+
+
+@dataclass
+class AudioChunk:
+    """A piece of a streamed utterance, playable as soon as it arrives."""
+
+    audio: np.ndarray  # [frames * samples_per_frame] float32
+    sample_rate: int
+    frame_index: int  # index of the chunk's first frame in the utterance
+    frames: int
+    is_final: bool
+    codes: np.ndarray  # [frames, 37] int32
+    timings: Timings
+    seed: int | None  # the noise seed (None when the noise was given explicitly)
+
+
+class _Done:
+    """Queued after a job's last chunk."""
+
+
+DONE = _Done()
+
+
+@dataclass
+class Job:
+    """One utterance to generate. Its chunks, then :data:`DONE` (or the exception that
+    stopped it), arrive in ``output`` or, when ``on_output`` is set, through that callback
+    (called on the worker thread: it must only hand the item over)."""
+
+    voice: str
+    voice_rows: mx.array
+    text_ids: list[int]
+    seq: Sequence
+    chunk_frames: int
+    sample_rate: int
+    on_output: Callable[[AudioChunk | _Done | BaseException], None] | None = None
+    timings: Timings = field(default_factory=Timings)
+    output: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    done: bool = False
+    submitted_at: float = field(default_factory=time.perf_counter)
+    _codes: list[mx.array] = field(default_factory=list)
+    _next_index: int = 0
+    _codec_state: object = None
+
+    def cancel(self) -> None:
+        """Stop generating (any thread); takes effect at the next frame boundary."""
+        self.seq.cancel()
+
+    def _emit(self, item: AudioChunk | _Done | BaseException) -> None:
+        if self.on_output is not None:
+            self.on_output(item)
+        else:
+            self.output.put(item)
+
+
+class Engine:
+    """Runs jobs in one :class:`FrameBatch` of up to ``max_batch`` sequences."""
+
+    def __init__(
+        self, model: VoxtralModel, prefix_ids: list[int], voice_start: int, max_batch: int = 4
+    ):
+        self.model = model
+        self.max_batch = max_batch
+        self._prefix_ids = prefix_ids  # [BOS, BEGIN_AUDIO, AUDIO (one per voice row), ...]
+        self._voice_start = voice_start
+        self._batch = FrameBatch(model)
+        self._waiting: list[Job] = []
+        self._jobs: dict[int, Job] = {}
+        self._prefixes: OrderedDict[tuple[str, str], list[KVCache]] = OrderedDict()
+        self.prefix_cache_voices = PREFIX_CACHE_VOICES
+
+    # -- voice prefix -------------------------------------------------------------------
+
+    def _prefix_cache(self, job: Job) -> tuple[list[KVCache], bool]:
+        """KV state after ``[BOS, BEGIN_AUDIO, voice rows..., NEXT_AUDIO_TEXT]``.
+
+        The same for every request with this voice, so it is computed once per (voice,
+        dtype) and each request starts from a copy. It is always computed on its own, never
+        as part of a longer prefill, so a cached start is bit-identical to a fresh one.
+        """
+        key = (job.voice, str(job.voice_rows.dtype))
+        cached = self._prefixes.get(key)
+        hit = cached is not None
+        if cached is None:
+            n = job.voice_rows.shape[0]
+            ids = self._prefix_ids[: self._voice_start] + [self._prefix_ids[self._voice_start]] * n
+            ids += self._prefix_ids[self._voice_start + 1 :]
+            embeds = self.model.embed_prompt(ids, job.voice_rows, self._voice_start)
+            cached = self.model.make_cache()
+            self.model(embeds, cached)
+            mx.eval([c.state for c in cached])
+            if self.prefix_cache_voices > 0:
+                self._prefixes[key] = cached
+                while len(self._prefixes) > self.prefix_cache_voices:
+                    self._prefixes.popitem(last=False)
+        else:
+            self._prefixes.move_to_end(key)
+        return [c.copy() for c in cached], hit
+
+    def clear_prefix_cache(self) -> None:
+        self._prefixes.clear()
+
+    # -- jobs (all on the worker thread) -------------------------------------------------
+
+    def submit(self, job: Job) -> Job:
+        job.submitted_at = time.perf_counter()
+        self._waiting.append(job)
+        return job
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs or self._waiting or len(self._batch))
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._batch) < self.max_batch:
+            job = self._waiting.pop(0)
+            if job.seq.cancelled:
+                self._finish(job)
+                continue
+            try:
+                cache, hit = self._prefix_cache(job)
+                text = self.model.mm_audio_embeddings.tok_embeddings(mx.array(job.text_ids))
+                prefill(self.model, job.seq, text[None], cache)
+            except Exception as e:  # handed to the job's consumer
+                job.seq.finished = job.done = True
+                job._emit(e)
+                continue
+            job.timings.prefix_cached = hit
+            job.timings.prompt_tokens = job.seq.prompt_tokens
+            job.timings.prefill_s = time.perf_counter() - job.submitted_at
+            job._codec_state = self.model.audio_tokenizer.new_state(1)
+            self._batch.add(job.seq)
+            if job.seq.finished:
+                self._finish(job)
+            else:
+                self._jobs[id(job.seq)] = job
+
+    def pump(self) -> bool:
+        """One frame for every running job (admitting waiting ones first). Returns False
+        when there is nothing left to do. An error fails every running job, not the thread."""
+        try:
+            return self._pump()
+        except Exception as e:
+            for job in [*self._jobs.values(), *self._waiting]:
+                job.seq.finished = job.done = True
+                job._emit(e)
+            self._jobs.clear()
+            self._waiting.clear()
+            self._batch = FrameBatch(self.model)
+            return False
+
+    def _pump(self) -> bool:
+        self._admit()
+        produced = self._batch.poll()
+        first = any(seq.frames == 1 for seq, _ in produced)
+        if not first:
+            # Steady state: keep the device busy with the next frame while decoding this one.
+            self._batch.advance()
+        audio = self._decode(produced)
+        if first:
+            # A stream's first audio goes out before the next frame is queued behind it.
+            self._batch.advance()
+        self._deliver(audio)
+        return self.busy
+
+    def _decode(self, produced: list[tuple[Sequence, mx.array]]) -> list[tuple[Job, int]]:
+        for seq, codes in produced:
+            self._jobs[id(seq)]._codes.append(codes)
+        ready = []
+        for key, job in list(self._jobs.items()):
+            n = len(job._codes)
+            if n and (n >= job.chunk_frames or job.seq.finished):
+                codes = mx.stack(job._codes)
+                job._codes = []
+                audio = self.model.audio_tokenizer.decode_chunk(codes[None], job._codec_state)
+                ready.append((job, codes, audio[0].astype(mx.float32)))
+            elif job.seq.finished:
+                ready.append((job, None, None))
+            if job.seq.finished:
+                del self._jobs[key]
+        if ready:
+            mx.eval([a for _, _, a in ready if a is not None])
+        return ready
+
+    def _deliver(self, ready) -> None:
+        now = time.perf_counter()
+        peak = mx.get_peak_memory()
+        for job, codes, audio in ready:
+            t = job.timings
+            if audio is not None:
+                codes_np = np.array(codes)
+                audio_np = np.array(audio)
+            else:
+                codes_np = np.zeros((0, self.model.config.num_codebooks), np.int32)
+                audio_np = np.zeros(0, np.float32)
+            t.total_s = now - job.submitted_at
+            if t.first_audio_s == 0.0 and len(audio_np):
+                t.first_audio_s = t.total_s
+            t.frames = job.seq.frames
+            t.audio_s += len(audio_np) / job.sample_rate
+            t.peak_memory_bytes = max(t.peak_memory_bytes, peak)
+            chunk = AudioChunk(
+                audio_np,
+                job.sample_rate,
+                job._next_index,
+                len(codes_np),
+                job.seq.finished,
+                codes_np,
+                t,
+                job.seq.noise.seed,
+            )
+            job._next_index += len(codes_np)
+            job._emit(chunk)
+            if job.seq.finished:
+                job.done = True
+                job._emit(DONE)
+
+    def _finish(self, job: Job) -> None:
+        """End a job that never joined the batch (cancelled, or zero frames allowed)."""
+        job.seq.finished = job.done = True
+        job.timings.total_s = time.perf_counter() - job.submitted_at
+        empty = np.zeros((0, self.model.config.num_codebooks), np.int32)
+        chunk = AudioChunk(
+            np.zeros(0, np.float32),
+            job.sample_rate,
+            0,
+            0,
+            True,
+            empty,
+            job.timings,
+            job.seq.noise.seed,
+        )
+        job._emit(chunk)
+        job._emit(DONE)

@@ -1,0 +1,78 @@
+"""The one thread that runs a model's MLX work.
+
+MLX binds unevaluated arrays to the stream of the thread that built them (a lazily loaded
+weight cannot be evaluated from another thread), so each loaded model gets one worker
+thread that loads it, generates, decodes and batches every request. Callers in any thread
+(UI code, asyncio, server handlers) hand it work and wait for results.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Worker:
+    """A daemon thread running submitted callables in order, plus a background ``pump``.
+
+    ``pump()`` is called between tasks while it reports more work (the frame loop of the
+    running requests), so new requests and calls are picked up at every frame boundary.
+    """
+
+    def __init__(self, name: str = "voxtral-mlx") -> None:
+        self._tasks: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = (
+            queue.SimpleQueue()
+        )
+        self.pump: Callable[[], bool] = lambda: False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._busy = False
+        self._closed = False
+        self._thread.start()
+
+    @property
+    def in_worker(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn()`` on the worker; the future holds its result or exception."""
+        future: Future[T] = Future()
+        if self._closed:
+            future.set_exception(RuntimeError("the model was closed"))
+            return future
+        self._tasks.put((fn, future))
+        return future
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the worker and wait for it (direct if already there)."""
+        if self.in_worker:
+            return fn(*args, **kwargs)
+        return self.submit(lambda: fn(*args, **kwargs)).result()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._tasks.put(None)
+            if not self.in_worker:
+                self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._tasks.get(block=not self._busy)
+            except queue.Empty:
+                item = ...
+            if item is None:
+                return
+            if item is not ...:
+                fn, future = item
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:  # handed to the caller
+                        future.set_exception(e)
+            self._busy = self.pump()
