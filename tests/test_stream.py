@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from voxtral_mlx.engine import AudioChunk, Job
 from voxtral_mlx.errors import InputError
 
 TEXT = "Streaming test sentence number one."
@@ -53,10 +54,19 @@ def test_first_chunk_needs_only_one_frame(tiny_tts, noise, monkeypatch):
         return produced
 
     monkeypatch.setattr(batch, "poll", poll)
+    at_emit = []
+    original_emit = Job._emit
+
+    def emit(job, item):
+        if isinstance(item, AudioChunk) and not at_emit:
+            at_emit.append(polls["n"])
+        original_emit(job, item)
+
+    monkeypatch.setattr(Job, "_emit", emit)
     stream = tiny_tts.stream(TEXT, VOICE, noise=noise, chunk_frames=1)
     first = next(stream)
     assert first.frames == 1 and len(first.audio) == 1920
-    assert polls["n"] == 1
+    assert at_emit == [1]
     assert first.timings.first_audio_s > 0
     stream.close()
 

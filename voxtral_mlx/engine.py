@@ -60,6 +60,8 @@ class AudioChunk:
     codes: np.ndarray  # [frames, 37] int32
     timings: Timings
     seed: int | None  # the noise seed (None when the noise was given explicitly)
+    segment: int = 0  # which segment of a longer text (see VoxtralTTS.stream(split=True))
+    segments: int = 1
 
 
 class _Done:
@@ -76,29 +78,34 @@ class Job:
     (called on the worker thread: it must only hand the item over)."""
 
     voice: str
-    voice_rows: mx.array
-    text_ids: list[int]
+    voice_rows: mx.array = field(repr=False)
+    text_ids: list[int] = field(repr=False)
     seq: Sequence
     chunk_frames: int
     sample_rate: int
     on_output: Callable[[AudioChunk | _Done | BaseException], None] | None = None
     timings: Timings = field(default_factory=Timings)
-    output: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    output: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
     done: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
-    _codes: list[mx.array] = field(default_factory=list)
+    _codes: list[mx.array] = field(default_factory=list, repr=False)
     _next_index: int = 0
-    _codec_state: object = None
+    _codec_state: object = field(default=None, repr=False)
 
     def cancel(self) -> None:
         """Stop generating (any thread); takes effect at the next frame boundary."""
         self.seq.cancel()
 
     def _emit(self, item: AudioChunk | _Done | BaseException) -> None:
-        if self.on_output is not None:
-            self.on_output(item)
-        else:
+        if self.on_output is None:
             self.output.put(item)
+            return
+        try:
+            self.on_output(item)
+        except Exception:
+            # The consumer is gone (e.g. its event loop closed): stop generating for it,
+            # never let it break the engine that serves the other jobs.
+            self.cancel()
 
 
 class Engine:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+import secrets
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -11,11 +14,13 @@ import mlx.core as mx
 import numpy as np
 
 from .config import ModelConfig
-from .engine import DONE, AudioChunk, Engine, Job, Timings
+from .engine import AudioChunk, Engine, Job, Timings
 from .errors import InputError
 from .generate import NoiseSource, Sequence
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA
+from .segment import Segment, split_text
+from .textstream import AsyncTextStream, TextStream
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
 from .voices import Voice, VoiceRegistry
 from .worker import Worker
@@ -28,6 +33,7 @@ DEFAULT_VOICE = "casual_male"
 DEFAULT_MAX_FRAMES = 2400  # 192 s of audio at 12.5 frames/s
 MAX_TEXT_TOKENS = 8192
 SYNTH_CHUNK_FRAMES = 16
+DEFAULT_MAX_CHARS = 400  # longest segment when splitting text (target: half of it)
 
 
 @dataclass
@@ -157,6 +163,51 @@ class VoxtralTTS:
         seq = Sequence(source, max_frames, cfg_alpha)
         return Job(v.name, rows, text_ids + tail, seq, chunk_frames, self.sample_rate)
 
+    def _reader(
+        self,
+        cls: type,
+        submit: Callable,
+        text: str,
+        voice: str | None,
+        seed: int | None,
+        noise: np.ndarray | None,
+        chunk_frames: int,
+        max_frames: int,
+        cfg_alpha: float,
+        split: bool,
+        pause: float | None,
+        max_chars: int,
+        add_period: bool = True,
+    ):
+        if not isinstance(text, str):
+            raise InputError(f"text must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise InputError("text is empty: give some words to speak")
+        voice = self._voice(voice).name
+        if split:
+            if noise is not None:
+                raise InputError("noise= gives one utterance's noise: it cannot be split")
+            segments = split_text(
+                text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
+            )
+        else:
+            segments = [Segment(text, 0, len(text), 0.0, text)]
+        base = secrets.randbits(62) if seed is None and noise is None else seed
+
+        def make_job(i: int, seg: Segment) -> Job:
+            return self.job(
+                seg.spoken,
+                voice,
+                seed=None if base is None else base + i,
+                noise=noise,
+                max_frames=max_frames,
+                cfg_alpha=cfg_alpha,
+                chunk_frames=chunk_frames,
+            )
+
+        lookahead = self.engine.max_batch if split else 1
+        return cls(submit, make_job, segments, self.sample_rate, lookahead, pause)
+
     def stream(
         self,
         text: str,
@@ -167,42 +218,85 @@ class VoxtralTTS:
         chunk_frames: int = 1,
         max_frames: int = DEFAULT_MAX_FRAMES,
         cfg_alpha: float = DEFAULT_CFG_ALPHA,
-    ) -> Iterator[AudioChunk]:
+        split: bool = False,
+        pause: float | None = None,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        add_period: bool = True,
+    ) -> TextStream:
         """Yield audio as it is decoded, ``chunk_frames`` frames (80 ms each) at a time.
 
         The first chunk is ready after the prompt's prefill and one frame. The last chunk has
-        ``is_final=True`` (it may be empty when END falls on a chunk boundary). Closing the
-        iterator stops generation. Concatenated chunks equal :meth:`synthesize` for the same
-        seed or noise.
+        ``is_final=True`` (it may be empty when END falls on a chunk boundary).
+        ``cancel()`` (any thread) or ``close()`` stops generation within a frame.
+        Concatenated chunks equal :meth:`synthesize` for the same seed or noise.
+
+        ``split=True`` reads text of any length: it is cut into segments at natural pauses
+        (:func:`voxtral_mlx.segment.split_text`; a segment without final punctuation gets a
+        period), the segments are generated as one batch, and their audio follows in order
+        with the pause each boundary implies (``pause`` seconds instead, if given);
+        ``add_period=False`` sends segments as written (END is less reliable without
+        final punctuation). Segment
+        ``i`` uses seed ``seed + i``; ``max_frames`` applies per segment; chunks carry
+        ``segment`` and ``segments``; memory stays bounded whatever the length.
         """
-        job = self.job(
+        return self._reader(
+            TextStream,
+            self.submit,
             text,
             voice,
-            seed=seed,
-            noise=noise,
-            max_frames=max_frames,
-            cfg_alpha=cfg_alpha,
-            chunk_frames=chunk_frames,
+            seed,
+            noise,
+            chunk_frames,
+            max_frames,
+            cfg_alpha,
+            split,
+            pause,
+            max_chars,
+            add_period,
         )
-        return self.iter_job(job)
+
+    def astream(
+        self,
+        text: str,
+        voice: str | None = None,
+        *,
+        seed: int | None = None,
+        noise: np.ndarray | None = None,
+        chunk_frames: int = 1,
+        max_frames: int = DEFAULT_MAX_FRAMES,
+        cfg_alpha: float = DEFAULT_CFG_ALPHA,
+        split: bool = False,
+        pause: float | None = None,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        add_period: bool = True,
+    ) -> AsyncTextStream:
+        """:meth:`stream` for ``async for``: generation runs on the model's worker thread, the
+        event loop only receives chunks. Cancelling the consuming task stops generation."""
+
+        async def submit(job: Job) -> None:
+            await asyncio.wrap_future(self.worker.submit(lambda: self.engine.submit(job)))
+
+        return self._reader(
+            AsyncTextStream,
+            submit,
+            text,
+            voice,
+            seed,
+            noise,
+            chunk_frames,
+            max_frames,
+            cfg_alpha,
+            split,
+            pause,
+            max_chars,
+            add_period,
+        )
 
     def submit(self, job: Job) -> Job:
         """Hand ``job`` to the engine (from any thread); its output arrives in ``job.output``
         (or its ``on_output`` callback)."""
         self.worker.submit(lambda: self.engine.submit(job)).result()
         return job
-
-    def iter_job(self, job: Job) -> Iterator[AudioChunk]:
-        """Submit ``job`` and yield its chunks; closing the iterator cancels the job."""
-        self.submit(job)
-        try:
-            while (item := job.output.get()) is not DONE:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            if not job.done:
-                job.cancel()
 
     def synthesize(
         self,
@@ -213,6 +307,10 @@ class VoxtralTTS:
         noise: np.ndarray | None = None,
         max_frames: int = DEFAULT_MAX_FRAMES,
         cfg_alpha: float = DEFAULT_CFG_ALPHA,
+        split: bool = False,
+        pause: float | None = None,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        add_period: bool = True,
     ) -> Speech:
         """Speak ``text`` with ``voice``; returns the whole utterance.
 
@@ -220,18 +318,82 @@ class VoxtralTTS:
         is greedy; None draws a fresh seed, reported in ``Speech.seed``), ``noise`` gives it
         explicitly as ``[frames, 36]`` floats (frame i uses row i; generation stops after
         ``len(noise)`` frames at most). ``max_frames`` bounds runaway generation (80 ms per
-        frame).
+        frame). ``split``, ``pause``, ``max_chars``: see :meth:`stream`.
         """
-        job = self.job(
+        stream = self.stream(
             text,
             voice,
             seed=seed,
             noise=noise,
+            chunk_frames=SYNTH_CHUNK_FRAMES,
             max_frames=max_frames,
             cfg_alpha=cfg_alpha,
-            chunk_frames=SYNTH_CHUNK_FRAMES,
+            split=split,
+            pause=pause,
+            max_chars=max_chars,
+            add_period=add_period,
         )
-        return speech_from_chunks(list(self.iter_job(job)), job)
+        return speech_from_chunks(list(stream), stream, self._voice(voice).name)
+
+    async def asynthesize(
+        self,
+        text: str,
+        voice: str | None = None,
+        *,
+        seed: int | None = None,
+        noise: np.ndarray | None = None,
+        max_frames: int = DEFAULT_MAX_FRAMES,
+        cfg_alpha: float = DEFAULT_CFG_ALPHA,
+        split: bool = False,
+        pause: float | None = None,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        add_period: bool = True,
+    ) -> Speech:
+        """:meth:`synthesize` without blocking the event loop; cancelling stops generation."""
+        stream = self.astream(
+            text,
+            voice,
+            seed=seed,
+            noise=noise,
+            chunk_frames=SYNTH_CHUNK_FRAMES,
+            max_frames=max_frames,
+            cfg_alpha=cfg_alpha,
+            split=split,
+            pause=pause,
+            max_chars=max_chars,
+            add_period=add_period,
+        )
+        chunks = [chunk async for chunk in stream]
+        return speech_from_chunks(chunks, stream, self._voice(voice).name)
+
+    def say(
+        self,
+        text: str,
+        voice: str | None = None,
+        *,
+        wait: bool = True,
+        device: str | int | None = None,
+        seed: int | None = None,
+        pause: float | None = None,
+        max_frames: int = DEFAULT_MAX_FRAMES,
+        player: object | None = None,
+    ) -> Playback:
+        """Speak ``text`` through the speakers as it is generated (like macOS ``say``).
+
+        Long text is split and batched (see :meth:`stream`). With ``wait=True`` this returns
+        when the last sample has played; with ``wait=False`` it returns at once with a
+        :class:`Playback` handle (``stop()``, ``wait()``, ``done``). Needs PortAudio, unless
+        ``player`` supplies another sink with ``feed(audio)``, ``finish()`` and ``stop()``.
+        """
+        if player is None:
+            from .audio.player import AudioPlayer
+
+            player = AudioPlayer(self.sample_rate, device=device)
+        stream = self.stream(text, voice, seed=seed, split=True, pause=pause, max_frames=max_frames)
+        playback = Playback(stream, player)
+        if wait:
+            playback.wait()
+        return playback
 
     def decode(self, codes: np.ndarray | mx.array) -> np.ndarray:
         """Waveform (float32, 24 kHz) of a ``[frames, 37]`` array of +2-offset codes."""
@@ -263,14 +425,51 @@ class VoxtralTTS:
         return self.worker.call(run)
 
 
-def speech_from_chunks(chunks: list[AudioChunk], job: Job) -> Speech:
+def speech_from_chunks(chunks: list[AudioChunk], stream, voice: str) -> Speech:
     audio = np.concatenate([c.audio for c in chunks]).astype(np.float32, copy=False)
     codes = np.concatenate([c.codes for c in chunks]).reshape(-1, chunks[0].codes.shape[-1])
-    return Speech(
-        audio,
-        job.sample_rate,
-        codes.astype(np.int32),
-        job.voice,
-        job.seq.noise.seed,
-        chunks[-1].timings,
-    )
+    single = len(stream.segments) == 1
+    timings = chunks[-1].timings if single else stream.timings
+    seed = chunks[-1].seed if single else chunks[0].seed
+    return Speech(audio, stream.sample_rate, codes.astype(np.int32), voice, seed, timings)
+
+
+class Playback:
+    """Speech playing in the background: ``stop()`` silences it within 200 ms, ``wait()``
+    blocks until the last sample has played (re-raising any error)."""
+
+    def __init__(self, stream: TextStream, player) -> None:
+        self.stream = stream
+        self.player = player
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="voxtral-mlx-say", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for chunk in self.stream:
+                if len(chunk.audio):
+                    self.player.feed(chunk.audio)
+            self.player.finish()
+        except BaseException as e:  # handed to wait()
+            self.error = e
+            self.player.stop()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        self.stream.cancel()
+        self.player.stop()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once playback has ended (False on timeout). Ctrl-C stops playback."""
+        try:
+            self._thread.join(timeout)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        if self.error is not None and not self.stream._cancelled:
+            raise self.error
+        return self.done

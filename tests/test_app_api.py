@@ -1,0 +1,226 @@
+"""Long text and apps: batched segments equal sequential synthesis, bounded memory, threads,
+asyncio, cancellation and say()."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import voxtral_mlx
+from voxtral_mlx.segment import split_text
+from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+
+VOICE = "neutral_male"
+STORY = (
+    "The lighthouse keeper woke before dawn. He climbed the stairs, one hundred and twelve "
+    "of them, as he had for thirty years. The lamp was still warm; the sea was calm! "
+    "Far away, a ship sounded its horn, and he waved, although nobody could see him. "
+    "Then he made tea. It was, he thought, a perfectly ordinary morning"
+)
+
+
+@pytest.fixture(scope="module")
+def tts(tmp_path_factory):
+    """Float32 tiny model whose END never fires, so every segment runs ``max_frames``."""
+    path = build_random_checkpoint(
+        tmp_path_factory.mktemp("app"), "tiny", seed=2, dtype="float32", suppress_end=True
+    )
+    model = voxtral_mlx.load(path)
+    yield model
+    model.close()
+
+
+def test_batched_segments_equal_sequential_synthesis(tts):
+    segments = split_text(STORY, target_chars=60, max_chars=120)
+    assert len(segments) >= 4
+    chunks = list(
+        tts.stream(
+            STORY,
+            VOICE,
+            seed=100,
+            split=True,
+            max_chars=120,
+            max_frames=9,
+            pause=0.25,
+            chunk_frames=2,
+        )
+    )
+    assert tts.engine.max_batch >= 4  # the segments really ran as one batch
+    by_segment: dict[int, list] = {}
+    for c in chunks:
+        by_segment.setdefault(c.segment, []).append(c)
+    assert sorted(by_segment) == list(range(len(segments)))
+    assert [c.segment for c in chunks] == sorted(c.segment for c in chunks)  # text order
+    assert chunks[-1].is_final and not any(c.is_final for c in chunks[:-1])
+    for i, seg in enumerate(segments):
+        assert seg.spoken[-1] in ".!?;"
+        ref = tts.synthesize(seg.spoken, VOICE, seed=100 + i, max_frames=9)
+        got = by_segment[i]
+        codes = np.concatenate([c.codes for c in got])
+        np.testing.assert_array_equal(codes, ref.codes)
+        speech = np.concatenate([c.audio for c in got if c.frames])
+        np.testing.assert_allclose(speech, ref.audio, atol=1e-5)
+        pauses = [c for c in got if c.frames == 0 and len(c.audio)]
+        if i < len(segments) - 1:
+            assert len(pauses) == 1 and len(pauses[0].audio) == round(0.25 * 24000)
+            assert not pauses[0].audio.any()
+        else:
+            assert not pauses
+    whole = tts.synthesize(
+        STORY, VOICE, seed=100, split=True, max_chars=120, max_frames=9, pause=0.25
+    )
+    np.testing.assert_array_equal(whole.audio, np.concatenate([c.audio for c in chunks]))
+    assert whole.seed == 100 and whole.timings.frames == 9 * len(segments)
+
+
+def test_memory_stays_flat_over_a_long_text(tts):
+    sentence = "This sentence is one of many in a very long chapter. "
+
+    def peak_for(n_segments: int) -> int:
+        text = sentence * n_segments
+        tts.call(mx.reset_peak_memory)
+        total = 0
+        for chunk in tts.stream(text, VOICE, seed=0, split=True, max_chars=60, max_frames=4):
+            total += len(chunk.audio)  # consumed and dropped, like a file writer
+        assert total >= n_segments * 4 * 1920
+        return tts.call(mx.get_peak_memory)
+
+    small, large = peak_for(8), peak_for(48)
+    assert large <= small * 1.15 + (4 << 20), (small, large)
+
+
+def test_threads_share_the_model_safely(tts):
+    texts = [f"Thread number {i} says hello to everyone." for i in range(4)]
+    expected = [tts.synthesize(t, VOICE, seed=i, max_frames=12).codes for i, t in enumerate(texts)]
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            results[i] = tts.synthesize(texts[i], VOICE, seed=i, max_frames=12).codes
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    for i in range(4):
+        np.testing.assert_array_equal(results[i], expected[i])
+
+
+def test_asyncio_does_not_block_the_loop(tts):
+    expected = tts.synthesize("Async hello.", VOICE, seed=5, max_frames=20)
+
+    async def main():
+        gaps = []
+        stop = asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        speech = await tts.asynthesize("Async hello.", VOICE, seed=5, max_frames=20)
+        chunks = [c async for c in tts.astream("Async hello.", VOICE, seed=5, max_frames=20)]
+        stop.set()
+        await tick
+        return speech, chunks, max(gaps)
+
+    speech, chunks, worst_gap = asyncio.run(main())
+    np.testing.assert_array_equal(speech.codes, expected.codes)
+    np.testing.assert_allclose(np.concatenate([c.audio for c in chunks]), expected.audio, atol=1e-5)
+    assert worst_gap < 0.25, worst_gap
+
+
+def _frames_after_cancel(tts, cancel):
+    stream = tts.stream("Cancel me " * 20, VOICE, seed=1, max_frames=500)
+    next(stream)
+    job = stream.jobs[0][1]
+    before = job.seq.frames
+    cancel(stream)
+    deadline = time.monotonic() + 10
+    while not job.done and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert job.done and job.seq.stop_reason == "cancelled"
+    return job.seq.frames - before
+
+
+def test_cancel_from_another_thread_stops_within_a_frame(tts):
+    def cancel(stream):
+        t = threading.Thread(target=stream.cancel)
+        t.start()
+        t.join()
+
+    # The worker keeps generating while the consumer is slow; after cancel() at most the
+    # frame in flight (and the one queued behind it) completes.
+    assert _frames_after_cancel(tts, cancel) <= 2 + tts.engine.max_batch
+    assert not tts.engine.busy or tts.engine._jobs == {}
+
+
+def test_cancelling_an_async_task_stops_generation(tts):
+    async def main():
+        stream = tts.astream("Cancel me too " * 20, VOICE, seed=2, max_frames=500)
+
+        async def consume():
+            async for _ in stream:
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        job = stream.jobs[0][1] if stream.jobs else None
+        return job
+
+    job = asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while job is not None and not job.done and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert job is None or job.seq.stop_reason == "cancelled"
+    assert job is None or job.seq.frames < 500
+
+
+class RecordingPlayer:
+    def __init__(self):
+        self.fed, self.finished, self.stopped = [], False, False
+
+    def feed(self, audio, **_):
+        self.fed.append(np.array(audio))
+        time.sleep(0.002)
+
+    def finish(self):
+        self.finished = True
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_say_plays_everything_and_can_be_stopped(tts):
+    player = RecordingPlayer()
+    playback = tts.say(STORY, VOICE, seed=3, player=player, max_frames=10)
+    assert playback.done and player.finished and not player.stopped
+    played = np.concatenate(player.fed)
+    expected = tts.synthesize(STORY, VOICE, seed=3, split=True, max_frames=10)
+    np.testing.assert_allclose(played, expected.audio, atol=1e-5)
+
+    player2 = RecordingPlayer()
+    playback = tts.say(
+        "A long text to interrupt. " * 30, VOICE, seed=4, wait=False, player=player2, max_frames=200
+    )
+    time.sleep(0.2)
+    playback.stop()
+    assert playback.wait(timeout=10)
+    assert player2.stopped

@@ -1,0 +1,179 @@
+"""Text of any length as one stream of audio: segments in order, batched, with pauses.
+
+Segments are submitted ahead of the one being consumed (up to ``lookahead`` of them), so
+the engine batches them, while memory stays bounded by the look-ahead however long the
+text is. The same logic serves blocking iteration and ``async for``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from .engine import DONE, AudioChunk, Job, Timings
+from .segment import Segment
+
+
+class _Reader:
+    def __init__(
+        self,
+        make_job: Callable[[int, Segment], Job],
+        segments: list[Segment],
+        sample_rate: int,
+        lookahead: int,
+        pause: float | None,
+    ):
+        self._make_job = make_job
+        self.segments = segments
+        self.sample_rate = sample_rate
+        self.lookahead = max(1, lookahead)
+        self.pause = pause
+        self.jobs: deque[tuple[int, Job]] = deque()
+        self._next = 0
+        self._cancelled = False
+        self._finished = not segments
+        self._t0 = time.perf_counter()
+        self.timings = Timings()  # the whole text's figures
+        # The first jobs are made (and their requests validated) right away, so that bad
+        # input raises when the stream is created, not at its first item.
+        self._unsubmitted: list[Job] = []
+        self._unsubmitted = self._pending()
+
+    def _pending(self) -> list[Job]:
+        """Jobs to submit now, keeping ``lookahead`` segments in flight."""
+        new, self._unsubmitted = self._unsubmitted, []
+        while (
+            not self._cancelled
+            and len(self.jobs) < self.lookahead
+            and self._next < len(self.segments)
+        ):
+            i = self._next
+            self._next += 1
+            job = self._make_job(i, self.segments[i])
+            self.jobs.append((i, job))
+            new.append(job)
+        return new
+
+    def _on_item(self, item) -> list[AudioChunk]:
+        """What the consumer sees for one item of the head job."""
+        i = self.jobs[0][0]
+        last = i == len(self.segments) - 1
+        if isinstance(item, BaseException):
+            self.cancel()
+            raise item
+        if item is DONE:
+            self.jobs.popleft()
+            if last:
+                self._finished = True
+                return []
+            seconds = self.segments[i].pause_after if self.pause is None else self.pause
+            n = round(seconds * self.sample_rate)
+            return [self._chunk(np.zeros(n, np.float32), i, 0, np.zeros((0, 37), np.int32))]
+        t, c = self.timings, item.timings
+        if i == 0:
+            t.prompt_tokens, t.prefill_s, t.prefix_cached = (
+                c.prompt_tokens,
+                c.prefill_s,
+                c.prefix_cached,
+            )
+        if not t.first_audio_s and len(item.audio):
+            t.first_audio_s = time.perf_counter() - self._t0
+        if item.is_final:
+            t.frames += c.frames
+        t.peak_memory_bytes = max(t.peak_memory_bytes, c.peak_memory_bytes)
+        self._add_audio(item.audio)
+        item.segment, item.segments = i, len(self.segments)
+        item.is_final = item.is_final and last
+        return [item]
+
+    def _add_audio(self, audio: np.ndarray) -> None:
+        self.timings.audio_s += len(audio) / self.sample_rate
+        self.timings.total_s = time.perf_counter() - self._t0
+
+    def _chunk(self, audio, i, frames, codes) -> AudioChunk:
+        self._add_audio(audio)
+        chunk = AudioChunk(audio, self.sample_rate, 0, frames, False, codes, self.timings, None)
+        chunk.segment, chunk.segments = i, len(self.segments)
+        return chunk
+
+    def cancel(self) -> None:
+        """Stop generating (any thread); already queued segments are cancelled too."""
+        self._cancelled = True
+        self._finished = True
+        for _, job in self.jobs:
+            job.cancel()
+
+
+class TextStream(_Reader):
+    """Blocking iterator of :class:`AudioChunk`; ``cancel()`` or ``close()`` stops it."""
+
+    def __init__(self, submit: Callable[[Job], object], *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._submit = submit
+        self._ready: deque[AudioChunk] = deque()
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> AudioChunk:
+        while not self._ready:
+            if self._finished:
+                raise StopIteration
+            for job in self._pending():
+                self._submit(job)
+            _, job = self.jobs[0]
+            self._ready.extend(self._on_item(job.output.get()))
+        return self._ready.popleft()
+
+    def close(self) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        self.cancel()
+
+
+class AsyncTextStream(_Reader):
+    """``async for`` over :class:`AudioChunk`; generation runs on the model's worker thread,
+    never on the event loop. Cancelling the consuming task or ``aclose()`` stops it."""
+
+    def __init__(self, submit_async: Callable[[Job], object], *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._submit = submit_async
+        self._ready: deque[AudioChunk] = deque()
+        self._queues: dict[int, asyncio.Queue] = {}
+
+    def __aiter__(self) -> AsyncTextStream:
+        return self
+
+    async def __anext__(self) -> AudioChunk:
+        try:
+            while not self._ready:
+                if self._finished:
+                    raise StopAsyncIteration
+                loop = asyncio.get_running_loop()
+                for job in self._pending():
+                    q: asyncio.Queue = asyncio.Queue()
+                    self._queues[id(job)] = q
+                    job.on_output = lambda item, q=q, lp=loop: lp.call_soon_threadsafe(
+                        q.put_nowait, item
+                    )
+                    await self._submit(job)
+                _, job = self.jobs[0]
+                item = await self._queues[id(job)].get()
+                if item is DONE:
+                    del self._queues[id(job)]
+                self._ready.extend(self._on_item(item))
+            return self._ready.popleft()
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancel()
+            raise
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        self.cancel()
