@@ -14,6 +14,7 @@ boundary as a player would; streaming times are steady state (chunks from frame 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import mlx.core as mx
@@ -42,8 +43,9 @@ def build(size: str, dtype: mx.Dtype):
 
     tok = config.raw["multimodal"]["audio_tokenizer_args"]
     fields = at.AudioTokenizerArgs.__dataclass_fields__
-    ref = at.VoxtralTTSAudioTokenizer(at.AudioTokenizerArgs(**{k: v for k, v in tok.items()
-                                                               if k in fields}))  # fmt: skip
+    ref = at.VoxtralTTSAudioTokenizer(
+        at.AudioTokenizerArgs(**{k: v for k, v in tok.items() if k in fields})
+    )
     ref.load_weights([(k[len(PREFIX) :], v.astype(dtype)) for k, v in raw.items()], strict=True)
     ref._alibi_slopes = mx.array(alibi_slopes(config.codec.n_heads), dtype=mx.float32)
     sc = ref.quantizer.semantic_codebook
@@ -150,11 +152,13 @@ DEFAULT_FRAMES = {"tiny": (200, 100), "wide": (75, 24), "full": (75, 24)}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=["tiny", "full"],
-                        choices=sorted(DEFAULT_FRAMES))  # fmt: skip
+    parser.add_argument(
+        "--configs", nargs="+", default=["tiny", "full"], choices=sorted(DEFAULT_FRAMES)
+    )
     parser.add_argument("--frames", type=int, help="frames for the chunk-25 and one-shot runs")
     parser.add_argument("--slow-frames", type=int, help="frames for the chunk-1 runs")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     dtype = getattr(mx, args.dtype)
     rows = []
@@ -172,6 +176,17 @@ def main() -> None:
     for cfg, method, n, ms in rows:
         cells = (cfg, method, str(n), f"{ms:.2f}", f"{FRAME_MS / ms:.2f}")
         print("  ".join(c.ljust(w) for c, w in zip(cells, width)))
+    if args.record:
+        from common import record
+
+        table = [head] + [
+            (c, m, str(n), f"{ms:.2f}", f"{FRAME_MS / ms:.2f}") for c, m, n, ms in rows
+        ]
+        record(
+            "Codec cost per frame (streaming vs one-shot vs mlx-audio)",
+            "python benchmarks/codec_bench.py " + " ".join(sys.argv[1:]),
+            table,
+        )
 
 
 if __name__ == "__main__":

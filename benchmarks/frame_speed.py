@@ -49,7 +49,7 @@ def measure(name: str, repeats: int) -> dict[str, float]:
     t1 = median_time(lambda: ours(n1), repeats)
     t2 = median_time(lambda: ours(n2), repeats)
     ours_ms = 1000 * (t2 - t1) / (n2 - n1)
-    del tts
+    tts.close()
 
     ref = load_reference(path)
     reference_voice(ref, path, VOICE, ref.audio_codebook_embeddings["embeddings"].weight.dtype)

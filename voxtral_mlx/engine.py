@@ -89,7 +89,8 @@ class Job:
     done: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
     _codes: list[mx.array] = field(default_factory=list, repr=False)
-    _next_index: int = 0
+    _next_index: int = 0  # frames handed to the codec
+    _delivered_frames: int = 0
     _codec_state: object = field(default=None, repr=False)
 
     def cancel(self) -> None:
@@ -119,6 +120,7 @@ class Engine:
         self._prefix_ids = prefix_ids  # [BOS, BEGIN_AUDIO, AUDIO (one per voice row), ...]
         self._voice_start = voice_start
         self._batch = FrameBatch(model)
+        self._inflight: list[tuple[Job, mx.array, mx.array, bool]] = []
         self._waiting: list[Job] = []
         self._jobs: dict[int, Job] = {}
         self._prefixes: OrderedDict[tuple[str, str], list[KVCache]] = OrderedDict()
@@ -164,7 +166,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self._jobs or self._waiting or len(self._batch))
+        return bool(self._jobs or self._waiting or len(self._batch) or self._inflight)
 
     def _admit(self) -> None:
         while self._waiting and len(self._batch) < self.max_batch:
@@ -196,51 +198,67 @@ class Engine:
         try:
             return self._pump()
         except Exception as e:
-            for job in [*self._jobs.values(), *self._waiting]:
-                job.seq.finished = job.done = True
-                job._emit(e)
+            failed = {id(j): j for j in [*self._jobs.values(), *self._waiting]}
+            failed.update((id(r[0]), r[0]) for r in self._inflight)
+            for job in failed.values():
+                if not job.done:
+                    job.seq.finished = job.done = True
+                    job._emit(e)
             self._jobs.clear()
             self._waiting.clear()
+            self._inflight = []
             self._batch = FrameBatch(self.model)
             return False
 
     def _pump(self) -> bool:
+        """One frame: END check, then the next frame queued before this one is decoded.
+
+        Audio decoded in one pump is delivered in the next, after the next frame has been
+        queued, so the device never idles while Python builds graphs. A job's first chunk
+        is the exception: it is decoded and delivered before the next frame is queued.
+        """
         self._admit()
-        produced = self._batch.poll()
-        first = any(seq.frames == 1 for seq, _ in produced)
-        if not first:
-            # Steady state: keep the device busy with the next frame while decoding this one.
-            self._batch.advance()
-        audio = self._decode(produced)
+        for seq, codes in self._batch.poll():
+            self._jobs[id(seq)]._codes.append(codes)
+        first = self._decode(first_chunks=True)
         if first:
-            # A stream's first audio goes out before the next frame is queued behind it.
-            self._batch.advance()
-        self._deliver(audio)
+            mx.eval([r[2] for r in first if r[2] is not None])
+            self._deliver(first)
+        self._batch.advance()
+        self._deliver(self._inflight)
+        self._inflight = self._decode(first_chunks=False)
+        mx.async_eval([r[2] for r in self._inflight if r[2] is not None])
+        if not len(self._batch):  # nothing left to overlap with
+            self._deliver(self._inflight)
+            self._inflight = []
         return self.busy
 
-    def _decode(self, produced: list[tuple[Sequence, mx.array]]) -> list[tuple[Job, int]]:
-        for seq, codes in produced:
-            self._jobs[id(seq)]._codes.append(codes)
+    def _decode(self, first_chunks: bool) -> list[tuple[Job, mx.array, mx.array, bool]]:
+        """Queue the decoding of every job's due chunk: ``(job, codes, audio, final)``.
+
+        With ``first_chunks``, only jobs that have not produced audio yet.
+        """
         ready = []
         for key, job in list(self._jobs.items()):
-            n = len(job._codes)
-            if n and (n >= job.chunk_frames or job.seq.finished):
+            if first_chunks and job._next_index:
+                continue
+            n, final = len(job._codes), job.seq.finished
+            if n and (n >= job.chunk_frames or final):
                 codes = mx.stack(job._codes)
                 job._codes = []
+                job._next_index += n
                 audio = self.model.audio_tokenizer.decode_chunk(codes[None], job._codec_state)
-                ready.append((job, codes, audio[0].astype(mx.float32)))
-            elif job.seq.finished:
-                ready.append((job, None, None))
-            if job.seq.finished:
+                ready.append((job, codes, audio[0].astype(mx.float32), final))
+            elif final:
+                ready.append((job, None, None, True))
+            if final:
                 del self._jobs[key]
-        if ready:
-            mx.eval([a for _, _, a in ready if a is not None])
         return ready
 
-    def _deliver(self, ready) -> None:
+    def _deliver(self, ready: list[tuple[Job, mx.array, mx.array, bool]]) -> None:
         now = time.perf_counter()
         peak = mx.get_peak_memory()
-        for job, codes, audio in ready:
+        for job, codes, audio, final in ready:
             t = job.timings
             if audio is not None:
                 codes_np = np.array(codes)
@@ -251,22 +269,21 @@ class Engine:
             t.total_s = now - job.submitted_at
             if t.first_audio_s == 0.0 and len(audio_np):
                 t.first_audio_s = t.total_s
-            t.frames = job.seq.frames
+            t.frames = job._delivered_frames = job._delivered_frames + len(codes_np)
             t.audio_s += len(audio_np) / job.sample_rate
             t.peak_memory_bytes = max(t.peak_memory_bytes, peak)
             chunk = AudioChunk(
                 audio_np,
                 job.sample_rate,
-                job._next_index,
+                job._delivered_frames - len(codes_np),
                 len(codes_np),
-                job.seq.finished,
+                final,
                 codes_np,
                 t,
                 job.seq.noise.seed,
             )
-            job._next_index += len(codes_np)
             job._emit(chunk)
-            if job.seq.finished:
+            if final:
                 job.done = True
                 job._emit(DONE)
 

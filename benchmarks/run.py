@@ -1,0 +1,55 @@
+"""The benchmark suite (`make bench` = --quick, `make bench-full` = --full).
+
+Every script builds its random checkpoint once (cached under ~/.cache/voxtral_mlx/bench),
+measures voxtral_mlx and, where one exists, mlx-audio in the same process run, and appends
+a section to benchmarks/RESULTS.md with the command, machine, date and medians.
+
+    quick: frame speed tiny + wide, time to first audio tiny + wide, streaming codec cost,
+           weight-bound analysis (wide), batched throughput (wide)  -- a few minutes here
+    full:  the same plus the full 26+3-layer model and the quantization agreement
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+QUICK = [
+    ["frame_speed.py", "--configs", "tiny,wide", "--repeats", "5"],
+    ["ttfa.py", "--configs", "tiny,wide", "--repeats", "5"],
+    ["codec_bench.py", "--record"],
+    ["weight_bound.py", "--config", "wide"],
+    ["batch_throughput.py", "--config", "wide"],
+]
+FULL = [
+    *QUICK,
+    ["frame_speed.py", "--configs", "full", "--repeats", "5"],
+    ["ttfa.py", "--configs", "full", "--repeats", "5"],
+    ["weight_bound.py", "--config", "full"],
+    ["quant_agreement.py", "--record"],
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="the default")
+    mode.add_argument("--full", action="store_true")
+    args = parser.parse_args(argv)
+    failed = []
+    for cmd in FULL if args.full else QUICK:
+        print(f"== {' '.join(cmd)}", flush=True)
+        if subprocess.run([sys.executable, str(HERE / cmd[0]), *cmd[1:]], cwd=HERE).returncode:
+            failed.append(cmd[0])
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

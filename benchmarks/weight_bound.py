@@ -1,0 +1,139 @@
+"""How close a frame gets to the hardware: measured ms/frame vs the bare matrix products.
+
+For a checkpoint with the real layer widths this prints, per frame:
+  * bytes of weights the frame must read (backbone once, flow head once per Euler step,
+    semantic head, codec once per decoded chunk) and the lower bound bytes / bandwidth,
+    with the machine's memory bandwidth measured here (large-array sum);
+  * the time of the bare matmuls at the frame's shapes and dtype (the same weights, no
+    attention, norms or Python), i.e. what any implementation must spend;
+  * voxtral_mlx's measured ms/frame (marginal, as frame_speed.py) and its overhead over
+    the bare matmuls; achieved weight GB/s.
+
+    python benchmarks/weight_bound.py [--config wide|full] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+from common import TEXT, VOICE, checkpoint, median_time, record
+
+CONFIGS = {"wide": ("wide", 2, 3, 2, 6), "full": ("full", None, None, 1, 3)}
+
+
+def bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
+    x = mx.ones((n_bytes // 4,), mx.float32)
+    mx.eval(x)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        mx.eval(mx.sum(x))
+        times.append(time.perf_counter() - t0)
+    return n_bytes / statistics.median(times) / 1e9
+
+
+def frame_shapes(tts) -> tuple[list[tuple[mx.array, int]], int]:
+    """(weight, rows multiplying it) for every matmul of one frame, and the weight bytes."""
+    m, cfg = tts.model, tts.config
+    mats: list[tuple[mx.array, int]] = []
+
+    def linears(module, rows, times=1):
+        for _path, arr in _linear_weights(module):
+            mats.extend([(arr, rows)] * times)
+
+    for layer in m.layers:
+        linears(layer, 1)
+    head = m.acoustic_transformer
+    n = cfg.flow.n_decoding_steps
+    for layer in head.layers:
+        linears(layer, 6, n)
+    mats.append((head.semantic_codebook_output.weight, 1))
+    mats.append((head.llm_projection.weight, 1))
+    mats.extend([(head.input_projection.weight, 2)] * n)
+    mats.extend([(head.acoustic_codebook_output.weight, 6)] * n)
+    total = sum(w.nbytes for w, _ in mats)
+    return mats, total
+
+
+def _linear_weights(module):
+    from mlx.utils import tree_flatten
+
+    for path, arr in tree_flatten(module.parameters()):
+        if path.endswith(".weight") and arr.ndim == 2:
+            yield path, arr
+
+
+def bare_matmul_ms(mats, dtype, repeats: int = 5) -> float:
+    xs = {(r, w.shape[1]): mx.random.normal((r, w.shape[1])).astype(dtype) for w, r in mats}
+    mx.eval(list(xs.values()))
+
+    def run():
+        mx.eval([(xs[(r, w.shape[1])] @ w.T).sum() for w, r in mats])
+
+    run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import voxtral_mlx
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="wide", choices=sorted(CONFIGS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args(argv)
+    size, layers, flow_layers, n1, n2 = CONFIGS[args.config]
+    path = checkpoint(size, n_layers=layers, flow_layers=flow_layers)
+    tts = voxtral_mlx.load(path)
+    noise = np.random.default_rng(0).standard_normal((n2, 36)).astype(np.float32)
+
+    def ours(n):
+        tts.synthesize(TEXT, VOICE, noise=noise[:n], max_frames=n)
+
+    t1 = median_time(lambda: ours(n1), args.repeats)
+    t2 = median_time(lambda: ours(n2), args.repeats)
+    ms = 1000 * (t2 - t1) / (n2 - n1)
+
+    def measure():
+        mats, total = frame_shapes(tts)
+        codec = sum(a.nbytes for _, a in _linear_weights(tts.model.audio_tokenizer))
+        return bare_matmul_ms(mats, tts.dtype, args.repeats), total, codec, bandwidth_gbs()
+
+    bare, weight_bytes, codec_bytes, bw = tts.call(measure)
+    per_frame = weight_bytes + codec_bytes / 16  # synthesize decodes 16 frames per chunk
+    bound_ms = 1000 * per_frame / (bw * 1e9)
+    rows = [
+        ("quantity", "value"),
+        ("weights read per frame", f"{per_frame / 2**20:.0f} MiB"),
+        ("measured memory bandwidth", f"{bw:.1f} GB/s"),
+        ("bandwidth bound (bytes / bandwidth)", f"{bound_ms:.1f} ms"),
+        ("bare matmuls at the frame's shapes", f"{bare:.1f} ms"),
+        ("voxtral_mlx ms/frame", f"{ms:.1f} ms"),
+        ("overhead over bare matmuls", f"{100 * (ms / bare - 1):+.0f} %"),
+        ("achieved weight GB/s", f"{per_frame / (ms / 1000) / 1e9:.1f}"),
+    ]
+    for r in rows:
+        print(" | ".join(r))
+    if not args.no_record:
+        print(
+            record(
+                f"Weight-bound frame ({args.config})",
+                "python benchmarks/weight_bound.py " + " ".join(argv or sys.argv[1:]),
+                rows,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
