@@ -41,7 +41,7 @@ def measure(name: str, repeats: int) -> dict[str, float]:
 
     def ours(clear: bool) -> float:
         if clear:
-            tts.engine.clear_prefix_cache()
+            tts.clear_prefix_cache()
         return first_chunk_s(lambda: tts.stream(TEXT, VOICE, noise=noise, max_frames=8))
 
     ours(True)  # warm-up: weights read, graphs compiled

@@ -103,3 +103,23 @@ def test_closing_the_stream_stops_generation(tiny_tts, noise, monkeypatch):
 def test_bad_chunk_size(tiny_tts):
     with pytest.raises(InputError):
         next(tiny_tts.stream(TEXT, VOICE, seed=0, chunk_frames=0))
+
+
+def test_voice_prefix_cache_gives_identical_output(tiny_tts, noise):
+    engine = tiny_tts.engine
+    tiny_tts.clear_prefix_cache()
+    fresh = tiny_tts.synthesize(TEXT, VOICE, noise=noise)
+    assert not fresh.timings.prefix_cached
+    cached = tiny_tts.synthesize(TEXT, VOICE, noise=noise)
+    assert cached.timings.prefix_cached
+    np.testing.assert_array_equal(fresh.codes, cached.codes)
+    np.testing.assert_array_equal(fresh.audio, cached.audio)
+    # With the cache off every request prefills its own prefix: still identical.
+    engine.prefix_cache_voices = 0
+    try:
+        tiny_tts.clear_prefix_cache()
+        uncached = tiny_tts.synthesize(TEXT, VOICE, noise=noise)
+        assert not uncached.timings.prefix_cached
+        np.testing.assert_array_equal(uncached.audio, fresh.audio)
+    finally:
+        engine.prefix_cache_voices = 8

@@ -90,6 +90,10 @@ class VoxtralTTS:
 
         return self.worker.call(run)
 
+    def clear_prefix_cache(self) -> None:
+        """Forget the cached voice prefixes (they are recomputed on next use)."""
+        self.worker.call(self.engine.clear_prefix_cache)
+
     def close(self) -> None:
         """Stop the worker thread (pending requests fail). The object is unusable after."""
         self.worker.close()
