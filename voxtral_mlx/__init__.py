@@ -31,11 +31,14 @@ __version__ = "0.1.0"
 def load(
     path_or_repo: str | os.PathLike[str] | None = DEFAULT_REPO,
     dtype: str | mx.Dtype | None = None,
+    *,
+    max_batch: int = 4,
 ) -> VoxtralTTS:
     """Load Voxtral TTS from a local directory or a Hugging Face repo id.
 
     ``dtype``: compute dtype (``"bfloat16"``, ``"float16"``, ``"float32"``); default: the
-    checkpoint's own (bfloat16 for Mistral's release).
+    checkpoint's own (bfloat16 for Mistral's release). ``max_batch``: sequences (requests or
+    text segments) generated together in one batch.
     """
     from .hub import resolve_model_dir
     from .loader import load_model_dir
@@ -48,4 +51,4 @@ def load(
     except BaseException:
         worker.close()
         raise
-    return VoxtralTTS(loaded, worker)
+    return VoxtralTTS(loaded, worker, max_batch=max_batch)

@@ -143,36 +143,85 @@ def cmd_speak(args: argparse.Namespace) -> int:
         n_tokens = len(tts.tokenizer.encode(text))
         expected = max(1.0, n_tokens * SECONDS_PER_TEXT_TOKEN)
 
-    timings = None
-    ok = False
+    stream = tts.stream(
+        text,
+        voice=args.voice,
+        seed=args.seed,
+        chunk_frames=1,
+        max_frames=args.max_frames,
+        split=not args.no_split,
+        pause=args.pause,
+        add_period=not args.no_period,
+    )
+    progress = Progress(len(stream.segments)) if _show_progress(args, stream) else None
+    ok = interrupted = False
     try:
-        for chunk in tts.stream(
-            text, voice=args.voice, seed=args.seed, chunk_frames=1, max_frames=args.max_frames
-        ):
-            timings = chunk.timings
+        for chunk in stream:
             if len(chunk.audio):
                 for sink in sinks:
                     sink(chunk.audio)
                 if player is not None:
                     player.feed(chunk.audio, expected_total_s=expected)
+            if progress is not None:
+                progress.update(chunk, stream.timings)
         if player is not None:
             player.finish()
         ok = True
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
+        stream.cancel()
+        if progress is not None:
+            progress.close()
         if player is not None and not ok:
             player.stop()
         if file_writer is not None:
             if ok:
                 file_writer.close()
+            elif interrupted and file_writer.commit_partial():
+                _info(f"interrupted: kept {file_writer.duration_s:.1f} s of audio in {args.output}")
             else:
                 file_writer.abort()
         if to_stdout:
             wav.close()
-    if timings is None or timings.frames == 0:
+    timings = stream.timings
+    if timings.frames == 0:
         raise VoxtralError("the model produced no audio for this text (END on the first frame)")
     if args.verbose:
         _report(timings, player)
     return 0
+
+
+def _show_progress(args: argparse.Namespace, stream) -> bool:
+    return len(stream.segments) > 1 and sys.stderr.isatty() and not args.quiet
+
+
+class Progress:
+    """One self-rewriting line on stderr: segments, seconds of audio, ETA."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.t0 = time.perf_counter()
+        self.done = 0
+
+    def update(self, chunk, timings) -> None:
+        if chunk.is_final or (chunk.frames == 0 and len(chunk.audio)):  # a segment ended
+            self.done = chunk.segment + 1
+        elapsed = time.perf_counter() - self.t0
+        eta = ""
+        if 0 < self.done < self.total:
+            left = elapsed / self.done * (self.total - self.done)
+            eta = f", ETA {int(left // 60)}:{int(left % 60):02d}"
+        sys.stderr.write(
+            f"\r{PROG}: segment {min(self.done + 1, self.total)}/{self.total}, "
+            f"{timings.audio_s:.1f} s of audio{eta}   "
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
 def _report(t, player) -> None:
@@ -215,6 +264,76 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> int:
     )
     _info(f"wrote a random {args.size} checkpoint to {out} in {time.perf_counter() - t0:.1f} s")
     print(out)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert_model
+
+    last = [0.0]
+
+    def progress(name: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if args.verbose and (now - last[0] > 2.0 or done == total):
+            last[0] = now
+            _info(f"{done / 2**30:6.2f} / {total / 2**30:.2f} GiB  {name}")
+
+    t0 = time.perf_counter()
+    result = convert_model(
+        args.model,
+        args.output,
+        q_bits=args.q_bits,
+        q_group_size=args.q_group_size,
+        q_flow_bits=args.q_flow_bits,
+        dtype=args.dtype,
+        force=args.force,
+        progress=progress,
+    )
+    what = f"{len(result.quantized)} quantized layers" if result.quantized else "unquantized"
+    _info(
+        f"wrote {result.total_bytes / 2**30:.2f} GiB ({what}) to {result.path} in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    print(result.path)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from .server import API_KEY_ENV, ServerConfig, bind, create_app, serve
+
+    for name in ("max_batch", "max_queue", "max_input_chars", "max_frames"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be at least 1")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    sock = bind(args.host, args.port)  # a taken port fails before the model loads
+    try:
+        tts = _load(args)
+    except BaseException:
+        sock.close()
+        raise
+    tts.engine.max_batch = args.max_batch
+    local = Path(args.model)
+    model_id = local.resolve().name if local.is_dir() else args.model
+    config = ServerConfig(
+        model_id=model_id,
+        api_key=api_key,
+        max_input_chars=args.max_input_chars,
+        max_queue=args.max_queue,
+        max_frames=args.max_frames,
+    )
+    if api_key is None and args.host not in ("127.0.0.1", "::1", "localhost"):
+        _info(f"{PROG}: warning: serving on {args.host} without an API key (--api-key)")
+
+    def ready(url: str) -> None:
+        _info(f"{PROG}: serving {model_id} at {url} (POST {url}/v1/audio/speech; Ctrl-C stops)")
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a server stops: no error
+        serve(create_app(tts, config), sock, ready, log_level=args.log_level)
+    # The model is not closed: serve() has cancelled every request and the engine is idle,
+    # and joining the worker thread right before exit can abort the process in MLX's
+    # teardown ("terminate called without an active exception").
     return 0
 
 
@@ -263,6 +382,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop after this many 80 ms frames (default 2400 = 192 s)",
     )
     speak.add_argument("--verbose", action="store_true", help="print timings to stderr")
+    speak.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    speak.add_argument(
+        "--no-split",
+        action="store_true",
+        help="speak the text as one utterance (default: split long text at natural pauses)",
+    )
+    speak.add_argument(
+        "--no-period",
+        action="store_true",
+        help="do not end segments that lack final punctuation with a period",
+    )
+    speak.add_argument(
+        "--pause", type=float, help="seconds of silence between segments (default: natural)"
+    )
     model_args(speak)
     speak.set_defaults(func=cmd_speak)
 
@@ -291,6 +424,65 @@ def build_parser() -> argparse.ArgumentParser:
         help="zero the END row of the semantic head so generation runs to --max-frames",
     )
     rnd.set_defaults(func=cmd_random_checkpoint)
+
+    cvt = sub.add_parser(
+        "convert", help="convert a checkpoint to an MLX directory (optionally quantized)"
+    )
+    cvt.add_argument("model", metavar="MODEL", help="local directory or Hugging Face repo")
+    cvt.add_argument("-o", "--output", required=True, metavar="OUT_DIR")
+    cvt.add_argument(
+        "--q-bits", type=int, help="quantize the backbone's Linear layers to 4, 6 or 8 bits"
+    )
+    cvt.add_argument("--q-group-size", type=int, default=64, help="quantization group size")
+    cvt.add_argument(
+        "--q-flow-bits",
+        type=int,
+        help="bits of the flow head's Linear layers (default: max(8, --q-bits))",
+    )
+    cvt.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="bfloat16 | float16 | float32: dtype of every unquantized tensor (default bfloat16)",
+    )
+    cvt.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    cvt.add_argument("--verbose", action="store_true", help="print progress to stderr")
+    cvt.set_defaults(func=cmd_convert)
+
+    srv = sub.add_parser(
+        "serve", help="serve speech over HTTP (OpenAI-compatible /v1/audio/speech)"
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    srv.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VOXTRAL_MLX_API_KEY)",
+    )
+    srv.add_argument(
+        "--max-batch", type=int, default=4, help="text segments generated as one batch (4)"
+    )
+    srv.add_argument(
+        "--max-queue",
+        type=int,
+        default=32,
+        help="speech requests in progress at most, generating or waiting; more get 429 (32)",
+    )
+    srv.add_argument(
+        "--max-input-chars", type=int, default=4096, help="longest input text (default 4096)"
+    )
+    srv.add_argument(
+        "--max-frames",
+        type=int,
+        default=2400,
+        help="stop a text segment after this many 80 ms frames (default 2400 = 192 s)",
+    )
+    srv.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level (default info: one line per request)",
+    )
+    model_args(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -164,6 +164,14 @@ class Engine:
         self._waiting.append(job)
         return job
 
+    def stats(self) -> dict[str, int]:
+        """Jobs generating in the batch and waiting to join it (safe from any thread)."""
+        return {
+            "active": len(self._jobs),
+            "waiting": len(self._waiting),
+            "max_batch": self.max_batch,
+        }
+
     @property
     def busy(self) -> bool:
         return bool(self._jobs or self._waiting or len(self._batch) or self._inflight)

@@ -50,7 +50,7 @@ class NoiseSource:
             self.seed = secrets.randbits(63) if seed is None else int(seed)
             self.limit = None
             self._explicit = None
-            self._key = mx.random.key(self.seed)
+            self._key: mx.array | None = None  # made on first use, on the worker thread
             self._blocks: list[mx.array] = []
 
     def row(self, i: int) -> mx.array:
@@ -58,6 +58,8 @@ class NoiseSource:
         if self._explicit is not None:
             return self._explicit[i : i + 1]
         b, r = divmod(i, NOISE_BLOCK)
+        if self._key is None:
+            self._key = mx.random.key(self.seed)
         while len(self._blocks) <= b:
             self._key, sub = mx.random.split(self._key)
             self._blocks.append(mx.random.normal((NOISE_BLOCK, self.width), key=sub))

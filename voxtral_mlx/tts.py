@@ -182,6 +182,7 @@ class VoxtralTTS:
         pause: float | None,
         max_chars: int,
         add_period: bool = True,
+        lookahead: int | None = None,
     ):
         if not isinstance(text, str):
             raise InputError(f"text must be a string, got {type(text).__name__}")
@@ -209,7 +210,8 @@ class VoxtralTTS:
                 chunk_frames=chunk_frames,
             )
 
-        lookahead = self.engine.max_batch if split else 1
+        if lookahead is None:
+            lookahead = self.engine.max_batch if split else 1
         return cls(submit, make_job, segments, self.sample_rate, lookahead, pause)
 
     def stream(
@@ -226,6 +228,7 @@ class VoxtralTTS:
         pause: float | None = None,
         max_chars: int = DEFAULT_MAX_CHARS,
         add_period: bool = True,
+        lookahead: int | None = None,
     ) -> TextStream:
         """Yield audio as it is decoded, ``chunk_frames`` frames (80 ms each) at a time.
 
@@ -242,6 +245,8 @@ class VoxtralTTS:
         final punctuation). Segment
         ``i`` uses seed ``seed + i``; ``max_frames`` applies per segment; chunks carry
         ``segment`` and ``segments``; memory stays bounded whatever the length.
+        ``lookahead``: segments generated ahead of the one being consumed (default: the
+        batch size with ``split``; lower it to leave room in the batch for other requests).
         """
         return self._reader(
             TextStream,
@@ -257,6 +262,7 @@ class VoxtralTTS:
             pause,
             max_chars,
             add_period,
+            lookahead,
         )
 
     def astream(
@@ -273,6 +279,7 @@ class VoxtralTTS:
         pause: float | None = None,
         max_chars: int = DEFAULT_MAX_CHARS,
         add_period: bool = True,
+        lookahead: int | None = None,
     ) -> AsyncTextStream:
         """:meth:`stream` for ``async for``: generation runs on the model's worker thread, the
         event loop only receives chunks. Cancelling the consuming task stops generation."""
@@ -294,6 +301,7 @@ class VoxtralTTS:
             pause,
             max_chars,
             add_period,
+            lookahead,
         )
 
     def submit(self, job: Job) -> Job:

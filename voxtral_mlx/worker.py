@@ -8,13 +8,26 @@ thread that loads it, generates, decodes and batches every request. Callers in a
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from .errors import VoxtralError
+
 T = TypeVar("T")
+
+_WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _park_all() -> None:
+    # A worker still inside MLX while the interpreter tears down aborts the process.
+    for worker in list(_WORKERS):
+        worker.close()
 
 
 class Worker:
@@ -32,7 +45,9 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._busy = False
         self._closed = False
+        self._parked = threading.Event()
         self._thread.start()
+        _WORKERS.add(self)
 
     @property
     def in_worker(self) -> bool:
@@ -42,7 +57,7 @@ class Worker:
         """Run ``fn()`` on the worker; the future holds its result or exception."""
         future: Future[T] = Future()
         if self._closed:
-            future.set_exception(RuntimeError("the model was closed"))
+            future.set_exception(VoxtralError("this model was closed: load it again to use it"))
             return future
         self._tasks.put((fn, future))
         return future
@@ -54,11 +69,17 @@ class Worker:
         return self.submit(lambda: fn(*args, **kwargs)).result()
 
     def close(self) -> None:
+        """Stop taking work and drop the model's references (in-flight calls finish first).
+
+        The thread itself is parked, never ended: MLX keeps per-thread stream state whose
+        teardown at thread exit aborts the process ("terminate called without an active
+        exception"), while a parked daemon thread is simply dropped at interpreter exit.
+        """
         if not self._closed:
             self._closed = True
             self._tasks.put(None)
             if not self.in_worker:
-                self._thread.join(timeout=10)
+                self._parked.wait(timeout=10)
 
     def _run(self) -> None:
         while True:
@@ -67,7 +88,9 @@ class Worker:
             except queue.Empty:
                 item = ...
             if item is None:
-                return
+                self.pump = lambda: False
+                self._parked.set()
+                threading.Event().wait()
             if item is not ...:
                 fn, future = item
                 if future.set_running_or_notify_cancel():

@@ -1,0 +1,568 @@
+"""`voxtral-mlx serve`: a real server process, real HTTP clients (httpx, openai)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+import voxtral_mlx
+from voxtral_mlx.audio.io import float_to_int16
+from voxtral_mlx.server.speed import TimeStretcher, time_stretch
+from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_FRAMES = 40  # every segment runs exactly this long: the checkpoint never says END
+MAX_QUEUE = 6
+MAX_CHARS = 2000
+SR = 24000
+STORY = (
+    "The lighthouse keeper woke before dawn. He climbed the stairs, one hundred and twelve "
+    "of them, as he had for thirty years. The lamp was still warm; the sea was calm! "
+    "Far away, a ship sounded its horn, and he waved, although nobody could see him. "
+    "Then he made tea. It was, he thought, a perfectly ordinary morning. "
+)
+TEXT = STORY * 2  # two or three segments, generated as one batch
+LONG = " ".join(f"This is sentence number {i}, which goes on for a while." for i in range(32))
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+
+def start_server(workdir: Path, checkpoint: Path, *extra: str) -> Server:
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "stderr.txt"
+    cmd = [sys.executable, "-m", "voxtral_mlx", "serve", "-m", str(checkpoint), "--port", "0"]
+    with open(log, "w") as err, open(workdir / "stdout.txt", "w") as out:
+        proc = subprocess.Popen([*cmd, *extra], stdout=out, stderr=err)
+    deadline = time.monotonic() + 120
+    while True:
+        match = re.search(r"serving \S+ at (http://127\.0\.0\.1:\d+)", log.read_text())
+        if match:
+            break
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server did not start: {log.read_text()}")
+        time.sleep(0.05)
+    server = Server(proc, match.group(1), log)
+    assert server.health()["status"] == "ok"
+    return server
+
+
+def stop_server(server: Server, timeout: float = 30) -> int:
+    server.proc.send_signal(signal.SIGINT)
+    try:
+        return server.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+        raise
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_random_checkpoint(
+        tmp_path_factory.mktemp("serve-ckpt"), "tiny", seed=3, dtype="float32", suppress_end=True
+    )
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    srv = start_server(
+        tmp_path_factory.mktemp("serve"),
+        checkpoint,
+        "--api-key",
+        KEY,
+        "--max-frames",
+        str(MAX_FRAMES),
+        "--max-queue",
+        str(MAX_QUEUE),
+        "--max-input-chars",
+        str(MAX_CHARS),
+        "--max-batch",
+        "4",
+    )
+    yield srv
+    assert stop_server(srv) == 0
+
+
+@pytest.fixture(scope="module")
+def tts(checkpoint):
+    model = voxtral_mlx.load(checkpoint)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+def reference(tts, text: str, voice: str, seed: int) -> np.ndarray:
+    return tts.synthesize(text, voice, seed=seed, split=True, max_frames=MAX_FRAMES).audio
+
+
+def pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, "<i2")
+
+
+def wait_until(predicate, timeout: float = 10.0, every: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError("condition not reached in time")
+
+
+def idle(server: Server) -> dict:
+    """/health once no request is in progress and the engine has no job left."""
+
+    def check() -> dict | None:
+        h = server.health()
+        return h if h["requests"] == h["active"] == h["waiting"] == 0 else None
+
+    return wait_until(check)
+
+
+# -- listing endpoints -------------------------------------------------------------------
+
+
+def test_health_models_voices(server, http):
+    health = httpx.get(f"{server.url}/health").json()  # open without a key
+    assert health["status"] == "ok" and health["max_batch"] == 4
+    assert health["max_queue"] == MAX_QUEUE
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    voices = http.get("/v1/audio/voices").json()
+    by_name = {v["id"]: v for v in voices["data"]}
+    assert by_name["fr_female"]["language"] == "fr"
+    assert by_name["casual_male"]["language_name"] == "English"
+    assert voices["aliases"]["alloy"] == "neutral_female"
+    assert all(by_name[t]["language"] == "en" for t in voices["aliases"].values())
+
+
+# -- formats -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["pcm", "wav", "flac", "mp3", "opus"])
+def test_every_format_decodes_to_the_synthesized_audio(tts, client, fmt):
+    speech = client.audio.speech.create(
+        model="tts-1", voice="alloy", input=TEXT, response_format=fmt, extra_body={"seed": 7}
+    )
+    ref = reference(tts, TEXT, "neutral_female", 7)
+    data = speech.content
+    if fmt == "pcm":
+        np.testing.assert_array_equal(pcm16(data), float_to_int16(ref))
+        return
+    info = sf.info(io.BytesIO(data))
+    assert info.samplerate == SR and info.channels == 1
+    if fmt in ("wav", "flac"):
+        got, _ = sf.read(io.BytesIO(data), dtype="int16")
+        np.testing.assert_array_equal(got, float_to_int16(ref))
+        return
+    got, _ = sf.read(io.BytesIO(data), dtype="float32")
+    # A streamed MP3 has no LAME header: it starts with the encoder's delay (< 0.1 s).
+    assert 0 <= len(got) - len(ref) <= 0.1 * SR
+    lags = range(0, len(got) - len(ref) + 1)
+    lag = max(lags, key=lambda k: float(np.dot(got[k : k + SR], ref[:SR])))
+    corr = np.corrcoef(got[lag : lag + len(ref)], ref)[0, 1]
+    assert corr > 0.85, corr
+
+
+def test_wav_streams_with_an_unknown_length_header(http):
+    body = {"input": "Short one.", "response_format": "wav", "seed": 1}
+    with http.stream("POST", "/v1/audio/speech", json=body) as r:
+        assert r.headers["content-type"] == "audio/wav"
+        assert r.headers.get("transfer-encoding") == "chunked"
+        data = r.read()
+    assert data[:4] == b"RIFF" and data[8:16] == b"WAVEfmt "
+    assert data[4:8] == b"\xff\xff\xff\xff" and data[40:44] == b"\xff\xff\xff\xff"
+    assert len(data) == 44 + MAX_FRAMES * 1920 * 2
+
+
+def test_flac_is_one_whole_file_with_its_length(http):
+    r = http.post("/v1/audio/speech", json={"input": "Short one.", "response_format": "flac"})
+    assert r.headers["content-type"] == "audio/flac"
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert sf.info(io.BytesIO(r.content)).frames == MAX_FRAMES * 1920
+
+
+def test_default_format_is_mp3(http):
+    r = http.post("/v1/audio/speech", json={"model": "anything", "input": "Hi.", "voice": "echo"})
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/mpeg"
+    assert sf.info(io.BytesIO(r.content)).format == "MP3"
+
+
+def test_lenient_parts_of_the_body(http):
+    """No Content-Type is read as JSON, a voice may be {"id": name}, instructions are
+    accepted (and ignored), speed 1 changes nothing."""
+    body = {
+        "input": "Hi.",
+        "voice": {"id": "nova"},
+        "instructions": "Speak softly.",
+        "speed": 1,
+        "response_format": "pcm",
+    }
+    r = http.post("/v1/audio/speech", content=json.dumps(body).encode())
+    assert "content-type" not in r.request.headers
+    assert r.status_code == 200 and len(r.content) == MAX_FRAMES * 1920 * 2
+
+
+def test_sse_events_carry_the_audio(tts, http):
+    body = {"input": TEXT, "voice": "fr_male", "response_format": "pcm", "stream_format": "sse"}
+    with http.stream("POST", "/v1/audio/speech", json={**body, "seed": 11}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    deltas, done = events[:-1], events[-1]
+    assert deltas and all(e["type"] == "speech.audio.delta" for e in deltas)
+    audio = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    ref = tts.synthesize(TEXT, "fr_male", seed=11, split=True, max_frames=MAX_FRAMES)
+    np.testing.assert_array_equal(pcm16(audio), float_to_int16(ref.audio))
+    assert done["type"] == "speech.audio.done"
+    usage = done["usage"]
+    assert usage["output_tokens"] == len(ref.codes) and usage["input_tokens"] > 10
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+# -- speed -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("speed", [0.5, 1.5])
+def test_speed_stretches_without_changing_the_samples_otherwise(tts, client, speed):
+    speech = client.audio.speech.create(
+        model="tts-1",
+        voice="neutral_male",
+        input="Speed test sentence.",
+        response_format="pcm",
+        speed=speed,
+        extra_body={"seed": 5},
+    )
+    ref = reference(tts, "Speed test sentence.", "neutral_male", 5)
+    expected = float_to_int16(time_stretch(ref, speed, SR))
+    assert len(expected) == round(len(ref) / speed)
+    np.testing.assert_array_equal(pcm16(speech.content), expected)
+
+
+def _tone(seconds: float = 2.0) -> np.ndarray:
+    t = np.arange(int(seconds * SR)) / SR
+    voiced = 0.3 * np.sin(2 * np.pi * 180 * t) + 0.15 * np.sin(2 * np.pi * 360 * t + 1)
+    return (voiced * (0.6 + 0.4 * np.sin(2 * np.pi * 2 * t))).astype(np.float32)
+
+
+def _peak_hz(x: np.ndarray) -> float:
+    spectrum = np.abs(np.fft.rfft(x * np.hanning(len(x))))
+    return float(np.argmax(spectrum)) * SR / len(x)
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.5, 0.8, 1.25, 2.0, 4.0])
+def test_time_stretch_keeps_pitch_and_level(speed):
+    x = _tone()
+    y = time_stretch(x, speed, SR)
+    assert len(y) == round(len(x) / speed)
+    mid = y[len(y) // 4 : 3 * len(y) // 4]
+    assert abs(_peak_hz(mid) - 180) <= SR / len(mid) + 0.5  # within one FFT bin
+    assert 0.95 < np.sqrt(np.mean(mid**2)) / np.sqrt(np.mean(x[len(x) // 4 :] ** 2)) < 1.05
+    # No clicks: no step between samples is larger than the tone's own.
+    assert np.abs(np.diff(y)).max() <= 1.01 * np.abs(np.diff(x)).max()
+    np.testing.assert_array_equal(y[:240], x[:240])  # it starts exactly as the input
+
+
+def test_time_stretch_is_the_same_in_any_chunking():
+    x = _tone(1.3)
+    rng = np.random.default_rng(0)
+    for speed in (0.6, 1.7):
+        whole = time_stretch(x, speed, SR)
+        stretcher, parts, i = TimeStretcher(speed, SR), [], 0
+        while i < len(x):
+            n = int(rng.integers(1, 4000))
+            parts.append(stretcher.process(x[i : i + n]))
+            i += n
+        parts.append(stretcher.flush())
+        np.testing.assert_array_equal(np.concatenate(parts), whole)
+    np.testing.assert_array_equal(time_stretch(x, 1.0, SR), x)
+    assert len(time_stretch(x[:7], 2.0, SR)) == 4
+    with pytest.raises(ValueError):
+        TimeStretcher(4.5, SR)
+
+
+# -- streaming, cancellation, concurrency --------------------------------------------------
+
+
+def test_audio_flows_before_generation_ends(client, tts):
+    t0 = time.perf_counter()
+    first = None
+    parts = []
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1",
+        voice="nova",
+        input=LONG[:1200],
+        response_format="pcm",
+        extra_body={"seed": 3},
+    ) as response:
+        for part in response.iter_bytes():
+            if first is None and part:
+                first = time.perf_counter() - t0
+            parts.append(part)
+    total = time.perf_counter() - t0
+    assert first is not None and total > 1.0, total
+    assert first < 0.25 * total, (first, total)
+    ref = reference(tts, LONG[:1200], "cheerful_female", 3)
+    np.testing.assert_array_equal(pcm16(b"".join(parts)), float_to_int16(ref))
+
+
+def test_client_disconnect_stops_generation(server, http, tts):
+    segments = len(tts.stream(LONG, split=True).segments)
+    before = idle(server)
+    body = {"input": LONG, "response_format": "pcm"}
+    with http.stream("POST", "/v1/audio/speech", json=body) as r:
+        assert r.status_code == 200
+        parts, got = r.iter_bytes(), 0
+        while got < 20 * 1920 * 2:
+            got += len(next(parts))
+        during = server.health()
+        assert during["requests"] == 1 and during["active"] >= 1
+        r.close()  # the client goes away mid-stream
+    # The server cancels the request: its jobs leave the batch, nothing waits.
+    after = idle(server)
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert segments >= 8
+    assert after["frames"] - before["frames"] < segments * MAX_FRAMES // 2
+
+
+def test_concurrent_requests_share_the_batch(server, tts, client):
+    texts = [f"Caller number {i} asks a question." for i in range(4)]
+    results: dict[int, bytes] = {}
+    errors: list[BaseException] = []
+    active: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            active.append(server.health()["active"])
+            time.sleep(0.01)
+
+    def call(i: int) -> None:
+        try:
+            results[i] = client.audio.speech.create(
+                model="tts-1",
+                voice="casual_female",
+                input=texts[i],
+                response_format="pcm",
+                extra_body={"seed": 20 + i},
+            ).content
+        except BaseException as e:
+            errors.append(e)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    stop.set()
+    watcher.join()
+    assert not errors
+    assert max(active) >= 2, active  # several requests in one batch
+    for i, text in enumerate(texts):
+        ref = reference(tts, text, "casual_female", 20 + i)
+        np.testing.assert_array_equal(pcm16(results[i]), float_to_int16(ref))
+
+
+def _raw_request(url: str, body: dict, key: str | None = KEY) -> socket.socket:
+    """A speech request on a plain socket whose response is never read."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n"
+    )
+    if key:
+        head += f"Authorization: Bearer {key}\r\n"
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(head.encode() + b"\r\n" + data)
+    return sock
+
+
+def test_a_full_queue_answers_429(server, client, http):
+    idle(server)
+    socks = [_raw_request(server.url, {"input": LONG, "response_format": "pcm"})]
+    socks += [_raw_request(server.url, {"input": LONG}) for _ in range(MAX_QUEUE - 1)]
+    try:
+        wait_until(lambda: server.health()["requests"] == MAX_QUEUE)
+        r = http.post("/v1/audio/speech", json={"input": "One more."})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        error = r.json()["error"]
+        assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            client.audio.speech.create(model="tts-1", voice="alloy", input="Me too.")
+    finally:
+        for s in socks:
+            s.close()
+    health = idle(server)
+    assert health["rejected"] >= 2
+    ok = http.post("/v1/audio/speech", json={"input": "Room again.", "response_format": "pcm"})
+    assert ok.status_code == 200
+
+
+# -- errors --------------------------------------------------------------------------------
+
+JSON = {"Content-Type": "application/json", **AUTH}
+BAD_REQUESTS = [
+    ("empty input", {"input": ""}, 400, "input"),
+    ("blank input", {"input": " \n\t "}, 400, "input"),
+    ("missing input", {"voice": "alloy"}, 400, "input"),
+    ("input not text", {"input": 42}, 400, "input"),
+    ("oversized input", {"input": "a" * (MAX_CHARS + 1)}, 400, "input"),
+    ("unknown voice", {"input": "Hi.", "voice": "bob"}, 400, "voice"),
+    ("unknown format", {"input": "Hi.", "response_format": "ogg"}, 400, "response_format"),
+    ("aac", {"input": "Hi.", "response_format": "aac"}, 400, "response_format"),
+    ("speed too low", {"input": "Hi.", "speed": 0.1}, 400, "speed"),
+    ("speed too high", {"input": "Hi.", "speed": 4.5}, 400, "speed"),
+    ("speed not a number", {"input": "Hi.", "speed": "fast"}, 400, "speed"),
+    ("unknown stream format", {"input": "Hi.", "stream_format": "ws"}, 400, "stream_format"),
+    ("bad seed", {"input": "Hi.", "seed": -1}, 400, "seed"),
+    ("unknown field", {"input": "Hi.", "sped": 2}, 400, "sped"),
+    ("not an object", ["Hi."], 400, None),
+]
+
+
+def _assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "\n" not in error["message"]
+    assert "Traceback" not in r.text
+    assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize(("what", "body", "status", "param"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(http, what, body, status, param):
+    r = http.post("/v1/audio/speech", content=json.dumps(body), headers=JSON)
+    error = _assert_openai_error(r, status, param)
+    assert error["type"] == "invalid_request_error"
+    if what == "unknown voice":
+        assert "casual_male" in error["message"] and "alloy" in error["message"]
+    if what == "oversized input":
+        assert error["code"] == "string_above_max_length"
+
+
+def test_transport_level_mistakes(server, http):
+    speech = f"{server.url}/v1/audio/speech"
+    _assert_openai_error(http.post(speech, content=b"{not json", headers=JSON), 400)
+    _assert_openai_error(http.post(speech, content=b"[" * 50000, headers=JSON), 400)
+    huge = http.post(speech, content=b" " * (13 * MAX_CHARS + 65536), headers=JSON)
+    assert _assert_openai_error(huge, 413)["code"] == "request_too_large"
+    form = http.post(speech, data={"input": "Hi."})
+    assert _assert_openai_error(form, 415)["code"] == "unsupported_media_type"
+    missing = httpx.post(speech, json={"input": "Hi."})
+    assert _assert_openai_error(missing, 401)["code"] == "missing_api_key"
+    wrong = httpx.post(speech, json={"input": "Hi."}, headers={"Authorization": "Bearer no"})
+    assert _assert_openai_error(wrong, 401)["code"] == "invalid_api_key"
+    assert _assert_openai_error(http.get("/v1/nothing"), 404)["code"] == "not_found"
+    assert _assert_openai_error(http.get("/nothing"), 404)["code"] == "not_found"
+    not_allowed = http.get("/v1/audio/speech")
+    _assert_openai_error(not_allowed, 405)
+    assert not_allowed.headers["allow"] == "POST"
+    _assert_openai_error(http.delete("/v1/models"), 405)
+
+
+def test_the_openai_client_sees_its_own_exceptions(server, client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.audio.speech.create(model="tts-1", voice="nobody", input="Hi.")
+    assert err.value.status_code == 400 and err.value.param == "voice"
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.audio.speech.create(model="tts-1", voice="alloy", input="Hi.")
+    bad.close()
+
+
+def test_server_errors_are_json_without_details():
+    """An internal failure is a 500 in OpenAI's shape (in-process: it cannot be provoked
+    from outside a healthy server)."""
+    from concurrent.futures import Future
+
+    from starlette.testclient import TestClient
+
+    from voxtral_mlx.server import ServerConfig, create_app
+
+    def failing_submit(fn):
+        future: Future = Future()
+        future.set_exception(RuntimeError("secret internal detail"))
+        return future
+
+    fake = SimpleNamespace(
+        voices={"casual_male": SimpleNamespace(language="en")},
+        default_voice="casual_male",
+        sample_rate=SR,
+        worker=SimpleNamespace(submit=failing_submit),
+        engine=SimpleNamespace(stats=lambda: {"active": 0, "waiting": 0, "max_batch": 4}),
+    )
+    app = create_app(fake, ServerConfig())
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        r = tc.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
+        error = _assert_openai_error(r, 500)
+        assert error["type"] == "server_error" and "secret" not in r.text
+        assert tc.get("/health").json()["requests"] == 0
+
+
+# -- lifecycle -----------------------------------------------------------------------------
+
+
+def test_ctrl_c_stops_the_server_cleanly_mid_stream(checkpoint, tmp_path):
+    srv = start_server(tmp_path, checkpoint, "--max-frames", "400")
+    sock = _raw_request(srv.url, {"input": LONG, "response_format": "pcm"}, key=None)
+    try:
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # audio is flowing
+        t0 = time.monotonic()
+        assert stop_server(srv) == 0
+        assert time.monotonic() - t0 < 15
+    finally:
+        sock.close()
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "Finished server process" in log
+
+
+def test_a_taken_port_is_a_one_line_error(server, checkpoint):
+    port = server.url.rsplit(":", 1)[1]
+    cmd = [sys.executable, "-m", "voxtral_mlx", "serve", "-m", str(checkpoint), "--port", port]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "cannot listen on" in done.stderr

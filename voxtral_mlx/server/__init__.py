@@ -1,0 +1,77 @@
+"""An OpenAI-compatible speech server: ``voxtral-mlx serve`` (Starlette + uvicorn).
+
+Start it with ``voxtral-mlx serve [-m MODEL] [--host 127.0.0.1] [--port 8000]`` and use any
+OpenAI client::
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.audio.speech.create(model="tts-1", voice="alloy", input="Hello!").write_to_file(...)
+
+Endpoints
+    ``POST /v1/audio/speech``  OpenAI's body: ``input`` (required; at most
+    ``--max-input-chars``, default 4096 as OpenAI), ``voice`` (a voice of the model or an
+    OpenAI name, below; a string or ``{"id": name}``; default ``casual_male``),
+    ``response_format`` (``mp3`` default, ``opus``, ``wav``, ``pcm``, ``flac``; ``aac`` is
+    refused with 400), ``speed`` (0.25 to 4.0), ``stream_format`` (``audio`` default, or
+    ``sse``). ``model`` is accepted and ignored (any string: the loaded model speaks; nothing
+    is ever downloaded); ``instructions`` too (the model takes none). Extension: ``seed``
+    (integer in [0, 2**62)) fixes the noise, so a request is reproducible: its audio equals
+    ``tts.synthesize(input, voice, seed=seed, split=True, max_frames=--max-frames)``.
+    Other fields are refused (400) so that typos do not pass silently.
+    ``GET /v1/audio/voices``  the voices with their languages, and the OpenAI aliases.
+    ``GET /v1/models``  the loaded model (id: the directory name or repo given with -m).
+    ``GET /health``  ``{"status": "ok", "requests": speech requests in progress,
+    "active": text segments generating in the engine's batch, "waiting": segments waiting
+    to join it, "max_batch", "max_queue", and counts since start: "completed",
+    "cancelled" (client went away), "failed", "rejected" (429), "frames"}``. Never needs
+    the API key.
+
+OpenAI voices (their presented gender, onto the model's English voices)
+    alloy, shimmer: neutral_female; coral, nova: cheerful_female; marin, sage:
+    casual_female; ballad, cedar, echo, onyx: neutral_male; ash, fable, verse: casual_male.
+
+Audio and streaming
+    Mono, 24 kHz. Long input is split into segments at natural pauses and the segments are
+    generated as one batch (``split=True``); concurrent requests share the engine's batch
+    frame by frame. Bytes go out as frames are decoded (chunked transfer, first bytes after
+    the first 80 ms frame): ``pcm`` is raw 16-bit little-endian; ``wav`` is PCM16 whose
+    header declares an unknown length (0xFFFFFFFF); ``mp3`` (128 kbit/s CBR) is one MPEG
+    stream without a LAME/Xing header, so it starts with the encoder's delay (about 80 ms,
+    one silent frame included) and players learn its length only at the end; ``opus`` is
+    one Ogg Opus stream (about 60 kbit/s; Ogg pages leave the encoder about once a second).
+    ``flac`` is encoded while generating but sent whole at the end with Content-Length
+    (its header holds the sample count). With ``stream_format: "sse"`` the same bytes come
+    as ``data: {"type": "speech.audio.delta", "audio": base64}`` events, then
+    ``{"type": "speech.audio.done", "usage": {"input_tokens", "output_tokens" (frames),
+    "total_tokens"}}``. ``speed`` other than 1 is a pitch-preserving WSOLA time stretch
+    (:mod:`voxtral_mlx.server.speed`) applied as the audio streams.
+
+Limits and errors
+    At most ``--max-queue`` speech requests are in progress (generating, or waiting for
+    room in the batch); more get 429 with ``Retry-After: 1``. A client that disconnects
+    cancels its request: its segments leave the batch at the next frame. Errors use
+    OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad body or
+    JSON, 401 missing or wrong ``Authorization: Bearer`` key (when ``--api-key`` or
+    ``$VOXTRAL_MLX_API_KEY`` is set), 404 unknown route, 405 wrong method, 413 body far
+    beyond the input limit, 415 a Content-Type other than JSON, 429 queue full, 500 a
+    server failure (details only in the server's log). A failure after audio has started
+    closes the connection without the end of the chunked body.
+
+Shutdown
+    Ctrl-C (or SIGTERM) stops accepting connections, lets speech requests finish for up to
+    3 s, then cuts them off (their generation is cancelled) and exits.
+"""
+
+from __future__ import annotations
+
+from .app import ServerConfig, create_app
+from .run import API_KEY_ENV, ServerError, bind, serve, url_of
+
+__all__ = [
+    "API_KEY_ENV",
+    "ServerConfig",
+    "ServerError",
+    "bind",
+    "create_app",
+    "serve",
+    "url_of",
+]

@@ -1,0 +1,53 @@
+"""Errors of the HTTP API in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+from ..fileio import one_line
+
+
+class APIError(Exception):
+    """A request the server answers with ``status`` and OpenAI's error JSON."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = one_line(message, 2000)
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def server_error() -> APIError:
+    return APIError(
+        500,
+        "the server failed to process the request; its log has the details",
+        type="server_error",
+    )

@@ -1,0 +1,170 @@
+"""The body of ``POST /v1/audio/speech``: OpenAI's fields, checked and resolved.
+
+Extensions to OpenAI's body: ``seed`` (integer: fixes the flow-matching noise, so the same
+request gives the same audio). ``model`` is accepted and ignored (any string: the server
+speaks with the model it loaded and never downloads one); so is ``instructions`` (the model
+takes no style instructions).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import bad_request
+from .formats import FORMATS, UNSUPPORTED_FORMATS
+from .speed import MAX_SPEED, MIN_SPEED
+
+# OpenAI's voice names onto this model's English voices (gender as OpenAI presents them).
+OPENAI_VOICES: dict[str, str] = {
+    "alloy": "neutral_female",
+    "ash": "casual_male",
+    "ballad": "neutral_male",
+    "cedar": "neutral_male",
+    "coral": "cheerful_female",
+    "echo": "neutral_male",
+    "fable": "casual_male",
+    "marin": "casual_female",
+    "nova": "cheerful_female",
+    "onyx": "neutral_male",
+    "sage": "casual_female",
+    "shimmer": "neutral_female",
+    "verse": "casual_male",
+}
+FIELDS = (
+    "model",
+    "input",
+    "voice",
+    "instructions",
+    "response_format",
+    "speed",
+    "stream_format",
+    "seed",
+)
+STREAM_FORMATS = ("audio", "sse")
+MAX_SEED = 2**62  # segment i of a split text uses seed + i
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    input: str
+    voice: str  # one of the model's voices (OpenAI names resolved)
+    response_format: str
+    speed: float
+    stream_format: str
+    seed: int | None
+    model: str | None
+
+
+def voice_aliases(voices: Mapping[str, Any]) -> dict[str, str]:
+    """OpenAI voice name -> the model's voice, for the targets this model has (a voice
+    of the model's own with the same name wins)."""
+    return {
+        alias: target
+        for alias, target in OPENAI_VOICES.items()
+        if target in voices and alias not in voices
+    }
+
+
+def resolve_voice(value: Any, voices: Mapping[str, Any], default: str) -> str:
+    if value is None:
+        return default
+    if isinstance(value, dict) and set(value) == {"id"}:
+        value = value["id"]
+    if not isinstance(value, str):
+        raise bad_request("voice must be a voice name (a string)", "voice")
+    if value in voices:
+        return value
+    aliases = voice_aliases(voices)
+    if value in aliases:
+        return aliases[value]
+    names = ", ".join([*voices, *aliases])
+    raise bad_request(
+        f"unknown voice {value!r}; available voices: {names} (GET /v1/audio/voices lists them)",
+        "voice",
+    )
+
+
+def _text(body: dict, max_chars: int) -> str:
+    if "input" not in body or body["input"] is None:
+        raise bad_request("input is required: the text to speak", "input")
+    text = body["input"]
+    if not isinstance(text, str):
+        raise bad_request(f"input must be a string, got {type(text).__name__}", "input")
+    if not text.strip():
+        raise bad_request("input is empty: give some text to speak", "input")
+    if len(text) > max_chars:
+        raise bad_request(
+            f"input is too long ({len(text)} characters, this server's limit is {max_chars}): "
+            "split it into several requests",
+            "input",
+            "string_above_max_length",
+        )
+    return text
+
+
+def _choice(body: dict, name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, str) and value in allowed:
+        return value
+    if name == "response_format" and isinstance(value, str) and value in UNSUPPORTED_FORMATS:
+        raise bad_request(
+            f"response_format {value!r} is not supported by this server; use one of "
+            f"{', '.join(allowed)}",
+            name,
+        )
+    raise bad_request(f"unknown {name} {value!r}; use one of {', '.join(allowed)}", name)
+
+
+def _speed(body: dict) -> float:
+    value = body.get("speed")
+    if value is None:
+        return 1.0
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not MIN_SPEED <= value <= MAX_SPEED:
+        raise bad_request(
+            f"speed must be a number from {MIN_SPEED} to {MAX_SPEED}, got {value!r}", "speed"
+        )
+    return float(value)
+
+
+def _seed(body: dict) -> int | None:
+    value = body.get("seed")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_SEED:
+        raise bad_request(f"seed must be an integer from 0 to 2**62 - 1, got {value!r}", "seed")
+    return value
+
+
+def parse_speech_request(
+    body: Any, voices: Mapping[str, Any], default_voice: str, max_chars: int
+) -> SpeechRequest:
+    """Check a decoded JSON body; :class:`APIError` (400) names the first problem."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    unknown = [k for k in body if k not in FIELDS]
+    if unknown:
+        raise bad_request(
+            f"unrecognized request argument supplied: {unknown[0]} (accepted: {', '.join(FIELDS)})",
+            unknown[0],
+        )
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("instructions must be a string", "instructions")
+    return SpeechRequest(
+        input=_text(body, max_chars),
+        voice=resolve_voice(body.get("voice"), voices, default_voice),
+        response_format=_choice(body, "response_format", "mp3", tuple(FORMATS)),
+        speed=_speed(body),
+        stream_format=_choice(body, "stream_format", "audio", STREAM_FORMATS),
+        seed=_seed(body),
+        model=model,
+    )

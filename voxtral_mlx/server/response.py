@@ -1,0 +1,144 @@
+"""Sending generated audio: an ASGI response fed by an async iterator of bytes.
+
+The status line and headers go out with the first bytes, so a request that fails before
+any audio still gets a proper error response. Streaming responses use chunked transfer;
+buffered ones (a FLAC file) are sent whole with their length. A client that goes away
+stops the body at once (its ``finally`` blocks run: generation is cancelled), and
+``on_close`` always runs, exactly once.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+
+import anyio
+from starlette.types import Receive, Scope, Send
+
+from ..errors import VoxtralError
+from .errors import APIError, bad_request, server_error
+
+log = logging.getLogger("uvicorn.error")
+SSE_PIECE = 48 * 1024  # bytes of audio per SSE event at most
+
+
+class BodyResponse:
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        media_type: str,
+        *,
+        streams: bool,
+        on_close: Callable[[str], Awaitable[None]],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.body = body
+        self.media_type = media_type
+        self.streams = streams
+        self.on_close = on_close  # called with "completed", "cancelled" or "failed"
+        self.headers = dict(headers or {})
+        self.started = False
+        self._aborted = False
+        self._scope: anyio.CancelScope | None = None
+
+    def abort(self) -> None:
+        """Stop sending (server shutdown): the connection is closed without the end of the
+        body, so the client sees a truncated transfer."""
+        self._aborted = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _head(self, length: int | None = None) -> dict:
+        headers = {"content-type": self.media_type, **self.headers}
+        if length is not None:
+            headers["content-length"] = str(length)
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        return {"type": "http.response.start", "status": 200, "headers": raw}
+
+    async def _send_body(self, send: Send) -> None:
+        if not self.streams:
+            data = b"".join([part async for part in self.body])
+            self.started = True
+            await send(self._head(len(data)))
+            await send({"type": "http.response.body", "body": data, "more_body": False})
+            return
+        async for part in self.body:
+            if not part:
+                continue
+            if not self.started:
+                self.started = True
+                await send(self._head())
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        if not self.started:
+            self.started = True
+            await send(self._head())
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome = "cancelled"
+        try:
+            async with anyio.create_task_group() as tg:
+                self._scope = tg.cancel_scope
+                if self._aborted:
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                try:
+                    await self._send_body(send)
+                    outcome = "completed"
+                except APIError as e:
+                    outcome = "failed"
+                    await self._fail(send, e)
+                except VoxtralError as e:  # bad input found late (a later text segment)
+                    outcome = "failed"
+                    await self._fail(send, bad_request(str(e)))
+                except Exception:
+                    outcome = "failed"
+                    log.exception("speech generation failed")
+                    await self._fail(send, server_error())
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body.aclose()
+                await self.on_close(outcome)
+
+    async def _fail(self, send: Send, error: APIError) -> None:
+        if self.started:
+            # Too late for a status: returning without the final chunk makes the server
+            # close the connection, so the client sees a truncated transfer, not success.
+            return
+        self.started = True
+        data = json.dumps(error.body()).encode()
+        head = {"type": "http.response.start", "status": error.status}
+        head["headers"] = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+        ]
+        await send(head)
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+async def sse_events(
+    audio: AsyncGenerator[bytes, None], usage: Callable[[], dict[str, int]]
+) -> AsyncGenerator[bytes, None]:
+    """OpenAI's speech events: ``speech.audio.delta`` (base64 audio) and
+    ``speech.audio.done`` (with token usage)."""
+    try:
+        async for data in audio:
+            for i in range(0, len(data), SSE_PIECE):
+                piece = base64.b64encode(data[i : i + SSE_PIECE]).decode("ascii")
+                yield _event({"type": "speech.audio.delta", "audio": piece})
+        yield _event({"type": "speech.audio.done", "usage": usage()})
+    finally:
+        await audio.aclose()
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,101 @@
+"""Running the app with uvicorn on a socket bound up front (so a taken port is a one-line
+error, ``--port 0`` picks a free one, and the URL is known when the server is ready)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable, Callable
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from ..errors import VoxtralError
+
+API_KEY_ENV = "VOXTRAL_MLX_API_KEY"
+SHUTDOWN_GRACE_S = 3.0  # then open streams are cancelled (their generation stops)
+
+
+class ServerError(VoxtralError):
+    """The server cannot start (address in use, bad host)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (port 0: any free port), not yet listening."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ServerError(f"cannot resolve host {host!r}: {e.strerror}; use an IP address") from e
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ServerError(
+            f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or stop "
+            "the program using it"
+        ) from e
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Server(uvicorn.Server):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_ready: Callable[[], None],
+        before_shutdown: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        super().__init__(config)
+        self._on_ready = on_ready
+        self._before_shutdown = before_shutdown
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self._on_ready()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:  # no new connections while requests wind down
+            server.close()
+        if self._before_shutdown is not None:
+            await self._before_shutdown()
+        await super().shutdown(sockets=sockets)
+
+
+def serve(
+    app: ASGIApp,
+    sock: socket.socket,
+    on_ready: Callable[[str], None],
+    log_level: str = "info",
+) -> None:
+    """Serve ``app`` (from :func:`create_app`) on ``sock`` (from :func:`bind`) until Ctrl-C
+    or SIGTERM; ``on_ready(url)`` once it accepts connections.
+
+    On shutdown, speech requests in progress get :data:`SHUTDOWN_GRACE_S` seconds to
+    finish, then are cut off and their generation cancelled. After a clean shutdown the
+    signal is re-raised (KeyboardInterrupt for Ctrl-C). Closes ``sock``.
+    """
+    url = url_of(sock)
+    api = getattr(getattr(app, "state", None), "api", None)
+
+    async def before_shutdown() -> None:
+        if api is not None:
+            await api.shutdown(SHUTDOWN_GRACE_S)
+
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="off",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        server_header=False,
+    )
+    try:
+        _Server(config, lambda: on_ready(url), before_shutdown).run(sockets=[sock])
+    finally:
+        sock.close()
