@@ -1,9 +1,9 @@
-"""Mistral's ``consolidated.safetensors``: expected tensors, lazy reading, verification, folding.
+"""Checkpoint tensors: expected names and shapes, lazy reading, verification, folding.
 
-Nothing is materialised at load beyond the header: tensors come back as lazy MLX arrays
-backed by the file. Every tensor is checked against the shapes ``params.json`` implies
-before any of it is used. The codec's weight norm and the semantic codebook are folded
-once here (``sanitize``), never per call.
+Nothing is materialised at load beyond the headers: tensors come back as lazy MLX arrays
+backed by the files. Every tensor is checked against the shapes ``params.json`` implies
+(packed shapes for quantized layers) before any of it is used. The codec's weight norm and
+the semantic codebook are folded once here (``sanitize``), never per call.
 """
 
 from __future__ import annotations
@@ -51,10 +51,12 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Expected:
-    """A tensor the config implies. ``min_rows`` marks a padded table (rows >= needed)."""
+    """A tensor the config implies. ``min_rows`` marks a padded table (rows >= needed);
+    ``dtype`` a required safetensors dtype (``U32`` for packed quantized weights)."""
 
     shape: tuple[int, ...]
     min_rows: int | None = None
+    dtype: str | None = None
 
     def matches(self, shape: tuple[int, ...]) -> bool:
         if self.min_rows is None:
@@ -69,6 +71,60 @@ class Expected:
         if self.min_rows is None:
             return str(list(self.shape))
         return f"[>={self.min_rows}, {', '.join(map(str, self.shape[1:]))}]"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Affine quantization of one Linear/Embedding layer, as ``mx.quantize`` makes it."""
+
+    bits: int
+    group_size: int
+    mode: str = "affine"
+
+    def as_dict(self) -> dict[str, int | str]:
+        """Keyword arguments of ``to_quantized`` (and mlx-lm's per-layer config entry)."""
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+
+QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize's affine mode supports
+QUANT_GROUP_SIZES = (32, 64, 128)
+
+
+def quantized_shapes(
+    shape: tuple[int, ...], spec: QuantSpec
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Packed weight shape and scales/biases shape of a ``[rows, in]`` weight, or None when
+    ``in`` cannot be quantized with ``spec`` (not a multiple of the group size)."""
+    if len(shape) != 2 or shape[1] % spec.group_size or (shape[1] * spec.bits) % 32:
+        return None
+    rows, width = shape
+    return (rows, width * spec.bits // 32), (rows, width // spec.group_size)
+
+
+def apply_quantization(
+    expected: Mapping[str, Expected], quantized: Mapping[str, QuantSpec]
+) -> dict[str, Expected]:
+    """``expected`` with every layer of ``quantized`` (module path -> spec) in packed form:
+    ``<path>.weight`` ``[rows, in * bits / 32]`` uint32 plus ``<path>.scales`` and
+    ``<path>.biases`` ``[rows, in / group_size]``. Paths without a 2-D weight are left out
+    (their tensors then show up as unexpected)."""
+    out = dict(expected)
+    for path, spec in quantized.items():
+        base = out.get(f"{path}.weight")
+        if base is None or len(base.shape) != 2:
+            continue
+        shapes = quantized_shapes(base.shape, spec)
+        if shapes is None:
+            raise CheckpointError(
+                f"layer '{one_line(path, 80)}' is marked quantized with group size "
+                f"{spec.group_size} and {spec.bits} bits, but its input width {base.shape[1]} "
+                "is not a multiple of the group size: re-convert the model"
+            )
+        packed, groups = shapes
+        out[f"{path}.weight"] = Expected(packed, base.min_rows, dtype="U32")
+        out[f"{path}.scales"] = Expected(groups, base.min_rows)
+        out[f"{path}.biases"] = Expected(groups, base.min_rows)
+    return out
 
 
 def _transformer_layer(
@@ -93,8 +149,14 @@ def conv_is_transposed(config: ModelConfig, stage: int) -> bool:
     return config.codec.conv_strides[stage] > 1
 
 
-def expected_tensors(config: ModelConfig) -> dict[str, Expected]:
-    """Every tensor of Mistral's checkpoint with the shape ``config`` implies."""
+def expected_tensors(
+    config: ModelConfig, quantized: Mapping[str, QuantSpec] | None = None
+) -> dict[str, Expected]:
+    """Every tensor of Mistral's checkpoint with the shape ``config`` implies.
+
+    ``quantized``: module path (Mistral names) -> :class:`QuantSpec` of the layers stored
+    quantized; their weights are expected packed, with scales and biases beside them.
+    """
     b, f, c = config.backbone, config.flow, config.codec
     out: dict[str, Expected] = {
         "mm_audio_embeddings.tok_embeddings.weight": Expected((b.vocab_size, b.dim)),
@@ -157,7 +219,7 @@ def expected_tensors(config: ModelConfig) -> dict[str, Expected]:
     out[f"{tok}.quantizer.semantic_codebook.embedding_sum"] = Expected(
         (c.semantic_codebook_size, c.semantic_dim)
     )
-    return out
+    return apply_quantization(out, quantized) if quantized else out
 
 
 # Present in some exports, never used for speech (the LM head is tied and unused).
@@ -240,8 +302,10 @@ class CheckpointMismatch(CheckpointError):
         missing: list[str],
         unexpected: list[str],
         misshaped: list[tuple[str, tuple[int, ...], str]],
+        mistyped: list[tuple[str, str, str]] | None = None,
     ):
         self.missing, self.unexpected, self.misshaped = missing, unexpected, misshaped
+        self.mistyped = mistyped or []
         parts = []
         if missing:
             parts.append(f"{len(missing)} missing ({_names(missing)})")
@@ -253,6 +317,12 @@ class CheckpointMismatch(CheckpointError):
             )
             more = f", ... {len(misshaped) - 4} more" if len(misshaped) > 4 else ""
             parts.append(f"{len(misshaped)} mis-shaped ({shown}{more})")
+        if self.mistyped:
+            shown = ", ".join(
+                f"{one_line(n, 80)} {d} expected {e}" for n, d, e in self.mistyped[:4]
+            )
+            more = f", ... {len(self.mistyped) - 4} more" if len(self.mistyped) > 4 else ""
+            parts.append(f"{len(self.mistyped)} of the wrong dtype ({shown}{more})")
         super().__init__(
             f"{source} does not match params.json: "
             + "; ".join(parts)
@@ -265,10 +335,20 @@ def _names(names: list[str], limit: int = 4) -> str:
     return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
 
 
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
 def verify_tensors(
-    shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, Expected], source: str
+    shapes: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, Expected],
+    source: str,
+    dtypes: Mapping[str, str] | None = None,
 ) -> None:
-    """Raise :class:`CheckpointMismatch` listing every discrepancy."""
+    """Raise :class:`CheckpointMismatch` listing every discrepancy.
+
+    With ``dtypes`` (name -> safetensors dtype) the dtypes are checked too: packed quantized
+    weights must be ``U32``, every other expected tensor a float.
+    """
     missing = sorted(n for n in expected if n not in shapes)
     unexpected = sorted(n for n in shapes if n not in expected and n not in IGNORED_TENSORS)
     misshaped = [
@@ -276,8 +356,17 @@ def verify_tensors(
         for n in sorted(expected)
         if n in shapes and not expected[n].matches(tuple(shapes[n]))
     ]
-    if missing or unexpected or misshaped:
-        raise CheckpointMismatch(source, missing, unexpected, misshaped)
+    mistyped = []
+    for n in sorted(expected):
+        if dtypes is None or n not in dtypes:
+            continue
+        want = expected[n].dtype
+        if want is not None and dtypes[n] != want:
+            mistyped.append((n, dtypes[n], want))
+        elif want is None and dtypes[n] not in FLOAT_DTYPES:
+            mistyped.append((n, dtypes[n], "a float"))
+    if missing or unexpected or misshaped or mistyped:
+        raise CheckpointMismatch(source, missing, unexpected, misshaped, mistyped)
 
 
 def load_tensors(path: str | Path, names: Iterable[str] | None = None) -> dict[str, mx.array]:
@@ -323,7 +412,8 @@ def sanitize(
 
     Folds the codec's weight norm into MLX-layout conv weights ([out, k, in] for both
     conv1d and conv_transpose1d) and the EMA semantic codebook into a plain table.
-    Everything else keeps its checkpoint name and is cast to ``dtype``.
+    Everything else keeps its checkpoint name; float tensors are cast to ``dtype``, packed
+    quantized weights are left as they are.
     """
     out: dict[str, mx.array] = {}
     tok = "audio_tokenizer"
@@ -346,8 +436,17 @@ def sanitize(
     for name, value in weights.items():
         if name in IGNORED_TENSORS or ".parametrizations." in name or name.startswith(sem):
             continue
-        out[name] = value.astype(dtype) if value.dtype != dtype else value
+        # Packed quantized weights (uint32) keep their bits; scales and biases are cast.
+        cast = mx.issubdtype(value.dtype, mx.floating) and value.dtype != dtype
+        out[name] = value.astype(dtype) if cast else value
     return out
+
+
+def safetensors_data_start(path: str | Path) -> int:
+    """Byte offset of the data section (``TensorInfo`` offsets are relative to it)."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+    return 8 + n
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

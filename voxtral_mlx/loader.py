@@ -1,22 +1,53 @@
-"""Read a model directory into a ready :class:`VoxtralModel`, checking everything on the way."""
+"""Read a model directory into a ready :class:`VoxtralModel`, checking everything on the way.
+
+Three layouts load (see :mod:`voxtral_mlx.mlx_layout`):
+
+* ``mistral``: Mistral's release, ``params.json`` + ``consolidated.safetensors``;
+* ``voxtral-mlx``: what :mod:`voxtral_mlx.convert` writes, Mistral's tensor names in
+  ``model*.safetensors``, optionally quantized;
+* ``mlx-community``: mlx-audio's conversions, mlx-audio's tensor names, optionally quantized.
+
+Weights are read lazily (memory-mapped by MLX) from every layout. Names are mapped to
+Mistral's, then every tensor is verified against the shapes ``params.json`` implies (packed
+shapes for quantized layers); quantized layers are exactly those whose ``.scales`` are in
+the files, and the model is loaded with ``strict=True``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .checkpoint import (
+    QUANT_BITS,
+    QUANT_GROUP_SIZES,
+    Expected,
+    QuantSpec,
+    TensorInfo,
     checkpoint_dtype,
     expected_tensors,
-    load_tensors,
     read_safetensors_header,
     sanitize,
     verify_tensors,
 )
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, ModelNotFoundError
+from .fileio import one_line
+from .mlx_layout import (
+    INDEX_NAME,
+    QuantConfig,
+    params_from_config,
+    read_config,
+    read_quantization,
+    to_mistral_name,
+    uses_mlx_audio_names,
+    weight_files,
+)
 from .model.voxtral import VoxtralModel
 from .tokenizer import TekkenTokenizer
 from .voices import VoiceRegistry
@@ -29,6 +60,9 @@ DTYPES = {
     "float32": mx.float32,
     "fp32": mx.float32,
 }
+CONSOLIDATED = "consolidated.safetensors"
+SEMANTIC_HEAD = "acoustic_transformer.semantic_codebook_output.weight"
+AUDIO_TABLE = "mm_audio_embeddings.audio_codebook_embeddings.embeddings.weight"
 
 
 @dataclass
@@ -39,6 +73,8 @@ class LoadedModel:
     voices: VoiceRegistry
     dtype: mx.Dtype
     path: Path
+    layout: str = "mistral"
+    quantized: dict[str, QuantSpec] = field(default_factory=dict)
 
 
 def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
@@ -52,7 +88,7 @@ def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
         ) from None
 
 
-def _check_tokenizer(config: ModelConfig, tokenizer: TekkenTokenizer) -> None:
+def check_tokenizer(config: ModelConfig, tokenizer: TekkenTokenizer) -> None:
     pairs = [
         ("<s>", config.bos_token_id, "multimodal.bos_token_id"),
         ("[AUDIO]", config.audio_token_id, "multimodal.audio_model_args.audio_token_id"),
@@ -76,41 +112,238 @@ def _check_tokenizer(config: ModelConfig, tokenizer: TekkenTokenizer) -> None:
         )
 
 
-def load_model_dir(model_dir: Path, dtype: str | mx.Dtype | None = None) -> LoadedModel:
-    """Load Mistral's layout: params.json, tekken.json, consolidated.safetensors, voices."""
-    if not (model_dir / "params.json").is_file():
+# --------------------------------------------------------------------------- weights
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor lives: its file, its name in that file and its header entry."""
+
+    path: Path
+    key: str
+    info: TensorInfo
+
+
+@dataclass
+class WeightSet:
+    """The verified weights of a model directory, by Mistral name (nothing read yet)."""
+
+    model_dir: Path
+    layout: str  # "mistral" | "voxtral-mlx" | "mlx-community"
+    files: list[Path]
+    tensors: dict[str, TensorRef]
+    quantized: dict[str, QuantSpec]  # module path (Mistral names) -> how it is packed
+    source: str
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        return {n: r.info for n, r in self.tensors.items()}
+
+    def rows(self, name: str) -> int:
+        return self.tensors[name].info.shape[0]
+
+    def load(self) -> dict[str, mx.array]:
+        """Lazy arrays (memory-mapped by MLX; nothing is read until evaluated)."""
+        wanted: dict[Path, dict[str, str]] = {}
+        for name, ref in self.tensors.items():
+            wanted.setdefault(ref.path, {})[ref.key] = name
+        out: dict[str, mx.array] = {}
+        for path, names in wanted.items():
+            try:
+                arrays = mx.load(str(path))
+            except Exception as e:  # MLX raises RuntimeError/ValueError with long messages
+                raise CheckpointError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+            for key, name in names.items():
+                out[name] = arrays[key]
+        return out
+
+
+def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] | None]:
+    """``("mistral", [consolidated])`` or ``("mlx", files, index weight map or None)``."""
+    consolidated = model_dir / CONSOLIDATED
+    if consolidated.is_file():
+        return "mistral", [consolidated], None
+    files, index = weight_files(model_dir)
+    if files:
+        return "mlx", files, index
+    raise ModelNotFoundError(
+        f"{model_dir} has no {CONSOLIDATED} (Mistral's layout) and no model*.safetensors "
+        "(an MLX conversion): the download is incomplete; fetch it again"
+    )
+
+
+def _read_headers(
+    files: list[Path], index: Mapping[str, str] | None, model_dir: Path
+) -> dict[str, TensorRef]:
+    refs: dict[str, TensorRef] = {}
+    for path in files:
+        for key, info in read_safetensors_header(path).items():
+            if key in refs:
+                raise CheckpointError(
+                    f"tensor '{one_line(key, 80)}' is in both {refs[key].path.name} and "
+                    f"{path.name}: remove the stale file or re-download the model"
+                )
+            refs[key] = TensorRef(path, key, info)
+    if index is not None:
+        for key, file in index.items():
+            ref = refs.get(key)
+            if ref is None or ref.path.name != file:
+                raise CheckpointError(
+                    f"{model_dir / INDEX_NAME} puts '{one_line(key, 80)}' in {one_line(file, 80)}"
+                    f" but that file does not hold it: re-download or re-convert the model"
+                )
+    return refs
+
+
+def _rename_refs(refs: dict[str, TensorRef]) -> dict[str, TensorRef]:
+    out: dict[str, TensorRef] = {}
+    for key, ref in refs.items():
+        name = to_mistral_name(key) or key  # unknown names stay as they are, to be reported
+        if name in out:
+            raise CheckpointError(
+                f"tensors '{one_line(out[name].key, 80)}' and '{one_line(key, 80)}' both map to "
+                f"'{one_line(name, 80)}': the weights are not a Voxtral TTS checkpoint"
+            )
+        out[name] = ref
+    return out
+
+
+def _infer_spec(
+    path: str, tensors: Mapping[str, TensorRef], base: Mapping[str, Expected]
+) -> QuantSpec | None:
+    """Bits and group size read off the packed shapes (for files that do not record them)."""
+    expected, weight, scales = (
+        base.get(f"{path}.weight"),
+        tensors.get(f"{path}.weight"),
+        tensors.get(f"{path}.scales"),
+    )
+    if expected is None or weight is None or scales is None or len(expected.shape) != 2:
+        return None
+    width = expected.shape[1]
+    packed, groups = weight.info.shape[-1], scales.info.shape[-1]
+    if not groups or width % groups or (packed * 32) % width:
+        return None
+    return QuantSpec(bits=packed * 32 // width, group_size=width // groups)
+
+
+def _quantized_layers(
+    tensors: Mapping[str, TensorRef],
+    qconfig: QuantConfig | None,
+    base: Mapping[str, Expected],
+    source: str,
+) -> dict[str, QuantSpec]:
+    """Module path -> spec for every layer stored quantized (its ``.scales`` are present, or
+    config.json lists it), with bits and group size from config.json or the shapes."""
+    paths = {n[: -len(".scales")] for n in tensors if n.endswith(".scales")}
+    if qconfig is not None:
+        paths |= {p for p, q in qconfig.layers.items() if q is not None}
+    out: dict[str, QuantSpec] = {}
+    for path in sorted(paths):
+        if qconfig is not None and path in qconfig.layers and qconfig.layers[path] is None:
+            continue  # config.json says unquantized: stray scales are reported as unexpected
+        layer = qconfig.layers.get(path) if qconfig is not None else None
+        bits = (layer.bits if layer else None) or (qconfig.bits if qconfig else None)
+        group = (layer.group_size if layer else None) or (qconfig.group_size if qconfig else None)
+        mode = layer.mode if layer else (qconfig.mode if qconfig else "affine")
+        if mode != "affine":
+            raise CheckpointError(
+                f"{source}: layer '{one_line(path, 80)}' uses quantization mode "
+                f"{one_line(str(mode), 40)!r}; only 'affine' is supported: convert the model "
+                "with `voxtral-mlx convert`"
+            )
+        if bits is None or group is None:
+            inferred = _infer_spec(path, tensors, base)
+            if inferred is None:
+                continue  # its tensors are reported by verification
+            bits, group = bits or inferred.bits, group or inferred.group_size
+        if bits not in QUANT_BITS or group not in QUANT_GROUP_SIZES:
+            raise CheckpointError(
+                f"{source}: layer '{one_line(path, 80)}' is quantized with {bits} bits and group "
+                f"size {group}, which MLX's affine quantization does not support (bits "
+                f"{', '.join(map(str, QUANT_BITS))}; group size 32, 64 or 128): re-convert it"
+            )
+        out[path] = QuantSpec(bits=bits, group_size=group)
+    return out
+
+
+def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
+    """Find, rename (to Mistral's names) and verify the weights of ``model_dir``.
+
+    MLX layouts: ``config.json``'s quantization section (if any) gives bits and group
+    sizes; files without one have them read off the packed shapes. Raises
+    :class:`ModelNotFoundError` for missing files and :class:`CheckpointError`
+    (:class:`~voxtral_mlx.checkpoint.CheckpointMismatch`) for tensors that do not fit
+    ``config``. Reads headers only.
+    """
+    kind, files, index = find_weight_files(model_dir)
+    refs = _read_headers(files, index, model_dir)
+    source = str(files[0]) if len(files) == 1 else f"{model_dir}/model-*.safetensors"
+    if kind == "mistral":
+        layout, tensors, qconfig = "mistral", refs, None
+    else:
+        mlx_audio = uses_mlx_audio_names(refs)
+        layout = "mlx-community" if mlx_audio else "voxtral-mlx"
+        tensors = _rename_refs(refs) if mlx_audio else refs
+        qconfig = read_quantization(read_config(model_dir), rename=mlx_audio)
+    base = expected_tensors(config)
+    quantized = _quantized_layers(tensors, qconfig, base, source)
+    expected = expected_tensors(config, quantized)
+    verify_tensors(
+        {n: r.info.shape for n, r in tensors.items()},
+        expected,
+        source,
+        dtypes={n: r.info.dtype for n, r in tensors.items()},
+    )
+    return WeightSet(model_dir, layout, files, tensors, quantized, source)
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """The model config: ``params.json``, else the params ``config.json`` holds."""
+    params_path = model_dir / "params.json"
+    if params_path.is_file():
+        return ModelConfig.from_file(params_path)
+    params = params_from_config(read_config(model_dir))
+    if params is None:
         raise ModelNotFoundError(
             f"{model_dir} has no params.json: it is not a Voxtral TTS model directory"
         )
-    config = ModelConfig.from_file(model_dir / "params.json")
-    tokenizer = TekkenTokenizer.from_file(model_dir / "tekken.json")
-    _check_tokenizer(config, tokenizer)
+    return ModelConfig.from_params(params)
 
-    weights_path = model_dir / "consolidated.safetensors"
-    if not weights_path.is_file():
-        raise ModelNotFoundError(
-            f"{model_dir} has no consolidated.safetensors: the download is incomplete; fetch "
-            "it again"
+
+def _quantize_model(model: nn.Module, quantized: Mapping[str, QuantSpec]) -> None:
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        spec = quantized.get(path)
+        return False if spec is None else spec.as_dict()
+
+    nn.quantize(model, class_predicate=predicate)
+    missing = sorted(set(quantized) - {p for p, m in model.named_modules() if hasattr(m, "scales")})
+    if missing:  # verified tensors for a module that cannot be quantized (not Linear/Embedding)
+        raise CheckpointError(
+            f"layer '{one_line(missing[0], 80)}' is stored quantized but cannot be quantized "
+            "in MLX: re-convert the model"
         )
-    infos = read_safetensors_header(weights_path)
-    verify_tensors(
-        {n: i.shape for n, i in infos.items()}, expected_tensors(config), str(weights_path)
-    )
-    compute_dtype = parse_dtype(dtype) or checkpoint_dtype(infos)
-    weights = load_tensors(weights_path)
-    params = sanitize(weights, config, compute_dtype)
+
+
+def load_model_dir(model_dir: Path, dtype: str | mx.Dtype | None = None) -> LoadedModel:
+    """Load a model directory in any supported layout (see the module docstring)."""
+    compute = parse_dtype(dtype)
+    config = read_model_config(model_dir)
+    tokenizer = TekkenTokenizer.from_file(model_dir / "tekken.json")
+    check_tokenizer(config, tokenizer)
+
+    weights = open_weights(model_dir, config)
+    compute_dtype = compute or checkpoint_dtype(weights.infos)
+    params = sanitize(weights.load(), config, compute_dtype)
 
     model = VoxtralModel(
-        config,
-        semantic_rows=infos["acoustic_transformer.semantic_codebook_output.weight"].shape[0],
-        audio_rows=infos["mm_audio_embeddings.audio_codebook_embeddings.embeddings.weight"].shape[
-            0
-        ],
+        config, semantic_rows=weights.rows(SEMANTIC_HEAD), audio_rows=weights.rows(AUDIO_TABLE)
     )
+    if weights.quantized:
+        _quantize_model(model, weights.quantized)
     try:
         model.load_weights(list(params.items()), strict=True)
     except ValueError as e:  # shapes were verified; this guards the renames themselves
-        raise CheckpointError(f"{weights_path}: {str(e).splitlines()[0]}") from None
+        raise CheckpointError(f"{weights.source}: {str(e).splitlines()[0]}") from None
     # Folded codec weights and the flow head's constants are computed once, here.
     mx.eval(model.audio_tokenizer.parameters())
     model.acoustic_transformer.prepare()
@@ -118,4 +351,13 @@ def load_model_dir(model_dir: Path, dtype: str | mx.Dtype | None = None) -> Load
     voices = VoiceRegistry.from_dir(
         model_dir / "voice_embedding", tokenizer.voice_num_audio_tokens, config.backbone.dim
     )
-    return LoadedModel(model, config, tokenizer, voices, compute_dtype, model_dir)
+    return LoadedModel(
+        model,
+        config,
+        tokenizer,
+        voices,
+        compute_dtype,
+        model_dir,
+        layout=weights.layout,
+        quantized=dict(weights.quantized),
+    )

@@ -1,0 +1,136 @@
+"""How far quantized conversions drift from the unquantized weights: semantic-code agreement.
+
+A random checkpoint (END suppressed, bf16 as published) is converted with ``voxtral-mlx
+convert`` unquantized and at 4 / 6 / 8 bits (flow head at its default of >= 8 bits, and at
+the backbone's bits as mlx-community does). Every variant generates ``--frames`` frames from
+the same prompt and the same injected noise, computing in float32 (bf16 activations through
+quantized matmuls are off by several percent on the CPU backend), and is compared with the
+unquantized run:
+
+* same history: each variant is fed the unquantized run's codes (teacher forcing) and predicts
+  the next semantic code; the fraction that agrees measures the per-frame error;
+* free-running: each variant generates on its own; on random weights the runs part for good
+  at the first differing code (semantic or acoustic), so this mostly says how long they stay
+  together.
+
+Usage: python benchmarks/quant_agreement.py [--size tiny|wide] [--frames 200]
+Prints the figures; writes nothing but the (cached) checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import CACHE, TEXT, VOICE, checkpoint  # noqa: E402
+
+VARIANTS: dict[str, dict] = {
+    "8-bit": {"q_bits": 8},
+    "6-bit": {"q_bits": 6},
+    "4-bit": {"q_bits": 4},
+    "6-bit, flow 6": {"q_bits": 6, "q_flow_bits": 6},
+    "4-bit, flow 4": {"q_bits": 4, "q_flow_bits": 4},
+}
+
+
+def convert(source: Path, name: str, **kwargs) -> Path:
+    from voxtral_mlx.convert import convert_model
+
+    out = CACHE / f"{source.name}-{name.replace(', ', '-').replace(' ', '')}"
+    if not (out / "config.json").is_file():
+        convert_model(source, out, force=True, **kwargs)
+    return out
+
+
+def free_run(path: Path, noise: np.ndarray) -> np.ndarray:
+    import voxtral_mlx
+
+    tts = voxtral_mlx.load(path, dtype="float32")
+    try:
+        return tts.synthesize(TEXT, VOICE, noise=noise, max_frames=len(noise)).codes
+    finally:
+        getattr(tts, "close", lambda: None)()
+
+
+def teacher_forced(path: Path, codes: np.ndarray) -> np.ndarray:
+    """Semantic code predicted at each frame when ``codes`` are the history."""
+    from voxtral_mlx.loader import load_model_dir
+    from voxtral_mlx.tokenizer import speech_prompt_ids
+
+    loaded = load_model_dir(path, "float32")
+    model = loaded.model
+    voice = loaded.voices.get_voice(VOICE)
+    rows = loaded.voices.embedding(VOICE, loaded.dtype)
+    ids = speech_prompt_ids(loaded.tokenizer, TEXT, voice.num_tokens or rows.shape[0])
+    cache = model.make_cache()
+    h = model(model.embed_prompt(ids, rows, ids.index(loaded.config.audio_token_id)), cache)
+    h = h[:, -1]
+    out = []
+    for frame in codes:
+        s = model.acoustic_transformer.semantic_code(h)
+        h = model(model.embed_codes(mx.array(frame[None])), cache)[:, -1]
+        mx.eval(s, h)
+        out.append(int(s[0]))
+    return np.array(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=["tiny", "wide"], default="tiny")
+    parser.add_argument("--frames", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, help="backbone layers (default: the size's)")
+    parser.add_argument(
+        "--flow-layers", type=int, help="flow-head layers (1 makes 'wide' affordable on a CPU)"
+    )
+    parser.add_argument("--only", nargs="*", help="variants to run (default: all)")
+    args = parser.parse_args(argv)
+
+    t0 = time.perf_counter()
+    source = checkpoint(args.size, n_layers=args.layers, flow_layers=args.flow_layers)
+    base = convert(source, "bf16")
+    noise = np.random.default_rng(args.seed).standard_normal((args.frames, 36))
+    noise = noise.astype(np.float32)
+    ref = free_run(base, noise)
+    if len(ref) != args.frames:
+        raise SystemExit(f"the unquantized run stopped after {len(ref)} frames")
+    print(
+        f"{source.name}: random weights, {args.frames} frames, float32 compute, "
+        "agreement of semantic codes with the unquantized run"
+    )
+    print(
+        f"{'variant':<16} {'same history':>12} {'free-running':>12} "
+        f"{'semantic same for':>18} {'all 37 same for':>16}"
+    )
+    for name, kwargs in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        path = convert(source, name, **kwargs)
+        forced = float(np.mean(teacher_forced(path, ref) == ref[:, 0]))
+        gc.collect()
+        codes = free_run(path, noise)
+        n = min(len(codes), len(ref))
+        same = codes[:n, 0] == ref[:n, 0]
+        first = n if same.all() else int(np.argmin(same))
+        whole = (codes[:n] == ref[:n]).all(axis=1)
+        first_any = n if whole.all() else int(np.argmin(whole))
+        free = float(np.sum(same)) / args.frames
+        print(f"{name:<16} {forced:>12.1%} {free:>12.1%} {first:>11} frames {first_any:>9} frames")
+        gc.collect()
+        mx.clear_cache()
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

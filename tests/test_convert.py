@@ -1,0 +1,537 @@
+"""voxtral_mlx.convert: Mistral-layout checkpoints -> MLX directories, unquantized and
+quantized (4, 6, 8 bits, flow-head override), loaded back with voxtral_mlx.load.
+
+Quantized paths run in float32 (bf16 activations through quantized matmuls are off by several
+percent on the CPU backend).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import voxtral_mlx
+import voxtral_mlx.convert as convert_mod
+from voxtral_mlx.checkpoint import CheckpointMismatch, Expected, QuantSpec, expected_tensors
+from voxtral_mlx.cli import main as cli_main
+from voxtral_mlx.config import ModelConfig
+from voxtral_mlx.convert import convert_model
+from voxtral_mlx.errors import InputError, ModelNotFoundError, VoxtralError
+from voxtral_mlx.loader import LoadedModel, load_model_dir
+from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
+from voxtral_mlx.tokenizer import speech_prompt_ids
+from voxtral_mlx.torch_pickle import read_pt, to_mlx
+
+TEXT = "Hello there, this is a longer test sentence."
+VOICES = {"casual_male": 7, "fr_male": 4}
+FRAMES = 40
+VARIANTS: dict[str, dict[str, Any]] = {
+    "bf16": {},
+    "q4": {"q_bits": 4},
+    "q6": {"q_bits": 6},
+    "q8": {"q_bits": 8},
+    "q4-flow4": {"q_bits": 4, "q_flow_bits": 4},
+}
+
+
+def one_line(e: BaseException) -> str:
+    assert isinstance(e, VoxtralError), type(e)
+    text = str(e)
+    assert text and "\n" not in text and "\r" not in text, repr(text)
+    return text
+
+
+def params(hidden: int = 192) -> dict[str, Any]:
+    """Tiny params whose Linear widths are multiples of 64 (every layer quantizable)."""
+    p = make_params("tiny", vocab_size=2048)
+    p["hidden_dim"] = hidden
+    p["multimodal"]["audio_model_args"]["acoustic_transformer_args"]["hidden_dim"] = hidden
+    return p
+
+
+def noise(frames: int = FRAMES, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((frames, 36)).astype(np.float32)
+
+
+def speak(path: Path, dtype: str = "float32", frames: int = FRAMES) -> Any:
+    tts = voxtral_mlx.load(path, dtype=dtype)
+    try:
+        return tts.synthesize(TEXT, "casual_male", noise=noise(frames), max_frames=frames)
+    finally:
+        close = getattr(tts, "close", None)
+        if close is not None:
+            close()
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """BF16 as published, .pt voices, END suppressed so runs last FRAMES frames."""
+    return build_random_checkpoint(
+        tmp_path_factory.mktemp("cv-src") / "model",
+        params(),
+        seed=2,
+        vocab_source=None,
+        voices=VOICES,
+        suppress_end=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def converted(source: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cv-out")
+    return {name: convert_model(source, root / name, **kw).path for name, kw in VARIANTS.items()}
+
+
+@pytest.fixture(scope="module")
+def loaded(converted: dict[str, Path]) -> dict[str, LoadedModel]:
+    return {name: load_model_dir(path, "float32") for name, path in converted.items()}
+
+
+# --------------------------------------------------------------------------- the layout
+
+
+def test_directory_layout(converted: dict[str, Path], source: Path) -> None:
+    for name, path in converted.items():
+        files = sorted(p.name for p in path.iterdir())
+        assert files == [
+            "config.json",
+            "model.safetensors",
+            "model.safetensors.index.json",
+            "params.json",
+            "tekken.json",
+            "voice_embedding",
+        ], (name, files)
+        assert (path / "params.json").read_bytes() == (source / "params.json").read_bytes()
+        assert (path / "tekken.json").read_bytes() == (source / "tekken.json").read_bytes()
+        config = json.loads((path / "config.json").read_text())
+        assert config["format"] == "voxtral-mlx" and config["dtype"] == "bfloat16"
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"].values()) == {"model.safetensors"}
+        assert set(index["weight_map"]) == set(mx.load(str(path / "model.safetensors")))
+        if name == "bf16":
+            assert "quantization" not in config
+        else:
+            q = config["quantization"]
+            bits, flow = VARIANTS[name]["q_bits"], VARIANTS[name].get("q_flow_bits")
+            flow = flow or max(8, bits)
+            assert (q["mode"], q["group_size"], q["bits"]) == ("affine", 64, bits)
+            assert q["components"] == {
+                "backbone": bits,
+                "flow_head": flow,
+                "codec": None,
+                "embeddings": None,
+            }
+            assert q["layers"]["layers.1.feed_forward.w2"] == {
+                "group_size": 64,
+                "bits": bits,
+                "mode": "affine",
+            }
+            assert q["layers"]["acoustic_transformer.semantic_codebook_output"]["bits"] == flow
+
+
+def test_voices_are_converted_from_pt(converted: dict[str, Path], source: Path) -> None:
+    out = converted["q4"] / "voice_embedding"
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{v}.safetensors" for v in VOICES)
+    for voice in VOICES:
+        stored = mx.load(str(out / f"{voice}.safetensors"))
+        assert list(stored) == ["embedding"]
+        original = to_mlx(read_pt(source / "voice_embedding" / f"{voice}.pt"))
+        assert stored["embedding"].dtype == original.dtype == mx.bfloat16
+        assert mx.array_equal(stored["embedding"], original).item()
+
+
+def test_unquantized_conversion_is_bit_identical(converted, source: Path) -> None:
+    ours = load_model_dir(converted["bf16"], "float32")
+    ref = load_model_dir(source, "float32")
+    assert ours.layout == "voxtral-mlx" and ref.layout == "mistral" and not ours.quantized
+    a, b = dict(tree_flatten(ours.model.parameters())), dict(tree_flatten(ref.model.parameters()))
+    assert a.keys() == b.keys()
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    x, y = speak(converted["bf16"]), speak(source)
+    assert len(x.codes) == FRAMES
+    np.testing.assert_array_equal(x.codes, y.codes)
+    np.testing.assert_array_equal(x.audio, y.audio)
+
+
+def test_unquantized_conversion_computes_in_bf16_by_default(converted) -> None:
+    assert load_model_dir(converted["bf16"]).dtype == mx.bfloat16
+    assert load_model_dir(converted["q4"]).dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("name", ["q4", "q6", "q8", "q4-flow4"])
+def test_exactly_the_expected_layers_are_quantized(loaded, name: str) -> None:
+    model = loaded[name].model
+    bits = VARIANTS[name]["q_bits"]
+    flow = VARIANTS[name].get("q_flow_bits") or max(8, bits)
+    modules = dict(model.named_modules())
+    quantized = {p: m for p, m in modules.items() if isinstance(m, nn.QuantizedLinear)}
+    assert not any(isinstance(m, nn.QuantizedEmbedding) for m in modules.values())
+    linears = {p for p, m in modules.items() if isinstance(m, (nn.Linear, nn.QuantizedLinear))}
+    backbone = {p for p in linears if p.startswith("layers.")}
+    flow_head = {
+        p
+        for p in linears
+        if p.startswith("acoustic_transformer.")
+        and p
+        not in ("acoustic_transformer.input_projection", "acoustic_transformer.time_projection")
+    }
+    assert len(backbone) == 14 and len(flow_head) == 17
+    assert set(quantized) == backbone | flow_head == set(loaded[name].quantized)
+    for path, module in quantized.items():
+        want = bits if path.startswith("layers.") else flow
+        assert (module.bits, module.group_size, module.mode) == (want, 64, "affine"), path
+        assert loaded[name].quantized[path] == QuantSpec(want, 64)
+    # 36 inputs (not a multiple of 64) and the load-time-only time projection stay plain
+    assert type(modules["acoustic_transformer.input_projection"]) is nn.Linear
+    assert type(modules["acoustic_transformer.time_projection"]) is nn.Linear
+    assert not any(isinstance(m, nn.QuantizedLinear) for p, m in modules.items() if "audio_" in p)
+    params = dict(tree_flatten(model.parameters()))
+    assert {v.dtype for k, v in params.items() if k.endswith((".scales", ".biases"))} == {
+        mx.float32
+    }
+    assert params["mm_audio_embeddings.tok_embeddings.weight"].dtype == mx.float32
+
+
+def test_quantization_matches_mx_quantize_on_the_whole_matrix(source: Path, tmp_path: Path) -> None:
+    """Row blocks (forced tiny here) give the same bits as quantizing each matrix at once."""
+    out = convert_model(source, tmp_path / "m", q_bits=6, chunk_bytes=1000).path
+    stored = mx.load(str(out / "model.safetensors"))
+    original = mx.load(str(source / "consolidated.safetensors"))
+    for path, bits in (("layers.0.feed_forward.w1", 6), ("acoustic_transformer.llm_projection", 8)):
+        w, s, b = mx.quantize(original[f"{path}.weight"], group_size=64, bits=bits)
+        assert mx.array_equal(stored[f"{path}.weight"], w).item()
+        assert mx.array_equal(stored[f"{path}.scales"], s).item()
+        assert mx.array_equal(stored[f"{path}.biases"], b).item()
+    assert mx.array_equal(stored["norm.weight"], original["norm.weight"]).item()
+
+
+def test_non_multiple_widths_stay_unquantized(tmp_path: Path) -> None:
+    src = build_random_checkpoint(
+        tmp_path / "src", params(hidden=160), vocab_source=None, voices=VOICES
+    )
+    out = convert_model(src, tmp_path / "out", q_bits=4)
+    assert "layers.0.feed_forward.w2" not in out.quantized  # 160 inputs
+    assert "layers.0.feed_forward.w1" in out.quantized
+    model = load_model_dir(out.path, "float32").model
+    assert type(dict(model.named_modules())["layers.0.feed_forward.w2"]) is nn.Linear
+
+
+def teacher_forced_semantic(loaded: LoadedModel, codes: np.ndarray) -> np.ndarray:
+    """The semantic code ``loaded`` predicts at every frame when fed ``codes`` as history."""
+    model = loaded.model
+    ids = speech_prompt_ids(loaded.tokenizer, TEXT, VOICES["casual_male"])
+    rows = loaded.voices.embedding("casual_male", loaded.dtype)
+    cache = model.make_cache()
+    h = model(model.embed_prompt(ids, rows, ids.index(loaded.config.audio_token_id)), cache)
+    h = h[:, -1]
+    out = []
+    for frame in codes:
+        out.append(int(model.acoustic_transformer.semantic_code(h)[0]))
+        h = model(model.embed_codes(mx.array(frame[None])), cache)[:, -1]
+    return np.array(out)
+
+
+@pytest.mark.parametrize("name", ["q8", "q6", "q4"])
+def test_quantized_semantic_codes_agree_with_float32(loaded, source: Path, name: str) -> None:
+    """Per-frame agreement with the same history (teacher forcing: the unquantized run's
+    codes fed to both), and free-running agreement with the same noise (which diverges for
+    good at the first differing frame on random weights)."""
+    ref = speak(source)
+    assert len(ref.codes) == FRAMES
+    reference = load_model_dir(source, "float32")
+    np.testing.assert_array_equal(teacher_forced_semantic(reference, ref.codes), ref.codes[:, 0])
+    forced = float(np.mean(teacher_forced_semantic(loaded[name], ref.codes) == ref.codes[:, 0]))
+    free = speak(loaded[name].path)
+    assert len(free.codes) == FRAMES and np.isfinite(free.audio).all()
+    same = free.codes[:, 0] == ref.codes[:, 0]
+    first = int(np.argmin(same)) if not same.all() else FRAMES
+    print(
+        f"{name}: semantic codes agree with float32 on {forced:.0%} of {FRAMES} frames "
+        f"(same history); free-running: first {first} frames identical, {same.mean():.0%} overall"
+    )
+    if name == "q8":
+        assert forced >= 0.8, forced
+
+
+def test_converting_twice_gives_identical_files(converted, source: Path, tmp_path: Path) -> None:
+    again = convert_model(source, tmp_path / "again", q_bits=4).path
+    assert tree_bytes(again) == tree_bytes(converted["q4"])
+
+
+def test_sharding_and_float32_output(source: Path, tmp_path: Path) -> None:
+    out = convert_model(source, tmp_path / "m", dtype="float32", max_shard_bytes=1 << 20)
+    names = sorted(p.name for p in out.path.glob("model*.safetensors"))
+    assert len(names) > 1 and names[0] == f"model-00001-of-{len(names):05d}.safetensors"
+    assert not (out.path / "model.safetensors").exists()
+    loaded = load_model_dir(out.path)
+    assert loaded.dtype == mx.float32
+    x, y = speak(out.path, frames=5), speak(source, frames=5)
+    np.testing.assert_array_equal(x.codes, y.codes)
+    np.testing.assert_array_equal(x.audio, y.audio)
+
+
+def test_mlx_directories_convert_again(converted, source: Path, tmp_path: Path) -> None:
+    """An unquantized MLX directory is a valid source (same result as from the original)."""
+    out = convert_model(converted["bf16"], tmp_path / "m", q_bits=4).path
+    a = mx.load(str(out / "model.safetensors"))
+    b = mx.load(str(converted["q4"] / "model.safetensors"))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"q_bits": 3}, "--q-bits 3"),
+        ({"q_bits": 16}, "--q-bits 16"),
+        ({"q_bits": 4, "q_flow_bits": 5}, "--q-flow-bits 5"),
+        ({"q_flow_bits": 8}, "needs --q-bits"),
+        ({"q_bits": 4, "q_group_size": 48}, "--q-group-size 48"),
+        ({"dtype": "int8"}, "--dtype"),
+    ],
+)
+def test_bad_options(source: Path, tmp_path: Path, kwargs: dict, words: str) -> None:
+    with pytest.raises(InputError) as exc:
+        convert_model(source, tmp_path / "out", **kwargs)
+    assert words in one_line(exc.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_needs_force(converted, source: Path, tmp_path: Path) -> None:
+    out = Path(shutil.copytree(converted["bf16"], tmp_path / "out"))
+    before = tree_bytes(out)
+    with pytest.raises(InputError) as exc:
+        convert_model(source, out, q_bits=4)
+    assert "--force" in one_line(exc.value)
+    assert tree_bytes(out) == before
+    convert_model(source, out, q_bits=4, force=True)
+    assert tree_bytes(out) == tree_bytes(converted["q4"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no leftovers
+
+
+def test_empty_output_directory_is_used(source: Path, tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    assert convert_model(source, tmp_path / "out").path == (tmp_path / "out").absolute()
+
+
+def test_force_never_deletes_unrelated_files(source: Path, tmp_path: Path) -> None:
+    out = tmp_path / "documents"
+    out.mkdir()
+    (out / "thesis.txt").write_text("precious")
+    with pytest.raises(InputError) as exc:
+        convert_model(source, out, force=True)
+    assert "refusing" in one_line(exc.value)
+    assert (out / "thesis.txt").read_text() == "precious"
+
+
+def test_output_inside_the_source_is_refused(source: Path) -> None:
+    with pytest.raises(InputError) as exc:
+        convert_model(source, source / "mlx", force=True)
+    assert "overlaps" in one_line(exc.value)
+    assert not (source / "mlx").exists()
+
+
+def test_unwritable_output(source: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(InputError) as exc:
+        convert_model(source, blocker / "out")
+    assert "cannot write" in one_line(exc.value)
+    with pytest.raises(InputError) as exc:
+        convert_model(source, blocker)
+    assert "not a directory" in one_line(exc.value)
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt])
+def test_failure_midway_leaves_nothing(source, tmp_path: Path, monkeypatch, error) -> None:
+    def fail(*_args):
+        raise error
+
+    monkeypatch.setattr(convert_mod, "_copy_voices", fail)  # after the weights are written
+    with pytest.raises(InputError if isinstance(error, OSError) else KeyboardInterrupt) as exc:
+        convert_model(source, tmp_path / "out", q_bits=4)
+    if isinstance(error, OSError):
+        assert "No space left" in one_line(exc.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_midway_keeps_the_old_output(converted, source, tmp_path, monkeypatch) -> None:
+    out = Path(shutil.copytree(converted["bf16"], tmp_path / "out"))
+    before = tree_bytes(out)
+
+    def fail(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(convert_mod, "_copy_voices", fail)
+    with pytest.raises(InputError):
+        convert_model(source, out, q_bits=4, force=True)
+    assert tree_bytes(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_quantized_source_is_refused(converted, tmp_path: Path) -> None:
+    with pytest.raises(InputError) as exc:
+        convert_model(converted["q4"], tmp_path / "out", q_bits=8)
+    assert "already quantized" in one_line(exc.value)
+
+
+def test_missing_source(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError):
+        convert_model(tmp_path / "nope", tmp_path / "out")
+
+
+def test_repo_ids_go_through_the_hub(source, tmp_path: Path, monkeypatch) -> None:
+    seen = []
+
+    def resolve(spec):
+        seen.append(spec)
+        return source
+
+    monkeypatch.setattr(convert_mod, "resolve_model_dir", resolve)
+    out = convert_model("mistralai/Voxtral-4B-TTS-2603", tmp_path / "out")
+    assert seen == ["mistralai/Voxtral-4B-TTS-2603"]
+    config = json.loads((out.path / "config.json").read_text())
+    assert config["source"] == "mistralai/Voxtral-4B-TTS-2603"
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_convert(source: Path, tmp_path: Path, capsys) -> None:
+    assert cli_main(["convert", str(source), "-o", str(tmp_path / "out"), "--q-bits", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str((tmp_path / "out").absolute())
+    assert "31 quantized layers" in captured.err
+    assert cli_main(["convert", str(source), "-o", str(tmp_path / "out"), "--q-bits", "5"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("voxtral-mlx: error: --q-bits 5") and "\n" not in err
+
+
+def test_entry_script(source: Path, tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parent.parent / "convert" / "convert_checkpoint.py"
+    run = subprocess.run(
+        [sys.executable, str(script), str(source), "-o", str(tmp_path / "out"), "--q-bits", "4"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert load_model_dir(tmp_path / "out").layout == "voxtral-mlx"
+
+
+# --------------------------------------------------------------------------- memory
+
+
+MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from voxtral_mlx.convert import convert_model
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+    import voxtral_mlx.loader, voxtral_mlx.tokenizer, numpy, mlx.core as mx
+    mx.array([1.0]) + 1
+    base = status("VmRSS:")
+    convert_model(sys.argv[1], sys.argv[2], q_bits=4, chunk_bytes=2 << 20)
+    print(json.dumps({"base": base, "peak": status("VmHWM:")}))
+    """
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
+def test_conversion_memory_is_bounded(tmp_path: Path) -> None:
+    """A ~200 MB checkpoint (largest tensor 64 MB) converts with a few MB of extra memory:
+    tensors are streamed in row blocks, never held whole."""
+    p = make_params("tiny", vocab_size=32768, semantic_codebook_size=8192)
+    p.update(dim=1024, n_heads=8, n_kv_heads=8, head_dim=128, hidden_dim=4096, n_layers=2)
+    at = p["multimodal"]["audio_model_args"]["acoustic_transformer_args"]
+    at.update(input_dim=1024, dim=1024, n_heads=8, n_kv_heads=8, head_dim=128, hidden_dim=4096)
+    at["n_layers"] = 1
+    src = build_random_checkpoint(tmp_path / "src", p, vocab_source=None, voices=VOICES)
+    size = (src / "consolidated.safetensors").stat().st_size
+    assert size > 180 << 20
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    run = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, str(src), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    rss = json.loads(run.stdout.strip().splitlines()[-1])
+    growth = rss["peak"] - rss["base"]
+    print(f"converting {size / 2**20:.0f} MB: peak RSS grew by {growth / 2**20:.1f} MB")
+    assert growth < 48 << 20, growth
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def test_expected_tensors_of_a_quantized_layer(source: Path) -> None:
+    config = ModelConfig.from_file(source / "params.json")
+    plain = expected_tensors(config)
+    packed = expected_tensors(config, {"layers.0.feed_forward.w2": QuantSpec(6, 64)})
+    assert plain["layers.0.feed_forward.w2.weight"].shape == (64, 192)
+    assert packed["layers.0.feed_forward.w2.weight"] == Expected((64, 192 * 6 // 32), dtype="U32")
+    assert packed["layers.0.feed_forward.w2.scales"].shape == (64, 3)
+    assert packed["layers.0.feed_forward.w2.biases"].shape == (64, 3)
+    head = expected_tensors(
+        config, {"acoustic_transformer.semantic_codebook_output": QuantSpec(8, 32)}
+    )
+    got = head["acoustic_transformer.semantic_codebook_output.weight"]
+    assert got.min_rows == 66 and got.matches((128, 16)) and not got.matches((128, 64))
+
+
+def _rewrite(path: Path, edit) -> None:
+    tensors = dict(mx.load(str(path)))
+    edit(tensors)
+    mx.save_safetensors(str(path), tensors)
+
+
+def test_missing_scales_are_named(converted, tmp_path: Path) -> None:
+    out = Path(shutil.copytree(converted["q4"], tmp_path / "m"))
+    index = out / "model.safetensors.index.json"
+    index.unlink()  # the index would (rightly) complain first
+    _rewrite(out / "model.safetensors", lambda t: t.pop("layers.1.attention.wv.scales"))
+    with pytest.raises(CheckpointMismatch) as exc:
+        load_model_dir(out)
+    assert exc.value.missing == ["layers.1.attention.wv.scales"]
+    assert "layers.1.attention.wv.scales" in one_line(exc.value)
+
+
+def test_unpacked_weight_beside_scales_is_the_wrong_dtype(converted, tmp_path: Path) -> None:
+    out = Path(shutil.copytree(converted["q8"], tmp_path / "m"))
+    (out / "model.safetensors.index.json").unlink()
+
+    def edit(t: dict) -> None:
+        t["layers.0.attention.wq.weight"] = t["layers.0.attention.wq.weight"].view(mx.float32)
+
+    _rewrite(out / "model.safetensors", edit)
+    with pytest.raises(CheckpointMismatch) as exc:
+        load_model_dir(out)
+    assert exc.value.mistyped == [("layers.0.attention.wq.weight", "F32", "U32")]
+    assert "wrong dtype" in one_line(exc.value)

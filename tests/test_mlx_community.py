@@ -1,0 +1,327 @@
+"""mlx-community layout: directories built with mlx-audio's OWN conversion code (its Model,
+sanitize, model_quant_predicate, mlx-lm's quantize_model / save_model / save_config, sharded
+with an index) load in voxtral_mlx, and speak exactly like mlx-audio's model loaded from the
+same directory with mlx-audio's own loader (patched to SPEC, same injected noise, float32).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+import voxtral_mlx
+from tests.mlx_audio_reference import injected_noise, spec_alibi_slopes, spec_codebook_floor
+from voxtral_mlx.checkpoint import CheckpointMismatch, expected_tensors
+from voxtral_mlx.config import ModelConfig
+from voxtral_mlx.errors import CheckpointError, ModelNotFoundError, VoxtralError
+from voxtral_mlx.loader import load_model_dir
+from voxtral_mlx.mlx_layout import to_mistral_name, to_mlx_audio_name
+from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+TEXT = "Hello world. This is a test of the speech model."
+VOICE = "ar_male"
+VOICES = {"ar_male": 67, "casual_male": 9}
+FRAMES = 24
+SHARD_BYTES = 4 << 20  # forces several shards on the tiny model, as >5 GB does on the real one
+
+
+def one_line(e: BaseException) -> str:
+    assert isinstance(e, VoxtralError), type(e)
+    text = str(e)
+    assert text and "\n" not in text, repr(text)
+    return text
+
+
+def _small_shards(max_bytes: int):
+    """mlx-lm's make_shards greedy rule with a byte limit instead of whole gigabytes."""
+
+    def make_shards(weights: dict, max_file_size_gb: int = 0) -> list:
+        shards, shard, size = [], {}, 0
+        for name, weight in weights.items():
+            if shard and size + weight.nbytes > max_bytes:
+                shards.append(shard)
+                shard, size = {}, 0
+            shard[name] = weight
+            size += weight.nbytes
+        shards.append(shard)
+        return shards
+
+    return make_shards
+
+
+def build_mlx_community(
+    src: Path, out: Path, bits: int | None, shard_bytes: int | None = SHARD_BYTES
+) -> Path:
+    """What ``python -m mlx_audio.convert --hf-path SRC [-q --q-bits B]`` writes, step by step
+    with mlx-audio's own functions (its CLI needs a config.json the source does not have)."""
+    from mlx_audio.convert import build_quant_predicate, copy_model_files
+    from mlx_audio.lm import convert as lm_convert
+    from mlx_audio.tts.models.voxtral_tts.voxtral_tts import Model, ModelConfig
+
+    config = json.loads((src / "params.json").read_text())
+    model = Model(ModelConfig.from_dict(config))
+    weights = model.sanitize(mx.load(str(src / "consolidated.safetensors")))
+    model.load_weights(list(weights.items()))
+    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    model.load_weights(list(weights.items()))
+    if bits is not None:
+        model, config = lm_convert.quantize_model(
+            model, config, 64, bits, mode="affine", quant_predicate=build_quant_predicate(model)
+        )
+    staging = out.parent / f"{out.name}-staging"  # the Hub snapshot mlx-audio would copy from
+    (staging / "voice_embedding").mkdir(parents=True)
+    for name in ("params.json", "tekken.json"):
+        shutil.copy(src / name, staging / name)
+    for voice in (src / "voice_embedding").glob("*.safetensors"):
+        shutil.copy(voice, staging / "voice_embedding" / voice.name)
+    out.mkdir(parents=True)
+    copy_model_files(staging, out)
+    shutil.rmtree(staging)
+    original = lm_convert.make_shards
+    if shard_bytes is not None:
+        lm_convert.make_shards = _small_shards(shard_bytes)
+    try:
+        lm_convert.save_model(out, model, donate_model=True)
+    finally:
+        lm_convert.make_shards = original
+    config["model_type"] = "voxtral_tts"
+    lm_convert.save_config(config, config_path=out / "config.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return build_random_checkpoint(
+        tmp_path_factory.mktemp("mc-src"),
+        "tiny",
+        seed=3,
+        voices=VOICES,
+        voice_format="safetensors",
+        suppress_end=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def community(source: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mc")
+    return {
+        name: build_mlx_community(source, root / name, bits)
+        for name, bits in (("bf16", None), ("4bit", 4), ("6bit", 6))
+    }
+
+
+def load_mlx_audio(path: Path):
+    """mlx-audio's own loader on the directory, in float32, with SPEC's codec patches."""
+    from mlx_audio.tts.utils import load_model
+
+    model = load_model(path)
+    model.update(
+        tree_map(
+            lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
+            model.parameters(),
+        )
+    )
+    model.audio_tokenizer._alibi_slopes = spec_alibi_slopes(model.audio_tokenizer.args.n_heads)
+    voice = mx.load(str(path / "voice_embedding" / f"{VOICE}.safetensors"))["embedding"]
+    model._voice_embeddings[VOICE] = voice.astype(mx.float32)
+    return model
+
+
+def reference_run(model, noise: np.ndarray, frames: int) -> tuple[np.ndarray, np.ndarray]:
+    recorded = []
+    original = model.acoustic_transformer.decode_one_frame
+
+    def record(h):
+        codes = original(h)
+        recorded.append(np.array(codes)[0])
+        return codes
+
+    model.acoustic_transformer.decode_one_frame = record
+    try:
+        with injected_noise(noise), spec_codebook_floor():
+            results = list(model.generate(TEXT, voice=VOICE, max_tokens=frames))
+    finally:
+        del model.acoustic_transformer.decode_one_frame
+    return np.stack(recorded), np.array(results[-1].audio)
+
+
+# --------------------------------------------------------------------------- the layout
+
+
+def test_the_layout_is_mlx_audios(community: dict[str, Path]) -> None:
+    for name, path in community.items():
+        files = sorted(p.name for p in path.iterdir())
+        shards = [f for f in files if f.startswith("model-")]
+        assert len(shards) >= 2, files
+        assert "model.safetensors.index.json" in files and "config.json" in files
+        assert {"params.json", "tekken.json", "voice_embedding"} <= set(files)
+        assert sorted(p.name for p in (path / "voice_embedding").iterdir()) == sorted(
+            f"{v}.safetensors" for v in VOICES
+        )
+        index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        assert "language_model.model.model.layers.0.self_attn.q_proj.weight" in index
+        assert "audio_codebook_embeddings.embeddings.weight" in index
+        config = json.loads((path / "config.json").read_text())
+        if name == "bf16":
+            assert "quantization" not in config and not any(k.endswith(".scales") for k in index)
+        else:
+            bits = int(name[0])
+            assert config["quantization"] == {"group_size": 64, "bits": bits, "mode": "affine"}
+            scales = {k[: -len(".scales")] for k in index if k.endswith(".scales")}
+            # mlx-audio quantizes the flow head and the text embeddings too, never the codec
+            assert "acoustic_transformer.semantic_codebook_output" in scales
+            assert "language_model.model.model.embed_tokens" in scales
+            assert not any(s.startswith(("audio_tokenizer", "audio_codebook")) for s in scales)
+
+
+def test_rename_table_agrees_with_mlx_audio_sanitize(source: Path) -> None:
+    from mlx_audio.tts.models.voxtral_tts import voxtral_tts as ma
+
+    params = json.loads((source / "params.json").read_text())
+    model = ma.Model(ma.ModelConfig.from_dict(params))
+    ours = expected_tensors(ModelConfig.from_params(params))
+    theirs = model.sanitize({name: name for name in ours})  # values: the original names
+    assert len(theirs) == len(ours)
+    for mlx_name, mistral_name in theirs.items():
+        assert to_mistral_name(mlx_name) == mistral_name
+        assert to_mlx_audio_name(mistral_name) == mlx_name
+    # module paths (quantization config keys) map the same way, older exports too
+    assert to_mistral_name("language_model.model.model.layers.3.mlp.down_proj") == (
+        "layers.3.feed_forward.w2"
+    )
+    assert to_mistral_name("language_model.model.layers.1.input_layernorm.weight") == (
+        "layers.1.attention_norm.weight"
+    )
+    assert to_mistral_name("language_model.model.model.layers.1.self_attn.rope.x") is None
+
+
+@pytest.mark.parametrize("name", ["bf16", "4bit", "6bit"])
+def test_loads_with_exactly_the_stored_layers_quantized(community, name: str) -> None:
+    path = community[name]
+    loaded = load_model_dir(path, "float32")
+    assert loaded.layout == "mlx-community" and loaded.dtype == mx.float32
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    stored = {to_mistral_name(k[: -len(".scales")]) for k in index if k.endswith(".scales")}
+    quantized = {
+        p: m for p, m in loaded.model.named_modules() if isinstance(m, nn.QuantizedLinear)
+    } | {p: m for p, m in loaded.model.named_modules() if isinstance(m, nn.QuantizedEmbedding)}
+    assert set(quantized) == stored == set(loaded.quantized)
+    if name == "bf16":
+        assert not quantized
+        return
+    assert all(m.bits == int(name[0]) and m.group_size == 64 for m in quantized.values())
+    assert "mm_audio_embeddings.tok_embeddings" in quantized
+    assert "layers.0.feed_forward.w2" not in quantized  # 160 inputs: mlx-audio skipped it
+    params = dict(tree_flatten(loaded.model.parameters()))
+    assert {v.dtype for k, v in params.items() if not k.endswith(".weight")} <= {mx.float32}
+    assert params["layers.0.attention.wq.weight"].dtype == mx.uint32
+
+
+def test_default_dtype_is_bf16(community) -> None:
+    assert load_model_dir(community["4bit"]).dtype == mx.bfloat16
+    assert load_model_dir(community["bf16"]).dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("name", ["bf16", "4bit", "6bit"])
+def test_same_codes_and_audio_as_mlx_audio(community, name: str) -> None:
+    path = community[name]
+    noise = np.random.default_rng(0).standard_normal((FRAMES, 36)).astype(np.float32)
+    tts = voxtral_mlx.load(path, dtype="float32")
+    try:
+        speech = tts.synthesize(TEXT, VOICE, noise=noise, max_frames=FRAMES)
+    finally:
+        tts.close()
+    codes, audio = reference_run(load_mlx_audio(path), noise, FRAMES)
+    assert len(speech.codes) == len(codes) == FRAMES
+    np.testing.assert_array_equal(speech.codes, codes)
+    assert speech.audio.shape == audio.shape == (FRAMES * 1920,)
+    err = float(np.max(np.abs(speech.audio - audio)) / np.max(np.abs(audio)))
+    assert err < 1e-4, err
+
+
+# --------------------------------------------------------------------------- broken copies
+
+
+@pytest.fixture
+def broken(community, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(community["4bit"], tmp_path / "m"))
+
+
+def test_missing_shard_is_an_incomplete_download(broken: Path) -> None:
+    shard = sorted(broken.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ModelNotFoundError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert shard.name in message and "fetch it again" in message
+
+
+def test_wrong_bits_in_config_are_reported_by_name(broken: Path) -> None:
+    config = json.loads((broken / "config.json").read_text())
+    config["quantization"]["bits"] = 8
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointMismatch) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert "mis-shaped" in message and "expected [" in message
+    assert "language_model" not in message  # reported under Mistral's names
+    names = {m[0] for m in exc.value.misshaped}
+    assert "layers.0.attention.wk.weight" in names
+    assert "mm_audio_embeddings.tok_embeddings.weight" in names
+
+
+def test_scales_without_config_are_read_off_the_shapes(broken: Path) -> None:
+    config = json.loads((broken / "config.json").read_text())
+    del config["quantization"], config["quantization_config"]
+    (broken / "config.json").write_text(json.dumps(config))
+    loaded = load_model_dir(broken, "float32")
+    assert {s.bits for s in loaded.quantized.values()} == {4}
+
+
+def test_index_pointing_at_the_wrong_shard(broken: Path) -> None:
+    path = broken / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    names = sorted({v for v in index["weight_map"].values()})
+    key = next(k for k, v in index["weight_map"].items() if v == names[0])
+    index["weight_map"][key] = names[1]
+    path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    assert "index" in one_line(exc.value)
+
+
+def test_converting_the_bf16_conversion_equals_converting_the_original(
+    community, source: Path, tmp_path: Path
+) -> None:
+    """mlx-community bf16 is a valid `voxtral-mlx convert` source, even with its params only
+    in config.json: same tensors as converting Mistral's original."""
+    from voxtral_mlx.convert import convert_model
+
+    mc = Path(shutil.copytree(community["bf16"], tmp_path / "mc"))
+    (mc / "params.json").unlink()
+    a = convert_model(mc, tmp_path / "a", q_bits=4).path
+    b = convert_model(source, tmp_path / "b", q_bits=4).path
+    ta, tb = mx.load(str(a / "model.safetensors")), mx.load(str(b / "model.safetensors"))
+    assert ta.keys() == tb.keys()
+    assert all(mx.array_equal(ta[k], tb[k]).item() for k in ta)
+    assert json.loads((a / "params.json").read_text()) == json.loads(
+        (source / "params.json").read_text()
+    )
+    assert json.loads((a / "config.json").read_text())["source_layout"] == "mlx-community"
+
+
+def test_quantized_community_models_are_not_a_conversion_source(community, tmp_path) -> None:
+    from voxtral_mlx.convert import convert_model
+
+    with pytest.raises(VoxtralError) as exc:
+        convert_model(community["4bit"], tmp_path / "out", q_bits=8)
+    assert "already quantized" in one_line(exc.value)

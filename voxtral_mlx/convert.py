@@ -1,0 +1,504 @@
+"""Convert a checkpoint into a self-contained MLX directory, optionally quantized.
+
+Output (``voxtral-mlx`` layout, see :mod:`voxtral_mlx.mlx_layout`)::
+
+    config.json                      how it was converted, incl. the quantization section
+    params.json, tekken.json         copied unchanged
+    model.safetensors                or model-0000N-of-0000M.safetensors above 5 GB
+    model.safetensors.index.json     tensor -> file (always written)
+    voice_embedding/<name>.safetensors   one tensor, key ``embedding``
+
+Tensor names stay Mistral's. The codec keeps its weight-norm parametrization
+(``original0``/``original1``) and the EMA codebook (``cluster_usage``/``embedding_sum``):
+they are folded at load in float32, so an unquantized conversion loads bit-identically to
+its source. Precision per component:
+
+* backbone Linear layers (``layers.*``): ``q_bits``;
+* flow head Linear layers (``acoustic_transformer.*`` incl. the semantic and acoustic
+  outputs): ``q_flow_bits``, by default ``max(8, q_bits)`` (4-bit flow heads are reported
+  to miss END; SPEC §8). ``time_projection`` runs 7 rows once at load and stays unquantized;
+* codec (``audio_tokenizer.*``), embeddings (``mm_audio_embeddings.*``) and every norm:
+  ``dtype`` (bfloat16 by default), never quantized;
+* a Linear whose input width is not a multiple of the group size stays unquantized.
+
+Quantization is ``mx.quantize``'s affine mode, group size 64 by default, computed row block by
+row block (identical to quantizing the whole matrix: groups never cross rows).
+
+Conversion streams: tensors are read with ``pread`` in blocks of at most ``chunk_bytes`` and
+written straight out, so memory stays bounded whatever the checkpoint size. Everything is
+written into a hidden temporary directory beside ``out_dir``, verified, and renamed into
+place at the end: a failed or interrupted conversion leaves nothing that would load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .checkpoint import (
+    IGNORED_TENSORS,
+    SAFETENSORS_DTYPES,
+    QuantSpec,
+    quantized_shapes,
+    safetensors_data_start,
+)
+from .errors import CheckpointError, InputError
+from .fileio import atomic_write_text, one_line
+from .hub import resolve_model_dir
+from .loader import TensorRef, WeightSet, check_tokenizer, open_weights, read_model_config
+from .mlx_layout import FORMAT, FORMAT_VERSION, INDEX_NAME, SHARD_NAME, SINGLE_NAME
+from .synthetic.safetensors_writer import TensorSpec, write_safetensors
+from .tokenizer import TekkenTokenizer
+from .voices import convert_voice_files
+
+SUPPORTED_BITS = (4, 6, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
+MIN_FLOW_BITS = 8
+MAX_SHARD_BYTES = 5 << 30  # mlx-lm's limit per file
+CHUNK_BYTES = 16 << 20
+OUTPUT_DTYPES: dict[str, tuple[str, mx.Dtype]] = {
+    "bfloat16": ("BF16", mx.bfloat16),
+    "float16": ("F16", mx.float16),
+    "float32": ("F32", mx.float32),
+}
+_NP_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
+# Run once at load (7 rows): quantizing it would only add error.
+UNQUANTIZED_LINEARS = frozenset({"acoustic_transformer.time_projection"})
+
+Progress = Callable[[str, int, int], None]  # (tensor name, bytes done, bytes total)
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """What to quantize: backbone Linears at ``bits``, flow head Linears at ``flow_bits``."""
+
+    bits: int | None = None
+    flow_bits: int | None = None
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    @classmethod
+    def make(
+        cls, bits: int | None, group_size: int | None = None, flow_bits: int | None = None
+    ) -> QuantOptions:
+        """Checked options; ``flow_bits`` defaults to ``max(8, bits)``."""
+        group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+        if bits is None:
+            if flow_bits is not None:
+                raise InputError("--q-flow-bits needs --q-bits: pass both, or neither")
+            return cls(None, None, group_size)
+        for flag, value in (("--q-bits", bits), ("--q-flow-bits", flow_bits)):
+            if value is not None and (isinstance(value, bool) or value not in SUPPORTED_BITS):
+                raise InputError(
+                    f"{flag} {value!r} is not supported: use "
+                    f"{', '.join(map(str, SUPPORTED_BITS[:-1]))} or {SUPPORTED_BITS[-1]}"
+                )
+        if isinstance(group_size, bool) or group_size not in SUPPORTED_GROUP_SIZES:
+            raise InputError(f"--q-group-size {group_size!r} is not supported: use 32, 64 or 128")
+        flow = max(MIN_FLOW_BITS, bits) if flow_bits is None else flow_bits
+        return cls(bits, flow, group_size)
+
+    def spec(self, path: str, shape: tuple[int, ...]) -> QuantSpec | None:
+        """How the layer ``path`` (weight ``shape``) is stored; None = unquantized."""
+        bits = None
+        if path.startswith("layers."):
+            bits = self.bits
+        elif path.startswith("acoustic_transformer.") and path not in UNQUANTIZED_LINEARS:
+            bits = self.flow_bits
+        if bits is None:
+            return None
+        spec = QuantSpec(bits=bits, group_size=self.group_size)
+        return spec if quantized_shapes(shape, spec) is not None else None
+
+
+def component(name: str) -> str:
+    """The component a tensor belongs to: backbone, flow_head, codec or embeddings."""
+    if name.startswith("acoustic_transformer."):
+        return "flow_head"
+    if name.startswith("audio_tokenizer."):
+        return "codec"
+    if name.startswith("mm_audio_embeddings."):
+        return "embeddings"
+    return "backbone"
+
+
+@dataclass
+class _Job:
+    """One source tensor and what becomes of it."""
+
+    name: str
+    ref: TensorRef
+    data_start: int
+    spec: QuantSpec | None
+    outputs: list[TensorSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    path: Path
+    files: list[Path]
+    quantized: dict[str, QuantSpec]
+    total_bytes: int
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _looks_like_model_dir(path: Path) -> bool:
+    names = {p.name for p in path.iterdir()}
+    return bool(
+        names & {"config.json", "params.json", "tekken.json", INDEX_NAME}
+        or any(n.endswith(".safetensors") for n in names)
+    )
+
+
+def _check_output(out: Path, src: Path, force: bool) -> None:
+    real = out.resolve()
+    if real == src or src in real.parents or real in src.parents:
+        raise InputError(
+            f"output {one_line(str(out))} overlaps the source model {one_line(str(src))}: "
+            "choose another output directory"
+        )
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise InputError(f"output {one_line(str(out))} exists and is not a directory")
+        try:
+            empty = not any(out.iterdir())
+        except OSError as e:
+            raise InputError(f"cannot read output {one_line(str(out))}: {e.strerror}") from None
+        if not empty and not force:
+            raise InputError(
+                f"output {one_line(str(out))} exists and is not empty: pass --force to replace "
+                "it, or choose another directory"
+            )
+        if not empty and not _looks_like_model_dir(out):
+            raise InputError(
+                f"output {one_line(str(out))} holds files that are not a model; refusing to "
+                "replace it even with --force: choose another directory"
+            )
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _plan(weights: WeightSet, options: QuantOptions, dtype: str) -> list[_Job]:
+    st_dtype = OUTPUT_DTYPES[dtype][0]
+    starts: dict[Path, int] = {}
+    jobs = []
+    for name, ref in sorted(
+        weights.tensors.items(), key=lambda kv: (str(kv[1].path), kv[1].info.start)
+    ):
+        if name in IGNORED_TENSORS:
+            continue
+        if ref.path not in starts:
+            starts[ref.path] = safetensors_data_start(ref.path)
+        shape = ref.info.shape
+        spec = options.spec(name[: -len(".weight")], shape) if name.endswith(".weight") else None
+        job = _Job(name, ref, starts[ref.path], spec)
+        if spec is None:
+            job.outputs = [TensorSpec(name, st_dtype, shape)]
+        else:
+            packed, groups = quantized_shapes(shape, spec)  # type: ignore[misc]
+            path = name[: -len(".weight")]
+            job.outputs = [
+                TensorSpec(name, "U32", packed),
+                TensorSpec(f"{path}.scales", st_dtype, groups),
+                TensorSpec(f"{path}.biases", st_dtype, groups),
+            ]
+        jobs.append(job)
+    return jobs
+
+
+def _shards(jobs: list[_Job], max_bytes: int) -> list[list[_Job]]:
+    shards: list[list[_Job]] = [[]]
+    size = 0
+    for job in jobs:
+        nbytes = sum(o.nbytes for o in job.outputs)
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(job)
+        size += nbytes
+    return shards
+
+
+# --------------------------------------------------------------------------- tensor data
+
+
+def _to_bytes(a: mx.array) -> bytes:
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.asarray(a).tobytes()
+
+
+def _blocks(job: _Job, chunk_bytes: int, fd: int) -> Iterator[mx.array]:
+    """The source tensor in row blocks of at most ``chunk_bytes`` (at least one row)."""
+    info = job.ref.info
+    item = SAFETENSORS_DTYPES[info.dtype][0]
+    shape = info.shape if info.shape else (1,)
+    row_items = int(np.prod(shape[1:], dtype=np.int64))
+    row_bytes = max(1, row_items * item)
+    step = max(1, chunk_bytes // row_bytes)
+    for r0 in range(0, shape[0], step):
+        r1 = min(shape[0], r0 + step)
+        offset = job.data_start + info.start + r0 * row_bytes
+        raw = os.pread(fd, (r1 - r0) * row_bytes, offset)
+        if len(raw) != (r1 - r0) * row_bytes:
+            raise CheckpointError(
+                f"{job.ref.path} is truncated at tensor '{job.name}': re-download it"
+            )
+        values = np.frombuffer(raw, dtype=_NP_DTYPES[info.dtype]).reshape((r1 - r0, *shape[1:]))
+        block = mx.array(values.astype(np.float32) if info.dtype == "F64" else values)
+        yield block.view(mx.bfloat16) if info.dtype == "BF16" else block
+
+
+def _produce(
+    job: _Job,
+    dtype: mx.Dtype,
+    st_dtype: str,
+    chunk_bytes: int,
+    stash: dict[str, list[bytes]],
+) -> Iterator[bytes]:
+    """Bytes of ``job``'s first output; the scales and biases of a quantized layer are kept
+    in ``stash`` for the two outputs that follow (they are ~3 % of the weight)."""
+    info = job.ref.info
+    if job.spec is None and info.dtype == st_dtype:
+        yield from _raw_copy(job, chunk_bytes)
+        return
+    fd = os.open(job.ref.path, os.O_RDONLY)
+    try:
+        for block in _blocks(job, chunk_bytes, fd):
+            block = block.astype(dtype)
+            if job.spec is None:
+                mx.eval(block)
+                yield _to_bytes(block)
+                continue
+            wq, scales, biases = mx.quantize(
+                block, group_size=job.spec.group_size, bits=job.spec.bits, mode="affine"
+            )
+            mx.eval(wq, scales, biases)
+            stash.setdefault(job.outputs[1].name, []).append(_to_bytes(scales))
+            stash.setdefault(job.outputs[2].name, []).append(_to_bytes(biases))
+            yield _to_bytes(wq)
+            del wq, scales, biases
+            mx.clear_cache()
+    finally:
+        os.close(fd)
+        mx.clear_cache()
+
+
+def _raw_copy(job: _Job, chunk_bytes: int) -> Iterator[bytes]:
+    info = job.ref.info
+    start = job.data_start + info.start
+    total = info.end - info.start
+    fd = os.open(job.ref.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < total:
+            piece = os.pread(fd, min(chunk_bytes, total - done), start + done)
+            if not piece:
+                raise CheckpointError(
+                    f"{job.ref.path} is truncated at tensor '{job.name}': re-download it"
+                )
+            done += len(piece)
+            yield piece
+    finally:
+        os.close(fd)
+
+
+def _write_shard(
+    path: Path,
+    jobs: list[_Job],
+    dtype: str,
+    chunk_bytes: int,
+    progress: Progress | None,
+    done: list[int],
+    total: int,
+) -> None:
+    st_dtype, mx_dtype = OUTPUT_DTYPES[dtype]
+    first = {job.outputs[0].name: job for job in jobs}
+    stash: dict[str, list[bytes]] = {}
+
+    def produce(spec: TensorSpec) -> Iterator[bytes]:
+        job = first.get(spec.name)
+        pieces = (
+            _produce(job, mx_dtype, st_dtype, chunk_bytes, stash)
+            if job is not None
+            else iter(stash.pop(spec.name))
+        )
+        for piece in pieces:
+            done[0] += len(piece)
+            yield piece
+        if progress is not None:
+            progress(spec.name, done[0], total)
+
+    specs = [o for job in jobs for o in job.outputs]
+    write_safetensors(path, specs, produce, metadata={"format": "mlx"})
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _config_json(
+    source: str, weights: WeightSet, options: QuantOptions, dtype: str, jobs: list[_Job]
+) -> dict:
+    config: dict = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_type": "voxtral_tts",
+        "source": source,
+        "source_layout": weights.layout,
+        "dtype": dtype,
+        "weight_names": "mistral",
+        "codec_weight_norm": "unfolded",
+    }
+    layers = {
+        job.name[: -len(".weight")]: job.spec.as_dict() for job in jobs if job.spec is not None
+    }
+    if layers:
+        config["quantization"] = {
+            "mode": "affine",
+            "group_size": options.group_size,
+            "bits": options.bits,
+            "components": {
+                "backbone": options.bits,
+                "flow_head": options.flow_bits,
+                "codec": None,
+                "embeddings": None,
+            },
+            "layers": layers,
+        }
+    return config
+
+
+def _copy_voices(src: Path, dst: Path) -> None:
+    voice_dir = src / "voice_embedding"
+    if not voice_dir.is_dir():
+        return
+    out = dst / "voice_embedding"
+    out.mkdir()
+    converted = {p.stem for p in voice_dir.glob("*.safetensors") if not p.name.startswith(".")}
+    for name in sorted(converted):
+        shutil.copyfile(voice_dir / f"{name}.safetensors", out / f"{name}.safetensors")
+    pts = sorted(
+        p
+        for p in voice_dir.glob("*.pt")
+        if p.is_file() and not p.name.startswith(".") and p.stem not in converted
+    )
+    if pts:
+        convert_voice_files(pts, out)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def convert_model(
+    model: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    q_bits: int | None = None,
+    q_group_size: int | None = None,
+    q_flow_bits: int | None = None,
+    dtype: str = "bfloat16",
+    force: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Convert ``model`` (a local directory or a Hub repo) into ``out_dir``; see the module
+    docstring for the layout and the precision rules. Raises :class:`VoxtralError` subclasses
+    with one-line messages; on any failure ``out_dir`` is left as it was."""
+    options = QuantOptions.make(q_bits, q_group_size, q_flow_bits)
+    if dtype not in OUTPUT_DTYPES:
+        raise InputError(f"--dtype {dtype!r} is not supported: use bfloat16, float16 or float32")
+    src = resolve_model_dir(model)
+    out = Path(out_dir).expanduser().absolute()
+    _check_output(out, src, force)
+
+    config = read_model_config(src)
+    check_tokenizer(config, TekkenTokenizer.from_file(src / "tekken.json"))
+    weights = open_weights(src, config)
+    if weights.quantized:
+        raise InputError(
+            f"{src} is already quantized ({len(weights.quantized)} layers): convert from the "
+            "original or an unquantized checkpoint"
+        )
+    jobs = _plan(weights, options, dtype)
+    shards = _shards(jobs, max_shard_bytes)
+    names = (
+        [SINGLE_NAME]
+        if len(shards) == 1
+        else [SHARD_NAME.format(i + 1, len(shards)) for i in range(len(shards))]
+    )
+    total = sum(o.nbytes for job in jobs for o in job.outputs)
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as e:
+        raise InputError(
+            f"cannot write to {one_line(str(out.parent))}: {one_line(e.strerror or str(e))}; "
+            "choose a writable output directory"
+        ) from None
+    try:
+        done = [0]
+        for name, shard in zip(names, shards, strict=True):
+            _write_shard(tmp / name, shard, dtype, chunk_bytes, progress, done, total)
+        weight_map = {
+            o.name: n for n, shard in zip(names, shards) for j in shard for o in j.outputs
+        }
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        atomic_write_text(tmp / INDEX_NAME, json.dumps(index, indent=4) + "\n")
+        source = model if isinstance(model, str) and not Path(model).exists() else src.name
+        config_json = _config_json(str(source), weights, options, dtype, jobs)
+        atomic_write_text(tmp / "config.json", json.dumps(config_json, indent=4) + "\n")
+        if (src / "params.json").is_file():
+            shutil.copyfile(src / "params.json", tmp / "params.json")
+        else:  # an MLX directory keeping its params in config.json only
+            atomic_write_text(tmp / "params.json", json.dumps(config.raw, indent=4) + "\n")
+        shutil.copyfile(src / "tekken.json", tmp / "tekken.json")
+        _copy_voices(src, tmp)
+
+        written = open_weights(tmp, config)  # the loader's own checks, on what was written
+        planned = {j.name[: -len(".weight")]: j.spec for j in jobs if j.spec is not None}
+        if written.quantized != planned:  # pragma: no cover - a bug of ours, not of the input
+            raise InputError("the converted weights do not match the plan; please report this")
+        _swap_into_place(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise InputError(
+            f"cannot write {one_line(str(out))}: {one_line(e.strerror or str(e))}; check "
+            "the free disk space and permissions"
+        ) from None
+    except BaseException:  # errors of ours, interrupts: nothing half-written stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = [out / n for n in names]
+    return ConvertResult(out, files, planned, total)
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished directory to ``out``, replacing an old one only at the very end."""
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is as readable as its files
+    if out.exists() and any(out.iterdir()):
+        old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
