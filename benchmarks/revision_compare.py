@@ -1,0 +1,84 @@
+"""ms per frame of two revisions of voxtral_mlx on the same checkpoint, same process run.
+
+Used to record before/after figures of hot-path changes. Each revision runs in its own
+subprocess (``PYTHONPATH`` = its tree), alternating, so machine load hits both alike.
+
+    python benchmarks/revision_compare.py BEFORE_TREE AFTER_TREE [--config tiny|wide]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from common import TEXT, VOICE, checkpoint, record
+
+CHILD = """
+import json, sys, time
+import numpy as np
+import voxtral_mlx
+path, text, voice = sys.argv[1:4]
+n1, n2, repeats = (int(a) for a in sys.argv[4:7])
+tts = voxtral_mlx.load(path)
+noise = np.random.default_rng(0).standard_normal((n2, 36)).astype(np.float32)
+def run(n):
+    t0 = time.perf_counter()
+    s = tts.synthesize(text, voice, noise=noise[:n], max_frames=n)
+    assert len(s.codes) == n
+    return time.perf_counter() - t0
+run(n1)
+out = [1000 * (run(n2) - run(n1)) / (n2 - n1) for _ in range(repeats)]
+print(json.dumps(out))
+"""
+
+CONFIGS = {"tiny": ("tiny", None, None, 8, 40), "wide": ("wide", 2, 3, 2, 6)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("before")
+    parser.add_argument("after")
+    parser.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args(argv)
+    size, layers, flow_layers, n1, n2 = CONFIGS[args.config]
+    path = checkpoint(size, n_layers=layers, flow_layers=flow_layers)
+    results: dict[str, list[float]] = {"before": [], "after": []}
+    for _ in range(args.rounds):
+        for label in ("before", "after"):
+            tree = getattr(args, label)
+            proc = subprocess.run(
+                [sys.executable, "-c", CHILD, str(path), TEXT, VOICE, str(n1), str(n2), "3"],
+                env={**os.environ, "PYTHONPATH": tree},
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            results[label] += json.loads(proc.stdout.strip().splitlines()[-1])
+    before, after = (statistics.median(results[k]) for k in ("before", "after"))
+    rows = [
+        ("revision", "ms/frame (median)", "runs"),
+        (f"before ({args.before})", f"{before:.1f}", str(len(results["before"]))),
+        (f"after ({args.after})", f"{after:.1f}", str(len(results["after"]))),
+        ("after / before", f"{after / before:.2f}", ""),
+    ]
+    for r in rows:
+        print(" | ".join(r))
+    if not args.no_record:
+        print(
+            record(
+                f"Lean frame step, before/after ({args.config})",
+                "python benchmarks/revision_compare.py " + " ".join(argv or sys.argv[1:]),
+                rows,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
