@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m ruff check voxtral_mlx tests benchmarks convert
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -26,7 +26,7 @@ from voxtral_mlx.errors import CheckpointError, VoxtralError
 from voxtral_mlx.synthetic.checkpoint import make_params, random_weights
 from voxtral_mlx.synthetic.safetensors_writer import TensorSpec, encode, write_safetensors
 
-REFERENCE = Path("/work/shared/reference")
+REFERENCE = Path(__file__).with_name("data") / "reference"
 TABLE = "mm_audio_embeddings.audio_codebook_embeddings.embeddings.weight"
 SEMANTIC_OUT = "acoustic_transformer.semantic_codebook_output.weight"
 TOK = "audio_tokenizer"

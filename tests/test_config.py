@@ -14,7 +14,7 @@ from voxtral_mlx.config import ModelConfig
 from voxtral_mlx.errors import ConfigError
 from voxtral_mlx.synthetic.checkpoint import REAL_PARAMS, make_params
 
-REFERENCE = Path("/work/shared/reference")
+REFERENCE = Path(__file__).with_name("data") / "reference"
 PARAMS_JSON = REFERENCE / "params.json"
 
 AM = "multimodal.audio_model_args"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,28 +15,9 @@ MistralTokenizer = pytest.importorskip("mistral_common.tokens.tokenizers.mistral
 SpeechRequest = pytest.importorskip("mistral_common.protocol.speech.request").SpeechRequest
 
 # The 20 preset voices of Voxtral-4B-TTS-2603 and their [AUDIO] counts (tekken.json).
-VOICES = {
-    "casual_female": 214,
-    "casual_male": 147,
-    "cheerful_female": 132,
-    "neutral_female": 218,
-    "neutral_male": 169,
-    "pt_male": 144,
-    "pt_female": 175,
-    "nl_male": 138,
-    "nl_female": 146,
-    "it_male": 168,
-    "it_female": 172,
-    "fr_male": 97,
-    "fr_female": 97,
-    "es_male": 208,
-    "es_female": 138,
-    "de_male": 163,
-    "de_female": 147,
-    "ar_male": 67,
-    "hi_male": 94,
-    "hi_female": 86,
-}
+VOICES = json.loads((Path(__file__).with_name("data") / "reference" / "voices.json").read_text())[
+    "voice_num_audio_tokens"
+]
 
 TEXTS = [
     "Hello.",
@@ -124,3 +106,9 @@ def test_missing_special_token_is_named(tmp_path):
     ours = TekkenTokenizer.from_file(path, cache_dir=tmp_path / "cache")
     with pytest.raises(TokenizerError, match=r"\[NEXT_AUDIO_TEXT\]"):
         speech_prompt_ids(ours, "Hi.", 1)
+
+
+def test_random_checkpoints_carry_the_real_voices():
+    from voxtral_mlx.synthetic.checkpoint import REAL_VOICES
+
+    assert REAL_VOICES == VOICES

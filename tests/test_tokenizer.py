@@ -25,28 +25,9 @@ from voxtral_mlx.tokenizer import TekkenTokenizer, default_cache_dir
 Tekkenizer = pytest.importorskip("mistral_common.tokens.tokenizers.tekken").Tekkenizer
 
 # The 20 preset voices of Voxtral-4B-TTS-2603 and their [AUDIO] counts (tekken.json).
-VOICES = {
-    "casual_female": 214,
-    "casual_male": 147,
-    "cheerful_female": 132,
-    "neutral_female": 218,
-    "neutral_male": 169,
-    "pt_male": 144,
-    "pt_female": 175,
-    "nl_male": 138,
-    "nl_female": 146,
-    "it_male": 168,
-    "it_female": 172,
-    "fr_male": 97,
-    "fr_female": 97,
-    "es_male": 208,
-    "es_female": 138,
-    "de_male": 163,
-    "de_female": 147,
-    "ar_male": 67,
-    "hi_male": 94,
-    "hi_female": 86,
-}
+VOICES = json.loads((Path(__file__).with_name("data") / "reference" / "voices.json").read_text())[
+    "voice_num_audio_tokens"
+]
 
 CORPUS = {
     "english": "The quick brown fox jumps over the lazy dog. It's 5 o'clock, isn't it?",

@@ -26,7 +26,7 @@ from voxtral_mlx.voices import (
     voice_language,
 )
 
-REFERENCE = Path("/work/shared/reference/voices.json")
+REFERENCE = Path(__file__).with_name("data") / "reference" / "voices.json"
 REPO = Path(__file__).resolve().parent.parent
 DIM = 48
 
