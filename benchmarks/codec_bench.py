@@ -40,6 +40,7 @@ def build(size: str, dtype: mx.Dtype):
     folded = sanitize(raw, config, dtype=dtype)
     ours.load_weights([(k[len(PREFIX) :], v) for k, v in folded.items()], strict=True)
     mx.eval(ours.parameters())
+    ours.prepare()  # as load() does: the steady-state streaming step is compiled
 
     tok = config.raw["multimodal"]["audio_tokenizer_args"]
     fields = at.AudioTokenizerArgs.__dataclass_fields__

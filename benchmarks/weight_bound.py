@@ -23,6 +23,8 @@ import mlx.core as mx
 import numpy as np
 from common import TEXT, VOICE, checkpoint, median_time, record
 
+from voxtral_mlx.tts import SYNTH_CHUNK_FRAMES
+
 CONFIGS = {"wide": ("wide", 2, 3, 2, 6), "full": ("full", None, None, 1, 3)}
 
 
@@ -38,7 +40,13 @@ def bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
 
 
 def frame_shapes(tts) -> tuple[list[tuple[mx.array, int]], int]:
-    """(weight, rows multiplying it) for every matmul of one frame, and the weight bytes."""
+    """(weight, rows multiplying it) for every matmul of one frame, and the weight bytes.
+
+    Rows are voxtral_mlx's: the backbone decodes one position; each Euler step runs the
+    flow head on 2 x 3 tokens (cond and uncond), except that its last layer only computes
+    keys and values for the other tokens (position 0 is the only one read out); the codec
+    runs each stage at its own rate (1, 2, 4, 8 steps per frame).
+    """
     m, cfg = tts.model, tts.config
     mats: list[tuple[mx.array, int]] = []
 
@@ -50,14 +58,35 @@ def frame_shapes(tts) -> tuple[list[tuple[mx.array, int]], int]:
         linears(layer, 1)
     head = m.acoustic_transformer
     n = cfg.flow.n_decoding_steps
-    for layer in head.layers:
+    for layer in head.layers[:-1]:
         linears(layer, 6, n)
+    last = head.layers[-1]
+    for name in ("wk", "wv"):
+        mats.extend([(getattr(last.attention, name).weight, 6)] * n)
+    for lin in (last.attention.wq, last.attention.wo, *vars_linears(last.feed_forward)):
+        mats.extend([(lin.weight, 2)] * n)
     mats.append((head.semantic_codebook_output.weight, 1))
     mats.append((head.llm_projection.weight, 1))
-    mats.extend([(head.input_projection.weight, 2)] * n)
-    mats.extend([(head.acoustic_codebook_output.weight, 6)] * n)
+    mats.extend([(head.input_projection.weight, 1)] * n)
+    mats.extend([(head.acoustic_codebook_output.weight, 2)] * n)
     total = sum(w.nbytes for w, _ in mats)
+    codec = m.audio_tokenizer
+    rates = codec._plan.rates
+    for s, rate in enumerate(rates):
+        conv = codec.decoder_blocks[2 * s].conv
+        w = conv.weight
+        if s == 0:
+            mats.append((w.reshape(w.shape[0], -1), rate))
+        else:  # transposed conv: one matmul per input step (the previous stage's rate)
+            mats.append((w.reshape(-1, w.shape[-1]), rates[s - 1]))
+        linears(codec.decoder_blocks[2 * s + 1], rate)
+    w = codec.output_proj.conv.weight
+    mats.append((w.reshape(w.shape[0], -1), rates[-1]))
     return mats, total
+
+
+def vars_linears(ffn) -> list:
+    return [ffn.w1, ffn.w2, ffn.w3]
 
 
 def _linear_weights(module):
@@ -110,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return bare_matmul_ms(mats, tts.dtype, args.repeats), total, codec, bandwidth_gbs()
 
     bare, weight_bytes, codec_bytes, bw = tts.call(measure)
-    per_frame = weight_bytes + codec_bytes / 16  # synthesize decodes 16 frames per chunk
+    per_frame = weight_bytes + codec_bytes / SYNTH_CHUNK_FRAMES  # codec: once per chunk
     bound_ms = 1000 * per_frame / (bw * 1e9)
     rows = [
         ("quantity", "value"),

@@ -457,3 +457,26 @@ def test_state_is_a_dataclass_of_arrays():
     state = decoder.new_state(3)
     assert dataclasses.is_dataclass(state) and state.batch == 3 and state.position == 0
     assert all(a.shape[0] == 3 for a in state.arrays())
+
+
+@pytest.mark.parametrize(
+    ("window", "block", "n", "n_valid", "batch", "kv_heads"),
+    [(2, 16, 17, 0, 1, 4), (4, 16, 40, 2, 2, 2), (16, 16, 128, 16, 1, 4), (16, 16, 33, 5, 3, 1)],
+)
+def test_banded_attention_equals_dense(window, block, n, n_valid, batch, kv_heads):
+    """Blocked sliding-window attention gives the dense masked result (work linear in n)."""
+    from voxtral_mlx.model.codec_layers import banded_attention, banded_attention_bias
+
+    heads, d = 4, 8
+    rng = np.random.default_rng(n + window)
+    q = mx.array(rng.standard_normal((batch, heads, n, d)).astype(np.float32))
+    k = mx.array(rng.standard_normal((batch, kv_heads, window + n, d)).astype(np.float32))
+    v = mx.array(rng.standard_normal((batch, kv_heads, window + n, d)).astype(np.float32))
+    slopes = mx.array(alibi_slopes(heads))
+    dense = mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=d**-0.5, mask=attention_bias(slopes, window, n, n_valid)
+    )
+    mask = banded_attention_bias(slopes, window, block, n, n_valid)
+    assert mask.shape == (-(-n // block), heads, block, block + window)
+    banded = banded_attention(q, k, v, d**-0.5, mask)
+    np.testing.assert_allclose(np.asarray(banded), np.asarray(dense), rtol=1e-5, atol=1e-6)

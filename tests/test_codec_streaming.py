@@ -32,6 +32,7 @@ def _decoder(seed: int, **overrides) -> tuple[ModelConfig, CodecDecoder]:
     decoder = CodecDecoder(config.codec)
     decoder.load_weights([(k[len(PREFIX) :], v) for k, v in folded.items()], strict=True)
     mx.eval(decoder.parameters())
+    decoder.prepare()  # as load() does: steady-state chunks run compiled
     return config, decoder
 
 
@@ -190,3 +191,13 @@ def test_odd_config_streams_exactly(seed):
     for schedule in ([1], [2, 3], [5, 25]):
         streamed, _ = _stream(decoder, codes, schedule)
         assert _max_diff(streamed, full) <= TOL
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 25])
+def test_compiled_steady_step_equals_uncompiled(setup, chunk):
+    _, decoder, codes, _ = setup
+    _, plain = _decoder(0)
+    plain.prepare(compile=False)
+    got, _ = _stream(decoder, codes[:, :60], [chunk])
+    want, _ = _stream(plain, codes[:, :60], [chunk])
+    assert _max_diff(got, want) == 0.0

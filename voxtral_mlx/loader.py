@@ -347,6 +347,7 @@ def load_model_dir(model_dir: Path, dtype: str | mx.Dtype | None = None) -> Load
     # Folded codec weights and the flow head's constants are computed once, here.
     mx.eval(model.audio_tokenizer.parameters())
     model.acoustic_transformer.prepare()
+    model.audio_tokenizer.prepare()
 
     voices = VoiceRegistry.from_dir(
         model_dir / "voice_embedding", tokenizer.voice_num_audio_tokens, config.backbone.dim

@@ -29,6 +29,7 @@ from .codec_layers import (
     ConvBlock,
     alibi_slopes,
     attention_bias,
+    banded_attention_bias,
     reflect_context,
     replicate_context,
 )
@@ -36,6 +37,9 @@ from .codec_layers import (
 # Frames per chunk in one-shot decode: large enough that per-call overhead vanishes,
 # small enough that the in-chunk attention (quadratic in the chunk) stays a few MB.
 ONE_SHOT_CHUNK_FRAMES = 64
+# Chunks longer than this many steps (or the window) attend in blocks of this size, each
+# block seeing only the keys its window reaches: work linear in the chunk, not quadratic.
+BAND_BLOCK = 16
 # Masks for up to this many queries (the streaming sizes) are kept; larger ones are cheap
 # next to the chunk they serve and would hold megabytes each.
 _CACHED_MASK_MAX_QUERIES = 64
@@ -118,6 +122,7 @@ class CodecDecoder(nn.Module):
             CausalConv1d(args.dim, args.patch_size, args.patch_proj_kernel_size)
         )
         self.semantic_codebook = mx.zeros((args.semantic_codebook_size, args.semantic_dim))
+        self._compiled_step = None
         self._plan = _Plan(
             windows=args.windows,
             rates=tuple(math.prod(args.conv_strides[: s + 1]) for s in range(args.n_stages)),
@@ -190,20 +195,56 @@ class CodecDecoder(nn.Module):
         t = codes.shape[1]
         if t == 0:
             return mx.zeros((state.batch, 0), dtype=self.dtype)
-        first = state.position == 0
+        plan = self._plan
+        masks = [
+            self._mask(s, t * plan.rates[s], min(state.position * plan.rates[s], w), self.dtype)
+            for s, w in enumerate(plan.windows)
+        ]
+        # Once every window is full the step has fixed shapes per chunk size: compiled.
+        steady = all(state.position * r >= w for r, w in zip(plan.rates, plan.windows))
+        args = (codes, state.conv, state.keys, state.values, state.output, masks)
+        if steady and self._compiled_step is not None:
+            out = self._compiled_step(*args)
+        else:
+            out = self._step(*args, first=state.position == 0)
+        y, state.conv, state.keys, state.values, state.output = out
+        state.position += t
+        return y
+
+    def prepare(self, compile: bool = True) -> None:
+        """Compile the steady-state streaming step (after the weights are loaded)."""
+        self._compiled_step = mx.compile(self._steady_step) if compile else None
+
+    def _steady_step(self, codes, conv, keys, values, output, masks):
+        return self._step(codes, conv, keys, values, output, masks, first=False)
+
+    def _step(
+        self,
+        codes: mx.array,
+        conv: list[mx.array],
+        keys: list[list[mx.array]],
+        values: list[list[mx.array]],
+        output: mx.array,
+        masks: list[mx.array],
+        first: bool,
+    ) -> tuple[mx.array, list, list, list, mx.array]:
+        """One chunk through the decoder: audio ``[B, samples]`` and the next state arrays."""
+        conv, keys, values = list(conv), [list(k) for k in keys], [list(v) for v in values]
         x = self.dequantize(codes)
         for s in range(self.args.n_stages):
-            conv = self._conv(s)
-            context = state.conv[s]
-            if first and isinstance(conv, CausalConv1d):
-                context = replicate_context(x, conv.context)
-            x, state.conv[s] = conv(x, context)
-            x = self._transformer(s, x, state)
-        conv = self.output_proj.conv
-        context = reflect_context(x, conv.context) if first else state.output
-        y, state.output = conv(x, context)
-        state.position += t
-        return y.reshape(state.batch, -1)
+            layer_conv = self._conv(s)
+            context = conv[s]
+            if first and isinstance(layer_conv, CausalConv1d):
+                context = replicate_context(x, layer_conv.context)
+            x, conv[s] = layer_conv(x, context)
+            window = self._plan.windows[s]
+            for j, layer in enumerate(self.decoder_blocks[2 * s + 1].layers):
+                x, k, v = layer(x, keys[s][j], values[s][j], masks[s])
+                keys[s][j], values[s][j] = k[:, :, -window:], v[:, :, -window:]
+        out_conv = self.output_proj.conv
+        context = reflect_context(x, out_conv.context) if first else output
+        y, output = out_conv(x, context)
+        return y.reshape(codes.shape[0], -1), conv, keys, values, output
 
     def _transformer(self, s: int, x: mx.array, state: CodecState) -> mx.array:
         """Stage ``s``'s transformer over new steps ``x``, updating the stage's K/V windows."""
@@ -217,13 +258,23 @@ class CodecDecoder(nn.Module):
         return x
 
     def _mask(self, s: int, n: int, n_valid: int, dtype: mx.Dtype) -> mx.array:
+        """The attention mask of stage ``s`` for ``n`` new steps: full ``[heads, n, W + n]``
+        for short chunks, banded (linear in ``n``) for long ones."""
+        window = self._plan.windows[s]
+        block = max(window, BAND_BLOCK)
+
+        def build() -> mx.array:
+            if n > block:
+                return banded_attention_bias(self._plan.slopes, window, block, n, n_valid, dtype)
+            return attention_bias(self._plan.slopes, window, n, n_valid, dtype)
+
         if n > _CACHED_MASK_MAX_QUERIES:
-            return attention_bias(self._plan.slopes, self._plan.windows[s], n, n_valid, dtype)
+            return build()
         key = (s, n, n_valid, dtype)
         masks = self._plan.masks
         mask = masks.get(key)
         if mask is None:
-            mask = attention_bias(self._plan.slopes, self._plan.windows[s], n, n_valid, dtype)
+            mask = build()
             masks[key] = mask
             if len(masks) > _MAX_CACHED_MASKS:
                 masks.popitem(last=False)

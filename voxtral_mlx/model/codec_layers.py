@@ -51,6 +51,54 @@ def attention_bias(slopes: mx.array, window: int, n: int, n_valid: int,
     return mx.where(keep, bias, -mx.inf).astype(dtype)
 
 
+def banded_attention_bias(slopes: mx.array, window: int, block: int, n: int, n_valid: int,
+                          dtype: mx.Dtype = mx.float32) -> mx.array:  # fmt: skip
+    """Additive mask ``[blocks, heads, block, block + window]`` for banded attention.
+
+    The ``n`` queries are cut into ``ceil(n / block)`` blocks (``block >= window``); block
+    ``j`` sees the ``block + window`` keys starting at its first query's earliest key, so the
+    work grows linearly with ``n`` instead of quadratically. Same keep rule and ALiBi bias as
+    :func:`attention_bias`; only block 0 can see cache slots that hold no key yet.
+    """
+    blocks = -(-n // block)
+    r = mx.arange(block)[:, None]
+    c = mx.arange(block + window)[None, :]
+    rel = c - window - r
+    keep = (rel <= 0) & (rel >= -window)
+    first = keep & (c >= window - n_valid)
+    keep = mx.concatenate([first[None], mx.broadcast_to(keep, (blocks - 1, *keep.shape))])
+    bias = slopes.astype(mx.float32)[None, :, None, None] * rel.astype(mx.float32)
+    return mx.where(keep[:, None], bias, -mx.inf).astype(dtype)
+
+
+def banded_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array
+) -> mx.array:
+    """Sliding-window attention of ``q [B, H, n, D]`` over ``k, v [B, Hk, window + n, D]``
+    (``window`` cached steps, then the ``n`` new ones) with a :func:`banded_attention_bias`
+    mask: each block of queries attends only to the keys its window can reach."""
+    b, heads, n, d = q.shape
+    blocks, _, block, width = mask.shape
+    window = width - block
+    kv_heads = k.shape[1]
+    q = mx.pad(q, [(0, 0), (0, 0), (0, blocks * block - n), (0, 0)])
+    q = q.reshape(b, heads, blocks, block, d).transpose(0, 2, 1, 3, 4)
+
+    def spans(x: mx.array) -> mx.array:
+        x = mx.pad(x, [(0, 0), (0, 0), (0, (blocks + 1) * block - x.shape[2]), (0, 0)])
+        x = x.reshape(b, kv_heads, blocks + 1, block, x.shape[-1])
+        x = mx.concatenate([x[:, :, :-1], x[:, :, 1:, :window]], axis=3)
+        return x.transpose(0, 2, 1, 3, 4).reshape(b * blocks, kv_heads, width, -1)
+
+    if b > 1:
+        mask = mx.tile(mask, (b, 1, 1, 1))
+    out = mx.fast.scaled_dot_product_attention(
+        q.reshape(b * blocks, heads, block, d), spans(k), spans(v), scale=scale, mask=mask
+    )
+    out = out.reshape(b, blocks, heads, block, -1).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, heads, blocks * block, -1)[:, :, :n]
+
+
 def replicate_context(x: mx.array, n: int) -> mx.array:
     """Left context of a replicate-padded conv at the very start: ``n`` copies of step 0."""
     return mx.repeat(x[:, :1], n, axis=1)
@@ -154,14 +202,18 @@ class CodecAttention(nn.Module):
         self, x: mx.array, keys: mx.array, values: mx.array, mask: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
         """``x [B, n, dim]``, cached ``keys``/``values [B, kv_heads, W, head_dim]`` (keys after
-        k_norm), ``mask [heads, n, W + n]`` -> output and the ``W + n`` keys/values."""
+        k_norm), ``mask [heads, n, W + n]`` (or banded: see :func:`banded_attention_bias`)
+        -> output and the ``W + n`` keys/values."""
         b, n, _ = x.shape
         q = self.q_norm(self.wq(x)).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_norm(self.wk(x)).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.wv(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         k = mx.concatenate([keys, k], axis=2)
         v = mx.concatenate([values, v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if mask.ndim == 4:  # banded (see banded_attention_bias)
+            out = banded_attention(q, k, v, self.scale, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.wo(out.transpose(0, 2, 1, 3).reshape(b, n, -1)), k, v
 
 

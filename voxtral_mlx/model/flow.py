@@ -90,9 +90,10 @@ class FlowHead(nn.Module):
         cond = mx.stack([xin, tok, llm], axis=1)
         uncond = mx.stack([xin, tok, mx.zeros_like(llm)], axis=1)
         seq = mx.concatenate([cond, uncond], axis=0)
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             seq = layer(seq)
-        out = self.acoustic_codebook_output(self.norm(seq[:, 0]))
+        # Only position 0 is read out: the last layer computes nothing else.
+        out = self.acoustic_codebook_output(self.norm(self.layers[-1].first_position(seq)[:, 0]))
         return out.astype(mx.float32).reshape(2 * b, -1)
 
     def acoustic_codes(self, h: mx.array, noise: mx.array, cfg: mx.array) -> mx.array:

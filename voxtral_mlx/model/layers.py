@@ -59,6 +59,17 @@ class Attention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.wo(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
+    def attend(self, xq: mx.array, xkv: mx.array) -> mx.array:
+        """Queries from ``xq [B, n, dim]`` over keys/values from ``xkv [B, t, dim]``, with no
+        mask, cache or positions (the flow head's bidirectional layers)."""
+        b, n, _ = xq.shape
+        t = xkv.shape[1]
+        q = self.wq(xq).reshape(b, n, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.wk(xkv).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.wv(xkv).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        return self.wo(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
 
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
@@ -97,3 +108,11 @@ class TransformerBlock(nn.Module):
     ) -> mx.array:
         h = x + self.attention(self.attention_norm(x), cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def first_position(self, x: mx.array) -> mx.array:
+        """The block's output at position 0 only, ``[B, 1, dim]``, for a bidirectional block
+        without positions: every position is still a key, but the queries, output
+        projection and SwiGLU of the other positions are never computed."""
+        h = self.attention_norm(x)
+        h0 = x[:, :1] + self.attention.attend(h[:, :1], h)
+        return h0 + self.feed_forward(self.ffn_norm(h0))
