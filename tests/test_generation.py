@@ -263,3 +263,30 @@ def test_eval_calls_per_frame_do_not_grow_with_layers(tiny_tts, deep_tts, monkey
         per_frame.append((counts[12] - counts[4]) / 8)
     assert per_frame[0] == per_frame[1], per_frame
     assert per_frame[0] <= 2, per_frame
+
+
+def test_a_cancelled_job_leaves_the_queue_while_the_batch_is_full(tiny_tts, monkeypatch):
+    monkeypatch.setattr(tiny_tts.model, "frame", _ScriptedSemantic(tiny_tts.model, 10**9))
+    engine = tiny_tts.engine
+
+    def run() -> None:
+        saved, engine.max_batch = engine.max_batch, 1
+        try:
+            running = tiny_tts.job(TEXT, VOICE, seed=0, max_frames=50)
+            waiting = tiny_tts.job(TEXT, VOICE, seed=1, max_frames=50)
+            engine.submit(running)
+            engine.submit(waiting)
+            engine.pump()
+            assert engine._waiting == [waiting]
+            waiting.cancel()
+            engine.pump()
+            assert engine._waiting == [] and waiting.done
+            assert not running.done
+            running.cancel()
+            while engine.pump():
+                pass
+            assert running.done and running.seq.stop_reason == "cancelled"
+        finally:
+            engine.max_batch = saved
+
+    tiny_tts.call(run)

@@ -202,6 +202,31 @@ def test_every_format_decodes_to_the_synthesized_audio(tts, client, fmt):
     assert corr > 0.85, corr
 
 
+def _ogg_granules(data: bytes) -> list[int]:
+    """Granule positions (48 kHz samples) of the Ogg pages in ``data``."""
+    return [
+        int.from_bytes(data[m.start() + 6 : m.start() + 14], "little", signed=True)
+        for m in re.finditer(b"OggS", data)
+    ]
+
+
+def test_opus_pages_leave_the_encoder_every_frame():
+    """A streamed Opus response carries each 80 ms frame's audio as it is encoded, not
+    once a second (libsndfile's default page latency)."""
+    from voxtral_mlx.server.formats import make_encoder
+
+    audio = _tone(1.0)
+    encoder = make_encoder("opus", SR)
+    parts = [encoder.write(audio[i : i + 1920]) for i in range(0, len(audio), 1920)]
+    parts.append(encoder.finish())
+    assert _ogg_granules(parts[0])[:2] == [0, 0]  # the two header pages come first
+    for i, part in enumerate(parts[:-1]):
+        assert max(_ogg_granules(part)) > 0, i  # audio out after every frame
+    got, sr = sf.read(io.BytesIO(b"".join(parts)), dtype="float32")
+    assert sr == SR and len(got) == len(audio)
+    assert np.corrcoef(got, audio)[0, 1] > 0.95
+
+
 def test_wav_streams_with_an_unknown_length_header(http):
     body = {"input": "Short one.", "response_format": "wav", "seed": 1}
     with http.stream("POST", "/v1/audio/speech", json=body) as r:
@@ -354,10 +379,13 @@ def test_client_disconnect_stops_generation(server, http, tts):
             got += len(next(parts))
         during = server.health()
         assert during["requests"] == 1 and during["active"] >= 1
+        assert during["frames"] >= before["frames"] + 20  # counted as they are sent
         r.close()  # the client goes away mid-stream
     # The server cancels the request: its jobs leave the batch, nothing waits.
     after = idle(server)
     assert after["cancelled"] == before["cancelled"] + 1
+    time.sleep(0.3)
+    assert server.health()["frames"] == after["frames"]  # nothing is generated any more
     assert segments >= 8
     assert after["frames"] - before["frames"] < segments * MAX_FRAMES // 2
 
@@ -400,6 +428,69 @@ def test_concurrent_requests_share_the_batch(server, tts, client):
     for i, text in enumerate(texts):
         ref = reference(tts, text, "casual_female", 20 + i)
         np.testing.assert_array_equal(pcm16(results[i]), float_to_int16(ref))
+
+
+@pytest.fixture(scope="module")
+def pair_server(checkpoint, tmp_path_factory):
+    """A batch of two and long segments (1000 frames, seconds each): whoever waits for a
+    slot waits long."""
+    args = ("--max-batch", "2", "--max-frames", "1000")
+    srv = start_server(tmp_path_factory.mktemp("serve-pair"), checkpoint, *args)
+    yield srv
+    assert stop_server(srv) == 0
+
+
+def _first_audio(sock: socket.socket) -> bytes:
+    data = sock.recv(65536)
+    assert data.startswith(b"HTTP/1.1 200"), data[:100]
+    return data
+
+
+def test_a_new_request_joins_the_batch_at_the_next_frame(pair_server):
+    """A long text alone does not take the whole batch for its read-ahead segments: a
+    second request starts at once instead of waiting for a segment (1000 frames) to end."""
+    srv = pair_server
+    idle(srv)
+    first = _raw_request(srv.url, {"input": LONG, "response_format": "pcm"}, key=None)
+    try:
+        _first_audio(first)
+        time.sleep(0.2)
+        assert srv.health()["active"] == 1  # one segment: the other slot stays free
+        t0 = time.monotonic()
+        body = {"input": "Me too.", "response_format": "pcm"}
+        with httpx.stream("POST", f"{srv.url}/v1/audio/speech", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            parts = r.iter_bytes()  # kept: a dropped iterator closes the response
+            next(parts)
+            ttfb = time.monotonic() - t0
+            assert srv.health()["active"] == 2
+        assert ttfb < 3.0, ttfb
+    finally:
+        first.close()
+    idle(srv)
+
+
+def test_a_cancelled_request_leaves_the_queue_at_once(pair_server):
+    """A request waiting for room in a full batch whose client goes away is dropped from
+    the engine's queue right away, not when a slot frees (a whole segment later)."""
+    srv = pair_server
+    idle(srv)
+    running = [_raw_request(srv.url, {"input": LONG, "response_format": "pcm"}, key=None)]
+    running.append(_raw_request(srv.url, {"input": LONG, "response_format": "pcm"}, key=None))
+    try:
+        for sock in running:
+            _first_audio(sock)
+        waiting = _raw_request(srv.url, {"input": "Later.", "response_format": "pcm"}, key=None)
+        wait_until(lambda: srv.health()["waiting"] == 1)
+        waiting.close()
+        t0 = time.monotonic()
+        health = wait_until(lambda: (h := srv.health())["waiting"] == 0 and h, timeout=20)
+        assert time.monotonic() - t0 < 2.0
+        assert health["active"] == 2 and health["requests"] == 2 and health["cancelled"] >= 1
+    finally:
+        for sock in running:
+            sock.close()
+    idle(srv)
 
 
 def _raw_request(url: str, body: dict, key: str | None = KEY) -> socket.socket:
@@ -546,18 +637,39 @@ def test_server_errors_are_json_without_details():
 # -- lifecycle -----------------------------------------------------------------------------
 
 
+def _read_all(sock: socket.socket, timeout: float = 20) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while part := sock.recv(65536):
+        data += part
+    return data
+
+
 def test_ctrl_c_stops_the_server_cleanly_mid_stream(checkpoint, tmp_path):
-    srv = start_server(tmp_path, checkpoint, "--max-frames", "400")
+    srv = start_server(tmp_path, checkpoint, "--max-frames", "400", "--max-batch", "1")
     sock = _raw_request(srv.url, {"input": LONG, "response_format": "pcm"}, key=None)
+    waiting = None
     try:
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # audio is flowing
+        # A second request waits for room in the batch (of one).
+        waiting = _raw_request(srv.url, {"input": "Wait.", "response_format": "flac"}, key=None)
+        wait_until(lambda: srv.health()["requests"] == 2)
         t0 = time.monotonic()
         assert stop_server(srv) == 0
         assert time.monotonic() - t0 < 15
+        # Cut off before any audio: a 503 in OpenAI's shape, not a bare 500.
+        head, _, body = _read_all(waiting).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), head
+        assert b"retry-after: 1" in head.lower()
+        error = json.loads(body)["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
     finally:
         sock.close()
+        if waiting is not None:
+            waiting.close()
     log = srv.log.read_text()
     assert "Traceback" not in log and "Finished server process" in log
+    assert "without starting response" not in log
 
 
 def test_a_taken_port_is_a_one_line_error(server, checkpoint):

@@ -177,6 +177,11 @@ class Engine:
         return bool(self._jobs or self._waiting or len(self._batch) or self._inflight)
 
     def _admit(self) -> None:
+        # A cancelled job leaves the queue at the next frame even while the batch is full.
+        if any(job.seq.cancelled for job in self._waiting):
+            for job in [job for job in self._waiting if job.seq.cancelled]:
+                self._waiting.remove(job)
+                self._finish(job)
         while self._waiting and len(self._batch) < self.max_batch:
             job = self._waiting.pop(0)
             if job.seq.cancelled:

@@ -22,8 +22,8 @@ Endpoints
     ``GET /health``  ``{"status": "ok", "requests": speech requests in progress,
     "active": text segments generating in the engine's batch, "waiting": segments waiting
     to join it, "max_batch", "max_queue", and counts since start: "completed",
-    "cancelled" (client went away), "failed", "rejected" (429), "frames"}``. Never needs
-    the API key.
+    "cancelled" (client went away), "failed", "rejected" (429), "frames" (sent, counted as
+    they go)}``. Never needs the API key.
 
 OpenAI voices (their presented gender, onto the model's English voices)
     alloy, shimmer: neutral_female; coral, nova: cheerful_female; marin, sage:
@@ -37,7 +37,7 @@ Audio and streaming
     header declares an unknown length (0xFFFFFFFF); ``mp3`` (128 kbit/s CBR) is one MPEG
     stream without a LAME/Xing header, so it starts with the encoder's delay (about 80 ms,
     one silent frame included) and players learn its length only at the end; ``opus`` is
-    one Ogg Opus stream (about 60 kbit/s; Ogg pages leave the encoder about once a second).
+    one Ogg Opus stream (about 60 kbit/s; an Ogg page leaves the encoder every 60 ms).
     ``flac`` is encoded while generating but sent whole at the end with Content-Length
     (its header holds the sample count). With ``stream_format: "sse"`` the same bytes come
     as ``data: {"type": "speech.audio.delta", "audio": base64}`` events, then
@@ -47,8 +47,12 @@ Audio and streaming
 
 Limits and errors
     At most ``--max-queue`` speech requests are in progress (generating, or waiting for
-    room in the batch); more get 429 with ``Retry-After: 1``. A client that disconnects
-    cancels its request: its segments leave the batch at the next frame. Errors use
+    room in the batch); more get 429 with ``Retry-After: 1``. A request generates two of
+    its text segments at once only while the batch has room to spare (two per request
+    in progress and one free), otherwise one at a time: concurrent requests share the
+    batch, and a new one joins it at the next frame instead of waiting for another
+    request's read-ahead segment. A client that disconnects cancels its request: its
+    segments leave the batch at the next frame (and the queue at once). Errors use
     OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad body or
     JSON, 401 missing or wrong ``Authorization: Bearer`` key (when ``--api-key`` or
     ``$VOXTRAL_MLX_API_KEY`` is set), 404 unknown route, 405 wrong method, 413 body far
@@ -58,7 +62,8 @@ Limits and errors
 
 Shutdown
     Ctrl-C (or SIGTERM) stops accepting connections, lets speech requests finish for up to
-    3 s, then cuts them off (their generation is cancelled) and exits.
+    3 s, then cuts them off (their generation is cancelled; one that has sent no audio yet
+    gets 503 ``server_shutting_down``) and exits.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class SpeechAPI:
                 split=True,
                 chunk_frames=chunk_frames,
                 max_frames=self.config.max_frames,
-                lookahead=SERVER_LOOKAHEAD,
+                lookahead=self._lookahead(),
             )
             tokens = len(tts.tokenizer.encode(req.input)) if req.stream_format == "sse" else 0
             return stream, tokens
@@ -162,16 +162,17 @@ class SpeechAPI:
         if req.speed != 1.0:
             stretcher = TimeStretcher(req.speed, self.tts.sample_rate)
         done = Progress()
-        audio = _encoded(stream, encoder, stretcher, done)
+        audio = self._encoded(stream, encoder, stretcher, done)
 
         async def on_close(outcome: str) -> None:
             stream.cancel()
-            encoder.close()
             self._responses.discard(response)
-            c = self.counters
-            c.in_progress -= 1
-            c.frames += done.frames
-            setattr(c, outcome, getattr(c, outcome) + 1)
+            try:
+                encoder.close()
+            finally:
+                c = self.counters
+                c.in_progress -= 1
+                setattr(c, outcome, getattr(c, outcome) + 1)
 
         if req.stream_format == "sse":
 
@@ -194,6 +195,36 @@ class SpeechAPI:
             response = BodyResponse(audio, fmt.media_type, streams=fmt.streams, on_close=on_close)
         self._responses.add(response)
         return response
+
+    def _lookahead(self) -> int:
+        """Segments a request may generate at once: more than one only while that leaves
+        the batch room for every request in progress plus one more, so that a new request
+        joins the running batch at the next frame instead of waiting for another request's
+        read-ahead segment to finish (a job in the batch cannot be preempted)."""
+        room = self.tts.engine.max_batch - 1
+        return SERVER_LOOKAHEAD if SERVER_LOOKAHEAD * self.counters.in_progress <= room else 1
+
+    async def _encoded(
+        self,
+        stream: AsyncTextStream,
+        encoder: Encoder,
+        stretcher: TimeStretcher | None,
+        done: Progress,
+    ) -> AsyncGenerator[bytes, None]:
+        """The response's bytes as the engine's chunks arrive."""
+        try:
+            async for chunk in stream:
+                done.frames += chunk.frames
+                self.counters.frames += chunk.frames  # live: /health shows generation
+                stream.lookahead = self._lookahead()  # read when the next segment is due
+                if len(chunk.audio):
+                    audio = chunk.audio if stretcher is None else stretcher.process(chunk.audio)
+                    yield encoder.write(audio)
+            if stretcher is not None:
+                yield encoder.write(stretcher.flush())
+            yield encoder.finish()
+        finally:
+            stream.cancel()
 
     # -- the rest -----------------------------------------------------------------------
 
@@ -241,25 +272,8 @@ class Progress:
     frames: int = 0  # generated (80 ms each): the usage's output tokens
 
 
-async def _encoded(
-    stream: AsyncTextStream, encoder: Encoder, stretcher: TimeStretcher | None, done: Progress
-) -> AsyncGenerator[bytes, None]:
-    """The response's bytes as the engine's chunks arrive."""
-    try:
-        async for chunk in stream:
-            done.frames += chunk.frames
-            if len(chunk.audio):
-                audio = chunk.audio if stretcher is None else stretcher.process(chunk.audio)
-                yield encoder.write(audio)
-        if stretcher is not None:
-            yield encoder.write(stretcher.flush())
-        yield encoder.finish()
-    finally:
-        stream.cancel()
-
-
-# Segments of one request generated ahead of the one being sent: enough to keep a single
-# client's audio ahead of real time, few enough that other clients join the batch at once.
+# Segments of one request generated at once while the batch has room to spare (see
+# SpeechAPI._lookahead): two keep a single client's audio ahead of real time.
 SERVER_LOOKAHEAD = 2
 
 

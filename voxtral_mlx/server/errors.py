@@ -25,7 +25,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
-        self.headers = headers
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {
@@ -50,4 +50,14 @@ def server_error() -> APIError:
         500,
         "the server failed to process the request; its log has the details",
         type="server_error",
+    )
+
+
+def shutting_down() -> APIError:
+    return APIError(
+        503,
+        "the server is shutting down: retry the request later",
+        type="server_error",
+        code="server_shutting_down",
+        headers={"Retry-After": "1"},
     )

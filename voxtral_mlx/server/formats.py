@@ -4,7 +4,8 @@
 sizes 0xFFFFFFFF). ``mp3`` and ``opus`` are encoded by libsndfile into one continuous
 stream whose bytes go out as the encoder writes them: libsndfile's final seek back to
 patch the start (the LAME tag of an MP3, written over a silent placeholder frame) is
-dropped, so a streamed MP3 is a plain MPEG stream without length header. ``flac`` is
+dropped, so a streamed MP3 is a plain MPEG stream without length header; Ogg pages are
+closed every 60 ms of audio (libsndfile's default is a second). ``flac`` is
 encoded as the audio arrives but sent whole at the end, because its header (STREAMINFO
 with the sample count) is only final then and soundfile cannot read FLAC without it.
 """
@@ -46,6 +47,10 @@ _LIBSNDFILE: dict[str, tuple[str, str, dict]] = {
     "opus": ("OGG", "OPUS", {"compression_level": 0.8}),  # about 60 kbit/s
     "flac": ("FLAC", "PCM_16", {}),
 }
+
+
+_SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # sndfile.h; takes a double
+OGG_PAGE_LATENCY_MS = 60.0  # under one 80 ms frame: every frame's audio goes out at once
 
 
 class Encoder:
@@ -159,6 +164,18 @@ class SoundFileEncoder(Encoder):
             subtype=subtype,
             **extra,
         )
+        if name == "opus" and self.streams:
+            self._set_ogg_page_latency(OGG_PAGE_LATENCY_MS)
+
+    def _set_ogg_page_latency(self, ms: float) -> None:
+        # libsndfile closes an Ogg page once it holds this much audio (default 1000 ms):
+        # short pages let each frame's audio leave the encoder as soon as it is generated.
+        # Not in soundfile's API; a libsndfile without the command keeps its default.
+        try:
+            value = sf._ffi.new("double*", ms)
+            sf._snd.sf_command(self._sf._file, _SFC_SET_OGG_PAGE_LATENCY_MS, value, 8)
+        except AttributeError:  # another soundfile: pages every second then
+            pass
 
     def _out(self) -> bytes:
         return self._sink.take() if self.streams else b""

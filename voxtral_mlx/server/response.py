@@ -18,7 +18,7 @@ import anyio
 from starlette.types import Receive, Scope, Send
 
 from ..errors import VoxtralError
-from .errors import APIError, bad_request, server_error
+from .errors import APIError, bad_request, server_error, shutting_down
 
 log = logging.getLogger("uvicorn.error")
 SSE_PIECE = 48 * 1024  # bytes of audio per SSE event at most
@@ -45,7 +45,7 @@ class BodyResponse:
 
     def abort(self) -> None:
         """Stop sending (server shutdown): the connection is closed without the end of the
-        body, so the client sees a truncated transfer."""
+        body, so the client sees a truncated transfer (a 503 error if nothing was sent)."""
         self._aborted = True
         if self._scope is not None:
             self._scope.cancel()
@@ -104,6 +104,10 @@ class BodyResponse:
                     log.exception("speech generation failed")
                     await self._fail(send, server_error())
                 tg.cancel_scope.cancel()
+            if self._aborted and not self.started:
+                # Cut off by shutdown before any audio (waiting for room in the batch): a
+                # proper error, not the bare 500 the server sends for an unanswered request.
+                await self._fail(send, shutting_down())
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body.aclose()
@@ -120,6 +124,7 @@ class BodyResponse:
         head["headers"] = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(data)).encode()),
+            *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()),
         ]
         await send(head)
         await send({"type": "http.response.body", "body": data, "more_body": False})
