@@ -489,3 +489,54 @@ def test_load_tensors_errors_are_checkpoint_errors(tmp_path: Path) -> None:
 def test_expected_describe() -> None:
     assert Expected((3, 4)).describe() == "[3, 4]"
     assert Expected((128, 4), min_rows=100).describe() == "[>=100, 4]"
+
+
+@pytest.mark.parametrize("dtype", [[], {"a": 1}, 5], ids=["list", "dict", "int"])
+def test_non_string_dtype_is_a_checkpoint_error(tmp_path: Path, dtype: object) -> None:
+    """An unhashable dtype used to escape as a TypeError traceback."""
+    entry = {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}
+    message = header_error(raw_file(tmp_path / "d.safetensors", {"w": entry}, b"\0" * 4))
+    assert "'w'" in message and "unsupported dtype" in message
+
+
+def test_overlapping_tensors_are_refused(tmp_path: Path) -> None:
+    """The format forbids tensors sharing bytes; MLX would load them without a word."""
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    message = header_error(raw_file(tmp_path / "o.safetensors", header, b"\0" * 16))
+    assert "'a'" in message and "'b'" in message and "overlap" in message
+
+
+def test_adjacent_and_empty_tensors_are_not_overlaps(tmp_path: Path) -> None:
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+    }
+    infos = read_safetensors_header(raw_file(tmp_path / "ok.safetensors", header, b"\0" * 16))
+    assert set(infos) == {"a", "e", "b"}
+
+
+@pytest.mark.parametrize("metadata", [[1, 2], {"format": 5}, "pt"], ids=repr)
+def test_malformed_metadata_is_named(tmp_path: Path, metadata: object) -> None:
+    """MLX rejects these with '[json.exception.type_error.302] type must be string'."""
+    header = {"__metadata__": metadata, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    message = header_error(raw_file(tmp_path / "m.safetensors", header, b"\0" * 4))
+    assert "__metadata__" in message and "re-download" in message
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"format": "pt"}], ids=repr)
+def test_valid_metadata_is_accepted(tmp_path: Path, metadata: object) -> None:
+    """mx.save_safetensors writes ``"__metadata__": null``; torch's writer a string map."""
+    header = {"__metadata__": metadata, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    path = raw_file(tmp_path / "m.safetensors", header, b"\0" * 4)
+    assert set(read_safetensors_header(path)) == {"a"}
+    assert mx.load(str(path))["a"].shape == (1,)
+
+
+def test_deeply_nested_header_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """json raises RecursionError (not JSONDecodeError) for 100000 nested arrays."""
+    raw = b"[" * 100_000 + b"]" * 100_000
+    assert "header" in header_error(raw_file(tmp_path / "n.safetensors", raw))

@@ -160,11 +160,32 @@ def test_float16_checkpoint_computes_in_float16(tmp_path: Path) -> None:
     assert tts.dtype == mx.float16 and param_dtypes(tts) == {mx.float16}
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float64", "q4", ""])
+@pytest.mark.parametrize("dtype", ["int8", "float64", "q4", "", mx.int8, mx.float64, mx.uint32])
 def test_unsupported_dtype_is_a_config_error(small_checkpoint: Path, dtype: str) -> None:
     with pytest.raises(ConfigError) as exc:
         voxtral_mlx.load(small_checkpoint, dtype=dtype)
     assert "bfloat16" in one_line(exc.value)
+
+
+def test_float64_checkpoint_loads_as_float32(small_checkpoint: Path, tmp_path: Path) -> None:
+    """F64 is a valid safetensors dtype that mx.load refuses: such files are read through
+    numpy and computed in float32, giving exactly what the float32 checkpoint gives."""
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    model = Path(shutil.copytree(small_checkpoint, tmp_path / "model"))
+    weights = model / "consolidated.safetensors"
+    tensors = safetensors_numpy.load_file(str(weights))
+    some = sorted(tensors)[::3]  # a mixed file: F64 beside F32
+    safetensors_numpy.save_file(
+        {k: v.astype(np.float64) if k in some else v for k, v in tensors.items()}, str(weights)
+    )
+    tts = voxtral_mlx.load(model)
+    assert tts.dtype == mx.float32 and param_dtypes(tts) == {mx.float32}
+    ref = voxtral_mlx.load(small_checkpoint)
+    ours = dict(tree_flatten(tts.call(tts.model.parameters)))
+    theirs = dict(tree_flatten(ref.call(ref.model.parameters)))
+    assert ours.keys() == theirs.keys()
+    assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
+    assert np.array_equal(check_speech(tts).codes, check_speech(ref).codes)
 
 
 def test_float32_override_equals_the_bf16_weights_upcast(small_bf16_checkpoint: Path) -> None:
@@ -281,6 +302,16 @@ ODD_CONFIGS: dict[str, Callable[[], dict[str, Any]]] = {
         )
     ),
     "3-euler-steps": lambda: _hand(lambda p: _at(p).update(n_decoding_steps=3)),
+    # Head counts that do not divide dim (wq/wo carry n_heads * head_dim channels).
+    "backbone-5q-1kv-heads-on-64": lambda: _hand(
+        lambda p: p.update(n_heads=5, n_kv_heads=1, head_dim=10)
+    ),
+    "flow-3q-3kv-heads-on-64": lambda: _hand(
+        lambda p: _at(p).update(n_heads=3, n_kv_heads=3, head_dim=6)
+    ),
+    "codec-3-heads-on-64": lambda: _hand(
+        lambda p: _codec(p).update(n_heads=3, n_kv_heads=1, head_dim=12)
+    ),
 }
 
 
@@ -698,3 +729,124 @@ def test_bad_noise_is_an_input_error(tiny_tts, noise: np.ndarray) -> None:
     with pytest.raises(InputError) as exc:
         tiny_tts.synthesize("Hi.", noise=noise)
     assert "noise" in one_line(exc.value)
+
+
+# --------------------------------------------------------------- a checkpoint written by torch
+
+
+def _torch_checkpoint(path: Path, torch_dtype: Any) -> Path:
+    """A random checkpoint written with torch + safetensors.torch + torch.save, tensor by
+    tensor from Mistral's published names (not through expected_tensors or the project's
+    writer), at odd sizes: 5 backbone heads on a 40-wide stream, 3 flow heads, 3 codec heads
+    of width 10 on a 24-wide codec, 3 codec stages with a stride-3 convT, 37 semantic codes,
+    5 acoustic levels and 7 acoustic codebooks."""
+    torch = pytest.importorskip("torch")
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    from voxtral_mlx.synthetic.tekken import build_tekken, write_tekken
+
+    dim, sem, levels, nac, cdim, patch = 40, 37, 5, 7, 24, 10
+    lengths, kernels, strides = (1, 2, 1), (3, 5, 4), (1, 3, 2)
+    params = make_params("tiny", vocab_size=2048)
+    params.update(dim=dim, n_layers=3, head_dim=6, hidden_dim=52, n_heads=5, n_kv_heads=1)
+    audio = params["multimodal"]["audio_model_args"]
+    audio.update(semantic_codebook_size=sem, acoustic_codebook_size=levels, n_acoustic_codebook=nac)
+    audio["audio_encoding_args"].update(num_codebooks=nac + 1, frame_rate=24000 / (patch * 6))
+    _at(params).update(input_dim=dim, dim=dim, n_layers=2, head_dim=10, hidden_dim=24)
+    _at(params).update(n_heads=3, n_kv_heads=1)
+    _codec(params).update(
+        dim=cdim,
+        hidden_dim=40,
+        head_dim=10,
+        n_heads=3,
+        n_kv_heads=1,
+        attn_sliding_window_size=4,
+        pretransform_patch_size=patch,
+        patch_proj_kernel_size=3,
+        semantic_codebook_size=sem,
+        semantic_dim=5,
+        acoustic_codebook_size=levels,
+        acoustic_dim=nac,
+        decoder_transformer_lengths_str=",".join(map(str, lengths)),
+        decoder_convs_kernels_str=",".join(map(str, kernels)),
+        decoder_convs_strides_str=",".join(map(str, strides)),
+    )
+    path.mkdir(parents=True)
+    (path / "params.json").write_text(json.dumps(params))
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> Any:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    def layer(p: str, d: int, nh: int, nkv: int, hd: int, hidden: int) -> dict[str, Any]:
+        return {
+            f"{p}.attention.wq.weight": r(nh * hd, d),
+            f"{p}.attention.wk.weight": r(nkv * hd, d),
+            f"{p}.attention.wv.weight": r(nkv * hd, d),
+            f"{p}.attention.wo.weight": r(d, nh * hd),
+            f"{p}.attention_norm.weight": 1 + r(d),
+            f"{p}.ffn_norm.weight": 1 + r(d),
+            f"{p}.feed_forward.w1.weight": r(hidden, d),
+            f"{p}.feed_forward.w2.weight": r(d, hidden),
+            f"{p}.feed_forward.w3.weight": r(hidden, d),
+        }
+
+    w = {
+        "mm_audio_embeddings.tok_embeddings.weight": r(2048, dim),
+        "mm_audio_embeddings.audio_codebook_embeddings.embeddings.weight": r(128, dim),
+        "norm.weight": 1 + r(dim),
+        "acoustic_transformer.input_projection.weight": r(dim, nac),
+        "acoustic_transformer.llm_projection.weight": r(dim, dim),
+        "acoustic_transformer.time_projection.weight": r(dim, dim),
+        "acoustic_transformer.norm.weight": 1 + r(dim),
+        "acoustic_transformer.semantic_codebook_output.weight": r(128, dim),
+        "acoustic_transformer.acoustic_codebook_output.weight": r(nac, dim),
+        "audio_tokenizer.quantizer.semantic_codebook.cluster_usage": r(sem).abs() * 10,
+        "audio_tokenizer.quantizer.semantic_codebook.embedding_sum": r(sem, 5),
+        "audio_tokenizer.output_proj.conv.parametrizations.weight.original0": 1 + r(patch, 1, 1),
+        "audio_tokenizer.output_proj.conv.parametrizations.weight.original1": r(patch, cdim, 3),
+    }
+    for i in range(3):
+        w.update(layer(f"layers.{i}", dim, 5, 1, 6, 52))
+    for i in range(2):
+        w.update(layer(f"acoustic_transformer.layers.{i}", dim, 3, 1, 10, 24))
+    for s, (n, k, st) in enumerate(zip(lengths, kernels, strides, strict=True)):
+        c_in = 5 + nac if s == 0 else cdim
+        conv = f"audio_tokenizer.decoder_blocks.{2 * s}.conv.parametrizations.weight"
+        v = (c_in, cdim, k) if st > 1 else (cdim, c_in, k)  # ConvTranspose1d / Conv1d
+        w[f"{conv}.original0"] = 1 + r(v[0], 1, 1).abs()
+        w[f"{conv}.original1"] = r(*v)
+        for j in range(n):
+            p = f"audio_tokenizer.decoder_blocks.{2 * s + 1}.layers.{j}"
+            w.update(layer(p, cdim, 3, 1, 10, 40))
+            w[f"{p}.attention.q_norm.weight"] = 1 + r(30)
+            w[f"{p}.attention.k_norm.weight"] = 1 + r(10)
+            w[f"{p}.attention_scale"] = r(cdim)
+            w[f"{p}.ffn_scale"] = r(cdim)
+    save_file(
+        {k: v.to(torch_dtype).contiguous() for k, v in w.items()},
+        str(path / "consolidated.safetensors"),
+    )
+    voices = {"casual_male": 4, "fr_female": 2}
+    write_tekken(path / "tekken.json", build_tekken(voices, vocab_source=None))
+    (path / "voice_embedding").mkdir()
+    for name, rows in voices.items():
+        torch.save(r(rows, dim).to(torch.bfloat16), path / "voice_embedding" / f"{name}.pt")
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_checkpoint_written_by_torch_at_odd_sizes_speaks(tmp_path: Path, dtype: str) -> None:
+    torch = pytest.importorskip("torch")
+    model = _torch_checkpoint(tmp_path / "m", getattr(torch, dtype))
+    tts = voxtral_mlx.load(model)
+    assert tts.dtype == getattr(mx, dtype)
+    assert tts.samples_per_frame == 60 and tts.config.num_codebooks == 8
+    assert tts.prompt_ids("Hi.", "casual_male")[:7] == [1, 25, 24, 24, 24, 24, 36]
+    speech = tts.synthesize("Hi there.", voice="fr_female", seed=0, max_frames=4)
+    n = len(speech.codes)
+    assert n >= 1  # this seed does not end on the first frame
+    assert speech.codes.shape == (n, 8) and speech.audio.shape == (n * 60,)
+    assert np.isfinite(speech.audio).all()
+    assert ((speech.codes[:, 0] >= 2) & (speech.codes[:, 0] < 39)).all()
+    assert ((speech.codes[:, 1:] >= 2) & (speech.codes[:, 1:] <= 6)).all()
+    assert np.array_equal(tts.decode(speech.codes), speech.audio)

@@ -20,7 +20,7 @@ import voxtral_mlx
 from tests.mlx_audio_reference import injected_noise, spec_alibi_slopes, spec_codebook_floor
 from voxtral_mlx.checkpoint import CheckpointMismatch, expected_tensors
 from voxtral_mlx.config import ModelConfig
-from voxtral_mlx.errors import CheckpointError, ModelNotFoundError, VoxtralError
+from voxtral_mlx.errors import CheckpointError, ConfigError, ModelNotFoundError, VoxtralError
 from voxtral_mlx.loader import load_model_dir
 from voxtral_mlx.mlx_layout import to_mistral_name, to_mlx_audio_name
 from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
@@ -325,3 +325,24 @@ def test_quantized_community_models_are_not_a_conversion_source(community, tmp_p
     with pytest.raises(VoxtralError) as exc:
         convert_model(community["4bit"], tmp_path / "out", q_bits=8)
     assert "already quantized" in one_line(exc.value)
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["[" * 100_000 + "]" * 100_000, '{"weight_map": ' + "9" * 5000 + "}"],
+    ids=["nested-100000-deep", "5000-digit-number"],
+)
+def test_pathological_config_and_index_json_are_one_line_errors(
+    tmp_path: Path, content: str
+) -> None:
+    """json raises RecursionError / ValueError (not JSONDecodeError) for these."""
+    from voxtral_mlx.mlx_layout import INDEX_NAME, read_config, read_index
+
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ConfigError) as exc:
+        read_config(tmp_path)
+    assert "config.json" in one_line(exc.value)
+    (tmp_path / INDEX_NAME).write_text(content)
+    with pytest.raises(CheckpointError) as exc:
+        read_index(tmp_path / INDEX_NAME)
+    assert INDEX_NAME in one_line(exc.value)

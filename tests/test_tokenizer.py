@@ -453,6 +453,19 @@ def test_error_invalid_json(tmp_path):
     assert "not valid JSON" in _load_error(path, tmp_path)
 
 
+@pytest.mark.parametrize(
+    "content",
+    ["[" * 100_000 + "]" * 100_000, '{"config": {"default_vocab_size": ' + "9" * 5000 + "}}"],
+    ids=["nested-100000-deep", "5000-digit-number"],
+)
+def test_error_pathological_json(tmp_path, content):
+    """json raises RecursionError / ValueError (not JSONDecodeError) for these."""
+    path = tmp_path / "tekken.json"
+    path.write_text(content, encoding="utf-8")
+    message = _load_error(path, tmp_path)
+    assert str(path) in message and "tekken.json" in message
+
+
 def test_error_legacy_bare_list(tmp_path):
     bare = build_tekken({}, vocab_source=None)["vocab"]
     path = _write_json(tmp_path / "tekken.json", bare)

@@ -713,3 +713,47 @@ def test_duplicate_storage_declarations(tmp_path: Path) -> None:
     with pytest.raises(VoiceError) as exc:
         read_pt(make_pt(tmp_path / "d.pt", pkl))
     one_line(exc)
+
+
+def _deflated_zeros_pt(path: Path, numel: int) -> Path:
+    """A .pt whose storage record is ``numel`` float32 zeros, deflated (torch never
+    compresses): a few hundred kB on disk that inflate to ``4 * numel`` bytes."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        zf.writestr("archive/data.pkl", tensor_pickle(numel=numel, shape=(numel,)))
+        zf.writestr("archive/byteorder", b"little")
+        with zf.open("archive/data/0", "w") as f:
+            chunk = bytes(1 << 20)
+            for _ in range(numel * 4 // len(chunk)):
+                f.write(chunk)
+        zf.writestr("archive/version", b"3\n")
+    return path
+
+
+def test_zip_bomb_storage_is_refused_before_inflating(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 MB of zeros in ~64 kB: refused from the zip directory alone (a 3 MB file declaring
+    3 GB used to take 6 GB of memory and half a minute)."""
+    path = _deflated_zeros_pt(tmp_path / "bomb.pt", 16 << 20)
+    assert path.stat().st_size < (1 << 20)
+
+    real_read = zipfile.ZipFile.read
+
+    def no_inflating(self, name, *args, **kwargs):
+        if getattr(name, "filename", name).endswith("data/0"):
+            raise AssertionError("the bomb was inflated")
+        return real_read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(zipfile.ZipFile, "read", no_inflating)
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    message = one_line(exc)
+    assert "zip bomb" in message and "bomb.pt" in message
+
+
+def test_small_deflated_records_still_load(tmp_path: Path) -> None:
+    """A re-zipped (deflated) voice of ordinary size is not a bomb, even if it is all zeros."""
+    path = _deflated_zeros_pt(tmp_path / "zeros.pt", 1 << 18)  # 1 MiB of zeros
+    t = read_pt(path)
+    assert t.shape == (1 << 18,) and not t.data.any()
+    assert torch.load(path, weights_only=True).shape == (1 << 18,)

@@ -37,10 +37,14 @@ def expected_tokens() -> dict[str, int]:
     return {"casual_male": 147, "fr_female": 97, "hi_male": 94}
 
 
-def bf16_voice(rows: int, dim: int = DIM, seed: int = 0) -> torch.Tensor:
+def bf16_voice(rows: int, dim: int = DIM, seed: int = 0, finite: bool = True) -> torch.Tensor:
+    """Random bf16 bit patterns; ``finite=False`` keeps the NaN/inf patterns too (conversion
+    must copy them bit-exactly, while the registry refuses them)."""
     g = torch.Generator().manual_seed(seed)
-    bits = torch.randint(0, 2**16, (rows, dim), generator=g, dtype=torch.int32).to(torch.int16)
-    return bits.view(torch.bfloat16)
+    bits = torch.randint(0, 2**16, (rows, dim), generator=g, dtype=torch.int32)
+    if finite:  # exponent all ones (NaN/inf) -> clear its lowest bit
+        bits = torch.where(bits & 0x7F80 == 0x7F80, bits ^ 0x0080, bits)
+    return bits.to(torch.int16).view(torch.bfloat16)
 
 
 def raw_bits(t: torch.Tensor) -> bytes:
@@ -215,6 +219,60 @@ def test_validation_errors(tmp_path: Path) -> None:
     assert tuple(reg.embedding("my_clone").shape) == (9, DIM)
 
 
+def test_float64_voice_is_served_as_float32(tmp_path: Path) -> None:
+    """Metal has no float64: a float64 .pt voice must come out as float32 (the cast to the
+    compute dtype would fail on the GPU), with the values of the file."""
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    t = torch.randn(4, DIM, dtype=torch.float64)
+    torch.save(t, vdir / "x_f64.pt")
+    emb = VoiceRegistry.from_dir(vdir, {}, DIM).embedding("x_f64")
+    assert emb.dtype == mx.float32
+    assert np.array_equal(np.array(emb), t.numpy().astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["pt", "safetensors"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=str)
+def test_non_finite_voice_is_refused(tmp_path: Path, kind: str, bad: float) -> None:
+    """One NaN/inf value used to reach the model and crash the process (segfault) at the
+    first frame; it is a VoiceError naming the voice now."""
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    t = bf16_voice(4)
+    t[2, 5] = bad
+    if kind == "pt":
+        torch.save(t, vdir / "x_bad.pt")
+    else:
+        from safetensors.torch import save_file
+
+        save_file({"embedding": t}, str(vdir / "x_bad.safetensors"))
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    with pytest.raises(VoiceError) as exc:
+        reg.embedding("x_bad")
+    assert "x_bad" in one_line(exc) and "NaN or infinite" in one_line(exc)
+
+
+def test_voice_beyond_the_compute_dtype_is_refused(tmp_path: Path) -> None:
+    """A finite float32 voice that overflows float16 would reach the model as inf."""
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    t = torch.randn(4, DIM)
+    t[1, 1] = 1e5
+    torch.save(t, vdir / "x_big.pt")
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    assert reg.embedding("x_big", mx.bfloat16).dtype == mx.bfloat16  # bf16 holds 1e5
+    with pytest.raises(VoiceError) as exc:
+        reg.embedding("x_big", mx.float16)
+    assert "x_big" in one_line(exc) and "float16" in one_line(exc)
+
+
+def test_voice_directory_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "voice_embedding").write_text("not a folder")
+    with pytest.raises(VoiceError) as exc:
+        VoiceRegistry.from_dir(tmp_path / "voice_embedding", {}, DIM)
+    assert "is a file" in one_line(exc) and "voice_embedding folder" in one_line(exc)
+
+
 def test_safetensors_keys(tmp_path: Path) -> None:
     vdir = tmp_path / "v"
     vdir.mkdir()
@@ -249,8 +307,8 @@ def test_convert_bit_exact(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     refs = {
-        "casual_female": bf16_voice(21, seed=1),
-        "de_male": bf16_voice(16, seed=2),
+        "casual_female": bf16_voice(21, seed=1, finite=False),  # NaN bits too
+        "de_male": bf16_voice(16, seed=2, finite=False),
         "f32_voice": torch.randn(5, DIM),
     }
     for name, t in refs.items():
@@ -270,9 +328,11 @@ def test_convert_bit_exact(tmp_path: Path) -> None:
         assert mx_bits(mx.load(str(out / f"{name}.safetensors"))["embedding"]) == raw_bits(theirs)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)
 
-    # the converted directory works as a registry
-    reg = VoiceRegistry.from_dir(out, {"casual_female": 21}, DIM)
-    assert mx_bits(reg.embedding("casual_female")) == raw_bits(refs["casual_female"])
+    # the converted directory works as a registry (which refuses the NaN-holding ones)
+    reg = VoiceRegistry.from_dir(out, {"casual_female": 21, "f32_voice": 5}, DIM)
+    assert mx_bits(reg.embedding("f32_voice")) == raw_bits(refs["f32_voice"])
+    with pytest.raises(VoiceError, match="NaN or infinite"):
+        reg.embedding("casual_female")
 
 
 def test_convert_files_and_our_own_pt(tmp_path: Path) -> None:

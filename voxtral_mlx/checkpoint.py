@@ -8,6 +8,7 @@ the semantic codebook are folded once here (``sanitize``), never per call.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from .config import N_SPECIAL_AUDIO_CODES, ModelConfig, pad_to
 from .errors import CheckpointError
@@ -35,6 +37,24 @@ SAFETENSORS_DTYPES: dict[str, tuple[int, mx.Dtype]] = {
     "I8": (1, mx.int8),
     "U8": (1, mx.uint8),
     "BOOL": (1, mx.bool_),
+}
+
+# Valid safetensors dtypes that mx.load refuses ("[safetensor] unsupported dtype F64"):
+# files holding one are read through numpy instead (see read_tensors_numpy).
+UNLOADABLE_DTYPES = frozenset({"F64"})
+_NUMPY_DTYPES = {
+    "BF16": "<u2",
+    "F16": "<f2",
+    "F32": "<f4",
+    "F64": "<f8",
+    "I64": "<i8",
+    "I32": "<i4",
+    "U32": "<u4",
+    "I16": "<i2",
+    "U16": "<u2",
+    "I8": "i1",
+    "U8": "u1",
+    "BOOL": "?",
 }
 
 CODEBOOK_EPS = 1e-5  # Mistral's value; mlx-audio uses 1e-8
@@ -253,7 +273,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # incl. JSONDecodeError
         raise CheckpointError(
             f"{path} has a corrupt safetensors header: re-download or re-convert it"
         ) from None
@@ -263,6 +283,16 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
     infos: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
+            # mx.load takes null or a string -> string map; it refuses anything else with a
+            # cryptic message. (mx.save_safetensors itself writes null.)
+            valid = entry is None or (
+                isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())
+            )
+            if not valid:
+                raise CheckpointError(
+                    f"{path} has a corrupt safetensors header (__metadata__ must map strings "
+                    "to strings): re-download or re-convert it"
+                )
             continue
         try:
             dtype = entry["dtype"]
@@ -272,9 +302,10 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
             raise CheckpointError(
                 f"{path}: malformed header entry for tensor '{one_line(name, 80)}'"
             ) from None
-        if dtype not in SAFETENSORS_DTYPES:
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(
-                f"{path}: tensor '{one_line(name, 80)}' has unsupported dtype {dtype}"
+                f"{path}: tensor '{one_line(name, 80)}' has unsupported dtype "
+                f"{one_line(str(dtype), 40)}; re-save the checkpoint in BF16, F16 or F32"
             )
         nbytes = SAFETENSORS_DTYPES[dtype][0]
         for d in shape:
@@ -290,6 +321,14 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
                 f"but the file has {size} bytes; re-download it"
             )
         infos[name] = TensorInfo(dtype, shape, start, end)
+    # Tensors may not share bytes (the safetensors format forbids it; MLX would not notice).
+    spans = sorted((i.start, i.end, k) for k, i in infos.items() if i.end > i.start)
+    for (_, end_a, a), (start_b, _, b) in itertools.pairwise(spans):
+        if start_b < end_a:
+            raise CheckpointError(
+                f"{path} is corrupt: tensors '{one_line(a, 80)}' and '{one_line(b, 80)}' "
+                "overlap; re-download or re-convert it"
+            )
     return infos
 
 
@@ -380,6 +419,29 @@ def load_tensors(path: str | Path, names: Iterable[str] | None = None) -> dict[s
         wanted = set(names)
         arrays = {k: v for k, v in arrays.items() if k in wanted}
     return arrays
+
+
+def read_tensors_numpy(path: str | Path, infos: Mapping[str, TensorInfo]) -> dict[str, mx.array]:
+    """Read ``infos`` (name -> header entry) of ``path`` eagerly through numpy, for files that
+    ``mx.load`` refuses; F64 becomes float32 (MLX computes in 16 or 32 bits anyway)."""
+    path = Path(path)
+    out: dict[str, mx.array] = {}
+    try:
+        data_start = safetensors_data_start(path)
+        with open(path, "rb") as fh:
+            for name, info in infos.items():
+                fh.seek(data_start + info.start)
+                raw = fh.read(info.end - info.start)
+                if len(raw) != info.end - info.start:
+                    raise CheckpointError(f"{path} is truncated: re-download it")
+                values = np.frombuffer(raw, dtype=_NUMPY_DTYPES[info.dtype]).reshape(info.shape)
+                if info.dtype == "F64":
+                    values = values.astype(np.float32)
+                array = mx.array(values)
+                out[name] = array.view(mx.bfloat16) if info.dtype == "BF16" else array
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    return out
 
 
 def checkpoint_dtype(infos: Mapping[str, TensorInfo]) -> mx.Dtype:

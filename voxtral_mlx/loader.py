@@ -26,12 +26,14 @@ import mlx.nn as nn
 from .checkpoint import (
     QUANT_BITS,
     QUANT_GROUP_SIZES,
+    UNLOADABLE_DTYPES,
     Expected,
     QuantSpec,
     TensorInfo,
     checkpoint_dtype,
     expected_tensors,
     read_safetensors_header,
+    read_tensors_numpy,
     sanitize,
     verify_tensors,
 )
@@ -78,14 +80,15 @@ class LoadedModel:
 
 
 def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
-    if dtype is None or isinstance(dtype, mx.Dtype):
-        return dtype
-    try:
-        return DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ConfigError(
-            f"unsupported dtype {dtype!r}: use bfloat16, float16 or float32"
-        ) from None
+    if dtype is None:
+        return None
+    if isinstance(dtype, mx.Dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    # mx.int8 / mx.float64 would build a model MLX cannot run (or quantize); refuse them here.
+    raise ConfigError(f"unsupported dtype {dtype!r}: use bfloat16, float16 or float32")
 
 
 def check_tokenizer(config: ModelConfig, tokenizer: TekkenTokenizer) -> None:
@@ -149,10 +152,14 @@ class WeightSet:
             wanted.setdefault(ref.path, {})[ref.key] = name
         out: dict[str, mx.array] = {}
         for path, names in wanted.items():
-            try:
-                arrays = mx.load(str(path))
-            except Exception as e:  # MLX raises RuntimeError/ValueError with long messages
-                raise CheckpointError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+            infos = {key: self.tensors[name].info for key, name in names.items()}
+            if any(info.dtype in UNLOADABLE_DTYPES for info in infos.values()):
+                arrays = read_tensors_numpy(path, infos)  # eager, but mx.load cannot
+            else:
+                try:
+                    arrays = mx.load(str(path))
+                except Exception as e:  # MLX raises RuntimeError/ValueError, long messages
+                    raise CheckpointError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
             for key, name in names.items():
                 out[name] = arrays[key]
         return out

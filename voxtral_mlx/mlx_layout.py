@@ -176,6 +176,11 @@ def _read_json(path: Path, error: type[Exception]) -> Any:
         raise error(f"{path} is not valid JSON{where}: re-download or re-convert it") from None
     except OSError as e:
         raise error(f"cannot read {path}: {e.strerror}") from None
+    except (ValueError, RecursionError):  # a 5000-digit number, arrays nested 10^5 deep
+        raise error(
+            f"{path} is not usable JSON (absurdly long numbers or nesting): re-download or "
+            "re-convert it"
+        ) from None
 
 
 def read_config(model_dir: Path) -> dict[str, Any] | None:

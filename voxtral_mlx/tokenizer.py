@@ -252,6 +252,11 @@ def _build(raw: bytes, path: Path) -> tuple[dict[str, Any], Tokenizer]:
         raise TokenizerError(
             f"{path} is not valid JSON ({e}): download tekken.json again"
         ) from None
+    except (ValueError, RecursionError):  # a 5000-digit number, arrays nested 10^5 deep
+        raise TokenizerError(
+            f"{path} is not a usable tekken.json (absurdly long numbers or nesting): "
+            "download tekken.json again"
+        ) from None
     if isinstance(data, list):
         raise TokenizerError(
             f"{path} uses the legacy bare-list tekken layout, which is not supported: "

@@ -78,6 +78,8 @@ _MX_DTYPES: dict[str, mx.Dtype] = {
 
 _SUPPORTED = ", ".join(DTYPES)
 _MAX_PICKLE_BYTES = 64 << 20  # a tensor file's pickle is tiny; refuse a decompression bomb
+_MAX_COMPRESSION_RATIO = 32  # inflated / deflated size of one zip record, beyond: a bomb
+_BOMB_MIN_BYTES = 1 << 20  # small records may compress well (a zero voice): no ratio check
 _MAX_EXPANSION = 16  # overlapping strides may not blow a storage up beyond this factor
 _ALIGNMENT = 64  # torch aligns every record's data to 64 bytes
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -378,6 +380,19 @@ def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
 
 
 def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, src: str) -> bytes:
+    # torch.save stores records uncompressed. A compressed one that inflates far beyond its
+    # size on disk is a decompression bomb (3 MB of deflated zeros declaring 3 GB): refuse it
+    # before inflating anything. Real tensor data deflates by 2x at most.
+    if (
+        info.compress_type != zipfile.ZIP_STORED
+        and info.file_size > _BOMB_MIN_BYTES
+        and info.file_size > _MAX_COMPRESSION_RATIO * max(info.compress_size, 1)
+    ):
+        raise VoiceError(
+            f"{src} is refused: its record {one_line(info.filename)} would inflate "
+            f"{info.compress_size} bytes to {info.file_size} (a zip bomb); re-save it with "
+            "torch.save"
+        )
     try:
         data = zf.read(info)
     except Exception as e:  # zipfile raises many types for damaged members

@@ -80,7 +80,8 @@ class VoiceRegistry(Mapping[str, Voice]):
             voice_dir = Path(voice_dir)
             if voice_dir.exists() and not voice_dir.is_dir():
                 raise VoiceError(
-                    f"voice directory {one_line(str(voice_dir))} is a file, not a directory"
+                    f"voice directory {one_line(str(voice_dir))} is a file, not a directory; "
+                    "replace it with the checkpoint's voice_embedding folder"
                 )
             try:
                 entries = list(os.scandir(voice_dir)) if voice_dir.is_dir() else []
@@ -147,13 +148,21 @@ class VoiceRegistry(Mapping[str, Voice]):
             else:
                 result = raw.astype(dtype)
                 mx.eval(result)
+                if not mx.all(mx.isfinite(result)).item():  # e.g. 1e5 in a float16 model
+                    raise VoiceError(
+                        f"voice {name!r} ({one_line(str(voice.path))}) holds values beyond the "
+                        f"range of {dtype}; load the model in float32 or bfloat16 instead"
+                    )
             self._cache[(name, dtype)] = result
             return result
 
     def _load(self, voice: Voice) -> mx.array:
         src = one_line(str(voice.path))
         if voice.path.suffix == ".pt":
-            array = to_mlx(read_pt(voice.path))
+            tensor = read_pt(voice.path)
+            if tensor.dtype == "F64":  # Metal has no float64: serve it as float32
+                tensor = PtTensor("F32", tensor.shape, tensor.data.astype(np.float32))
+            array = to_mlx(tensor)
         else:
             array = _load_safetensors(voice.path, src)
         shape = tuple(array.shape)
@@ -183,6 +192,13 @@ class VoiceRegistry(Mapping[str, Voice]):
         # Evaluated now: MLX cannot evaluate a lazy array from another thread than the one
         # that built it, and cached voices are shared between threads.
         mx.eval(array)
+        # A NaN or inf row poisons every frame (and non-finite codes crash the gather that
+        # feeds them back): a damaged voice is refused here. Voices are small: this is cheap.
+        if not mx.all(mx.isfinite(array)).item():
+            raise VoiceError(
+                f"voice {voice.name!r} ({src}) holds NaN or infinite values; it is damaged: "
+                "re-download it from the checkpoint"
+            )
         return array
 
 
