@@ -290,3 +290,47 @@ def test_a_cancelled_job_leaves_the_queue_while_the_batch_is_full(tiny_tts, monk
             engine.max_batch = saved
 
     tiny_tts.call(run)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"seed": -5},
+        {"seed": 2**64},
+        {"seed": "7"},
+        {"seed": 1.5},
+        {"cfg_alpha": float("nan")},
+        {"cfg_alpha": float("inf")},
+        {"pause": -1.0},
+        {"pause": float("nan")},
+    ],
+)
+def test_bad_request_parameters_are_input_errors(tiny_tts, kwargs):
+    with pytest.raises(InputError):
+        tiny_tts.synthesize(TEXT, VOICE, max_frames=2, **kwargs)
+
+
+def test_largest_seed_and_split_segments_wrap_around(tiny_tts):
+    speech = tiny_tts.synthesize("One. Two.", VOICE, seed=2**64 - 1, split=True, max_frames=2)
+    assert speech.seed == 2**64 - 1
+
+
+def test_nan_in_the_flow_head_gives_codes_in_range(tiny_checkpoint):
+    """Damaged (NaN) weights make noise, never out-of-range codes that crash the gather."""
+    import voxtral_mlx
+
+    tts = voxtral_mlx.load(tiny_checkpoint)
+    try:
+
+        def poison() -> None:
+            head = tts.model.acoustic_transformer
+            wq = head.layers[0].attention.wq
+            wq.weight = mx.full(wq.weight.shape, mx.nan, dtype=wq.weight.dtype)
+            head.prepare()  # recompile: the compiled frame captured the old weights
+
+        tts.call(poison)
+        speech = tts.synthesize(TEXT, VOICE, seed=0, max_frames=4)
+        acoustic = speech.codes[:, 1:]
+        assert acoustic.min() >= 2 and acoustic.max() <= tts.config.flow.acoustic_codebook_size + 1
+    finally:
+        tts.close()

@@ -24,6 +24,14 @@ from .model.voxtral import VoxtralModel
 NOISE_BLOCK = 64  # frames of start noise drawn per key; independent of max_frames
 
 
+def check_seed(seed: object) -> None:
+    """Raise InputError unless ``seed`` is None or an integer in [0, 2**64)."""
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64
+    ):
+        raise InputError(f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
+
+
 class NoiseSource:
     """Start noise of the flow-matching ODE, one row of 36 per frame.
 
@@ -47,6 +55,7 @@ class NoiseSource:
             self.limit: int | None = arr.shape[0]
             self._explicit = mx.array(arr.astype(np.float32))
         else:
+            check_seed(seed)
             self.seed = secrets.randbits(63) if seed is None else int(seed)
             self.limit = None
             self._explicit = None

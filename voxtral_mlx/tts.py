@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 import threading
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import numpy as np
 from .config import ModelConfig
 from .engine import AudioChunk, Engine, Job, Timings
 from .errors import InputError
-from .generate import NoiseSource, Sequence
+from .generate import NoiseSource, Sequence, check_seed
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA
 from .segment import Segment, split_text
@@ -111,7 +112,10 @@ class VoxtralTTS:
         if DEFAULT_VOICE in self.voices:
             return DEFAULT_VOICE
         if not self.voices:
-            raise InputError(f"{self.path} has no voices in voice_embedding/")
+            raise InputError(
+                f"{self.path} has no voices in voice_embedding/: copy the checkpoint's "
+                "voice_embedding folder there"
+            )
         return sorted(self.voices)[0]
 
     def _voice(self, voice: str | None) -> Voice:
@@ -154,6 +158,8 @@ class VoxtralTTS:
             raise InputError(f"max_frames must be >= 0, got {max_frames}")
         if chunk_frames < 1:
             raise InputError(f"chunk_frames must be >= 1, got {chunk_frames}")
+        if not math.isfinite(cfg_alpha):
+            raise InputError(f"cfg_alpha must be a finite number, got {cfg_alpha}")
         v = self._voice(voice)
         text_ids = self.tokenizer.encode(text)
         if len(text_ids) > MAX_TEXT_TOKENS:
@@ -188,6 +194,9 @@ class VoxtralTTS:
             raise InputError(f"text must be a string, got {type(text).__name__}")
         if not text.strip():
             raise InputError("text is empty: give some words to speak")
+        check_seed(seed)
+        if pause is not None and not (math.isfinite(pause) and pause >= 0):
+            raise InputError(f"pause must be a number of seconds >= 0, got {pause}")
         voice = self._voice(voice).name
         if split:
             if noise is not None:
@@ -203,7 +212,7 @@ class VoxtralTTS:
             return self.job(
                 seg.spoken,
                 voice,
-                seed=None if base is None else base + i,
+                seed=None if base is None else (int(base) + i) % 2**64,
                 noise=noise,
                 max_frames=max_frames,
                 cfg_alpha=cfg_alpha,

@@ -112,6 +112,8 @@ class FlowHead(nn.Module):
             v = self.velocity(x, self.time_tokens[i], llm)
             x = x + (cfg[:, :1] * v[:b] + cfg[:, 1:] * v[b:]) * (1.0 / n)
         levels = args.acoustic_codebook_size - 1
+        # NaN (from damaged weights) must not become an out-of-range code: it reads as 0.
+        x = mx.where(mx.isnan(x), 0.0, x)
         q = mx.round((mx.clip(x, -1.0, 1.0) + 1.0) / 2.0 * levels)
         return q.astype(mx.int32) + N_SPECIAL_AUDIO_CODES
 
