@@ -4,9 +4,12 @@ Every script builds its random checkpoint once (cached under ~/.cache/voxtral_ml
 measures voxtral_mlx and, where one exists, mlx-audio in the same process run, and appends
 a section to benchmarks/RESULTS.md with the command, machine, date and medians.
 
-    quick: frame speed tiny + wide, time to first audio tiny + wide, streaming codec cost,
-           weight-bound analysis (wide), batched throughput (wide)  -- a few minutes here
-    full:  the same plus the full 26+3-layer model and the quantization agreement
+    quick: the overhead-bound figures on the tiny config (frame speed, time to first audio,
+           codec cost, batched throughput) and the weight-bound analysis of one wide frame
+           -- a few minutes here
+    full:  the same plus the real widths (frame speed, time to first audio and batched
+           throughput against mlx-audio; the real codec), the full 26+3-layer model and the
+           quantization agreement -- an hour or more on a 2-core CPU
 """
 
 from __future__ import annotations
@@ -19,17 +22,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 QUICK = [
-    ["frame_speed.py", "--configs", "tiny,wide", "--repeats", "5"],
-    ["ttfa.py", "--configs", "tiny,wide", "--repeats", "5"],
-    ["codec_bench.py", "--record"],
-    ["weight_bound.py", "--config", "wide"],
-    ["batch_throughput.py", "--config", "wide"],
+    ["frame_speed.py", "--configs", "tiny", "--repeats", "5"],
+    ["ttfa.py", "--configs", "tiny", "--repeats", "5"],
+    ["codec_bench.py", "--configs", "tiny", "--dtype", "bfloat16", "--record"],
+    ["batch_throughput.py", "--config", "tiny", "--frames", "20"],
+    ["weight_bound.py", "--config", "wide", "--repeats", "1"],
 ]
 FULL = [
     *QUICK,
-    ["frame_speed.py", "--configs", "full", "--repeats", "5"],
-    ["ttfa.py", "--configs", "full", "--repeats", "5"],
-    ["weight_bound.py", "--config", "full"],
+    ["frame_speed.py", "--configs", "wide", "--repeats", "3"],
+    ["ttfa.py", "--configs", "wide", "--repeats", "3"],
+    ["codec_bench.py", "--configs", "full", "--dtype", "bfloat16", "--record"],
+    ["weight_bound.py", "--config", "wide", "--repeats", "3"],
+    ["batch_throughput.py", "--config", "wide"],
+    ["frame_speed.py", "--configs", "full", "--repeats", "3", "--no-reference"],
+    ["weight_bound.py", "--config", "full", "--repeats", "3"],
     ["quant_agreement.py", "--record"],
 ]
 

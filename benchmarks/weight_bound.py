@@ -25,7 +25,7 @@ from common import TEXT, VOICE, checkpoint, median_time, record
 
 from voxtral_mlx.tts import SYNTH_CHUNK_FRAMES
 
-CONFIGS = {"wide": ("wide", 2, 3, 2, 6), "full": ("full", None, None, 1, 3)}
+CONFIGS = {"wide": ("wide", 2, 3, 1, 3), "full": ("full", None, None, 1, 3)}
 
 
 def bandwidth_gbs(n_bytes: int = 1 << 30) -> float:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -122,7 +124,7 @@ class CodecDecoder(nn.Module):
             CausalConv1d(args.dim, args.patch_size, args.patch_proj_kernel_size)
         )
         self.semantic_codebook = mx.zeros((args.semantic_codebook_size, args.semantic_dim))
-        self._compiled_step = None
+        self._compiled_steps: dict[bool, Callable] = {}
         self._plan = _Plan(
             windows=args.windows,
             rates=tuple(math.prod(args.conv_strides[: s + 1]) for s in range(args.n_stages)),
@@ -200,23 +202,23 @@ class CodecDecoder(nn.Module):
             self._mask(s, t * plan.rates[s], min(state.position * plan.rates[s], w), self.dtype)
             for s, w in enumerate(plan.windows)
         ]
-        # Once every window is full the step has fixed shapes per chunk size: compiled.
-        steady = all(state.position * r >= w for r, w in zip(plan.rates, plan.windows))
+        # The masks carry the position (filled window slots), so one compiled graph per
+        # chunk size serves every chunk after the first, and one more the first chunk.
+        first = state.position == 0
         args = (codes, state.conv, state.keys, state.values, state.output, masks)
-        if steady and self._compiled_step is not None:
-            out = self._compiled_step(*args)
-        else:
-            out = self._step(*args, first=state.position == 0)
-        y, state.conv, state.keys, state.values, state.output = out
+        step = self._compiled_steps.get(first) or partial(self._step, first=first)
+        y, state.conv, state.keys, state.values, state.output = step(*args)
         state.position += t
         return y
 
     def prepare(self, compile: bool = True) -> None:
-        """Compile the steady-state streaming step (after the weights are loaded)."""
-        self._compiled_step = mx.compile(self._steady_step) if compile else None
-
-    def _steady_step(self, codes, conv, keys, values, output, masks):
-        return self._step(codes, conv, keys, values, output, masks, first=False)
+        """Compile the streaming step (after the weights are loaded): one function for a
+        stream's first chunk (start padding), one for the others."""
+        self._compiled_steps = (
+            {first: mx.compile(partial(self._step, first=first)) for first in (True, False)}
+            if compile
+            else {}
+        )
 
     def _step(
         self,
