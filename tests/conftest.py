@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 # Keep the tokenizer cache (and anything else cached) out of the user's home.
 _CACHE = tempfile.mkdtemp(prefix="voxtral-mlx-test-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ.setdefault("VOXTRAL_MLX_CACHE", _CACHE)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

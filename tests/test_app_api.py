@@ -224,3 +224,30 @@ def test_say_plays_everything_and_can_be_stopped(tts):
     playback.stop()
     assert playback.wait(timeout=10)
     assert player2.stopped
+
+
+def test_say_stops_generating_when_the_player_fails(tts):
+    """A player that fails (the device went away) ends generation too, and wait() reports it."""
+
+    class Failing:
+        def __init__(self) -> None:
+            self.fed = 0
+
+        def feed(self, audio) -> None:
+            self.fed += 1
+            if self.fed == 3:
+                raise RuntimeError("device gone")
+
+        def finish(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    playback = tts.say("A long text. " * 40, wait=False, player=Failing(), max_frames=400)
+    with pytest.raises(RuntimeError, match="device gone"):
+        playback.wait(timeout=30)
+    deadline = time.monotonic() + 5
+    while tts.engine.stats()["active"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert tts.engine.stats() == {"active": 0, "waiting": 0, "max_batch": 4}

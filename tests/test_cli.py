@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -184,7 +186,9 @@ def test_speak_plays_through_a_real_output_device(model_dir, reference, tmp_path
     args = ["speak", "-m", str(model_dir), "-v", "neutral_female", "--seed", "5"]
     proc = run(*args, "--max-frames", "40", "--verbose", TEXT, env=env)
     assert proc.returncode == 0, proc.stderr.decode()
-    assert "underruns" in proc.stderr.decode()
+    err = proc.stderr.decode()
+    for needle in ("first audio after", "first sound after", "underruns", "real-time factor"):
+        assert needle in err, err
     recorded = np.fromfile(rec, dtype="<i2").astype(np.int32)
     rec.unlink()
     # The null device is not clocked: it drains instantly, so silence appears wherever the
@@ -229,3 +233,179 @@ def test_device_listing_and_bad_device(model_dir, tmp_path):
     assert "voxtral_record" in proc.stdout.decode()
     proc = run("speak", "-m", str(model_dir), "-a", "no-such-device", "Hi.", env=env)
     assert "no-such-device" in one_line_error(proc)
+
+
+def test_byte_order_mark_is_not_text(model_dir, reference, tmp_path):
+    """Editors on Windows save UTF-8 with a BOM: it is neither spoken nor 'text'."""
+    base = ["speak", "-m", str(model_dir), "-v", "neutral_female", "--seed", "5"]
+    base += ["--max-frames", "40"]
+    only = tmp_path / "only-bom.txt"
+    only.write_bytes("\ufeff\n".encode())
+    out = tmp_path / "out.wav"
+    for extra, stdin in ((["-f", str(only)], None), (["-f", "-"], only.read_bytes())):
+        proc = run(*base, *extra, "-o", str(out), input=stdin)
+        assert "text is empty" in one_line_error(proc)
+        assert not out.exists()
+    with_bom = tmp_path / "bom.txt"
+    with_bom.write_bytes(("\ufeff" + TEXT).encode())
+    for extra, stdin in ((["-f", str(with_bom)], None), ([], with_bom.read_bytes())):
+        proc = run(*base, *extra, "-o", str(out), input=stdin)
+        assert proc.returncode == 0, proc.stderr.decode()
+        audio, _ = sf.read(out, dtype="float32")
+        assert np.array_equal(float_to_int16(audio), float_to_int16(reference.audio))
+
+
+def _fake_sounddevice(tmp_path: Path, body: str) -> dict:
+    """An environment whose `import sounddevice` runs ``body`` instead of the real one."""
+    d = tmp_path / "fake_sd"
+    d.mkdir()
+    (d / "sounddevice.py").write_text(body)
+    return {"PYTHONPATH": os.pathsep.join([str(d), str(REPO)])}
+
+
+def test_missing_portaudio_is_a_one_line_error(model_dir, tmp_path):
+    env = _fake_sounddevice(tmp_path, "raise OSError('PortAudio library not found')\n")
+    out = tmp_path / "x.wav"
+    for args in (["Hi."], ["--play", "-o", str(out), "Hi."], ["-a", "?"]):
+        err = one_line_error(run("speak", "-m", str(model_dir), *args, env=env))
+        assert "PortAudio" in err and "-o FILE" in err, err
+        assert not out.exists()
+    # Writing a file never needs PortAudio.
+    proc = run("speak", "-m", str(model_dir), "-o", str(out), "Hi.", env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+
+
+def test_no_output_device_is_a_one_line_error(model_dir, tmp_path):
+    env = _fake_sounddevice(
+        tmp_path,
+        "class PortAudioError(Exception):\n    pass\n\n\n"
+        "def query_devices(device=None, kind=None):\n"
+        "    if kind == 'output':\n"
+        "        raise PortAudioError('Error querying device -1')\n"
+        "    return [{'name': 'Mic', 'max_input_channels': 2, 'max_output_channels': 0}]\n",
+    )
+    for args in (["Hi."], ["-a", "?"], ["-a", "0", "Hi."]):
+        err = one_line_error(run("speak", "-m", str(model_dir), *args, env=env))
+        assert "no audio output device" in err and "-o FILE" in err, err
+
+
+@pytest.fixture(scope="module")
+def endless_model_dir(tmp_path_factory):
+    """A tiny checkpoint whose END never fires: generation runs to --max-frames."""
+    out = tmp_path_factory.mktemp("cli-endless") / "tiny"
+    proc = run("random-checkpoint", str(out), "--size", "tiny", "--seed", "3", "--suppress-end")
+    assert proc.returncode == 0, proc.stderr.decode()
+    return out
+
+
+def _interrupt(
+    args: list[str], env: dict, ready, sig: int = signal.SIGINT, timeout: float = 120
+) -> tuple[int, str, float]:
+    """Start the CLI, send ``sig`` once ``ready()``; (exit code, stderr, seconds to exit)."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
+    full_env.update(env)
+    # SIGINT back to its default first: pytest run as a shell's background job inherits it
+    # ignored, and Python then never turns it into KeyboardInterrupt.
+    launcher = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'voxtral_mlx', *sys.argv[1:]])"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher, *args],
+        env=full_env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "never got ready"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=30)
+        return code, proc.stderr.read().decode(), time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _partial(tmp_path: Path, stem: str) -> list[Path]:
+    return [p for p in tmp_path.iterdir() if p.name.startswith(f".{stem}.partial-")]
+
+
+@pytest.mark.parametrize(
+    "sig, code",
+    [(signal.SIGINT, 130), (getattr(signal, "SIGTERM", None), 143)],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_keeps_a_valid_file_of_what_was_finished(endless_model_dir, tmp_path, sig, code):
+    """Ctrl-C (and SIGTERM, from `timeout` or `kill`) keep what was finished as a valid file
+    and never leave the hidden temp file behind."""
+    chapter = tmp_path / "chapter.txt"
+    chapter.write_text("A sentence of a long chapter, read aloud. " * 40)
+    out = tmp_path / "chapter.flac"
+    args = ["speak", "-m", str(endless_model_dir), "-f", str(chapter), "-o", str(out)]
+    args += ["--seed", "1", "--max-frames", "2000"]
+
+    def ready() -> bool:
+        return any(p.stat().st_size > 50_000 for p in _partial(tmp_path, "chapter"))
+
+    returncode, err, _ = _interrupt(args, {}, ready, sig)
+    assert returncode == code, err
+    assert "interrupted: kept" in err and err.rstrip().endswith("voxtral-mlx: error: interrupted")
+    audio, sr = sf.read(out, dtype="float32")
+    assert sr == 24000 and len(audio) > 0
+    assert not _partial(tmp_path, "chapter")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ALSA recording device")
+def test_ctrl_c_during_playback_stops_promptly(endless_model_dir, tmp_path):
+    if not _portaudio_available():
+        pytest.skip("PortAudio is not installed")
+    conf = tmp_path / "asoundrc"
+    # /dev/null: the unclocked test device would record gigabytes of silence meanwhile.
+    conf.write_text(ALSA_TEMPLATE.read_text().replace("@RECORD_PATH@", os.devnull))
+    env = {"ALSA_CONFIG_PATH": str(conf), "JACK_NO_START_SERVER": "1"}
+    out = tmp_path / "both.wav"
+    args = ["speak", "-m", str(endless_model_dir), "--seed", "1", "--max-frames", "2000"]
+    args += ["-a", "default", "--play", "-o", str(out), "Playing until interrupted."]
+
+    def ready() -> bool:
+        return any(p.stat().st_size > 100_000 for p in _partial(tmp_path, "both"))
+
+    code, err, seconds = _interrupt(args, env, ready)
+    assert code == 130, err
+    assert err.rstrip().endswith("voxtral-mlx: error: interrupted"), err
+    assert seconds < 5.0  # 0.1-0.2 s on an idle machine; loaded CI machines are slower
+    assert sf.info(out).frames > 0
+
+
+@pytest.mark.parametrize("frames", ["0", "-3"])
+def test_max_frames_below_one_is_an_error(model_dir, tmp_path, frames):
+    out = tmp_path / "y.wav"
+    proc = run("speak", "-m", str(model_dir), "Hello.", "-o", str(out), "--max-frames", frames)
+    assert "--max-frames" in one_line_error(proc)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_audio_at_all_leaves_no_file(model_dir, tmp_path, monkeypatch, capsys):
+    """END on the first frame: a one-line error and no (empty) output file."""
+    from voxtral_mlx import cli
+    from voxtral_mlx.tts import VoxtralTTS
+
+    original = VoxtralTTS.stream
+
+    def end_at_once(self, *args, **kwargs):
+        return original(self, *args, **{**kwargs, "max_frames": 0})
+
+    monkeypatch.setattr(VoxtralTTS, "stream", end_at_once)
+    out = tmp_path / "y.wav"
+    assert cli.main(["speak", "-m", str(model_dir), "Hello.", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no audio" in err, err
+    assert list(tmp_path.iterdir()) == []

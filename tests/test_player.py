@@ -434,6 +434,69 @@ def test_finish_without_audio_never_starts():
     assert sd.streams[0].calls == ["close"]
 
 
+# -- back-pressure: a long text does not pile up in memory ------------------------------
+
+
+def _produce(p: AudioPlayer, clock: FakeClock, n: int) -> tuple[threading.Thread, list[int]]:
+    """Feed n frames from a thread, 10x faster than real time; returns (thread, fed)."""
+    fed: list[int] = []
+
+    def produce() -> None:
+        for i in range(n):
+            clock.advance(FRAME_S / 10)
+            p.feed(frame(i))
+            fed.append(i)
+
+    t, _ = run_in_thread(produce)
+    return t, fed
+
+
+def test_fast_generator_is_held_back_at_max_buffer():
+    p, sd = make_player(max_buffer_s=0.5)
+    s = sd.streams[0]
+    t, fed = _produce(p, sd.clock, 20)
+    _wait_for(lambda: len(fed) == 6)
+    time.sleep(0.1)
+    assert len(fed) == 6 and t.is_alive()  # the 7th feed (0.56 s buffered) waits
+    assert p.started and p.buffered_s == pytest.approx(7 * FRAME_S)
+    played, most = [], 0.0
+    while t.is_alive():
+        played.append(s.pump())
+        most = max(most, p.buffered_s)
+        time.sleep(0.03)  # longer than the feed's poll: it catches up each time
+    assert len(fed) == 20 and most <= 0.5 + FRAME_S
+    t, result = run_in_thread(p.finish)
+    _wait_for(lambda: p._eof)
+    while (block := s.pump()) is not None:
+        played.append(block)
+        sd.clock.advance(FRAME_S)
+        time.sleep(0.002)
+    t.join(2)
+    assert not t.is_alive() and "error" not in result
+    audio = np.concatenate(played)
+    assert np.array_equal(audio[: 20 * FRAME], np.concatenate([frame(i) for i in range(20)]))
+
+
+def test_stop_releases_a_feed_waiting_for_room():
+    p, sd = make_player(max_buffer_s=0.5)
+    t, fed = _produce(p, sd.clock, 20)
+    _wait_for(lambda: len(fed) == 6)
+    t0 = time.monotonic()
+    p.stop()
+    t.join(2)
+    assert not t.is_alive() and time.monotonic() - t0 < 0.2
+    assert len(fed) == 20  # later feeds are no-ops
+
+
+def test_slow_generation_preroll_is_capped_at_max_buffer():
+    # 0.5x real time, 100 s expected: the computed pre-roll (55 s) exceeds max_buffer_s,
+    # so the stream starts once max_buffer_s (13 frames) is buffered.
+    p, sd = make_player(max_buffer_s=13 * FRAME_S)
+    fed = _feed_every(p, sd.clock, 2 * FRAME_S, 50, expected_total_s=100.0)
+    assert fed == 13
+    assert p.stats.preroll_s == pytest.approx(13 * FRAME_S)
+
+
 # -- underruns -----------------------------------------------------------------------
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from voxtral_mlx.engine import AudioChunk, Job
+from voxtral_mlx.engine import DONE, AudioChunk, Job, Timings
 from voxtral_mlx.errors import InputError
+from voxtral_mlx.segment import Segment
+from voxtral_mlx.textstream import TextStream
 
 TEXT = "Streaming test sentence number one."
 VOICE = "casual_female"
@@ -123,3 +127,174 @@ def test_voice_prefix_cache_gives_identical_output(tiny_tts, noise):
         np.testing.assert_array_equal(uncached.audio, fresh.audio)
     finally:
         engine.prefix_cache_voices = 8
+
+
+# -- TextStream's bookkeeping, on a fake engine (no model) ---------------------------
+
+
+class FakeJob:
+    """Answers like the engine: one chunk and DONE when submitted; a final chunk and DONE
+    when cancelled."""
+
+    def __init__(self, i: int, on_cancel=None) -> None:
+        self.i = i
+        self.output: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
+        self.on_cancel = on_cancel
+
+    def put_chunk(self, final: bool) -> None:
+        audio = np.full(1920, self.i + 1, np.float32)
+        codes = np.zeros((1, 37), np.int32)
+        self.output.put(AudioChunk(audio, 24000, 0, 1, final, codes, Timings(), self.i))
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            self.cancelled = True
+            self.put_chunk(final=True)
+            self.output.put(DONE)
+        if self.on_cancel is not None:
+            self.on_cancel()
+
+
+def _segments(n: int) -> list[Segment]:
+    return [Segment(f"Part {i}.", 0, 0, 0.4, f"Part {i}.") for i in range(n)]
+
+
+def _answer(job: FakeJob) -> None:
+    if not job.cancelled:
+        job.put_chunk(final=True)
+        job.output.put(DONE)
+
+
+def test_cancel_while_a_segment_job_is_being_made_cancels_that_job_too():
+    entered, go = threading.Event(), threading.Event()
+    made: list[FakeJob] = []
+
+    def make_job(i, seg):
+        if i == 1:
+            entered.set()
+            assert go.wait(10)
+        made.append(FakeJob(i))
+        return made[-1]
+
+    stream = TextStream(_answer, make_job, _segments(3), 24000, 1, None)
+    got: list = []
+    consumer = threading.Thread(target=lambda: got.extend(stream))
+    consumer.start()
+    assert entered.wait(10)  # the consumer is making segment 1's job
+    stream.cancel()
+    go.set()
+    consumer.join(10)
+    assert not consumer.is_alive()
+    assert len(made) == 2 and made[1].cancelled  # nothing left generating for nobody
+    assert [float(c.audio[0]) for c in got if c.frames] == [1.0]
+
+
+def test_cancel_from_another_thread_while_the_consumer_adds_a_job():
+    entered, go = threading.Event(), threading.Event()
+    made: list[FakeJob] = []
+
+    def let_consumer_run() -> None:
+        go.set()
+        time.sleep(0.05)
+
+    def make_job(i, seg):
+        if i == 2:
+            entered.set()
+            assert go.wait(10)
+        made.append(FakeJob(i, on_cancel=let_consumer_run))
+        return made[-1]
+
+    stream = TextStream(_answer, make_job, _segments(5), 24000, 2, None)
+    errors: list[BaseException] = []
+
+    def consume():
+        try:
+            list(stream)
+        except BaseException as e:
+            errors.append(e)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert entered.wait(10)  # segment 0 consumed, segment 2's job being made
+    stream.cancel()  # the consumer appends segment 2's job while cancel() goes through
+    consumer.join(10)
+    assert not consumer.is_alive() and not errors
+    assert len(made) == 3 and all(j.cancelled for j in made[1:])
+
+
+def test_no_pause_is_returned_after_cancel():
+    made: list[FakeJob] = []
+
+    def make_job(i, seg):
+        made.append(FakeJob(i))
+        return made[-1]
+
+    stream = TextStream(lambda job: None, make_job, _segments(3), 24000, 1, None)
+    made[0].put_chunk(final=True)  # segment 0 is complete but for its DONE
+    first = next(stream)
+    stream.cancel()  # its DONE arrives: no pause (and nothing else) should follow
+    assert first.frames == 1
+    assert stream._on_item(DONE) == []
+
+
+def test_interrupted_wait_cancels_the_segments_generating_ahead():
+    made: list[FakeJob] = []
+
+    class Interrupting(queue.SimpleQueue):
+        def get(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    def make_job(i, seg):
+        made.append(FakeJob(i))
+        made[-1].output = Interrupting()
+        return made[-1]
+
+    stream = TextStream(lambda job: None, make_job, _segments(5), 24000, 4, None)
+    with pytest.raises(KeyboardInterrupt):
+        next(stream)
+    assert len(made) == 4 and all(j.cancelled for j in made)
+    with pytest.raises(StopIteration):
+        next(stream)
+
+
+@pytest.mark.parametrize("pause", [-0.5, float("nan"), float("inf"), 1e9, "1"])
+def test_bad_pause_is_an_input_error_when_the_stream_is_made(pause):
+    # Not a crash in numpy at the first segment boundary (or a 87 TiB allocation).
+    with pytest.raises(InputError, match="pause"):
+        TextStream(_answer, lambda i, seg: FakeJob(i), _segments(2), 24000, 1, pause)
+    assert TextStream(_answer, lambda i, seg: FakeJob(i), _segments(2), 24000, 1, 0.25).pause
+
+
+def test_a_failed_segment_reaches_say_wait_and_stops_the_others():
+    """An error in generation is not a stop() by the user: say()'s wait() re-raises it."""
+    from voxtral_mlx.tts import Playback
+
+    made: list[FakeJob] = []
+
+    def make_job(i, seg):
+        made.append(FakeJob(i))
+        return made[-1]
+
+    def submit(job):
+        if job.i == 0:
+            job.output.put(RuntimeError("the codec failed"))
+
+    class Player:
+        fed, finished, stopped = 0, False, False
+
+        def feed(self, audio, **_):
+            self.fed += 1
+
+        def finish(self):
+            self.finished = True
+
+        def stop(self):
+            self.stopped = True
+
+    player = Player()
+    playback = Playback(TextStream(submit, make_job, _segments(4), 24000, 3, None), player)
+    with pytest.raises(RuntimeError, match="codec failed"):
+        playback.wait(10)
+    assert player.stopped and not player.finished
+    assert len(made) == 3 and all(j.cancelled for j in made)  # nothing left generating

@@ -1,17 +1,19 @@
 """``voxtral-mlx``: speak text like macOS ``say``, list voices, convert files.
 
 The only module that prints. Errors are one line on stderr and a non-zero exit code:
-1 for bad input or environment, 130 when interrupted.
+1 for bad input or environment, 130 when interrupted (143 / 129 for SIGTERM / SIGHUP).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .errors import InputError, VoxtralError
@@ -27,6 +29,35 @@ def _default_model() -> str:
     return os.environ.get(MODEL_ENV) or DEFAULT_REPO
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during ``speak``: cleaned up like Ctrl-C, exit status 128 + signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _catching_termination() -> Iterator[None]:
+    """Turn SIGTERM/SIGHUP (``timeout``, ``kill``, a closed terminal) into :class:`Terminated`,
+    so they too keep what was finished and leave no temp file (unless ignored already)."""
+    installed = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+                installed[sig] = signal.signal(sig, _raise_terminated)
+    try:
+        yield
+    finally:
+        for sig, previous in installed.items():
+            signal.signal(sig, previous)
+
+
 def _err(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr)
 
@@ -40,9 +71,10 @@ def _read_text(args: argparse.Namespace) -> str:
         raise InputError("give the text either as arguments or with -f FILE, not both")
     if args.file is not None:
         if args.file == "-":
-            return sys.stdin.read()
+            return _without_bom(sys.stdin.read())
         try:
-            return Path(args.file).read_text(encoding="utf-8")
+            # utf-8-sig: editors that save a byte-order mark must not make it spoken text
+            return Path(args.file).read_text(encoding="utf-8-sig")
         except FileNotFoundError:
             raise InputError(f"text file {args.file} not found") from None
         except UnicodeDecodeError:
@@ -52,8 +84,12 @@ def _read_text(args: argparse.Namespace) -> str:
     if args.text:
         return " ".join(args.text)
     if not sys.stdin.isatty():
-        return sys.stdin.read()
+        return _without_bom(sys.stdin.read())
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
+
+
+def _without_bom(text: str) -> str:
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 def _load(args: argparse.Namespace):
@@ -81,17 +117,27 @@ def cmd_voices(args: argparse.Namespace) -> int:
 
 
 def _print_devices() -> None:
-    from .audio.player import list_output_devices
+    from .audio.player import list_output_devices, no_output_device_error
 
-    for dev in list_output_devices():
+    devices = list_output_devices()
+    if not devices:
+        raise no_output_device_error()
+    for dev in devices:
         mark = "*" if dev.get("default") else " "
         print(f"{mark} {dev['index']:>3}  {dev['name']}  ({dev['channels']} ch)")
 
 
 def cmd_speak(args: argparse.Namespace) -> int:
+    with _catching_termination():
+        return _speak(args)
+
+
+def _speak(args: argparse.Namespace) -> int:
     if args.device == "?":
         _print_devices()
         return 0
+    if args.max_frames < 1:
+        raise InputError(f"--max-frames must be at least 1, got {args.max_frames}")
     raw_out = args.raw
     to_stdout = args.output == "-"
     if raw_out and args.output is not None:
@@ -143,6 +189,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
         n_tokens = len(tts.tokenizer.encode(text))
         expected = max(1.0, n_tokens * SECONDS_PER_TEXT_TOKEN)
 
+    started = time.monotonic()  # the player's clock
     stream = tts.stream(
         text,
         voice=args.voice,
@@ -164,6 +211,11 @@ def cmd_speak(args: argparse.Namespace) -> int:
                     player.feed(chunk.audio, expected_total_s=expected)
             if progress is not None:
                 progress.update(chunk, stream.timings)
+        if stream.timings.frames == 0:  # nothing to keep: no empty file is left behind
+            raise VoxtralError(
+                "the model produced no audio for this text (END on the first frame); "
+                "rephrase it or try another --seed"
+            )
         if player is not None:
             player.finish()
         ok = True
@@ -186,10 +238,8 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if to_stdout:
             wav.close()
     timings = stream.timings
-    if timings.frames == 0:
-        raise VoxtralError("the model produced no audio for this text (END on the first frame)")
     if args.verbose:
-        _report(timings, player)
+        _report(timings, player, started)
     return 0
 
 
@@ -224,7 +274,7 @@ class Progress:
         sys.stderr.flush()
 
 
-def _report(t, player) -> None:
+def _report(t, player, started: float) -> None:
     _info(f"prompt: {t.prompt_tokens} tokens, prefill {t.prefill_s * 1000:.0f} ms")
     _info(f"first audio after {t.first_audio_s * 1000:.0f} ms")
     _info(f"frames: {t.frames}, {t.ms_per_frame:.1f} ms/frame, audio {t.audio_s:.2f} s")
@@ -235,8 +285,11 @@ def _report(t, player) -> None:
     _info(f"peak memory {t.peak_memory_bytes / 2**30:.2f} GiB")
     if player is not None:
         s = player.stats
+        heard = ""
+        if s.first_audio_at is not None:  # time to first audio at the speakers
+            heard = f"first sound after {(s.first_audio_at - started) * 1000:.0f} ms, "
         _info(
-            f"playback: {s.underruns} underruns ({s.underrun_s:.2f} s of silence), "
+            f"playback: {heard}{s.underruns} underruns ({s.underrun_s:.2f} s of silence), "
             f"pre-roll {s.preroll_s * 1000:.0f} ms"
         )
 
@@ -493,9 +546,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VoxtralError as e:
         _err(str(e))
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         _err("interrupted")
-        return 130
+        return 128 + e.signum if isinstance(e, Terminated) else 130
     except BrokenPipeError:
         # The reader of stdout went away (e.g. `| head`): not an error of ours.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)

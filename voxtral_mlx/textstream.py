@@ -8,6 +8,8 @@ text is. The same logic serves blocking iteration and ``async for``.
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import time
 from collections import deque
 from collections.abc import Callable
@@ -15,7 +17,10 @@ from collections.abc import Callable
 import numpy as np
 
 from .engine import DONE, AudioChunk, Job, Timings
+from .errors import InputError
 from .segment import Segment
+
+MAX_PAUSE_S = 60.0
 
 
 class _Reader:
@@ -38,6 +43,12 @@ class _Reader:
         self._finished = not segments
         self._t0 = time.perf_counter()
         self.timings = Timings()  # the whole text's figures
+        if pause is not None and not (
+            isinstance(pause, numbers.Real) and math.isfinite(pause) and 0 <= pause <= MAX_PAUSE_S
+        ):
+            raise InputError(
+                f"pause must be a number of seconds from 0 to {MAX_PAUSE_S:g}, got {pause!r}"
+            )
         # The first jobs are made (and their requests validated) right away, so that bad
         # input raises when the stream is created, not at its first item.
         self._unsubmitted: list[Job] = []
@@ -47,7 +58,7 @@ class _Reader:
         """Jobs to submit now, keeping ``lookahead`` segments in flight."""
         new, self._unsubmitted = self._unsubmitted, []
         while (
-            not self._cancelled
+            not self._finished
             and len(self.jobs) < self.lookahead
             and self._next < len(self.segments)
         ):
@@ -55,6 +66,8 @@ class _Reader:
             self._next += 1
             job = self._make_job(i, self.segments[i])
             self.jobs.append((i, job))
+            if self._finished:  # cancel() ran while the job was being made: it missed it
+                job.cancel()
             new.append(job)
         return new
 
@@ -63,11 +76,11 @@ class _Reader:
         i = self.jobs[0][0]
         last = i == len(self.segments) - 1
         if isinstance(item, BaseException):
-            self.cancel()
+            self._abandon()
             raise item
         if item is DONE:
             self.jobs.popleft()
-            if last:
+            if last or self._finished:  # no pause after the end or after cancel()
                 self._finished = True
                 return []
             seconds = self.segments[i].pause_after if self.pause is None else self.pause
@@ -103,8 +116,14 @@ class _Reader:
     def cancel(self) -> None:
         """Stop generating (any thread); already queued segments are cancelled too."""
         self._cancelled = True
+        self._abandon()
+
+    def _abandon(self) -> None:
+        """Stop the jobs after an error; unlike cancel(), nobody asked the stream to stop
+        (``_cancelled`` stays False, so say()'s wait() still reports the error)."""
         self._finished = True
-        for _, job in self.jobs:
+        # A snapshot: the consumer's thread may be adding or removing jobs meanwhile.
+        for _, job in list(self.jobs):
             job.cancel()
 
 
@@ -120,13 +139,23 @@ class TextStream(_Reader):
         return self
 
     def __next__(self) -> AudioChunk:
-        while not self._ready:
-            if self._finished:
-                raise StopIteration
-            for job in self._pending():
-                self._submit(job)
-            _, job = self.jobs[0]
-            self._ready.extend(self._on_item(job.output.get()))
+        try:
+            while not self._ready:
+                if self._finished:
+                    raise StopIteration
+                for job in self._pending():
+                    self._submit(job)
+                if self._finished:  # cancel() from another thread meanwhile
+                    continue
+                _, job = self.jobs[0]
+                self._ready.extend(self._on_item(job.output.get()))
+        except StopIteration:
+            raise
+        except BaseException:
+            # Ctrl-C while waiting, a failed segment: the segments generating ahead must
+            # not keep the model busy for an abandoned stream.
+            self._abandon()
+            raise
         return self._ready.popleft()
 
     def close(self) -> None:
@@ -162,14 +191,21 @@ class AsyncTextStream(_Reader):
                         q.put_nowait, item
                     )
                     await self._submit(job)
+                if self._finished:  # cancel() meanwhile
+                    continue
                 _, job = self.jobs[0]
                 item = await self._queues[id(job)].get()
                 if item is DONE:
                     del self._queues[id(job)]
                 self._ready.extend(self._on_item(item))
             return self._ready.popleft()
+        except StopAsyncIteration:
+            raise
         except (asyncio.CancelledError, GeneratorExit):
             self.cancel()
+            raise
+        except BaseException:  # Ctrl-C, a failed segment
+            self._abandon()
             raise
 
     async def aclose(self) -> None:

@@ -463,6 +463,7 @@ class Playback:
         self.stream = stream
         self.player = player
         self.error: BaseException | None = None
+        self._stopped = False  # by stop(): errors that follow it are not reported
         self._thread = threading.Thread(target=self._run, name="voxtral-mlx-say", daemon=True)
         self._thread.start()
 
@@ -474,6 +475,7 @@ class Playback:
             self.player.finish()
         except BaseException as e:  # handed to wait()
             self.error = e
+            self.stream.cancel()  # e.g. the device went away: stop generating too
             self.player.stop()
 
     @property
@@ -481,6 +483,7 @@ class Playback:
         return not self._thread.is_alive()
 
     def stop(self) -> None:
+        self._stopped = True
         self.stream.cancel()
         self.player.stop()
 
@@ -491,6 +494,6 @@ class Playback:
         except KeyboardInterrupt:
             self.stop()
             raise
-        if self.error is not None and not self.stream._cancelled:
+        if self.error is not None and not self._stopped:
             raise self.error
         return self.done

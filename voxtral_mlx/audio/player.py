@@ -9,6 +9,9 @@ things keep speech from stuttering:
 * the stream is never stopped and restarted on an underrun: the callback plays silence
   for the missing part and resumes as soon as data arrives.
 
+A generator faster than real time is held back once ``max_buffer_s`` of audio waits to be
+played (``feed()`` blocks), so memory stays flat however long the text is.
+
 sounddevice is imported lazily, so importing this module never needs PortAudio.
 """
 
@@ -37,6 +40,7 @@ _CALLBACK_LOCK_S = 0.02  # longest the audio callback waits for the buffer lock
 PREROLL_SAFETY = 1.1  # margin on the computed deficit: the speed is an estimate
 UNKNOWN_HORIZON_S = 10.0  # assumed remaining length when the total is unknown ...
 MAX_UNKNOWN_PREROLL_S = 3.0  # ... and the most we make the listener wait for it
+MAX_BUFFER_S = 60.0  # audio waiting to be played at most: feed() blocks beyond it
 
 
 def import_sounddevice() -> ModuleType:
@@ -90,6 +94,10 @@ def list_output_devices(sd: Any = None) -> list[dict[str, Any]]:
     return out
 
 
+def no_output_device_error() -> AudioOutputError:
+    return AudioOutputError(f"no audio output device found; connect one {_NO_DEVICE_HINT}")
+
+
 def _describe(devices: list[dict[str, Any]]) -> str:
     if not devices:
         return "none"
@@ -106,7 +114,7 @@ def resolve_device(spec: str | int | None, sd: Any = None) -> int | None:
     """
     devices = list_output_devices(sd)
     if not devices:
-        raise AudioOutputError(f"no audio output device found; connect one {_NO_DEVICE_HINT}")
+        raise no_output_device_error()
     if spec is None or (isinstance(spec, str) and not spec.strip()):
         if not any(d["default"] for d in devices):
             raise AudioOutputError(
@@ -169,11 +177,13 @@ class AudioPlayer:
         clock: Callable[[], float] = time.monotonic,
         min_preroll_s: float = 0.16,
         latency: float | str | None = None,
+        max_buffer_s: float = MAX_BUFFER_S,
     ) -> None:
         self._sd = sd if sd is not None else import_sounddevice()
         self.sample_rate = int(sample_rate)
         self.blocksize = int(blocksize)
         self.min_preroll_s = float(min_preroll_s)
+        self.max_buffer_s = float(max_buffer_s)
         self._clock = clock
         self.device = resolve_device(device, self._sd)
         self.stats = PlaybackStats()
@@ -290,7 +300,9 @@ class AudioPlayer:
 
         ``expected_total_s`` (the whole utterance's expected length, if known) sharpens
         the pre-roll when generation is slower than real time; the latest value wins.
-        Feeding after ``stop()`` is a no-op (the generator may still be running).
+        Feeding after ``stop()`` is a no-op (the generator may still be running). Blocks
+        while more than ``max_buffer_s`` of audio waits to be played (the stream starts
+        then, whatever the pre-roll): a long text must not pile up in memory.
         """
         if self._stopped.is_set():
             return
@@ -311,9 +323,18 @@ class AudioPlayer:
                 self._buffered += a.size
                 self._fed += a.size
             start = not self._started and self._buffered > 0
-            start = start and self.buffered_s >= self.required_preroll_s(now) - 1e-9
+            start = start and (
+                self.buffered_s >= min(self.required_preroll_s(now), self.max_buffer_s) - 1e-9
+            )
         if start:
             self._start(now)
+        self._wait_for_room()
+
+    def _wait_for_room(self) -> None:
+        limit = round(self.max_buffer_s * self.sample_rate)
+        while self._started and self._buffered > limit and not self._stopped.is_set():
+            self._stopped.wait(_POLL_S)
+            self._check_alive()
 
     def _start(self, now: float | None = None) -> None:
         with self._stream_lock:
