@@ -44,11 +44,6 @@ def measure(name: str, repeats: int) -> dict[str, float]:
             tts.clear_prefix_cache()
         return first_chunk_s(lambda: tts.stream(TEXT, VOICE, noise=noise, max_frames=8))
 
-    ours(True)  # warm-up: weights read, graphs compiled
-    new = statistics.median(ours(True) for _ in range(repeats))
-    cached = statistics.median(ours(False) for _ in range(repeats))
-    tts.close()
-
     ref = load_reference(path)
     reference_voice(ref, path, VOICE, ref.audio_codebook_embeddings["embeddings"].weight.dtype)
 
@@ -60,9 +55,16 @@ def measure(name: str, repeats: int) -> dict[str, float]:
                 )
             )
 
+    ours(True)  # warm-ups: weights read, graphs compiled
     theirs()
-    ref_s = statistics.median(theirs() for _ in range(repeats))
-    return {"new": new, "cached": cached, "ref": ref_s}
+    new, cached, ref_s = [], [], []
+    for _ in range(repeats):  # interleaved, so drift in the machine's speed hits all alike
+        new.append(ours(True))
+        cached.append(ours(False))
+        ref_s.append(theirs())
+    tts.close()
+    med = statistics.median
+    return {"new": med(new), "cached": med(cached), "ref": med(ref_s)}
 
 
 def main(argv: list[str] | None = None) -> int:
