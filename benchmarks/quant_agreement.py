@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         "--flow-layers", type=int, help="flow-head layers (1 makes 'wide' affordable on a CPU)"
     )
     parser.add_argument("--only", nargs="*", help="variants to run (default: all)")
+    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
+    table = [("variant", "same history", "free-running", "semantic same for", "all 37 same for")]
 
     t0 = time.perf_counter()
     source = checkpoint(args.size, n_layers=args.layers, flow_layers=args.flow_layers)
@@ -126,9 +128,24 @@ def main(argv: list[str] | None = None) -> int:
         first_any = n if whole.all() else int(np.argmin(whole))
         free = float(np.sum(same)) / args.frames
         print(f"{name:<16} {forced:>12.1%} {free:>12.1%} {first:>11} frames {first_any:>9} frames")
+        table.append(
+            (name, f"{forced:.1%}", f"{free:.1%}", f"{first} frames", f"{first_any} frames")
+        )
         gc.collect()
         mx.clear_cache()
     print(f"({time.perf_counter() - t0:.0f} s)")
+    if args.record:
+        from benchmarks.common import record
+
+        record(
+            f"Quantized semantic-code agreement ({args.size}, {args.frames} frames)",
+            "python benchmarks/quant_agreement.py " + " ".join(argv or sys.argv[1:]),
+            table,
+            "Agreement with the unquantized (bf16) checkpoint, float32 compute, same injected "
+            "noise. Same history: the next semantic code given the unquantized run's codes "
+            "(the per-frame error; the issue's 95 % bar). Free-running: on random weights two "
+            "runs part for good at their first differing code. A proxy, not a quality claim.",
+        )
     return 0
 
 

@@ -5,11 +5,12 @@ measures voxtral_mlx and, where one exists, mlx-audio in the same process run, a
 a section to benchmarks/RESULTS.md with the command, machine, date and medians.
 
     quick: the overhead-bound figures on the tiny config (frame speed, time to first audio,
-           codec cost, batched throughput) and the weight-bound analysis of one wide frame
+           codec cost, batched throughput, quantized-code agreement) and the weight-bound
+           analysis of one wide frame
            -- a few minutes here
     full:  the same plus the real widths (frame speed, time to first audio and batched
-           throughput against mlx-audio; the real codec), the full 26+3-layer model and the
-           quantization agreement -- an hour or more on a 2-core CPU
+           throughput against mlx-audio; the real codec) and the full 26+3-layer model
+           -- an hour or more on a 2-core CPU
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ QUICK = [
     ["codec_bench.py", "--configs", "tiny", "--dtype", "bfloat16", "--record"],
     ["batch_throughput.py", "--config", "tiny", "--frames", "20"],
     ["weight_bound.py", "--config", "wide", "--repeats", "1"],
+    ["quant_agreement.py", "--record"],
 ]
 FULL = [
     *QUICK,
@@ -34,10 +36,9 @@ FULL = [
     ["ttfa.py", "--configs", "wide", "--repeats", "3"],
     ["codec_bench.py", "--configs", "full", "--dtype", "bfloat16", "--record"],
     ["weight_bound.py", "--config", "wide", "--repeats", "3"],
-    ["batch_throughput.py", "--config", "wide"],
+    ["batch_throughput.py", "--config", "wide", "--frames", "3"],
     ["frame_speed.py", "--configs", "full", "--repeats", "3", "--no-reference"],
     ["weight_bound.py", "--config", "full", "--repeats", "3"],
-    ["quant_agreement.py", "--record"],
 ]
 
 
