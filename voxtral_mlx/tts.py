@@ -195,8 +195,6 @@ class VoxtralTTS:
         if not text.strip():
             raise InputError("text is empty: give some words to speak")
         check_seed(seed)
-        if pause is not None and not (math.isfinite(pause) and pause >= 0):
-            raise InputError(f"pause must be a number of seconds >= 0, got {pause}")
         voice = self._voice(voice).name
         if split:
             if noise is not None:
