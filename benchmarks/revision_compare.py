@@ -35,7 +35,7 @@ out = [1000 * (run(n2) - run(n1)) / (n2 - n1) for _ in range(repeats)]
 print(json.dumps(out))
 """
 
-CONFIGS = {"tiny": ("tiny", None, None, 8, 40), "wide": ("wide", 2, 3, 2, 6)}
+CONFIGS = {"tiny": ("tiny", None, None, 8, 40), "wide": ("wide", 2, 3, 1, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:

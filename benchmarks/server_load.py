@@ -161,6 +161,7 @@ def main() -> int:
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--max-frames", type=int, default=40, help="per text segment")
     parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
 
     model = args.model or checkpoint("tiny")
@@ -214,6 +215,35 @@ def main() -> int:
     for error in tally.errors[:5]:
         print(f"error: {error}")
     lost = client != server
+    if args.record:
+        from common import record
+
+        record(
+            f"HTTP server under load ({args.clients} clients, {wall:.0f} s, loopback)",
+            "python benchmarks/server_load.py " + " ".join(sys.argv[1:]),
+            [
+                ("quantity", "value"),
+                ("requests sent", str(total)),
+                ("completed per second", f"{tally.completed / wall:.2f}"),
+                ("seconds of audio per second", f"{audio_s / wall:.2f}"),
+                (
+                    "time to first byte p50 / p95",
+                    f"{pct(tally.ttfb, 50) * 1000:.0f} / {pct(tally.ttfb, 95) * 1000:.0f} ms",
+                ),
+                (
+                    "full response p50 / p95",
+                    f"{pct(tally.latency, 50):.2f} / {pct(tally.latency, 95):.2f} s",
+                ),
+                ("client counts", json.dumps(client)),
+                ("server counts", json.dumps(server)),
+                ("nothing lost (client == server)", "yes" if not lost else "NO"),
+                ("server RSS after warm-up / at the end", f"{rss_start:.0f} / {rss_end:.0f} MiB"),
+                ("server exit code after Ctrl-C", str(code)),
+            ],
+            f"Model: {model.name} (tiny random checkpoint, END suppressed: every segment runs "
+            f"{args.max_frames} frames); max_batch {args.max_batch}; "
+            f"{args.cancel_fraction:.0%} of requests abandoned after their first audio.",
+        )
     if lost:
         print("MISMATCH between client and server counts")
     if "Traceback" in server_log:
