@@ -37,7 +37,7 @@ from .codec_layers import (
 )
 
 # Frames per chunk in one-shot decode: large enough that per-call overhead vanishes,
-# small enough that the in-chunk attention (quadratic in the chunk) stays a few MB.
+# small enough that a chunk's activations stay a few MB.
 ONE_SHOT_CHUNK_FRAMES = 64
 # Chunks longer than this many steps (or the window) attend in blocks of this size, each
 # block seeing only the keys its window reaches: work linear in the chunk, not quadratic.
@@ -239,25 +239,28 @@ class CodecDecoder(nn.Module):
             if first and isinstance(layer_conv, CausalConv1d):
                 context = replicate_context(x, layer_conv.context)
             x, conv[s] = layer_conv(x, context)
-            window = self._plan.windows[s]
-            for j, layer in enumerate(self.decoder_blocks[2 * s + 1].layers):
-                x, k, v = layer(x, keys[s][j], values[s][j], masks[s])
-                keys[s][j], values[s][j] = k[:, :, -window:], v[:, :, -window:]
+            x = self._stage_transformer(s, x, keys[s], values[s], masks[s])
         out_conv = self.output_proj.conv
         context = reflect_context(x, out_conv.context) if first else output
         y, output = out_conv(x, context)
         return y.reshape(codes.shape[0], -1), conv, keys, values, output
 
-    def _transformer(self, s: int, x: mx.array, state: CodecState) -> mx.array:
-        """Stage ``s``'s transformer over new steps ``x``, updating the stage's K/V windows."""
+    def _stage_transformer(
+        self, s: int, x: mx.array, keys: list[mx.array], values: list[mx.array], mask: mx.array
+    ) -> mx.array:
+        """Stage ``s``'s transformer over new steps ``x``; replaces each layer's K/V window
+        in ``keys``/``values`` with its last ``W`` steps."""
         window = self._plan.windows[s]
-        start = state.position * self._plan.rates[s]
-        mask = self._mask(s, x.shape[1], min(start, window), x.dtype)
-        keys, values = state.keys[s], state.values[s]
         for j, layer in enumerate(self.decoder_blocks[2 * s + 1].layers):
             x, k, v = layer(x, keys[j], values[j], mask)
             keys[j], values[j] = k[:, :, -window:], v[:, :, -window:]
         return x
+
+    def _transformer(self, s: int, x: mx.array, state: CodecState) -> mx.array:
+        """Stage ``s``'s transformer over new steps ``x``, updating ``state`` in place."""
+        start = state.position * self._plan.rates[s]
+        mask = self._mask(s, x.shape[1], min(start, self._plan.windows[s]), x.dtype)
+        return self._stage_transformer(s, x, state.keys[s], state.values[s], mask)
 
     def _mask(self, s: int, n: int, n_valid: int, dtype: mx.Dtype) -> mx.array:
         """The attention mask of stage ``s`` for ``n`` new steps: full ``[heads, n, W + n]``
