@@ -11,7 +11,7 @@ else
 TORCH_SPEC := torch>=2.4
 endif
 
-.PHONY: install test lint format bench bench-full demo clean
+.PHONY: install test lint format bench bench-full bench-openblas demo clean
 
 STAMP := $(VENV)/.installed
 
@@ -42,6 +42,9 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(PY) benchmarks/run.py --full
+
+bench-openblas: $(STAMP)
+	$(PY) benchmarks/run.py --openblas
 
 # Try the main job on a random checkpoint (the real 8 GB download is not needed).
 demo: $(STAMP)

@@ -4,7 +4,8 @@ Batched: ``synthesize(split=True)`` with the engine's batch of B segments at a t
 Sequential: the same segments one after another (batch of 1). Same seeds, same frames
 (END is suppressed in benchmark checkpoints, so every segment runs ``--frames`` frames).
 
-    python benchmarks/batch_throughput.py [--config wide] [--batch 4] [--frames 6]
+    python benchmarks/batch_throughput.py [--config wide|CHECKPOINT_DIR] [--batch 4] [--frames 6]
+                                          [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import sys
 import time
 
-from common import VOICE, checkpoint, record
+from common import VOICE, label, record, resolve
 
 SENTENCES = " ".join(
     f"This is sentence number {i + 1}, and it carries a few words of its own." for i in range(20)
@@ -25,30 +26,30 @@ def main(argv: list[str] | None = None) -> int:
     import voxtral_mlx
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="wide", choices=sorted(CONFIGS))
+    parser.add_argument("--config", default="wide", help=f"{sorted(CONFIGS)} or a directory")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--frames", type=int, default=6)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
-    size, layers, flow_layers = CONFIGS[args.config]
-    tts = voxtral_mlx.load(checkpoint(size, n_layers=layers, flow_layers=flow_layers))
+    tts = voxtral_mlx.load(resolve(args.config, CONFIGS, args.dtype), dtype=args.dtype)
     kwargs = {"seed": 1, "split": True, "max_chars": 80, "max_frames": args.frames, "pause": 0.0}
     tts.synthesize(SENTENCES[:200], VOICE, **kwargs)  # warm-up
 
     results = {}
-    for label, batch in (("sequential", 1), ("batched", args.batch)):
+    for mode, batch in (("sequential", 1), ("batched", args.batch)):
         tts.engine.max_batch = batch
         t0 = time.perf_counter()
         speech = tts.synthesize(SENTENCES, VOICE, **kwargs)
         wall = time.perf_counter() - t0
-        results[label] = (speech.duration / wall, wall, speech.duration)
-        print(f"{label}: {speech.duration:.1f} s of audio in {wall:.1f} s", flush=True)
+        results[mode] = (speech.duration / wall, wall, speech.duration)
+        print(f"{mode}: {speech.duration:.1f} s of audio in {wall:.1f} s", flush=True)
     ratio = results["batched"][0] / results["sequential"][0]
     rows = [("mode", "audio s", "wall s", "audio s / wall s")]
-    for label, (speed, wall, dur) in results.items():
+    for mode, (speed, wall, dur) in results.items():
         rows.append(
             (
-                f"{label} (B={args.batch if label == 'batched' else 1})",
+                f"{mode} (B={args.batch if mode == 'batched' else 1})",
                 f"{dur:.1f}",
                 f"{wall:.1f}",
                 f"{speed:.3f}",
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_record:
         print(
             record(
-                f"Batched throughput, 20 sentences ({args.config})",
+                f"Batched throughput, 20 sentences ({label(args.config)}, {args.dtype})",
                 "python benchmarks/batch_throughput.py " + " ".join(argv or sys.argv[1:]),
                 rows,
             )

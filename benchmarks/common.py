@@ -46,6 +46,44 @@ def checkpoint(
     return out
 
 
+def is_model_dir(config: str) -> bool:
+    """A ``--config`` value naming a checkpoint directory rather than a built-in config."""
+    return os.sep in config or Path(config).is_dir()
+
+
+def resolve(config: str, configs: dict[str, tuple], dtype: str = "bfloat16") -> Path:
+    """The checkpoint a benchmark runs on: ``config`` is a name in ``configs`` (whose first
+    three fields are size, backbone layers, flow layers: a random checkpoint with END
+    suppressed, built once and cached) or a checkpoint directory of any layout ``load``
+    reads (yours, a real download). mlx-audio is compared only on Mistral's layout."""
+    if is_model_dir(config):
+        path = Path(config).expanduser()
+        if not path.is_dir():
+            raise SystemExit(f"{config}: no such checkpoint directory")
+        return path
+    if config not in configs:
+        raise SystemExit(f"unknown config {config!r}: use one of {sorted(configs)} or a directory")
+    size, layers, flow_layers = configs[config][:3]
+    return checkpoint(size, dtype=dtype, n_layers=layers, flow_layers=flow_layers)
+
+
+def is_narrow(path: Path) -> bool:
+    """True for test-sized checkpoints (backbone narrower than 1024), where a frame costs
+    milliseconds and many frames are affordable."""
+    import json
+
+    for name in ("params.json", "config.json"):
+        if (path / name).is_file():
+            dim = json.loads((path / name).read_text()).get("dim")
+            if isinstance(dim, int):
+                return dim < 1024
+    return False
+
+
+def label(config: str) -> str:
+    return Path(config).name if is_model_dir(config) else config
+
+
 def load_reference(model_dir: Path):
     """mlx-audio's Voxtral model on the same checkpoint (see tests/mlx_audio_reference.py)."""
     from tests.mlx_audio_reference import load_reference as load
@@ -79,6 +117,19 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
     return statistics.median(times)
 
 
+def blas() -> str:
+    """Which BLAS MLX's CPU float32 matmuls call in this process (bf16/f16 products use
+    MLX's own kernels): the wheel's bundled reference BLAS unless another was preloaded."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "Accelerate" if sys.platform == "darwin" else "unknown"
+    for lib in ("openblas", "mkl_rt", "blis"):
+        if f"lib{lib}" in maps:
+            return lib.replace("_rt", "")
+    return "reference BLAS (bundled with mlx[cpu])" if "libblas" in maps else "unknown"
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -90,7 +141,8 @@ def machine() -> str:
         pass
     return (
         f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, "
-        f"MLX {mx.__version__} ({mx.default_device()}), Python {platform.python_version()}"
+        f"MLX {mx.__version__} ({mx.default_device()}), BLAS: {blas()}, "
+        f"Python {platform.python_version()}"
     )
 
 

@@ -5,7 +5,11 @@ medians of repeated runs, so prefill and fixed costs cancel. Both implementation
 same injected start noise, so they generate the same frames (END is suppressed in the
 benchmark checkpoints so every run has exactly the requested length).
 
-    python benchmarks/frame_speed.py [--quick] [--configs tiny,wide] [--no-record]
+    python benchmarks/frame_speed.py [--configs tiny,wide,CHECKPOINT_DIR] [--no-record]
+
+A config is a built-in random checkpoint (tiny, wide, full) or a checkpoint directory (in
+Mistral's layout for the mlx-audio comparison; END should be suppressed, as
+``voxtral-mlx random-checkpoint --suppress-end`` does, so every run has its length).
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import numpy as np
 from common import (
     TEXT,
     VOICE,
-    checkpoint,
     injected_noise,
+    is_model_dir,
+    is_narrow,
+    label,
     load_reference,
     record,
     reference_voice,
+    resolve,
 )
 
 CONFIGS = {
@@ -34,14 +41,19 @@ CONFIGS = {
 }
 
 
-def measure(name: str, repeats: int, reference: bool = True) -> dict[str, float]:
+def measure(
+    name: str, repeats: int, reference: bool = True, dtype: str = "bfloat16"
+) -> dict[str, float]:
     """Marginal ms per frame of both implementations, runs interleaved (ours n1, ours n2,
     theirs n1, theirs n2, repeated) so that drift in the machine's speed hits both alike;
     the median over repetitions of each one's per-frame estimate."""
     import voxtral_mlx
 
-    size, layers, flow_layers, n1, n2 = CONFIGS[name]
-    path = checkpoint(size, n_layers=layers, flow_layers=flow_layers)
+    path = resolve(name, CONFIGS, dtype)
+    if is_model_dir(name):
+        n1, n2 = (8, 40) if is_narrow(path) else (1, 3)
+    else:
+        n1, n2 = CONFIGS[name][3:]
     noise = np.random.default_rng(0).standard_normal((n2, 36)).astype(np.float32)
 
     tts = voxtral_mlx.load(path)
@@ -49,7 +61,8 @@ def measure(name: str, repeats: int, reference: bool = True) -> dict[str, float]
     def ours(n: int) -> float:
         t0 = time.perf_counter()
         speech = tts.synthesize(TEXT, VOICE, noise=noise[:n], max_frames=n)
-        assert len(speech.codes) == n
+        if len(speech.codes) != n:
+            raise SystemExit(f"{path}: END after {len(speech.codes)} frames: suppress END")
         return time.perf_counter() - t0
 
     ref = None
@@ -84,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="tiny,wide")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
         "--no-reference",
         action="store_true",
@@ -100,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     ]
     for name in args.configs.split(","):
-        m = measure(name, args.repeats, reference=not args.no_reference)
+        m = measure(name, args.repeats, reference=not args.no_reference, dtype=args.dtype)
         rows.append(
             (
-                name,
+                label(name),
                 f"{m['ours_ms']:.1f}",
                 "not run" if args.no_reference else f"{m['ref_ms']:.1f}",
                 "" if args.no_reference else f"{m['ours_ms'] / m['ref_ms']:.2f}",
@@ -121,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             record(
-                "Frame speed",
+                "Frame speed" + ("" if args.dtype == "bfloat16" else f" ({args.dtype})"),
                 "python benchmarks/frame_speed.py " + " ".join(argv or sys.argv[1:]),
                 rows,
                 notes,

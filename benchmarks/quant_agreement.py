@@ -13,7 +13,12 @@ unquantized run:
   at the first differing code (semantic or acoustic), so this mostly says how long they stay
   together.
 
-Usage: python benchmarks/quant_agreement.py [--size tiny|wide] [--frames 200]
+With ``--no-flow`` the history is made without the flow head (so the real widths are
+affordable on a CPU): the unquantized model's own greedy semantic codes with random acoustic
+codes; only "same history" is reported then.
+
+Usage: python benchmarks/quant_agreement.py [--size tiny|wide | --model DIR] [--frames 200]
+                                           [--no-flow]
 Prints the figures; writes nothing but the (cached) checkpoints.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -38,16 +44,21 @@ VARIANTS: dict[str, dict] = {
     "8-bit": {"q_bits": 8},
     "6-bit": {"q_bits": 6},
     "4-bit": {"q_bits": 4},
+    "4-bit g32": {"q_bits": 4, "q_group_size": 32},
     "6-bit, flow 6": {"q_bits": 6, "q_flow_bits": 6},
     "4-bit, flow 4": {"q_bits": 4, "q_flow_bits": 4},
 }
 
 
 def convert(source: Path, name: str, **kwargs) -> Path:
+    """The variant's conversion: cached for the built-in random checkpoints, redone for a
+    directory given with --model (its contents may have changed since the last run)."""
     from voxtral_mlx.convert import convert_model
 
     out = CACHE / f"{source.name}-{name.replace(', ', '-').replace(' ', '')}"
-    if not (out / "config.json").is_file():
+    if source.parent != CACHE:
+        out = CACHE / "model-conversions" / out.name
+    if source.parent != CACHE or not (out / "config.json").is_file():
         convert_model(source, out, force=True, **kwargs)
     return out
 
@@ -62,8 +73,12 @@ def free_run(path: Path, noise: np.ndarray) -> np.ndarray:
         getattr(tts, "close", lambda: None)()
 
 
-def teacher_forced(path: Path, codes: np.ndarray) -> np.ndarray:
-    """Semantic code predicted at each frame when ``codes`` are the history."""
+def teacher_forced(path: Path, codes: np.ndarray, acoustic: np.ndarray | None = None) -> np.ndarray:
+    """Semantic code predicted at each frame when ``codes`` are the history.
+
+    With ``acoustic`` (``[frames, 36]`` uniform in [0, 1)) and ``codes`` None, the history
+    is the model's own greedy semantic codes with acoustic codes drawn from ``acoustic``
+    (no flow head is run)."""
     from voxtral_mlx.loader import load_model_dir
     from voxtral_mlx.tokenizer import speech_prompt_ids
 
@@ -75,18 +90,27 @@ def teacher_forced(path: Path, codes: np.ndarray) -> np.ndarray:
     cache = model.make_cache()
     h = model(model.embed_prompt(ids, rows, ids.index(loaded.config.audio_token_id)), cache)
     h = h[:, -1]
+    if codes is None:
+        from voxtral_mlx.config import N_SPECIAL_AUDIO_CODES
+
+        levels = loaded.config.flow.acoustic_codebook_size
+        acoustic = (acoustic * levels).astype(np.int64) + N_SPECIAL_AUDIO_CODES
     out = []
-    for frame in codes:
+    for i in range(len(codes) if codes is not None else len(acoustic)):
         s = model.acoustic_transformer.semantic_code(h)
-        h = model(model.embed_codes(mx.array(frame[None])), cache)[:, -1]
-        mx.eval(s, h)
+        mx.eval(s)
         out.append(int(s[0]))
+        frame = codes[i] if codes is not None else np.concatenate([[out[-1]], acoustic[i]])
+        h = model(model.embed_codes(mx.array(frame[None].astype(np.int32))), cache)[:, -1]
     return np.array(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["tiny", "wide"], default="tiny")
+    parser.add_argument(
+        "--model", type=Path, help="a Mistral-layout checkpoint to use instead of a random one"
+    )
     parser.add_argument("--frames", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, help="backbone layers (default: the size's)")
@@ -94,15 +118,27 @@ def main(argv: list[str] | None = None) -> int:
         "--flow-layers", type=int, help="flow-head layers (1 makes 'wide' affordable on a CPU)"
     )
     parser.add_argument("--only", nargs="*", help="variants to run (default: all)")
+    parser.add_argument(
+        "--no-flow",
+        action="store_true",
+        help="history from the semantic head with random acoustic codes; same-history only",
+    )
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     table = [("variant", "same history", "free-running", "semantic same for", "all 37 same for")]
 
     t0 = time.perf_counter()
-    source = checkpoint(args.size, n_layers=args.layers, flow_layers=args.flow_layers)
+    if args.model is not None:
+        if not (args.model / "params.json").is_file():
+            raise SystemExit(f"{args.model}: not a checkpoint in Mistral's layout (params.json)")
+        source = args.model.resolve()
+    else:
+        source = checkpoint(args.size, n_layers=args.layers, flow_layers=args.flow_layers)
     base = convert(source, "bf16")
     noise = np.random.default_rng(args.seed).standard_normal((args.frames, 36))
     noise = noise.astype(np.float32)
+    if args.no_flow:
+        return no_flow(args, source, base, argv)
     ref = free_run(base, noise)
     if len(ref) != args.frames:
         raise SystemExit(f"the unquantized run stopped after {len(ref)} frames")
@@ -138,13 +174,47 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.common import record
 
         record(
-            f"Quantized semantic-code agreement ({args.size}, {args.frames} frames)",
+            f"Quantized semantic-code agreement ({source.name}, {args.frames} frames)",
             "python benchmarks/quant_agreement.py " + " ".join(argv or sys.argv[1:]),
             table,
             "Agreement with the unquantized (bf16) checkpoint, float32 compute, same injected "
             "noise. Same history: the next semantic code given the unquantized run's codes "
             "(the per-frame error; the issue's 95 % bar). Free-running: on random weights two "
             "runs part for good at their first differing code. A proxy, not a quality claim.",
+        )
+    return 0
+
+
+def no_flow(args: argparse.Namespace, source: Path, base: Path, argv: list[str] | None) -> int:
+    from voxtral_mlx.config import N_SPECIAL_AUDIO_CODES
+
+    uniform = np.random.default_rng(args.seed).random((args.frames, 36))
+    own = teacher_forced(base, None, uniform)
+    levels = json.loads((source / "params.json").read_text())
+    levels = levels["multimodal"]["audio_model_args"]["acoustic_codebook_size"]
+    acoustic = (uniform * levels).astype(np.int64) + N_SPECIAL_AUDIO_CODES
+    history = np.concatenate([own[:, None], acoustic], axis=1)
+    print(f"{source.name}: random weights, {args.frames} frames, float32 compute, no flow head")
+    table = [("variant", "same history")]
+    for name, kwargs in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        path = convert(source, name, **kwargs)
+        forced = float(np.mean(teacher_forced(path, history) == own))
+        print(f"{name:<16} {forced:>12.1%}", flush=True)
+        table.append((name, f"{forced:.1%}"))
+        gc.collect()
+        mx.clear_cache()
+    if args.record:
+        from benchmarks.common import record
+
+        record(
+            f"Quantized semantic-code agreement ({source.name}, {args.frames} frames, no flow)",
+            "python benchmarks/quant_agreement.py " + " ".join(argv or sys.argv[1:]),
+            table,
+            "Same history: the unquantized model's own greedy semantic codes with random "
+            "acoustic codes; the fraction of frames where the variant predicts "
+            "the same next semantic code. Float32 compute. A proxy, not a quality claim.",
         )
     return 0
 

@@ -11,11 +11,18 @@ a section to benchmarks/RESULTS.md with the command, machine, date and medians.
     full:  the same plus the real widths (frame speed, time to first audio and batched
            throughput against mlx-audio; the real codec) and the full 26+3-layer model
            -- an hour or more on a 2-core CPU
+    openblas: on a Linux CPU only, the batching and overhead figures again in float32
+           with the system OpenBLAS preloaded (``apt-get install libopenblas0-pthread``).
+           MLX's own bf16 CPU matmuls run at 2-4 GFLOP/s, so there a product costs in
+           proportion to its rows and batching cannot amortise anything; float32 through
+           OpenBLAS is bound by reading the weights, as a GPU is -- about 25 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,13 +40,32 @@ QUICK = [
 FULL = [
     *QUICK,
     ["frame_speed.py", "--configs", "wide", "--repeats", "3"],
-    ["ttfa.py", "--configs", "wide", "--repeats", "3"],
+    # mlx-audio's default 25-frame first chunk takes ~10 minutes per run at these widths.
+    ["ttfa.py", "--configs", "wide", "--repeats", "3", "--no-default-interval"],
     ["codec_bench.py", "--configs", "full", "--dtype", "bfloat16", "--record"],
     ["weight_bound.py", "--config", "wide", "--repeats", "3"],
-    ["batch_throughput.py", "--config", "wide", "--frames", "3"],
+    ["batch_throughput.py", "--config", "wide", "--frames", "3"],  # bf16: see --openblas
     ["frame_speed.py", "--configs", "full", "--repeats", "3", "--no-reference"],
     ["weight_bound.py", "--config", "full", "--repeats", "3"],
 ]
+
+OPENBLAS = [
+    ["frame_speed.py", "--configs", "tiny", "--repeats", "5", "--dtype", "float32"],
+    ["batch_throughput.py", "--config", "tiny", "--frames", "20", "--dtype", "float32"],
+    ["batch_throughput.py", "--config", "wide", "--frames", "20", "--dtype", "float32"],
+]
+
+
+def openblas_env() -> dict[str, str]:
+    """The environment that makes MLX's float32 CPU matmuls call the system OpenBLAS."""
+    if sys.platform != "linux":
+        raise SystemExit("--openblas is for Linux CPU runs (a Mac uses Metal and Accelerate)")
+    lib = ctypes.util.find_library("openblas")
+    if lib is None:
+        raise SystemExit("no OpenBLAS found: apt-get install libopenblas0-pthread, then rerun")
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = " ".join(filter(None, [lib, env.get("LD_PRELOAD")]))
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,11 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the default")
     mode.add_argument("--full", action="store_true")
+    mode.add_argument("--openblas", action="store_true")
     args = parser.parse_args(argv)
+    env = openblas_env() if args.openblas else None
     failed = []
-    for cmd in FULL if args.full else QUICK:
+    for cmd in OPENBLAS if args.openblas else FULL if args.full else QUICK:
         print(f"== {' '.join(cmd)}", flush=True)
-        if subprocess.run([sys.executable, str(HERE / cmd[0]), *cmd[1:]], cwd=HERE).returncode:
+        script = [sys.executable, str(HERE / cmd[0]), *cmd[1:]]
+        if subprocess.run(script, cwd=HERE, env=env).returncode:
             failed.append(cmd[0])
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

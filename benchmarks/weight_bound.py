@@ -9,7 +9,7 @@ For a checkpoint with the real layer widths this prints, per frame:
   * voxtral_mlx's measured ms/frame (marginal, as frame_speed.py) and its overhead over
     the bare matmuls; achieved weight GB/s.
 
-    python benchmarks/weight_bound.py [--config wide|full] [--no-record]
+    python benchmarks/weight_bound.py [--config wide|full|CHECKPOINT_DIR] [--no-record]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from common import TEXT, VOICE, checkpoint, median_time, record
+from common import TEXT, VOICE, label, median_time, record, resolve
 
 from voxtral_mlx.tts import SYNTH_CHUNK_FRAMES
 
@@ -118,12 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     import voxtral_mlx
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="wide", choices=sorted(CONFIGS))
+    parser.add_argument("--config", default="wide", help=f"{sorted(CONFIGS)} or a directory")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
-    size, layers, flow_layers, n1, n2 = CONFIGS[args.config]
-    path = checkpoint(size, n_layers=layers, flow_layers=flow_layers)
+    path = resolve(args.config, CONFIGS)
+    n1, n2 = CONFIGS[args.config][3:] if args.config in CONFIGS else (1, 3)
     tts = voxtral_mlx.load(path)
     noise = np.random.default_rng(0).standard_normal((n2, 36)).astype(np.float32)
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_record:
         print(
             record(
-                f"Weight-bound frame ({args.config})",
+                f"Weight-bound frame ({label(args.config)})",
                 "python benchmarks/weight_bound.py " + " ".join(argv or sys.argv[1:]),
                 rows,
             )
