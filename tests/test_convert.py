@@ -535,3 +535,26 @@ def test_unpacked_weight_beside_scales_is_the_wrong_dtype(converted, tmp_path: P
         load_model_dir(out)
     assert exc.value.mistyped == [("layers.0.attention.wq.weight", "F32", "U32")]
     assert "wrong dtype" in one_line(exc.value)
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (np.zeros((7, 32), np.float32), "32 wide"),
+        (np.full((7, 64), np.nan, np.float32), "NaN"),
+        (np.zeros((5, 64), np.float32), "5 rows"),
+    ],
+)
+def test_a_voice_that_cannot_load_stops_the_conversion(
+    source: Path, tmp_path: Path, bad: np.ndarray, words: str
+) -> None:
+    """A voice the converted model could not use is refused before anything is written."""
+    from voxtral_mlx.torch_pickle import write_pt
+
+    src = Path(shutil.copytree(source, tmp_path / "src"))
+    assert read_pt(src / "voice_embedding" / "casual_male.pt").shape == (7, 64)
+    write_pt(src / "voice_embedding" / "casual_male.pt", bad)
+    with pytest.raises(VoxtralError) as exc:
+        convert_model(src, tmp_path / "out")
+    assert "casual_male" in one_line(exc.value) and words in str(exc.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

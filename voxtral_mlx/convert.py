@@ -58,7 +58,7 @@ from .loader import TensorRef, WeightSet, check_tokenizer, open_weights, read_mo
 from .mlx_layout import FORMAT, FORMAT_VERSION, INDEX_NAME, SHARD_NAME, SINGLE_NAME
 from .synthetic.safetensors_writer import TensorSpec, write_safetensors
 from .tokenizer import TekkenTokenizer
-from .voices import convert_voice_files
+from .voices import VoiceRegistry, convert_voice_files
 
 SUPPORTED_BITS = (4, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -380,6 +380,17 @@ def _config_json(
     return config
 
 
+def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> None:
+    """Every voice the output would carry must load with this model (shape, width, rows,
+    finite values), checked before anything is written: a converted directory never holds
+    a voice that fails at its first use."""
+    registry = VoiceRegistry.from_dir(
+        src / "voice_embedding", tokenizer.voice_num_audio_tokens, dim
+    )
+    for name in registry:
+        registry.embedding(name)
+
+
 def _copy_voices(src: Path, dst: Path) -> None:
     voice_dir = src / "voice_embedding"
     if not voice_dir.is_dir():
@@ -425,7 +436,9 @@ def convert_model(
     _check_output(out, src, force)
 
     config = read_model_config(src)
-    check_tokenizer(config, TekkenTokenizer.from_file(src / "tekken.json"))
+    tokenizer = TekkenTokenizer.from_file(src / "tekken.json")
+    check_tokenizer(config, tokenizer)
+    _check_voices(src, tokenizer, config.backbone.dim)
     weights = open_weights(src, config)
     if weights.quantized:
         raise InputError(
