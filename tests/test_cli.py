@@ -409,3 +409,36 @@ def test_no_audio_at_all_leaves_no_file(model_dir, tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no audio" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_process_reuses_the_voice_prefix_from_disk(model_dir, reference, tmp_path):
+    """Each `speak` is a new process: the second starts the voice from the stored prefix
+    (same audio); --no-prefix-cache stores nothing; an unusable cache directory is a
+    one-line warning, not a failure."""
+    args = ["speak", "-m", str(model_dir), "-v", "neutral_female", "--seed", "5"]
+    args += ["--max-frames", "40", "--raw", TEXT]
+    cache = tmp_path / "cache"
+
+    def prefixes() -> list[str]:
+        folder = cache / "prefixes"
+        return sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+
+    pcm = float_to_int16(reference.audio)
+    proc = run(*args, "--no-prefix-cache", env={"VOXTRAL_MLX_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert prefixes() == []
+    inodes = []
+    for _ in range(2):
+        proc = run(*args, env={"VOXTRAL_MLX_CACHE": str(cache)})
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert np.array_equal(np.frombuffer(proc.stdout, dtype="<i2"), pcm)
+        (name,) = prefixes()
+        inodes.append((cache / "prefixes" / name).stat().st_ino)
+    assert inodes[0] == inodes[1]  # read, not written again (a write replaces the file)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = run(*args, env={"VOXTRAL_MLX_CACHE": str(blocker)})
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert np.array_equal(np.frombuffer(proc.stdout, dtype="<i2"), pcm)
+    warning = [line for line in proc.stderr.decode().splitlines() if "warning" in line]
+    assert len(warning) == 1 and "voice-prefix cache" in warning[0], proc.stderr.decode()

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -33,15 +34,22 @@ def load(
     dtype: str | mx.Dtype | None = None,
     *,
     max_batch: int = 4,
+    prefix_cache_dir: str | os.PathLike[str] | None = "auto",
 ) -> VoxtralTTS:
     """Load Voxtral TTS from a local directory or a Hugging Face repo id.
 
     ``dtype``: compute dtype (``"bfloat16"``, ``"float16"``, ``"float32"``); default: the
     checkpoint's own (bfloat16 for Mistral's release). ``max_batch``: sequences (requests or
-    text segments) generated together in one batch.
+    text segments) generated together in one batch. ``prefix_cache_dir``: where each
+    voice's prefilled prompt prefix is kept between processes (``"auto"``: the
+    ``prefixes`` folder of ``$VOXTRAL_MLX_CACHE`` or ``~/.cache/voxtral_mlx``; None: memory
+    only), so the first request with a voice skips its prefill; see
+    :mod:`voxtral_mlx.prefix_store`.
     """
     from .hub import resolve_model_dir
     from .loader import load_model_dir
+    from .prefix_store import PrefixStore, model_fingerprint
+    from .tokenizer import default_cache_dir
     from .worker import Worker
 
     model_dir = resolve_model_dir(path_or_repo)
@@ -51,4 +59,9 @@ def load(
     except BaseException:
         worker.close()
         raise
-    return VoxtralTTS(loaded, worker, max_batch=max_batch)
+    store = None
+    if prefix_cache_dir is not None:
+        auto = isinstance(prefix_cache_dir, str) and prefix_cache_dir == "auto"
+        directory = default_cache_dir() / "prefixes" if auto else Path(prefix_cache_dir)
+        store = PrefixStore(directory, model_fingerprint(loaded.path))
+    return VoxtralTTS(loaded, worker, max_batch=max_batch, prefix_store=store)

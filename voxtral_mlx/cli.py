@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def _load(args: argparse.Namespace):
     from . import load
 
     t0 = time.perf_counter()
-    tts = load(args.model, dtype=args.dtype)
+    prefixes = None if getattr(args, "no_prefix_cache", False) else "auto"
+    tts = load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes)
     if getattr(args, "verbose", False):
         _info(f"loaded {tts.path} ({tts.dtype}) in {time.perf_counter() - t0:.2f} s")
     return tts
@@ -409,6 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)"
         )
+        p.add_argument(
+            "--no-prefix-cache",
+            action="store_true",
+            help="do not keep prefilled voice prefixes on disk (~/.cache/voxtral_mlx/prefixes)",
+        )
 
     speak = sub.add_parser("speak", help="speak text (plays it, or writes it with -o)")
     speak.add_argument("text", nargs="*", help="text to speak")
@@ -539,8 +546,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    _info(f"{PROG}: warning: {message}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _show_warning  # one line each, without Python's source echo
     try:
         return args.func(args)
     except VoxtralError as e:

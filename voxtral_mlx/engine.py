@@ -20,6 +20,7 @@ import numpy as np
 from .generate import FrameBatch, Sequence, prefill
 from .model.cache import KVCache
 from .model.voxtral import VoxtralModel
+from .prefix_store import PrefixStore
 
 PREFIX_CACHE_VOICES = 8
 
@@ -35,7 +36,8 @@ class Timings:
     frames: int = 0
     audio_s: float = 0.0
     peak_memory_bytes: int = 0
-    prefix_cached: bool = False
+    prefix_cached: bool = False  # the voice prefix came from memory or disk
+    prefix_from_disk: bool = False
 
     @property
     def ms_per_frame(self) -> float:
@@ -113,9 +115,16 @@ class Engine:
     """Runs jobs in one :class:`FrameBatch` of up to ``max_batch`` sequences."""
 
     def __init__(
-        self, model: VoxtralModel, prefix_ids: list[int], voice_start: int, max_batch: int = 4
+        self,
+        model: VoxtralModel,
+        prefix_ids: list[int],
+        voice_start: int,
+        max_batch: int = 4,
+        prefix_store: PrefixStore | None = None,
     ):
         self.model = model
+        self.prefix_store = prefix_store
+        self._pending_saves: list[tuple[str, list[KVCache]]] = []
         self.max_batch = max_batch
         self._prefix_ids = prefix_ids  # [BOS, BEGIN_AUDIO, AUDIO (one per voice row), ...]
         self._voice_start = voice_start
@@ -142,10 +151,20 @@ class Engine:
             n = job.voice_rows.shape[0]
             ids = self._prefix_ids[: self._voice_start] + [self._prefix_ids[self._voice_start]] * n
             ids += self._prefix_ids[self._voice_start + 1 :]
-            embeds = self.model.embed_prompt(ids, job.voice_rows, self._voice_start)
-            cached = self.model.make_cache()
-            self.model(embeds, cached)
-            mx.eval([c.state for c in cached])
+            store = self.prefix_store if self.prefix_cache_voices > 0 else None
+            disk_key = store.key(ids, job.voice_rows) if store is not None else None
+            if store is not None:
+                a = self.model.args
+                shape = (1, a.n_kv_heads, len(ids), a.head_dim)
+                cached = store.load(disk_key, len(self.model.layers), shape, job.voice_rows.dtype)
+                job.timings.prefix_from_disk = hit = cached is not None
+            if cached is None:
+                embeds = self.model.embed_prompt(ids, job.voice_rows, self._voice_start)
+                cached = self.model.make_cache()
+                self.model(embeds, cached)
+                mx.eval([c.state for c in cached])
+                if store is not None:  # written once the next frame is queued
+                    self._pending_saves.append((disk_key, cached))
             if self.prefix_cache_voices > 0:
                 self._prefixes[key] = cached
                 while len(self._prefixes) > self.prefix_cache_voices:
@@ -155,7 +174,11 @@ class Engine:
         return [c.copy() for c in cached], hit
 
     def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix, in memory and this model's files on disk."""
         self._prefixes.clear()
+        self._pending_saves.clear()
+        if self.prefix_store is not None:
+            self.prefix_store.clear()
 
     # -- jobs (all on the worker thread) -------------------------------------------------
 
@@ -238,6 +261,8 @@ class Engine:
             mx.eval([r[2] for r in first if r[2] is not None])
             self._deliver(first)
         self._batch.advance()
+        while self._pending_saves:  # file writes overlap the frame just queued
+            self.prefix_store.save(*self._pending_saves.pop())
         self._deliver(self._inflight)
         self._inflight = self._decode(first_chunks=False)
         mx.async_eval([r[2] for r in self._inflight if r[2] is not None])

@@ -20,6 +20,7 @@ from .errors import InputError
 from .generate import NoiseSource, Sequence, check_seed
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA
+from .prefix_store import PrefixStore
 from .segment import Segment, split_text
 from .textstream import AsyncTextStream, TextStream
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
@@ -60,7 +61,13 @@ class VoxtralTTS:
     and concurrent requests share one batch of frames.
     """
 
-    def __init__(self, loaded: LoadedModel, worker: Worker, max_batch: int = 4):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        worker: Worker,
+        max_batch: int = 4,
+        prefix_store: PrefixStore | None = None,
+    ):
         self.worker = worker
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
@@ -72,7 +79,11 @@ class VoxtralTTS:
         # AUDIO standing for the voice's rows.
         prefix = speech_prompt_ids(self.tokenizer, "", 1)[:-2]
         self.engine = Engine(
-            self.model, prefix, prefix.index(self.config.audio_token_id), max_batch=max_batch
+            self.model,
+            prefix,
+            prefix.index(self.config.audio_token_id),
+            max_batch=max_batch,
+            prefix_store=prefix_store,
         )
         worker.pump = self.engine.pump
 
@@ -92,7 +103,8 @@ class VoxtralTTS:
         return self.worker.call(run)
 
     def clear_prefix_cache(self) -> None:
-        """Forget the cached voice prefixes (they are recomputed on next use)."""
+        """Forget the cached voice prefixes, in memory and on disk (they are recomputed on
+        next use)."""
         self.worker.call(self.engine.clear_prefix_cache)
 
     def close(self) -> None:

@@ -1,0 +1,195 @@
+"""The voice-prefix cache on disk: a new process (here: a new load) starts a known voice from
+the stored KV state with bit-identical output; a changed model, voice or dtype never reuses
+a file; damaged files are misses; an unwritable directory only costs the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import voxtral_mlx
+from voxtral_mlx.prefix_store import FORMAT, PrefixCacheWarning, model_fingerprint
+from voxtral_mlx.torch_pickle import read_pt, to_mlx, write_pt
+
+TEXT = "A voice prefix, stored once."
+VOICE = "casual_male"
+FRAMES = 6
+
+
+@pytest.fixture(scope="module")
+def noise() -> np.ndarray:
+    return np.random.default_rng(5).standard_normal((FRAMES, 36)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint, noise):
+    """Codes and audio with no disk cache at all."""
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=None)
+    try:
+        speech = tts.synthesize(TEXT, VOICE, noise=noise)
+        assert not speech.timings.prefix_cached
+        return speech
+    finally:
+        tts.close()
+
+
+def files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*.safetensors") if not p.name.startswith("."))
+
+
+def run(model: Path, directory: Path | None, noise: np.ndarray, **kwargs):
+    tts = voxtral_mlx.load(model, prefix_cache_dir=directory, **kwargs)
+    try:
+        return tts.synthesize(TEXT, VOICE, noise=noise)
+    finally:
+        tts.close()
+
+
+def test_a_new_process_starts_from_the_stored_prefix(tiny_checkpoint, tmp_path, noise, reference):
+    first = run(tiny_checkpoint, tmp_path, noise)
+    assert not first.timings.prefix_cached and not first.timings.prefix_from_disk
+    (stored,) = files(tmp_path)
+    second = run(tiny_checkpoint, tmp_path, noise)
+    assert second.timings.prefix_cached and second.timings.prefix_from_disk
+    for speech in (first, second):
+        np.testing.assert_array_equal(speech.codes, reference.codes)
+        np.testing.assert_array_equal(speech.audio, reference.audio)
+    assert files(tmp_path) == [stored]  # a hit writes nothing new
+
+
+def test_the_file_holds_every_layer_at_the_prefix_length(tiny_checkpoint, tmp_path, noise):
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
+    try:
+        tts.synthesize(TEXT, VOICE, noise=noise)
+        rows = tts.voices.embedding(VOICE).shape[0]
+        layers = len(tts.model.layers)
+        args = tts.model.args
+    finally:
+        tts.close()
+    arrays, meta = mx.load(str(files(tmp_path)[0]), return_metadata=True)
+    assert meta["format"] == FORMAT and len(meta["key"]) == 64
+    assert len(arrays) == 2 * layers
+    # [BOS, BEGIN_AUDIO, voice rows..., NEXT_AUDIO_TEXT]
+    assert arrays["keys.0"].shape == (1, args.n_kv_heads, rows + 3, args.head_dim)
+
+
+def test_another_dtype_or_voice_never_reuses_a_file(tiny_checkpoint, tmp_path, noise):
+    run(tiny_checkpoint, tmp_path, noise)
+    bf16 = run(tiny_checkpoint, tmp_path, noise, dtype="bfloat16")
+    assert not bf16.timings.prefix_cached
+    assert len(files(tmp_path)) == 2
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
+    try:
+        other = tts.synthesize(TEXT, "fr_male", noise=noise)
+    finally:
+        tts.close()
+    assert not other.timings.prefix_cached
+    assert len(files(tmp_path)) == 3
+
+
+def test_a_changed_voice_file_is_a_miss(tiny_checkpoint, tmp_path, noise):
+    model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
+    store = tmp_path / "store"
+    run(model, store, noise)
+    pt = model / "voice_embedding" / f"{VOICE}.pt"
+    rows = np.array(to_mlx(read_pt(pt)).astype(mx.float32))
+    write_pt(pt, rows * 1.5)
+    changed = run(model, store, noise)
+    assert not changed.timings.prefix_cached
+    fresh = run(model, None, noise)
+    np.testing.assert_array_equal(changed.audio, fresh.audio)
+
+
+def test_a_changed_model_is_a_miss(tiny_checkpoint, tmp_path, noise):
+    model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
+    store = tmp_path / "store"
+    before = model_fingerprint(model)
+    run(model, store, noise)
+    params = json.loads((model / "params.json").read_text())
+    params["rope_theta"] = params["rope_theta"] * 2
+    (model / "params.json").write_text(json.dumps(params))
+    assert model_fingerprint(model) != before
+    changed = run(model, store, noise)
+    assert not changed.timings.prefix_cached
+    np.testing.assert_array_equal(changed.audio, run(model, None, noise).audio)
+
+
+def test_rewritten_weights_change_the_fingerprint(tiny_checkpoint, tmp_path):
+    model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
+    before = model_fingerprint(model)
+    weights = model / "consolidated.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert model_fingerprint(model) != before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign key"])
+def test_a_damaged_file_is_a_miss_and_is_replaced(
+    tiny_checkpoint, tmp_path, noise, reference, damage
+):
+    run(tiny_checkpoint, tmp_path, noise)
+    (stored,) = files(tmp_path)
+    data = stored.read_bytes()
+    if damage == "truncate":
+        stored.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        stored.write_bytes(b"\x00" * 64)
+    else:  # a well-formed file stored under another key
+        arrays, meta = mx.load(str(stored), return_metadata=True)
+        mx.save_safetensors(str(stored), arrays, metadata={**meta, "key": "0" * 64})
+    again = run(tiny_checkpoint, tmp_path, noise)
+    assert not again.timings.prefix_cached
+    np.testing.assert_array_equal(again.audio, reference.audio)
+    assert run(tiny_checkpoint, tmp_path, noise).timings.prefix_from_disk
+
+
+def test_an_unwritable_directory_only_loses_the_cache(tiny_checkpoint, tmp_path, noise, reference):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        speech = run(tiny_checkpoint, blocker / "prefixes", noise)
+    np.testing.assert_array_equal(speech.audio, reference.audio)
+    messages = [str(w.message) for w in caught if issubclass(w.category, PrefixCacheWarning)]
+    assert len(messages) == 1 and "prefix_cache_dir=None" in messages[0]
+    assert "\n" not in messages[0]
+    assert blocker.read_text() == "not a directory"
+
+
+def test_clear_prefix_cache_removes_this_models_files_only(tiny_checkpoint, tmp_path, noise):
+    other = tmp_path / ("f" * 16 + "-" + "0" * 32 + ".safetensors")
+    other.write_bytes(b"another model's prefix")
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
+    try:
+        tts.synthesize(TEXT, VOICE, noise=noise)
+        assert len(files(tmp_path)) == 2
+        tts.clear_prefix_cache()
+        assert files(tmp_path) == [other]
+        again = tts.synthesize(TEXT, VOICE, noise=noise)
+        assert not again.timings.prefix_cached
+    finally:
+        tts.close()
+
+
+def test_old_files_are_pruned(tiny_checkpoint, tmp_path, noise):
+    for i in range(3):
+        stale = tmp_path / f"{i:016x}-{'0' * 32}.safetensors"
+        stale.write_bytes(b"old")
+        os.utime(stale, ns=(i * 10**9, i * 10**9))
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
+    try:
+        tts.engine.prefix_store.max_files = 2
+        tts.synthesize(TEXT, VOICE, noise=noise)
+    finally:
+        tts.close()
+    names = [p.name for p in files(tmp_path)]
+    assert len(names) == 2
+    assert f"{2:016x}-{'0' * 32}.safetensors" in names  # the newest stale one survives
+    assert any(n.startswith(model_fingerprint(tiny_checkpoint)[:16]) for n in names)

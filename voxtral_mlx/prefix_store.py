@@ -1,0 +1,168 @@
+"""Voice-prefix KV states on disk, so a new process starts a known voice without its prefill.
+
+One safetensors file per (model, voice, compute dtype): the keys and values of every backbone
+layer after ``[BOS, BEGIN_AUDIO, voice rows..., NEXT_AUDIO_TEXT]``. The file name and the
+key stored inside it hash everything the state depends on -- the model files (names, sizes,
+modification times and safetensors headers), the compute dtype, the prompt ids and the
+voice's rows themselves -- so a changed model, voice or dtype can never reuse a stale file.
+A file that is unreadable, truncated or inconsistent is a miss (and is removed); a
+directory that cannot be written only loses the cache (a :class:`PrefixCacheWarning`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import struct
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .fileio import one_line
+from .model.cache import KVCache
+
+FORMAT = "voxtral_mlx.prefix/1"
+MAX_FILES = 32  # least recently used files beyond this are deleted
+_MODEL_FILES = (".safetensors", ".json")
+_HEADER_LIMIT = 64 << 20  # a safetensors header larger than this is not one
+
+
+class PrefixCacheWarning(UserWarning):
+    """The voice-prefix cache directory could not be used; generation goes on without it."""
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """A hash of the model directory's weight and config files: name, size, modification
+    time, and for safetensors the header (every tensor's name, dtype, shape and offsets)."""
+    h = hashlib.sha256(FORMAT.encode())
+    for path in sorted(Path(model_dir).iterdir()):
+        if path.suffix not in _MODEL_FILES or path.name.startswith(".") or not path.is_file():
+            continue
+        st = path.stat()
+        h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        if path.suffix == ".safetensors":
+            with path.open("rb") as f:
+                head = f.read(8)
+                if len(head) == 8:
+                    (n,) = struct.unpack("<Q", head)
+                    h.update(f.read(min(n, _HEADER_LIMIT)))
+        elif st.st_size <= _HEADER_LIMIT:
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class PrefixStore:
+    """The prefix files of one loaded model (``fingerprint``) in ``directory``."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], fingerprint: str, max_files: int = MAX_FILES
+    ):
+        self.directory = Path(directory).expanduser()
+        self.fingerprint = fingerprint
+        self.max_files = max_files
+        self._warned = False
+
+    def key(self, prompt_ids: list[int], voice_rows: mx.array) -> str:
+        """The full key of a prefix: model, dtype, prompt ids and the voice rows' bytes."""
+        h = hashlib.sha256(f"{FORMAT}\0{self.fingerprint}\0{voice_rows.dtype}\0".encode())
+        h.update(json.dumps(prompt_ids).encode())
+        h.update(str(tuple(voice_rows.shape)).encode())
+        rows = voice_rows
+        if rows.dtype == mx.bfloat16:  # numpy has no bfloat16: hash its bits
+            rows = rows.view(mx.uint16)
+        h.update(np.ascontiguousarray(np.array(rows)).tobytes())
+        return h.hexdigest()
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{self.fingerprint[:16]}-{key[:32]}.safetensors"
+
+    def load(
+        self, key: str, n_layers: int, shape: tuple[int, int, int, int], dtype: mx.Dtype
+    ) -> list[KVCache] | None:
+        """The stored state for ``key`` (``n_layers`` caches of keys and values ``shape``
+        ``[1, kv_heads, positions, head_dim]``), or None. The stored key, shapes and dtype
+        are checked."""
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            arrays, meta = mx.load(str(path), return_metadata=True)
+            if meta.get("format") != FORMAT or meta.get("key") != key:
+                raise ValueError("key mismatch")
+            caches = []
+            for i in range(n_layers):
+                k, v = arrays[f"keys.{i}"], arrays[f"values.{i}"]
+                if tuple(k.shape) != shape or tuple(v.shape) != shape:
+                    raise ValueError("wrong shape")
+                if k.dtype != dtype or v.dtype != dtype:
+                    raise ValueError("wrong dtype")
+                cache = KVCache()
+                cache.keys, cache.values, cache.offset = k, v, shape[2]
+                caches.append(cache)
+            if len(arrays) != 2 * n_layers:
+                raise ValueError("wrong layer count")
+            mx.eval([c.state for c in caches])
+        except Exception:
+            # Damaged or foreign: recompute (the caller does) and replace it.
+            path.unlink(missing_ok=True)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # least recently used order for pruning
+        return caches
+
+    def save(self, key: str, caches: list[KVCache]) -> None:
+        """Store ``caches`` (evaluated) under ``key``, atomically; prune the oldest files."""
+        path = self._path(key)
+        tmp = path.with_name(f".{path.stem}.{secrets.token_hex(6)}.tmp.safetensors")
+        arrays = {}
+        for i, cache in enumerate(caches):
+            arrays[f"keys.{i}"], arrays[f"values.{i}"] = cache.state
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            mx.save_safetensors(str(tmp), arrays, metadata={"format": FORMAT, "key": key})
+            os.replace(tmp, path)
+            self._prune()
+        except (OSError, RuntimeError, ValueError) as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"cannot write the voice-prefix cache in {one_line(str(self.directory))}: "
+                    f"{one_line(str(e))}; voices are prefilled again in each process "
+                    "(pass prefix_cache_dir=None to load() to turn the cache off)",
+                    PrefixCacheWarning,
+                    stacklevel=2,
+                )
+
+    def clear(self) -> None:
+        """Delete this model's files (other models' are left alone)."""
+        for path in self._files():
+            if path.name.startswith(self.fingerprint[:16] + "-"):
+                path.unlink(missing_ok=True)
+
+    def _files(self) -> list[Path]:
+        try:
+            return [
+                p
+                for p in self.directory.iterdir()
+                if p.suffix == ".safetensors" and not p.name.startswith(".")
+            ]
+        except OSError:
+            return []
+
+    def _prune(self) -> None:
+        files = []
+        for p in self._files():
+            try:
+                files.append((p.stat().st_mtime_ns, p))
+            except OSError:
+                continue
+        files.sort()
+        for _, p in files[: max(0, len(files) - self.max_files)]:
+            p.unlink(missing_ok=True)
