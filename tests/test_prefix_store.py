@@ -193,3 +193,10 @@ def test_old_files_are_pruned(tiny_checkpoint, tmp_path, noise):
     assert len(names) == 2
     assert f"{2:016x}-{'0' * 32}.safetensors" in names  # the newest stale one survives
     assert any(n.startswith(model_fingerprint(tiny_checkpoint)[:16]) for n in names)
+
+
+def test_a_bad_prefix_cache_dir_is_a_one_line_error(tiny_checkpoint):
+    from voxtral_mlx.errors import InputError
+
+    with pytest.raises(InputError, match="prefix_cache_dir must be a directory path"):
+        voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=3)

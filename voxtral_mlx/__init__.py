@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .errors import VoxtralError
+from .errors import InputError, VoxtralError
 from .hub import DEFAULT_REPO
 from .tts import AudioChunk, Speech, Timings, VoxtralTTS
 
@@ -52,16 +52,23 @@ def load(
     from .tokenizer import default_cache_dir
     from .worker import Worker
 
+    directory = None
+    if prefix_cache_dir is not None:
+        if not isinstance(prefix_cache_dir, (str, os.PathLike)):
+            raise InputError(
+                f"prefix_cache_dir must be a directory path, 'auto' or None, got "
+                f"{type(prefix_cache_dir).__name__}"
+            )
+        auto = isinstance(prefix_cache_dir, str) and prefix_cache_dir == "auto"
+        directory = default_cache_dir() / "prefixes" if auto else Path(prefix_cache_dir)
     model_dir = resolve_model_dir(path_or_repo)
     worker = Worker()
     try:
         loaded = worker.call(load_model_dir, model_dir, dtype)
+        store = None
+        if directory is not None:
+            store = PrefixStore(directory, model_fingerprint(loaded.path))
     except BaseException:
         worker.close()
         raise
-    store = None
-    if prefix_cache_dir is not None:
-        auto = isinstance(prefix_cache_dir, str) and prefix_cache_dir == "auto"
-        directory = default_cache_dir() / "prefixes" if auto else Path(prefix_cache_dir)
-        store = PrefixStore(directory, model_fingerprint(loaded.path))
     return VoxtralTTS(loaded, worker, max_batch=max_batch, prefix_store=store)
