@@ -29,6 +29,7 @@ import gc
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +64,23 @@ def convert(source: Path, name: str, **kwargs) -> Path:
     return out
 
 
+def selected_variants(source: Path, only: list[str] | None) -> Iterator[tuple[str, Path]]:
+    """``(name, converted directory)`` of each variant asked for; memory freed after each."""
+    for name, kwargs in VARIANTS.items():
+        if only and name not in only:
+            continue
+        yield name, convert(source, name, **kwargs)
+        gc.collect()
+        mx.clear_cache()
+
+
+def record_table(title: str, argv: list[str] | None, table: list, notes: str) -> None:
+    from benchmarks.common import record
+
+    command = "python benchmarks/quant_agreement.py " + " ".join(argv or sys.argv[1:])
+    record(title, command, table, notes)
+
+
 def free_run(path: Path, noise: np.ndarray) -> np.ndarray:
     import voxtral_mlx
 
@@ -76,9 +94,8 @@ def free_run(path: Path, noise: np.ndarray) -> np.ndarray:
 def teacher_forced(path: Path, codes: np.ndarray, acoustic: np.ndarray | None = None) -> np.ndarray:
     """Semantic code predicted at each frame when ``codes`` are the history.
 
-    With ``acoustic`` (``[frames, 36]`` uniform in [0, 1)) and ``codes`` None, the history
-    is the model's own greedy semantic codes with acoustic codes drawn from ``acoustic``
-    (no flow head is run)."""
+    With ``acoustic`` (``[frames, 36]`` acoustic codes) and ``codes`` None, the history is
+    the model's own greedy semantic codes with those acoustic codes (no flow head is run)."""
     from voxtral_mlx.loader import load_model_dir
     from voxtral_mlx.tokenizer import speech_prompt_ids
 
@@ -90,11 +107,6 @@ def teacher_forced(path: Path, codes: np.ndarray, acoustic: np.ndarray | None = 
     cache = model.make_cache()
     h = model(model.embed_prompt(ids, rows, ids.index(loaded.config.audio_token_id)), cache)
     h = h[:, -1]
-    if codes is None:
-        from voxtral_mlx.config import N_SPECIAL_AUDIO_CODES
-
-        levels = loaded.config.flow.acoustic_codebook_size
-        acoustic = (acoustic * levels).astype(np.int64) + N_SPECIAL_AUDIO_CODES
     out = []
     for i in range(len(codes) if codes is not None else len(acoustic)):
         s = model.acoustic_transformer.semantic_code(h)
@@ -135,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         source = checkpoint(args.size, n_layers=args.layers, flow_layers=args.flow_layers)
     base = convert(source, "bf16")
-    noise = np.random.default_rng(args.seed).standard_normal((args.frames, 36))
-    noise = noise.astype(np.float32)
     if args.no_flow:
         return no_flow(args, source, base, argv)
+    noise = np.random.default_rng(args.seed).standard_normal((args.frames, 36))
+    noise = noise.astype(np.float32)
     ref = free_run(base, noise)
     if len(ref) != args.frames:
         raise SystemExit(f"the unquantized run stopped after {len(ref)} frames")
@@ -150,10 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'variant':<16} {'same history':>12} {'free-running':>12} "
         f"{'semantic same for':>18} {'all 37 same for':>16}"
     )
-    for name, kwargs in VARIANTS.items():
-        if args.only and name not in args.only:
-            continue
-        path = convert(source, name, **kwargs)
+    for name, path in selected_variants(source, args.only):
         forced = float(np.mean(teacher_forced(path, ref) == ref[:, 0]))
         gc.collect()
         codes = free_run(path, noise)
@@ -167,15 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         table.append(
             (name, f"{forced:.1%}", f"{free:.1%}", f"{first} frames", f"{first_any} frames")
         )
-        gc.collect()
-        mx.clear_cache()
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.record:
-        from benchmarks.common import record
-
-        record(
+        record_table(
             f"Quantized semantic-code agreement ({source.name}, {args.frames} frames)",
-            "python benchmarks/quant_agreement.py " + " ".join(argv or sys.argv[1:]),
+            argv,
             table,
             "Agreement with the unquantized (bf16) checkpoint, float32 compute, same injected "
             "noise. Same history: the next semantic code given the unquantized run's codes "
@@ -189,28 +194,21 @@ def no_flow(args: argparse.Namespace, source: Path, base: Path, argv: list[str] 
     from voxtral_mlx.config import N_SPECIAL_AUDIO_CODES
 
     uniform = np.random.default_rng(args.seed).random((args.frames, 36))
-    own = teacher_forced(base, None, uniform)
     levels = json.loads((source / "params.json").read_text())
     levels = levels["multimodal"]["audio_model_args"]["acoustic_codebook_size"]
     acoustic = (uniform * levels).astype(np.int64) + N_SPECIAL_AUDIO_CODES
+    own = teacher_forced(base, None, acoustic)
     history = np.concatenate([own[:, None], acoustic], axis=1)
     print(f"{source.name}: random weights, {args.frames} frames, float32 compute, no flow head")
     table = [("variant", "same history")]
-    for name, kwargs in VARIANTS.items():
-        if args.only and name not in args.only:
-            continue
-        path = convert(source, name, **kwargs)
+    for name, path in selected_variants(source, args.only):
         forced = float(np.mean(teacher_forced(path, history) == own))
         print(f"{name:<16} {forced:>12.1%}", flush=True)
         table.append((name, f"{forced:.1%}"))
-        gc.collect()
-        mx.clear_cache()
     if args.record:
-        from benchmarks.common import record
-
-        record(
+        record_table(
             f"Quantized semantic-code agreement ({source.name}, {args.frames} frames, no flow)",
-            "python benchmarks/quant_agreement.py " + " ".join(argv or sys.argv[1:]),
+            argv,
             table,
             "Same history: the unquantized model's own greedy semantic codes with random "
             "acoustic codes; the fraction of frames where the variant predicts "

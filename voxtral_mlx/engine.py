@@ -152,8 +152,8 @@ class Engine:
             ids = self._prefix_ids[: self._voice_start] + [self._prefix_ids[self._voice_start]] * n
             ids += self._prefix_ids[self._voice_start + 1 :]
             store = self.prefix_store if self.prefix_cache_voices > 0 else None
-            disk_key = store.key(ids, job.voice_rows) if store is not None else None
             if store is not None:
+                disk_key = store.key(ids, job.voice_rows)
                 a = self.model.args
                 shape = (1, a.n_kv_heads, len(ids), a.head_dim)
                 cached = store.load(disk_key, len(self.model.layers), shape, job.voice_rows.dtype)

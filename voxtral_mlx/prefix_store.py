@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import os
-import secrets
 import struct
 import warnings
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .fileio import one_line
+from .fileio import atomic_write, one_line
 from .model.cache import KVCache
 
 FORMAT = "voxtral_mlx.prefix/1"
@@ -117,19 +116,15 @@ class PrefixStore:
 
     def save(self, key: str, caches: list[KVCache]) -> None:
         """Store ``caches`` (evaluated) under ``key``, atomically; prune the oldest files."""
-        path = self._path(key)
-        tmp = path.with_name(f".{path.stem}.{secrets.token_hex(6)}.tmp.safetensors")
         arrays = {}
         for i, cache in enumerate(caches):
             arrays[f"keys.{i}"], arrays[f"values.{i}"] = cache.state
+        meta = {"format": FORMAT, "key": key}
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            mx.save_safetensors(str(tmp), arrays, metadata={"format": FORMAT, "key": key})
-            os.replace(tmp, path)
+            atomic_write(self._path(key), lambda f: mx.save_safetensors(f, arrays, metadata=meta))
             self._prune()
         except (OSError, RuntimeError, ValueError) as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             if not self._warned:
                 self._warned = True
                 warnings.warn(
