@@ -8,7 +8,11 @@ like. Times are wall-clock per decoded frame (80 ms of audio), evaluated at ever
 boundary as a player would; streaming times are steady state (chunks from frame 16 on).
 
     python benchmarks/codec_bench.py [--configs tiny full] [--frames N] [--slow-frames N]
-        [--dtype float32]
+        [--dtype float32] [--streams 4]
+
+The "streams" rows decode several concurrent streams one frame at a time, as the engine
+does for a batch of streaming requests: one batched step for all of them
+(``CodecDecoder.decode_chunks``) against one step per stream.
 """
 
 from __future__ import annotations
@@ -80,6 +84,27 @@ def ours_stream(dec: CodecDecoder, codes: mx.array, chunk: int, timed_from: int)
     return mx.concatenate(parts, axis=1), ms / n
 
 
+def ours_streams(dec: CodecDecoder, codes: mx.array, streams: int, together: bool, timed_from: int):
+    """``streams`` concurrent streams (different codes), chunk 1, as the engine serves them:
+    one :meth:`decode_chunks` call per frame (``together``) or one ``decode_chunk`` call per
+    stream. Returns the first stream's audio and ms per frame per stream."""
+    rows = [mx.roll(codes, 7 * i, axis=1) for i in range(streams)]
+    states = [dec.new_state() for _ in range(streams)]
+    parts, ms = [], 0.0
+    for s in range(codes.shape[1]):
+        start = time.perf_counter()
+        chunks = [(r[:, s : s + 1], st) for r, st in zip(rows, states)]
+        if together:
+            audio = dec.decode_chunks(chunks)
+        else:
+            audio = [dec.decode_chunk(c, st) for c, st in chunks]
+        mx.eval(audio)
+        if s >= timed_from:
+            ms += (time.perf_counter() - start) * 1e3
+        parts.append(audio[0])
+    return mx.concatenate(parts, axis=1), ms / ((codes.shape[1] - timed_from) * streams)
+
+
 def ref_stream(ref, codes: mx.array, chunk: int, timed_from: int, spf: int, skip: bool = False):
     """mlx-audio's streaming: each chunk re-decoded with up to 16 frames of left context.
 
@@ -106,7 +131,7 @@ def one_shot(decode, codes: mx.array):
     return out, (time.perf_counter() - start) * 1e3 / codes.shape[1]
 
 
-def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype) -> list[tuple]:
+def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype, streams: int) -> list[tuple]:
     """Streaming times are steady state: only chunks that start at frame >= 16 (whole
     mlx-audio context, full attention windows) are timed."""
     config, ours, ref, n_params = build(size, dtype)
@@ -123,6 +148,11 @@ def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype) -> list[tup
     s1, ms = ours_stream(ours, few, 1, steady)
     rows.append((label, "ours: streaming, chunk 1 (exact state)", slow_frames - steady, ms))
     from25 = -(-steady // 25) * 25
+    n = slow_frames - steady
+    alone, ms = ours_streams(ours, few, streams, False, steady)
+    rows.append((label, f"ours: {streams} streams, chunk 1, one call each", n * streams, ms))
+    together, ms = ours_streams(ours, few, streams, True, steady)
+    rows.append((label, f"ours: {streams} streams, chunk 1, decoded together", n * streams, ms))
     s25, ms = ours_stream(ours, codes, 25, from25)
     rows.append((label, "ours: streaming, chunk 25 (exact state)", frames - from25, ms))
     one, ms = one_shot(ours.decode, codes)
@@ -142,6 +172,7 @@ def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype) -> list[tup
     n1 = slow_frames * spf
     print(f"[{size}] ours one-shot vs mlx-audio one-shot: {err(one, ref_full)}")
     print(f"[{size}] ours chunk-1 stream vs ours one-shot: {err(s1, one[:, :n1])}")
+    print(f"[{size}] {streams} streams together vs alone: {err(together, alone)}")
     print(f"[{size}] ours chunk-25 stream vs ours one-shot: {err(s25, one)}")
     print(f"[{size}] mlx-audio re-decode chunk 25 vs its one-shot (seams): {err(r25, ref_full)}")
     return rows
@@ -158,6 +189,7 @@ def main() -> None:
     )
     parser.add_argument("--frames", type=int, help="frames for the chunk-25 and one-shot runs")
     parser.add_argument("--slow-frames", type=int, help="frames for the chunk-1 runs")
+    parser.add_argument("--streams", type=int, default=4, help="concurrent streams")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
@@ -168,7 +200,7 @@ def main() -> None:
         slow = min(frames, args.slow_frames or DEFAULT_FRAMES[size][1])
         if slow <= MLX_AUDIO_CONTEXT or frames < 2 * 25:
             parser.error("need --slow-frames > 16 and --frames >= 50 (steady state is timed)")
-        rows += bench(size, frames, slow, dtype)
+        rows += bench(size, frames, slow, dtype, args.streams)
 
     print(f"\nbackend: {mx.default_device()}; real time = {FRAME_MS:.0f} ms per frame\n")
     head = ("config", "method", "frames", "ms/frame", "x real time")

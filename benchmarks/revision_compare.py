@@ -4,6 +4,11 @@ Used to record before/after figures of hot-path changes. Each revision runs in i
 subprocess (``PYTHONPATH`` = its tree), alternating, so machine load hits both alike.
 
     python benchmarks/revision_compare.py BEFORE_TREE AFTER_TREE [--config tiny|wide]
+                                          [--streams N]
+
+With ``--streams N``: N concurrent streaming requests (one-frame chunks, each from its own
+thread, as a server or an app with several voices makes them) served as one batch; the
+figure is wall time per batch frame.
 """
 
 from __future__ import annotations
@@ -35,6 +40,27 @@ out = [1000 * (run(n2) - run(n1)) / (n2 - n1) for _ in range(repeats)]
 print(json.dumps(out))
 """
 
+STREAMS_CHILD = """
+import json, sys, threading, time
+import voxtral_mlx
+path, text, voice = sys.argv[1:4]
+n1, n2, repeats, streams = (int(a) for a in sys.argv[4:8])
+tts = voxtral_mlx.load(path)
+def one(i):
+    for _ in tts.stream(text, voice, seed=i, chunk_frames=1, max_frames=n2):
+        pass
+def run():
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return 1000 * (time.perf_counter() - t0) / n2
+run()
+print(json.dumps([run() for _ in range(repeats)]))
+"""
+
 CONFIGS = {"tiny": ("tiny", None, None, 8, 40), "wide": ("wide", 2, 3, 1, 3)}
 
 
@@ -44,16 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("after")
     parser.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=0, help="concurrent streaming requests")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
+    child = STREAMS_CHILD if args.streams else CHILD
     size, layers, flow_layers, n1, n2 = CONFIGS[args.config]
     path = checkpoint(size, n_layers=layers, flow_layers=flow_layers)
     results: dict[str, list[float]] = {"before": [], "after": []}
+    child_args = [str(path), TEXT, VOICE, str(n1), str(n2), "3", str(args.streams)]
     for _ in range(args.rounds):
         for label in ("before", "after"):
             tree = getattr(args, label)
             proc = subprocess.run(
-                [sys.executable, "-c", CHILD, str(path), TEXT, VOICE, str(n1), str(n2), "3"],
+                [sys.executable, "-c", child, *child_args],
                 env={**os.environ, "PYTHONPATH": tree},
                 capture_output=True,
                 text=True,
@@ -62,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             results[label] += json.loads(proc.stdout.strip().splitlines()[-1])
     before, after = (statistics.median(results[k]) for k in ("before", "after"))
     rows = [
-        ("revision", "ms/frame (median)", "runs"),
+        ("revision", "ms per batch frame" if args.streams else "ms/frame", "runs (median)"),
         (f"before ({args.before})", f"{before:.1f}", str(len(results["before"]))),
         (f"after ({args.after})", f"{after:.1f}", str(len(results["after"]))),
         ("after / before", f"{after / before:.2f}", ""),
@@ -72,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_record:
         print(
             record(
-                f"Lean frame step, before/after ({args.config})",
+                f"Lean frame step, before/after ({args.config}"
+                + (f", {args.streams} concurrent streams)" if args.streams else ")"),
                 "python benchmarks/revision_compare.py " + " ".join(argv or sys.argv[1:]),
                 rows,
             )

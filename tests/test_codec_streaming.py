@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from voxtral_mlx.checkpoint import sanitize
 from voxtral_mlx.config import ModelConfig
+from voxtral_mlx.errors import InputError
 from voxtral_mlx.model.codec import CodecDecoder, CodecState
 from voxtral_mlx.synthetic.checkpoint import make_params, random_weights
 
@@ -201,3 +202,47 @@ def test_compiled_steady_step_equals_uncompiled(setup, chunk):
     got, _ = _stream(decoder, codes[:, :60], [chunk])
     want, _ = _stream(plain, codes[:, :60], [chunk])
     assert _max_diff(got, want) == 0.0
+
+
+def test_decode_chunks_batches_streams_in_step_and_equals_each_alone(setup, monkeypatch):
+    """Five streams starting at different frames with different chunk sizes: each equals
+    its own one-shot decode, and streams in the same phase share one step."""
+    config, decoder, _, _ = setup
+    streams = [_codes(config, 30 + i, 40) for i in range(5)]
+    starts = [0, 0, 1, 3, 3]  # the frame at which each stream begins
+    sizes = [1, 1, 1, 2, 1]  # frames per chunk
+    states = [decoder.new_state() for _ in streams]
+    done, outs = [0] * 5, [[] for _ in streams]
+    batches = []
+    real = decoder.decode_chunk
+
+    def spy(codes, state):
+        batches.append(codes.shape[0])
+        return real(codes, state)
+
+    monkeypatch.setattr(decoder, "decode_chunk", spy)
+    for tick in range(60):
+        due = [
+            i for i in range(5) if tick >= starts[i] and done[i] < 40 and tick % sizes[i] == 0
+        ]
+        if not due:
+            continue
+        chunks = [(streams[i][:, done[i] : done[i] + sizes[i]], states[i]) for i in due]
+        for i, audio in zip(due, decoder.decode_chunks(chunks)):
+            mx.eval(audio)
+            outs[i].append(audio)
+            done[i] += sizes[i]
+    # Once their windows are full, the four one-frame streams step together.
+    assert max(batches) == 4 and sum(batches) == sum(len(o) for o in outs)
+    for i, stream in enumerate(streams):
+        assert states[i].position == 40
+        assert _max_diff(mx.concatenate(outs[i], axis=1), decoder.decode(stream)) <= TOL
+
+
+def test_decode_chunks_refuses_a_state_twice(setup):
+    config, decoder, _, _ = setup
+    state = decoder.new_state()
+    codes = _codes(config, 40, 2)
+    with pytest.raises(InputError, match="only one chunk"):
+        decoder.decode_chunks([(codes[:, :1], state), (codes[:, 1:], state)])
+    assert state.position == 0

@@ -274,23 +274,28 @@ class Engine:
     def _decode(self, first_chunks: bool) -> list[tuple[Job, mx.array, mx.array, bool]]:
         """Queue the decoding of every job's due chunk: ``(job, codes, audio, final)``.
 
-        With ``first_chunks``, only jobs that have not produced audio yet.
+        With ``first_chunks``, only jobs that have not produced audio yet. The due chunks
+        of all jobs go to the codec together, which batches those in step with each other.
         """
-        ready = []
+        ready: list[tuple[Job, mx.array | None, mx.array | None, bool]] = []
+        due: list[int] = []
         for key, job in list(self._jobs.items()):
             if first_chunks and job._next_index:
                 continue
             n, final = len(job._codes), job.seq.finished
             if n and (n >= job.chunk_frames or final):
-                codes = mx.stack(job._codes)
+                due.append(len(ready))
+                ready.append((job, mx.stack(job._codes), None, final))
                 job._codes = []
                 job._next_index += n
-                audio = self.model.audio_tokenizer.decode_chunk(codes[None], job._codec_state)
-                ready.append((job, codes, audio[0].astype(mx.float32), final))
             elif final:
                 ready.append((job, None, None, True))
             if final:
                 del self._jobs[key]
+        chunks = [(ready[i][1][None], ready[i][0]._codec_state) for i in due]
+        for i, audio in zip(due, self.model.audio_tokenizer.decode_chunks(chunks)):
+            job, codes, _, final = ready[i]
+            ready[i] = (job, codes, audio[0].astype(mx.float32), final)
         return ready
 
     def _deliver(self, ready: list[tuple[Job, mx.array, mx.array, bool]]) -> None:

@@ -211,6 +211,43 @@ class CodecDecoder(nn.Module):
         state.position += t
         return y
 
+    def decode_chunks(self, chunks: list[tuple[mx.array, CodecState]]) -> list[mx.array]:
+        """:meth:`decode_chunk` for several streams at once: ``[(codes, state), ...]`` ->
+        their audio, in order, each state updated in place.
+
+        Streams whose chunks have the same length and whose states are in the same phase
+        (first chunk or not, attention windows filled alike, so the masks are equal) run as
+        one batch: one step for all of them instead of one each. Equal to decoding each
+        stream alone up to the rounding of batched matrix products.
+        """
+        if len({id(state) for _, state in chunks}) != len(chunks):
+            raise InputError("a codec state can take only one chunk per decode_chunks() call")
+        checked = [(self._check_codes(codes, state.batch), state) for codes, state in chunks]
+        groups: dict[tuple, list[int]] = {}
+        for i, (codes, state) in enumerate(checked):
+            groups.setdefault(self._phase(codes.shape[1], state), []).append(i)
+        out: list[mx.array | None] = [None] * len(checked)
+        for members in groups.values():
+            if len(members) == 1:
+                out[members[0]] = self.decode_chunk(*checked[members[0]])
+                continue
+            states = [checked[i][1] for i in members]
+            merged = _concat_states(states)
+            codes = mx.concatenate([checked[i][0] for i in members])
+            audio = self.decode_chunk(codes, merged)
+            start, steps = 0, codes.shape[1]
+            for i, state in zip(members, states):
+                out[i] = audio[start : start + state.batch]
+                _take_rows(merged, start, state, steps)
+                start += state.batch
+        return out
+
+    def _phase(self, t: int, state: CodecState) -> tuple:
+        """What the step's graph and masks depend on besides the batch size."""
+        plan = self._plan
+        filled = tuple(min(state.position * r, w) for r, w in zip(plan.rates, plan.windows))
+        return t, state.position == 0, filled
+
     def prepare(self, compile: bool = True) -> None:
         """Compile the streaming step (after the weights are loaded): one function for a
         stream's first chunk (start padding), one for the others."""
@@ -336,3 +373,37 @@ class CodecDecoder(nn.Module):
                 parts.append(part)
             audio = mx.concatenate(parts, axis=1)
         return audio[0] if single else audio
+
+
+def _concat_states(states: list[CodecState]) -> CodecState:
+    """One state holding the rows of ``states`` in order (at the first one's position;
+    the caller groups states whose masks agree)."""
+
+    def cat(arrays: list[mx.array]) -> mx.array:
+        return mx.concatenate(arrays, axis=0)
+
+    first = states[0]
+    return CodecState(
+        sum(s.batch for s in states),
+        [cat([s.conv[i] for s in states]) for i in range(len(first.conv))],
+        [
+            [cat([s.keys[i][j] for s in states]) for j in range(len(first.keys[i]))]
+            for i in range(len(first.keys))
+        ],
+        [
+            [cat([s.values[i][j] for s in states]) for j in range(len(first.values[i]))]
+            for i in range(len(first.values))
+        ],
+        cat([s.output for s in states]),
+        first.position,
+    )
+
+
+def _take_rows(merged: CodecState, start: int, state: CodecState, steps: int) -> None:
+    """Give ``state`` its rows of ``merged`` after ``merged`` decoded ``steps`` frames."""
+    rows = slice(start, start + state.batch)
+    state.conv = [c[rows] for c in merged.conv]
+    state.keys = [[k[rows] for k in ks] for ks in merged.keys]
+    state.values = [[v[rows] for v in vs] for vs in merged.values]
+    state.output = merged.output[rows]
+    state.position += steps
