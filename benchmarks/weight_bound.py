@@ -21,7 +21,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from common import TEXT, VOICE, label, median_time, record, resolve
+from common import TEXT, VOICE, is_narrow, label, median_time, record, resolve
 
 from voxtral_mlx.tts import SYNTH_CHUNK_FRAMES
 
@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
     path = resolve(args.config, CONFIGS)
-    n1, n2 = CONFIGS[args.config][3:] if args.config in CONFIGS else (1, 3)
+    if args.config in CONFIGS:
+        n1, n2 = CONFIGS[args.config][3:]
+    else:  # a directory: as frame_speed.py chooses
+        n1, n2 = (8, 40) if is_narrow(path) else (1, 3)
     tts = voxtral_mlx.load(path)
     noise = np.random.default_rng(0).standard_normal((n2, 36)).astype(np.float32)
 
