@@ -222,9 +222,7 @@ def test_decode_chunks_batches_streams_in_step_and_equals_each_alone(setup, monk
 
     monkeypatch.setattr(decoder, "decode_chunk", spy)
     for tick in range(60):
-        due = [
-            i for i in range(5) if tick >= starts[i] and done[i] < 40 and tick % sizes[i] == 0
-        ]
+        due = [i for i in range(5) if tick >= starts[i] and done[i] < 40 and tick % sizes[i] == 0]
         if not due:
             continue
         chunks = [(streams[i][:, done[i] : done[i] + sizes[i]], states[i]) for i in due]

@@ -45,10 +45,15 @@ def load(
     ``prefixes`` folder of ``$VOXTRAL_MLX_CACHE`` or ``~/.cache/voxtral_mlx``; None: memory
     only), so the first request with a voice skips its prefill; see
     :mod:`voxtral_mlx.prefix_store`.
+
+    On a Mac, the weights are kept resident in GPU memory while requests run (see
+    :mod:`voxtral_mlx.residency`); a model larger than the GPU can keep resident loads with
+    a :class:`~voxtral_mlx.residency.MemoryWarning`.
     """
     from .hub import resolve_model_dir
     from .loader import load_model_dir
     from .prefix_store import PrefixStore, model_fingerprint
+    from .residency import Residency
     from .tokenizer import default_cache_dir
     from .worker import Worker
 
@@ -71,4 +76,6 @@ def load(
     except BaseException:
         worker.close()
         raise
-    return VoxtralTTS(loaded, worker, max_batch=max_batch, prefix_store=store)
+    residency = Residency(loaded.weight_bytes)
+    residency.check_fit()
+    return VoxtralTTS(loaded, worker, max_batch=max_batch, prefix_store=store, residency=residency)

@@ -21,6 +21,7 @@ from .generate import FrameBatch, Sequence, prefill
 from .model.cache import KVCache
 from .model.voxtral import VoxtralModel
 from .prefix_store import PrefixStore
+from .residency import Residency
 
 PREFIX_CACHE_VOICES = 8
 
@@ -121,8 +122,10 @@ class Engine:
         voice_start: int,
         max_batch: int = 4,
         prefix_store: PrefixStore | None = None,
+        residency: Residency | None = None,
     ):
         self.model = model
+        self.residency = residency
         self.prefix_store = prefix_store
         self._pending_saves: list[tuple[str, list[KVCache]]] = []
         self.max_batch = max_batch
@@ -230,9 +233,13 @@ class Engine:
 
     def pump(self) -> bool:
         """One frame for every running job (admitting waiting ones first). Returns False
-        when there is nothing left to do. An error fails every running job, not the thread."""
+        when there is nothing left to do. An error fails every running job, not the thread.
+        Weights are kept resident on the GPU (:mod:`~voxtral_mlx.residency`) from the first
+        job until the engine is idle again."""
+        if self.residency is not None and (self._jobs or self._waiting):
+            self.residency.acquire()
         try:
-            return self._pump()
+            busy = self._pump()
         except Exception as e:
             failed = {id(j): j for j in [*self._jobs.values(), *self._waiting]}
             failed.update((id(r[0]), r[0]) for r in self._inflight)
@@ -244,7 +251,10 @@ class Engine:
             self._waiting.clear()
             self._inflight = []
             self._batch = FrameBatch(self.model)
-            return False
+            busy = False
+        if not busy and self.residency is not None:
+            self.residency.release()
+        return busy
 
     def _pump(self) -> bool:
         """One frame: END check, then the next frame queued before this one is decoded.

@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .checkpoint import (
     QUANT_BITS,
@@ -77,6 +78,11 @@ class LoadedModel:
     path: Path
     layout: str = "mistral"
     quantized: dict[str, QuantSpec] = field(default_factory=dict)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter as loaded (packed quantized weights included)."""
+        return sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
 
 
 def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:

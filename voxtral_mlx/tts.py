@@ -21,6 +21,7 @@ from .generate import NoiseSource, Sequence, check_seed
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA
 from .prefix_store import PrefixStore
+from .residency import Residency
 from .segment import Segment, split_text
 from .textstream import AsyncTextStream, TextStream
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
@@ -67,6 +68,7 @@ class VoxtralTTS:
         worker: Worker,
         max_batch: int = 4,
         prefix_store: PrefixStore | None = None,
+        residency: Residency | None = None,
     ):
         self.worker = worker
         self.model = loaded.model
@@ -84,8 +86,11 @@ class VoxtralTTS:
             prefix.index(self.config.audio_token_id),
             max_batch=max_batch,
             prefix_store=prefix_store,
+            residency=residency,
         )
         worker.pump = self.engine.pump
+        if residency is not None:
+            worker.on_close = residency.release
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the model's worker thread and return its result.

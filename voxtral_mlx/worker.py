@@ -9,6 +9,7 @@ thread that loads it, generates, decodes and batches every request. Callers in a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import weakref
@@ -42,6 +43,7 @@ class Worker:
             queue.SimpleQueue()
         )
         self.pump: Callable[[], bool] = lambda: False
+        self.on_close: Callable[[], None] = lambda: None  # run on the thread before it parks
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._busy = False
         self._closed = False
@@ -89,6 +91,8 @@ class Worker:
                 item = ...
             if item is None:
                 self.pump = lambda: False
+                with contextlib.suppress(Exception):  # the thread must park regardless
+                    self.on_close()
                 self._parked.set()
                 threading.Event().wait()
             if item is not ...:
