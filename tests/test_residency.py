@@ -160,10 +160,32 @@ def test_a_refused_limit_disables_residency_with_one_warning(fake):
 
     fake.set_wired_limit = refuse
     r = Residency(1, backend=fake)
-    with pytest.warns(MemoryWarning, match="cannot keep the weights resident") as caught:
+    with pytest.warns(MemoryWarning, match="not kept resident.*macOS 15") as caught:
         r.acquire()
     assert len(caught) == 1 and not r.active
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         r.acquire()  # disabled: no second attempt, no second warning
         r.release()
+
+
+def test_residency_problems_never_stop_generation(fake):
+    def broken_info() -> dict:
+        raise AttributeError("device_info")
+
+    fake.device_info = broken_info
+    with pytest.warns(MemoryWarning, match="no GPU memory budget"):
+        r = Residency(1, backend=fake)
+    assert not r.active
+
+    fake.device_info = lambda: {"max_recommended_working_set_size": BUDGET}
+    r = Residency(1, backend=fake)
+    r.acquire()
+
+    def refuse(limit: int) -> int:
+        raise RuntimeError("busy")
+
+    fake.set_wired_limit = refuse
+    with pytest.warns(MemoryWarning, match="could not be restored: busy"):
+        r.release()
+    r.release()  # released once only

@@ -31,6 +31,11 @@ def _device_info(backend: Any) -> dict[str, Any]:
     return dict(info())
 
 
+def _warn(what: str, error: BaseException) -> None:
+    detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+    warnings.warn(MemoryWarning(f"{what}: {detail}"), stacklevel=3)
+
+
 class _Wiring:
     """The process-wide wired limit, raised while at least one holder runs."""
 
@@ -56,9 +61,13 @@ class Residency:
         self._held = False
         self.limit = 0  # bytes the GPU can keep resident; 0 off Metal
         self.model_bytes = model_bytes
-        if not backend.metal.is_available():
+        metal = getattr(backend, "metal", None)
+        if metal is None or not metal.is_available():
             return
-        self.limit = int(_device_info(backend).get("max_recommended_working_set_size", 0))
+        try:
+            self.limit = int(_device_info(backend).get("max_recommended_working_set_size", 0))
+        except Exception as e:  # an MLX without the query: generate without residency
+            _warn("weights not kept resident (no GPU memory budget)", e)
 
     @property
     def active(self) -> bool:
@@ -88,11 +97,7 @@ class Residency:
                     _WIRING.previous = self._backend.set_wired_limit(self.limit)
                 except Exception as e:  # e.g. macOS before 15: generate without it
                     self.limit = 0
-                    first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-                    warnings.warn(
-                        MemoryWarning(f"cannot keep the weights resident ({first_line})"),
-                        stacklevel=2,
-                    )
+                    _warn("weights not kept resident (wired limit refused)", e)
                     return
             _WIRING.holders += 1
         self._held = True
@@ -105,5 +110,8 @@ class Residency:
         with _WIRING.lock:
             _WIRING.holders -= 1
             if _WIRING.holders == 0:
-                self._backend.synchronize()  # nothing in flight relies on wired buffers
-                self._backend.set_wired_limit(_WIRING.previous)
+                try:
+                    self._backend.synchronize()  # nothing in flight relies on wired buffers
+                    self._backend.set_wired_limit(_WIRING.previous)
+                except Exception as e:
+                    _warn("the previous wired memory limit could not be restored", e)
