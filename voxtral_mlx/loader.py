@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .checkpoint import (
     QUANT_BITS,
@@ -51,6 +51,7 @@ from .mlx_layout import (
     uses_mlx_audio_names,
     weight_files,
 )
+from .model.layers import Float32QuantizedLinear
 from .model.voxtral import VoxtralModel
 from .tokenizer import TekkenTokenizer
 from .voices import VoiceRegistry
@@ -323,12 +324,21 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_params(params)
 
 
-def _quantize_model(model: nn.Module, quantized: Mapping[str, QuantSpec]) -> None:
+def _quantize_model(
+    model: nn.Module, quantized: Mapping[str, QuantSpec], compute_dtype: mx.Dtype
+) -> None:
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
         spec = quantized.get(path)
         return False if spec is None else spec.as_dict()
 
     nn.quantize(model, class_predicate=predicate)
+    if mx.default_device() == mx.cpu and compute_dtype != mx.float32:
+        exact = [
+            (path, Float32QuantizedLinear.from_quantized(m))
+            for path, m in model.named_modules()
+            if type(m) is nn.QuantizedLinear
+        ]
+        model.update_modules(tree_unflatten(exact))
     missing = sorted(set(quantized) - {p for p, m in model.named_modules() if hasattr(m, "scales")})
     if missing:  # verified tensors for a module that cannot be quantized (not Linear/Embedding)
         raise CheckpointError(
@@ -352,7 +362,7 @@ def load_model_dir(model_dir: Path, dtype: str | mx.Dtype | None = None) -> Load
         config, semantic_rows=weights.rows(SEMANTIC_HEAD), audio_rows=weights.rows(AUDIO_TABLE)
     )
     if weights.quantized:
-        _quantize_model(model, weights.quantized)
+        _quantize_model(model, weights.quantized, compute_dtype)
     try:
         model.load_weights(list(params.items()), strict=True)
     except ValueError as e:  # shapes were verified; this guards the renames themselves
