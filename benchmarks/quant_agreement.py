@@ -3,9 +3,10 @@
 A random checkpoint (END suppressed, bf16 as published) is converted with ``voxtral-mlx
 convert`` unquantized and at 4 / 6 / 8 bits (flow head at its default of >= 8 bits, and at
 the backbone's bits as mlx-community does). Every variant generates ``--frames`` frames from
-the same prompt and the same injected noise, computing in float32 (bf16 activations through
-quantized matmuls are off by several percent on the CPU backend), and is compared with the
-unquantized run:
+the same prompt and the same injected noise, computing in float32 (``--dtype bfloat16``: as
+on a Mac; on the CPU backend voxtral_mlx gives quantized layers float32 activations, since
+MLX's CPU quantized product is off by several percent with bf16 ones), and is compared with
+the unquantized run:
 
 * same history: each variant is fed the unquantized run's codes (teacher forcing) and predicts
   the next semantic code; the fraction that agrees measures the per-frame error;
@@ -18,7 +19,7 @@ affordable on a CPU): the unquantized model's own greedy semantic codes with ran
 codes; only "same history" is reported then.
 
 Usage: python benchmarks/quant_agreement.py [--size tiny|wide | --model DIR] [--frames 200]
-                                           [--no-flow]
+                                           [--no-flow] [--dtype float32|bfloat16]
 Prints the figures; writes nothing but the (cached) checkpoints.
 """
 
@@ -81,17 +82,19 @@ def record_table(title: str, argv: list[str] | None, table: list, notes: str) ->
     record(title, command, table, notes)
 
 
-def free_run(path: Path, noise: np.ndarray) -> np.ndarray:
+def free_run(path: Path, noise: np.ndarray, dtype: str) -> np.ndarray:
     import voxtral_mlx
 
-    tts = voxtral_mlx.load(path, dtype="float32")
+    tts = voxtral_mlx.load(path, dtype=dtype)
     try:
         return tts.synthesize(TEXT, VOICE, noise=noise, max_frames=len(noise)).codes
     finally:
         getattr(tts, "close", lambda: None)()
 
 
-def teacher_forced(path: Path, codes: np.ndarray, acoustic: np.ndarray | None = None) -> np.ndarray:
+def teacher_forced(
+    path: Path, codes: np.ndarray | None, dtype: str, acoustic: np.ndarray | None = None
+) -> np.ndarray:
     """Semantic code predicted at each frame when ``codes`` are the history.
 
     With ``acoustic`` (``[frames, 36]`` acoustic codes) and ``codes`` None, the history is
@@ -99,7 +102,7 @@ def teacher_forced(path: Path, codes: np.ndarray, acoustic: np.ndarray | None = 
     from voxtral_mlx.loader import load_model_dir
     from voxtral_mlx.tokenizer import speech_prompt_ids
 
-    loaded = load_model_dir(path, "float32")
+    loaded = load_model_dir(path, dtype)
     model = loaded.model
     voice = loaded.voices.get_voice(VOICE)
     rows = loaded.voices.embedding(VOICE, loaded.dtype)
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="history from the semantic head with random acoustic codes; same-history only",
     )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     table = [("variant", "same history", "free-running", "semantic same for", "all 37 same for")]
@@ -151,11 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         return no_flow(args, source, base, argv)
     noise = np.random.default_rng(args.seed).standard_normal((args.frames, 36))
     noise = noise.astype(np.float32)
-    ref = free_run(base, noise)
+    ref = free_run(base, noise, args.dtype)
     if len(ref) != args.frames:
         raise SystemExit(f"the unquantized run stopped after {len(ref)} frames")
     print(
-        f"{source.name}: random weights, {args.frames} frames, float32 compute, "
+        f"{source.name}: random weights, {args.frames} frames, {args.dtype} compute, "
         "agreement of semantic codes with the unquantized run"
     )
     print(
@@ -163,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{'semantic same for':>18} {'all 37 same for':>16}"
     )
     for name, path in selected_variants(source, args.only):
-        forced = float(np.mean(teacher_forced(path, ref) == ref[:, 0]))
+        forced = float(np.mean(teacher_forced(path, ref, args.dtype) == ref[:, 0]))
         gc.collect()
-        codes = free_run(path, noise)
+        codes = free_run(path, noise, args.dtype)
         n = min(len(codes), len(ref))
         same = codes[:n, 0] == ref[:n, 0]
         first = n if same.all() else int(np.argmin(same))
@@ -179,13 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.record:
         record_table(
-            f"Quantized semantic-code agreement ({source.name}, {args.frames} frames)",
+            f"Quantized semantic-code agreement ({source.name}, {args.frames} frames, "
+            f"{args.dtype})",
             argv,
             table,
-            "Agreement with the unquantized (bf16) checkpoint, float32 compute, same injected "
-            "noise. Same history: the next semantic code given the unquantized run's codes "
-            "(the per-frame error; the issue's 95 % bar). Free-running: on random weights two "
-            "runs part for good at their first differing code. A proxy, not a quality claim.",
+            f"Agreement with the unquantized (bf16) checkpoint, {args.dtype} compute, same "
+            "injected noise. Same history: the next semantic code given the unquantized run's "
+            "codes (the per-frame error; the issue's 95 % bar). Free-running: on random weights "
+            "two runs part for good at their first differing code. A proxy, not a quality "
+            "claim.",
         )
     return 0
 
@@ -197,22 +203,23 @@ def no_flow(args: argparse.Namespace, source: Path, base: Path, argv: list[str] 
     levels = json.loads((source / "params.json").read_text())
     levels = levels["multimodal"]["audio_model_args"]["acoustic_codebook_size"]
     acoustic = (uniform * levels).astype(np.int64) + N_SPECIAL_AUDIO_CODES
-    own = teacher_forced(base, None, acoustic)
+    own = teacher_forced(base, None, args.dtype, acoustic)
     history = np.concatenate([own[:, None], acoustic], axis=1)
-    print(f"{source.name}: random weights, {args.frames} frames, float32 compute, no flow head")
+    print(f"{source.name}: random weights, {args.frames} frames, {args.dtype} compute, no flow")
     table = [("variant", "same history")]
     for name, path in selected_variants(source, args.only):
-        forced = float(np.mean(teacher_forced(path, history) == own))
+        forced = float(np.mean(teacher_forced(path, history, args.dtype) == own))
         print(f"{name:<16} {forced:>12.1%}", flush=True)
         table.append((name, f"{forced:.1%}"))
     if args.record:
         record_table(
-            f"Quantized semantic-code agreement ({source.name}, {args.frames} frames, no flow)",
+            f"Quantized semantic-code agreement ({source.name}, {args.frames} frames, no flow, "
+            f"{args.dtype})",
             argv,
             table,
             "Same history: the unquantized model's own greedy semantic codes with random "
             "acoustic codes; the fraction of frames where the variant predicts "
-            "the same next semantic code. Float32 compute. A proxy, not a quality claim.",
+            f"the same next semantic code. {args.dtype} compute. A proxy, not a quality claim.",
         )
     return 0
 
