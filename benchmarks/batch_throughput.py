@@ -14,11 +14,8 @@ import argparse
 import sys
 import time
 
-from common import VOICE, label, record, resolve
+from common import SENTENCES, VOICE, label, record, resolve
 
-SENTENCES = " ".join(
-    f"This is sentence number {i + 1}, and it carries a few words of its own." for i in range(20)
-)
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3), "full": ("full", None, None)}
 
 

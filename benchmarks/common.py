@@ -25,6 +25,10 @@ CACHE = Path(
 )
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs away."
 VOICE = "neutral_female"
+# A 20-sentence text for long-text figures (split into segments, batched).
+SENTENCES = " ".join(
+    f"This is sentence number {i + 1}, and it carries a few words of its own." for i in range(20)
+)
 
 
 def checkpoint(

@@ -6,6 +6,8 @@ mlx-audio's streaming mode (``generate(stream=True)``) on the same checkpoint in
 run, twice: as a user gets it (its default ``streaming_interval`` of 2 s, so the first chunk
 is 25 frames) and at its best (``streaming_interval=0.08``, one-frame chunks). The ratios to
 both are printed; the first is the target's ("mlx-audio's streaming first chunk").
+"Long text" is a 20-sentence text streamed with ``split=True`` (cached voice): its first
+segment's first audio, while the next segments are handed over and join the batch.
 
     python benchmarks/ttfa.py [--configs tiny,wide,CHECKPOINT_DIR] [--no-record]
                               [--no-default-interval]
@@ -20,6 +22,7 @@ import time
 
 import numpy as np
 from common import (
+    SENTENCES,
     TEXT,
     VOICE,
     injected_noise,
@@ -63,6 +66,13 @@ def measure(name: str, repeats: int, default_interval: bool = True) -> dict[str,
             time.sleep(0.001)
         return first_chunk_s(lambda: tts.stream(TEXT, VOICE, noise=noise, max_frames=8))
 
+    def ours_long() -> float:
+        while tts.call(lambda: tts.engine.busy):
+            time.sleep(0.001)
+        return first_chunk_s(
+            lambda: tts.stream(SENTENCES, VOICE, seed=0, split=True, max_chars=80, max_frames=8)
+        )
+
     ref = load_reference(path)
     reference_voice(ref, path, VOICE, ref.audio_codebook_embeddings["embeddings"].weight.dtype)
 
@@ -80,10 +90,12 @@ def measure(name: str, repeats: int, default_interval: bool = True) -> dict[str,
 
     ours(True)  # warm-ups: weights read, graphs compiled
     theirs(ONE_FRAME_S)
-    new, cached, ref_one, ref_default = [], [], [], []
+    ours_long()
+    new, cached, long, ref_one, ref_default = [], [], [], [], []
     for _ in range(repeats):  # interleaved, so drift in the machine's speed hits all alike
         new.append(ours(True))
         cached.append(ours(False))
+        long.append(ours_long())
         ref_one.append(theirs(ONE_FRAME_S))
         if default_interval:
             ref_default.append(theirs(DEFAULT_INTERVAL_S))
@@ -92,6 +104,7 @@ def measure(name: str, repeats: int, default_interval: bool = True) -> dict[str,
     return {
         "new": med(new),
         "cached": med(cached),
+        "long": med(long),
         "ref_one": med(ref_one),
         "ref_default": med(ref_default) if ref_default else float("nan"),
     }
@@ -113,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             "config",
             "ours, new voice",
             "ours, cached voice",
+            "ours, long text",
             "mlx-audio stream, default (2 s chunks)",
             "new / default",
             "cached / default",
@@ -135,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 label(name),
                 ms(m["new"]),
                 ms(m["cached"]),
+                ms(m["long"]),
                 ms(m["ref_default"]),
                 ratio(m["new"], m["ref_default"], 3),
                 ratio(m["cached"], m["ref_default"], 3),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import voxtral_mlx
+import voxtral_mlx.engine as engine_mod
 from voxtral_mlx.segment import split_text
 from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
 
@@ -76,6 +77,46 @@ def test_batched_segments_equal_sequential_synthesis(tts):
     )
     np.testing.assert_array_equal(whole.audio, np.concatenate([c.audio for c in chunks]))
     assert whole.seed == 100 and whole.timings.frames == 9 * len(segments)
+
+
+@pytest.mark.parametrize("mode", ["thread", "asyncio"])
+def test_the_first_segment_speaks_before_the_others_are_prefilled(tts, monkeypatch, mode):
+    """A long text hands its first segments to the worker in one task, and the engine
+    prefills one job per frame after delivering first chunks: the first segment's first
+    audio waits for neither the other segments' hand-over nor their prefill."""
+    events: list[str] = []
+    prefill, deliver, submit = engine_mod.prefill, tts.engine._deliver, tts.worker.submit
+
+    def recording_prefill(model, seq, *args):
+        events.append("prefill")
+        return prefill(model, seq, *args)
+
+    def recording_deliver(ready):
+        events.extend("audio" for _, _, audio, _ in ready if audio is not None)
+        return deliver(ready)
+
+    def recording_submit(fn):
+        events.append("task")
+        return submit(fn)
+
+    monkeypatch.setattr(engine_mod, "prefill", recording_prefill)
+    monkeypatch.setattr(tts.engine, "_deliver", recording_deliver)
+    monkeypatch.setattr(tts.worker, "submit", recording_submit)
+    kwargs = {"seed": 0, "split": True, "max_chars": 80, "max_frames": 3}
+    if mode == "thread":
+        chunks = list(tts.stream(STORY, VOICE, **kwargs))
+    else:
+
+        async def collect():
+            return [c async for c in tts.astream(STORY, VOICE, **kwargs)]
+
+        chunks = asyncio.run(collect())
+    assert len({c.segment for c in chunks}) == chunks[0].segments >= 4
+    tts.worker.call(lambda: None)
+    first_audio = events.index("audio")
+    assert events[:first_audio].count("prefill") == 1, events
+    assert events[:first_audio].count("task") == 1, events  # all four handed over at once
+    assert events.count("prefill") == chunks[0].segments
 
 
 def test_memory_stays_flat_over_a_long_text(tts):

@@ -160,10 +160,11 @@ def _segments(n: int) -> list[Segment]:
     return [Segment(f"Part {i}.", 0, 0, 0.4, f"Part {i}.") for i in range(n)]
 
 
-def _answer(job: FakeJob) -> None:
-    if not job.cancelled:
-        job.put_chunk(final=True)
-        job.output.put(DONE)
+def _answer(jobs: list[FakeJob]) -> None:
+    for job in jobs:
+        if not job.cancelled:
+            job.put_chunk(final=True)
+            job.output.put(DONE)
 
 
 def test_cancel_while_a_segment_job_is_being_made_cancels_that_job_too():
@@ -230,7 +231,7 @@ def test_no_pause_is_returned_after_cancel():
         made.append(FakeJob(i))
         return made[-1]
 
-    stream = TextStream(lambda job: None, make_job, _segments(3), 24000, 1, None)
+    stream = TextStream(lambda jobs: None, make_job, _segments(3), 24000, 1, None)
     made[0].put_chunk(final=True)  # segment 0 is complete but for its DONE
     first = next(stream)
     stream.cancel()  # its DONE arrives: no pause (and nothing else) should follow
@@ -250,7 +251,7 @@ def test_interrupted_wait_cancels_the_segments_generating_ahead():
         made[-1].output = Interrupting()
         return made[-1]
 
-    stream = TextStream(lambda job: None, make_job, _segments(5), 24000, 4, None)
+    stream = TextStream(lambda jobs: None, make_job, _segments(5), 24000, 4, None)
     with pytest.raises(KeyboardInterrupt):
         next(stream)
     assert len(made) == 4 and all(j.cancelled for j in made)
@@ -276,9 +277,10 @@ def test_a_failed_segment_reaches_say_wait_and_stops_the_others():
         made.append(FakeJob(i))
         return made[-1]
 
-    def submit(job):
-        if job.i == 0:
-            job.output.put(RuntimeError("the codec failed"))
+    def submit(jobs):
+        for job in jobs:
+            if job.i == 0:
+                job.output.put(RuntimeError("the codec failed"))
 
     class Player:
         fed, finished, stopped = 0, False, False

@@ -203,6 +203,7 @@ class Engine:
         return bool(self._jobs or self._waiting or len(self._batch) or self._inflight)
 
     def _admit(self) -> None:
+        """Move the first waiting job (if the batch has room) into the batch."""
         # A cancelled job leaves the queue at the next frame even while the batch is full.
         if any(job.seq.cancelled for job in self._waiting):
             for job in [job for job in self._waiting if job.seq.cancelled]:
@@ -230,6 +231,10 @@ class Engine:
                 self._finish(job)
             else:
                 self._jobs[id(job.seq)] = job
+            # One prefill per frame: the first job in the queue (the first segment of a
+            # text) reaches its first audio without waiting for the prefills of the others,
+            # which join at the following frames.
+            break
 
     def pump(self) -> bool:
         """One frame for every running job (admitting waiting ones first). Returns False
@@ -263,13 +268,13 @@ class Engine:
         queued, so the device never idles while Python builds graphs. A job's first chunk
         is the exception: it is decoded and delivered before the next frame is queued.
         """
-        self._admit()
         for seq, codes in self._batch.poll():
             self._jobs[id(seq)]._codes.append(codes)
         first = self._decode(first_chunks=True)
         if first:
             mx.eval([r[2] for r in first if r[2] is not None])
             self._deliver(first)
+        self._admit()  # after the first chunks: they never wait for a newcomer's prefill
         self._batch.advance()
         while self._pending_saves:  # file writes overlap the frame just queued
             self.prefix_store.save(*self._pending_saves.pop())

@@ -130,7 +130,7 @@ class _Reader:
 class TextStream(_Reader):
     """Blocking iterator of :class:`AudioChunk`; ``cancel()`` or ``close()`` stops it."""
 
-    def __init__(self, submit: Callable[[Job], object], *args, **kwargs):
+    def __init__(self, submit: Callable[[list[Job]], object], *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._submit = submit
         self._ready: deque[AudioChunk] = deque()
@@ -143,8 +143,9 @@ class TextStream(_Reader):
             while not self._ready:
                 if self._finished:
                     raise StopIteration
-                for job in self._pending():
-                    self._submit(job)
+                pending = self._pending()
+                if pending:  # one hand-over for all: the first segment is not held back
+                    self._submit(pending)
                 if self._finished:  # cancel() from another thread meanwhile
                     continue
                 _, job = self.jobs[0]
@@ -169,7 +170,7 @@ class AsyncTextStream(_Reader):
     """``async for`` over :class:`AudioChunk`; generation runs on the model's worker thread,
     never on the event loop. Cancelling the consuming task or ``aclose()`` stops it."""
 
-    def __init__(self, submit_async: Callable[[Job], object], *args, **kwargs):
+    def __init__(self, submit_async: Callable[[list[Job]], object], *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._submit = submit_async
         self._ready: deque[AudioChunk] = deque()
@@ -184,13 +185,15 @@ class AsyncTextStream(_Reader):
                 if self._finished:
                     raise StopAsyncIteration
                 loop = asyncio.get_running_loop()
-                for job in self._pending():
+                pending = self._pending()
+                for job in pending:
                     q: asyncio.Queue = asyncio.Queue()
                     self._queues[id(job)] = q
                     job.on_output = lambda item, q=q, lp=loop: lp.call_soon_threadsafe(
                         q.put_nowait, item
                     )
-                    await self._submit(job)
+                if pending:
+                    await self._submit(pending)
                 if self._finished:  # cancel() meanwhile
                     continue
                 _, job = self.jobs[0]

@@ -274,7 +274,7 @@ class VoxtralTTS:
         """
         return self._reader(
             TextStream,
-            self.submit,
+            self._submit_all,
             text,
             voice,
             seed,
@@ -308,8 +308,8 @@ class VoxtralTTS:
         """:meth:`stream` for ``async for``: generation runs on the model's worker thread, the
         event loop only receives chunks. Cancelling the consuming task stops generation."""
 
-        async def submit(job: Job) -> None:
-            await asyncio.wrap_future(self.worker.submit(lambda: self.engine.submit(job)))
+        async def submit(jobs: list[Job]) -> None:
+            await asyncio.wrap_future(self.worker.submit(lambda: self._enqueue(jobs)))
 
         return self._reader(
             AsyncTextStream,
@@ -331,8 +331,17 @@ class VoxtralTTS:
     def submit(self, job: Job) -> Job:
         """Hand ``job`` to the engine (from any thread); its output arrives in ``job.output``
         (or its ``on_output`` callback)."""
-        self.worker.submit(lambda: self.engine.submit(job)).result()
+        self._submit_all([job])
         return job
+
+    def _submit_all(self, jobs: list[Job]) -> None:
+        # One hand-over to the worker, which takes tasks only between frames: one per job
+        # would hold the caller (and so the first job's audio) for a frame each.
+        self.worker.submit(lambda: self._enqueue(jobs)).result()
+
+    def _enqueue(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.engine.submit(job)
 
     def synthesize(
         self,
