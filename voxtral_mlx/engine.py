@@ -237,7 +237,7 @@ class Engine:
             break
 
     def pump(self) -> bool:
-        """One frame for every running job (admitting waiting ones first). Returns False
+        """One frame for every running job (and the next waiting one joins). Returns False
         when there is nothing left to do. An error fails every running job, not the thread.
         Weights are kept resident on the GPU (:mod:`~voxtral_mlx.residency`) from the first
         job until the engine is idle again."""
@@ -266,7 +266,8 @@ class Engine:
 
         Audio decoded in one pump is delivered in the next, after the next frame has been
         queued, so the device never idles while Python builds graphs. A job's first chunk
-        is the exception: it is decoded and delivered before the next frame is queued.
+        is the exception: it is decoded and delivered before the next frame is queued, and
+        before a newcomer's prefill.
         """
         for seq, codes in self._batch.poll():
             self._jobs[id(seq)]._codes.append(codes)
