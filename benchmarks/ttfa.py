@@ -57,18 +57,20 @@ def measure(name: str, repeats: int, default_interval: bool = True) -> dict[str,
     noise = np.random.default_rng(0).standard_normal((DEFAULT_CHUNK, 36)).astype(np.float32)
     tts = voxtral_mlx.load(path)
 
-    def ours(clear: bool) -> float:
-        if clear:
-            tts.clear_prefix_cache()
+    def wait_idle() -> None:
         # The previous stream was closed after its first chunk: its last frame may still be
         # running. A user's next request could wait for it; the measurement does not.
         while tts.call(lambda: tts.engine.busy):
             time.sleep(0.001)
+
+    def ours(clear: bool) -> float:
+        if clear:
+            tts.clear_prefix_cache()
+        wait_idle()
         return first_chunk_s(lambda: tts.stream(TEXT, VOICE, noise=noise, max_frames=8))
 
     def ours_long() -> float:
-        while tts.call(lambda: tts.engine.busy):
-            time.sleep(0.001)
+        wait_idle()
         return first_chunk_s(
             lambda: tts.stream(SENTENCES, VOICE, seed=0, split=True, max_chars=80, max_frames=8)
         )

@@ -382,20 +382,16 @@ def _concat_states(states: list[CodecState]) -> CodecState:
     def cat(arrays: list[mx.array]) -> mx.array:
         return mx.concatenate(arrays, axis=0)
 
-    first = states[0]
+    def cat_each(lists: list[list[mx.array]]) -> list[mx.array]:
+        return [cat(list(same_slot)) for same_slot in zip(*lists)]
+
     return CodecState(
         sum(s.batch for s in states),
-        [cat([s.conv[i] for s in states]) for i in range(len(first.conv))],
-        [
-            [cat([s.keys[i][j] for s in states]) for j in range(len(first.keys[i]))]
-            for i in range(len(first.keys))
-        ],
-        [
-            [cat([s.values[i][j] for s in states]) for j in range(len(first.values[i]))]
-            for i in range(len(first.values))
-        ],
+        cat_each([s.conv for s in states]),
+        [cat_each(list(stage)) for stage in zip(*(s.keys for s in states))],
+        [cat_each(list(stage)) for stage in zip(*(s.values for s in states))],
         cat([s.output for s in states]),
-        first.position,
+        states[0].position,
     )
 
 
