@@ -2,7 +2,7 @@
 
 Batched: ``synthesize(split=True)`` with the engine's batch of B segments at a time.
 Sequential: the same segments one after another (batch of 1). Same seeds, same frames
-(END is suppressed in benchmark checkpoints, so every segment runs ``--frames`` frames).
+(END is suppressed in memory for any checkpoint, so every segment runs ``--frames`` frames).
 
     python benchmarks/batch_throughput.py [--config wide|CHECKPOINT_DIR] [--batch 4] [--frames 6]
                                           [--dtype bfloat16|float32]
@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from common import SENTENCES, VOICE, label, record, resolve
+from common import SENTENCES, VOICE, label, record, resolve, suppress_end
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3), "full": ("full", None, None)}
 
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
     tts = voxtral_mlx.load(resolve(args.config, CONFIGS, args.dtype), dtype=args.dtype)
+    suppress_end(tts)
     kwargs = {"seed": 1, "split": True, "max_chars": 80, "max_frames": args.frames, "pause": 0.0}
     tts.synthesize(SENTENCES[:200], VOICE, **kwargs)  # warm-up
 

@@ -17,6 +17,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -88,10 +89,47 @@ def label(config: str) -> str:
     return Path(config).name if is_model_dir(config) else config
 
 
+def zero_end_row(head) -> None:
+    """Make END_AUDIO's semantic logit 0 (plain or quantized head): with random weights it
+    is then never the argmax, as in a checkpoint built with END suppressed."""
+    from voxtral_mlx.config import END_AUDIO
+
+    if isinstance(head, nn.QuantizedLinear):
+        head.scales[END_AUDIO] = 0
+        if getattr(head, "biases", None) is not None:
+            head.biases[END_AUDIO] = 0
+        mx.eval(head.scales, head.biases)
+    else:
+        head.weight[END_AUDIO] = 0
+        mx.eval(head.weight)
+
+
+def suppress_end(tts, ref=None) -> None:
+    """Benchmarks need a fixed number of frames, but a random checkpoint's END can win early
+    (3 of 8 tiny seeds end within 40 frames). For a checkpoint directory not built with END
+    suppressed, both implementations get the same in-memory patch of the semantic head,
+    before anything is generated (our compiled frame is rebuilt to see it)."""
+
+    def ours() -> None:
+        flow = tts.model.acoustic_transformer
+        zero_end_row(flow.semantic_codebook_output)
+        flow.prepare(compile=flow._compiled is not None)
+
+    tts.call(ours)
+    if ref is not None:
+        zero_end_row(ref.acoustic_transformer.semantic_codebook_output)
+
+
 def load_reference(model_dir: Path):
     """mlx-audio's Voxtral model on the same checkpoint (see tests/mlx_audio_reference.py)."""
     from tests.mlx_audio_reference import load_reference as load
 
+    if not (Path(model_dir) / "consolidated.safetensors").is_file():
+        raise SystemExit(
+            f"{model_dir}: the mlx-audio comparison needs Mistral's layout "
+            "(consolidated.safetensors): give a directory in that layout (frame_speed.py "
+            "can also time voxtral_mlx alone with --no-reference)"
+        )
     return load(model_dir)
 
 

@@ -2,14 +2,14 @@
 
 Per-frame cost is the marginal cost: (time for N2 frames - time for N1 frames) / (N2 - N1),
 medians of repeated runs, so prefill and fixed costs cancel. Both implementations get the
-same injected start noise, so they generate the same frames (END is suppressed in the
-benchmark checkpoints so every run has exactly the requested length).
+same injected start noise, so they generate the same frames (END is suppressed, so every
+run has exactly the requested length).
 
     python benchmarks/frame_speed.py [--configs tiny,wide,CHECKPOINT_DIR] [--no-record]
 
 A config is a built-in random checkpoint (tiny, wide, full) or a checkpoint directory (in
-Mistral's layout for the mlx-audio comparison; END should be suppressed, as
-``voxtral-mlx random-checkpoint --suppress-end`` does, so every run has its length).
+Mistral's layout for the mlx-audio comparison). Both implementations get END suppressed in
+memory (see ``common.suppress_end``), so any random checkpoint runs its full length.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from common import (
     record,
     reference_voice,
     resolve,
+    suppress_end,
 )
 
 CONFIGS = {
@@ -62,13 +63,14 @@ def measure(
         t0 = time.perf_counter()
         speech = tts.synthesize(TEXT, VOICE, noise=noise[:n], max_frames=n)
         if len(speech.codes) != n:
-            raise SystemExit(f"{path}: END after {len(speech.codes)} frames: suppress END")
+            raise SystemExit(f"{path}: {len(speech.codes)} of {n} frames")
         return time.perf_counter() - t0
 
     ref = None
     if reference:
         ref = load_reference(path)
         reference_voice(ref, path, VOICE, ref.audio_codebook_embeddings["embeddings"].weight.dtype)
+    suppress_end(tts, ref)
 
     def theirs(n: int) -> float:
         t0 = time.perf_counter()

@@ -40,7 +40,14 @@ if str(REPO) not in sys.path:
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import CACHE, TEXT, VOICE, checkpoint  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    CACHE,
+    TEXT,
+    VOICE,
+    checkpoint,
+    suppress_end,
+    zero_end_row,
+)
 
 VARIANTS: dict[str, dict] = {
     "8-bit": {"q_bits": 8},
@@ -86,6 +93,7 @@ def free_run(path: Path, noise: np.ndarray, dtype: str) -> np.ndarray:
     import voxtral_mlx
 
     tts = voxtral_mlx.load(path, dtype=dtype)
+    suppress_end(tts)  # a --model checkpoint may end early
     try:
         return tts.synthesize(TEXT, VOICE, noise=noise, max_frames=len(noise)).codes
     finally:
@@ -104,6 +112,7 @@ def teacher_forced(
 
     loaded = load_model_dir(path, dtype)
     model = loaded.model
+    zero_end_row(model.acoustic_transformer.semantic_codebook_output)
     voice = loaded.voices.get_voice(VOICE)
     rows = loaded.voices.embedding(VOICE, loaded.dtype)
     ids = speech_prompt_ids(loaded.tokenizer, TEXT, voice.num_tokens or rows.shape[0])

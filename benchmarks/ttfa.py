@@ -31,6 +31,7 @@ from common import (
     record,
     reference_voice,
     resolve,
+    suppress_end,
 )
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3), "full": ("full", None, None)}
@@ -77,6 +78,7 @@ def measure(name: str, repeats: int, default_interval: bool = True) -> dict[str,
 
     ref = load_reference(path)
     reference_voice(ref, path, VOICE, ref.audio_codebook_embeddings["embeddings"].weight.dtype)
+    suppress_end(tts, ref)
 
     def theirs(interval: float) -> float:
         with injected_noise(noise):

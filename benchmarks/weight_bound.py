@@ -21,7 +21,16 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from common import TEXT, VOICE, is_narrow, label, median_time, record, resolve
+from common import (
+    TEXT,
+    VOICE,
+    is_narrow,
+    label,
+    median_time,
+    record,
+    resolve,
+    suppress_end,
+)
 
 from voxtral_mlx.tts import SYNTH_CHUNK_FRAMES
 
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     else:  # a directory: as frame_speed.py chooses
         n1, n2 = (8, 40) if is_narrow(path) else (1, 3)
     tts = voxtral_mlx.load(path)
+    suppress_end(tts)
     noise = np.random.default_rng(0).standard_normal((n2, 36)).astype(np.float32)
 
     def ours(n):
