@@ -7,8 +7,8 @@ Mistral's ALiBi slopes and codebook floor (SPEC §6) so the parity line compares
 like. Times are wall-clock per decoded frame (80 ms of audio), evaluated at every chunk
 boundary as a player would; streaming times are steady state (chunks from frame 16 on).
 
-    python benchmarks/codec_bench.py [--configs tiny full] [--frames N] [--slow-frames N]
-        [--dtype float32] [--streams 4]
+    python benchmarks/codec_bench.py [--configs tiny full CHECKPOINT_DIR] [--frames N]
+        [--slow-frames N] [--dtype float32] [--streams 4]
 
 The "streams" rows decode several concurrent streams one frame at a time, as the engine
 does for a batch of streaming requests: one batched step for all of them
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -35,11 +36,29 @@ MLX_AUDIO_CONTEXT = 16
 FRAME_MS = 80.0
 
 
+def codec_weights(config_name: str) -> tuple[ModelConfig, dict[str, mx.array]]:
+    """A built-in size's random codec weights, or those of a Mistral-layout checkpoint
+    directory (only the ``audio_tokenizer.*`` tensors are read)."""
+    if config_name in DEFAULT_FRAMES:
+        config = ModelConfig.from_params(make_params(config_name))
+        weights = random_weights(config, 0, prefix="audio_tokenizer")
+        return config, {k: mx.array(v) for k, v in weights.items()}
+    path = Path(config_name).expanduser()
+    weights_file = path / "consolidated.safetensors"
+    if not (path / "params.json").is_file() or not weights_file.is_file():
+        raise SystemExit(
+            f"{config_name}: not {' or '.join(DEFAULT_FRAMES)} nor a checkpoint directory in "
+            "Mistral's layout (params.json + consolidated.safetensors)"
+        )
+    config = ModelConfig.from_file(path / "params.json")
+    raw = {k: v for k, v in mx.load(str(weights_file)).items() if k.startswith(PREFIX)}
+    return config, raw
+
+
 def build(size: str, dtype: mx.Dtype):
     from mlx_audio.tts.models.voxtral_tts import audio_tokenizer as at
 
-    config = ModelConfig.from_params(make_params(size))
-    raw = {k: mx.array(v) for k, v in random_weights(config, 0, prefix="audio_tokenizer").items()}
+    config, raw = codec_weights(size)
     ours = CodecDecoder(config.codec)
     folded = sanitize(raw, config, dtype=dtype)
     ours.load_weights([(k[len(PREFIX) :], v) for k, v in folded.items()], strict=True)
@@ -138,7 +157,7 @@ def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype, streams: in
     spf = config.codec.samples_per_frame
     codes = random_codes(config, frames)
     few = codes[:, :slow_frames]
-    label = f"{size} ({n_params / 1e6:.1f}M params, {str(dtype).split('.')[-1]})"
+    label = f"{Path(size).name} ({n_params / 1e6:.1f}M params, {str(dtype).split('.')[-1]})"
     steady = MLX_AUDIO_CONTEXT
 
     # Warm-up (mask construction, allocator) on a few frames.
@@ -182,10 +201,19 @@ def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype, streams: in
 DEFAULT_FRAMES = {"tiny": (200, 100), "wide": (75, 24), "full": (75, 24)}
 
 
+def codec_size(path: str) -> str:
+    """The built-in size whose frame counts suit a checkpoint's codec width."""
+    config, _ = codec_weights(path)
+    return "tiny" if config.codec.dim < 1024 else "full"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--configs", nargs="+", default=["tiny", "full"], choices=sorted(DEFAULT_FRAMES)
+        "--configs",
+        nargs="+",
+        default=["tiny", "full"],
+        help=f"{', '.join(sorted(DEFAULT_FRAMES))} or Mistral-layout checkpoint directories",
     )
     parser.add_argument("--frames", type=int, help="frames for the chunk-25 and one-shot runs")
     parser.add_argument("--slow-frames", type=int, help="frames for the chunk-1 runs")
@@ -196,8 +224,9 @@ def main() -> None:
     dtype = getattr(mx, args.dtype)
     rows = []
     for size in args.configs:
-        frames = args.frames or DEFAULT_FRAMES[size][0]
-        slow = min(frames, args.slow_frames or DEFAULT_FRAMES[size][1])
+        default = DEFAULT_FRAMES.get(size) or DEFAULT_FRAMES[codec_size(size)]
+        frames = args.frames or default[0]
+        slow = min(frames, args.slow_frames or default[1])
         if slow <= MLX_AUDIO_CONTEXT or frames < 2 * 25:
             parser.error("need --slow-frames > 16 and --frames >= 50 (steady state is timed)")
         rows += bench(size, frames, slow, dtype, args.streams)

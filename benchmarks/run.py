@@ -11,6 +11,8 @@ a section to benchmarks/RESULTS.md with the command, machine, date and medians.
     full:  the same plus the real widths (frame speed, time to first audio and batched
            throughput against mlx-audio; the real codec) and the full 26+3-layer model
            -- an hour or more on a 2-core CPU
+    model DIR: the quick comparisons on a checkpoint directory in Mistral's layout (any
+           random checkpoint, e.g. from ``voxtral-mlx random-checkpoint``)
     openblas: on a Linux CPU only, the batching and overhead figures again in float32
            with the system OpenBLAS preloaded (``apt-get install libopenblas0-pthread``).
            MLX's own bf16 CPU matmuls run at 2-4 GFLOP/s, so there a product costs in
@@ -49,6 +51,19 @@ FULL = [
     ["weight_bound.py", "--config", "full", "--repeats", "3"],
 ]
 
+
+def model_suite(model: str) -> list[list[str]]:
+    """The quick suite's comparisons on a given Mistral-layout checkpoint directory (for
+    instance one from ``voxtral-mlx random-checkpoint``; END need not be suppressed)."""
+    return [
+        ["frame_speed.py", "--configs", model, "--repeats", "5"],
+        ["ttfa.py", "--configs", model, "--repeats", "5"],
+        ["codec_bench.py", "--configs", model, "--dtype", "bfloat16", "--record"],
+        ["batch_throughput.py", "--config", model, "--frames", "20"],
+        ["quant_agreement.py", "--model", model, "--record"],
+    ]
+
+
 OPENBLAS = [
     ["frame_speed.py", "--configs", "tiny", "--repeats", "5", "--dtype", "float32"],
     ["batch_throughput.py", "--config", "tiny", "--frames", "20", "--dtype", "float32"],
@@ -74,10 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quick", action="store_true", help="the default")
     mode.add_argument("--full", action="store_true")
     mode.add_argument("--openblas", action="store_true")
+    mode.add_argument(
+        "--model", type=Path, help="run the quick comparisons on this checkpoint directory"
+    )
     args = parser.parse_args(argv)
     env = openblas_env() if args.openblas else None
+    if args.model is not None:
+        if not (args.model / "consolidated.safetensors").is_file():
+            raise SystemExit(
+                f"{args.model}: not a checkpoint in Mistral's layout (consolidated.safetensors), "
+                "which the mlx-audio comparisons need"
+            )
+        suite = model_suite(str(args.model.expanduser().resolve()))
+    else:
+        suite = OPENBLAS if args.openblas else FULL if args.full else QUICK
     failed = []
-    for cmd in OPENBLAS if args.openblas else FULL if args.full else QUICK:
+    for cmd in suite:
         print(f"== {' '.join(cmd)}", flush=True)
         script = [sys.executable, str(HERE / cmd[0]), *cmd[1:]]
         if subprocess.run(script, cwd=HERE, env=env).returncode:
