@@ -5,7 +5,8 @@ measures voxtral_mlx and, where one exists, mlx-audio in the same process run, a
 a section to benchmarks/RESULTS.md with the command, machine, date and medians.
 
     quick: the overhead-bound figures on the tiny config (frame speed, time to first audio,
-           codec cost, batched throughput, quantized-code agreement) and the weight-bound
+           the first request after start-up, codec cost, batched throughput,
+           quantized-code agreement) and the weight-bound
            analysis of one wide frame
            -- a few minutes here
     full:  the same plus the real widths (frame speed, time to first audio and batched
@@ -34,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 QUICK = [
     ["frame_speed.py", "--configs", "tiny", "--repeats", "5"],
     ["ttfa.py", "--configs", "tiny", "--repeats", "5"],
+    ["first_request.py", "--configs", "tiny", "--repeats", "5"],
     ["codec_bench.py", "--configs", "tiny", "--dtype", "bfloat16", "--record"],
     ["batch_throughput.py", "--config", "tiny", "--frames", "20"],
     ["weight_bound.py", "--config", "wide", "--repeats", "1"],
@@ -58,6 +60,7 @@ def model_suite(model: str) -> list[list[str]]:
     return [
         ["frame_speed.py", "--configs", model, "--repeats", "5"],
         ["ttfa.py", "--configs", model, "--repeats", "5"],
+        ["first_request.py", "--configs", model, "--repeats", "5"],
         ["codec_bench.py", "--configs", model, "--dtype", "bfloat16", "--record"],
         ["batch_throughput.py", "--config", model, "--frames", "20"],
         ["quant_agreement.py", "--model", model, "--record"],

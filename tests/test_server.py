@@ -160,6 +160,12 @@ def idle(server: Server) -> dict:
 # -- listing endpoints -------------------------------------------------------------------
 
 
+def test_the_model_is_warmed_up_before_the_server_accepts_requests(server):
+    log = server.log.read_text()
+    assert re.search(r"warmed up in \d+\.\d s", log)
+    assert log.index("warmed up in") < log.index("serving ")
+
+
 def test_health_models_voices(server, http):
     health = httpx.get(f"{server.url}/health").json()  # open without a key
     assert health["status"] == "ok" and health["max_batch"] == 4

@@ -369,6 +369,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
         raise
     tts.engine.max_batch = args.max_batch
+    if not args.no_warmup:  # the first clients must not wait for compilation or page-ins
+        seconds = tts.warmup().result()
+        if args.log_level in ("info", "debug"):
+            _info(f"{PROG}: warmed up in {seconds:.1f} s")
     local = Path(args.model)
     model_id = local.resolve().name if local.is_dir() else args.model
     config = ServerConfig(
@@ -534,6 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2400,
         help="stop a text segment after this many 80 ms frames (default 2400 = 192 s)",
+    )
+    srv.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="start serving at once (default: first compile the frame for every batch size "
+        "and prefill the default voice, so the first requests do not wait for it)",
     )
     srv.add_argument(
         "--log-level",

@@ -6,7 +6,9 @@ import asyncio
 import math
 import secrets
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .config import ModelConfig
-from .engine import AudioChunk, Engine, Job, Timings
+from .engine import DONE, AudioChunk, Engine, Job, Timings
 from .errors import InputError
 from .generate import NoiseSource, Sequence, check_seed
 from .loader import LoadedModel
@@ -37,6 +39,7 @@ DEFAULT_MAX_FRAMES = 2400  # 192 s of audio at 12.5 frames/s
 MAX_TEXT_TOKENS = 8192
 SYNTH_CHUNK_FRAMES = 16
 DEFAULT_MAX_CHARS = 400  # longest segment when splitting text (target: half of it)
+WARMUP_TEXT = "Hello."
 
 
 @dataclass
@@ -106,6 +109,61 @@ class VoxtralTTS:
             return out
 
         return self.worker.call(run)
+
+    def warmup(
+        self, voices: str | Iterable[str] | None = None, *, wait: bool = True
+    ) -> Future[float]:
+        """Do now what the first requests would otherwise wait for: read the weights into
+        memory, compile the frame for every batch size up to ``max_batch`` and the codec's
+        steps, and prefill the prompt prefix of each of ``voices`` (a name or names; default:
+        the default voice), kept in memory and on disk (see ``load(prefix_cache_dir=...)``).
+
+        Call it when an app or server starts. It generates a few throwaway frames and
+        changes no later output. ``wait=False`` returns at once; requests made meanwhile are
+        served alongside it. Returns a future holding the seconds it took (or the error that
+        stopped it); unknown voices are reported here, before anything runs.
+        """
+        if voices is None:
+            names = [self.default_voice]
+        else:
+            names = [voices] if isinstance(voices, str) else list(voices)
+            if not names:
+                raise InputError("warmup() was given no voices: name one, or pass None")
+        names = list(dict.fromkeys(self._voice(v).name for v in names))
+        future: Future[float] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(self._warm(names))
+            except BaseException as e:
+                future.set_exception(e)
+
+        if wait:
+            run()
+            future.result()  # raises what stopped it
+        else:
+            threading.Thread(target=run, name="voxtral-mlx-warmup", daemon=True).start()
+        return future
+
+    def _warm(self, voices: list[str]) -> float:
+        t0 = time.perf_counter()
+        batch = max(1, self.engine.max_batch)
+        # Jobs join one per frame, so with batch + 1 frames each the batch passes through
+        # every size from 1 to max_batch (each a compiled shape of its own), and the first
+        # job's audio goes through the codec's first and steady-state steps.
+        jobs = [
+            self.job(WARMUP_TEXT, voices[0], seed=i, max_frames=batch + 1) for i in range(batch)
+        ]
+        # The other voices only need their prefix: no frames.
+        jobs += [self.job(WARMUP_TEXT, v, seed=0, max_frames=0) for v in voices[1:]]
+        self._submit_all(jobs)
+        for job in jobs:
+            while (item := job.output.get()) is not DONE:
+                if isinstance(item, BaseException):
+                    raise item
+        return time.perf_counter() - t0
 
     def clear_prefix_cache(self) -> None:
         """Forget the cached voice prefixes, in memory and on disk (they are recomputed on

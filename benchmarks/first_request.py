@@ -1,0 +1,139 @@
+"""The first request after start-up: what an app's first click (or a server's first client)
+waits for, in a fresh process each time.
+
+* cold: ``load()``, then at once a streamed request (1-frame chunks): its first audio pays
+  for reading the weights in, compiling the frame and codec step and prefilling the voice;
+* after warmup: ``load()``, ``warmup(voice)`` (as an app does at launch, while its window
+  opens), then the request;
+* mlx-audio: its model loaded, then ``generate(stream=True, streaming_interval=0.08)``
+  (one-frame chunks, its fastest first chunk).
+
+Times run from the call to the first playable sample; each run uses a fresh voice-prefix
+directory, so "cold" is a voice never used on the machine. MLX's compiled CPU kernels are
+cached on disk between processes, so here "cold" does not include g++ (it does on a
+machine's very first run).
+
+    python benchmarks/first_request.py [--configs tiny,wide,CHECKPOINT_DIR] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import TEXT, VOICE, label, load_reference, record, reference_voice, resolve
+
+CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
+
+
+def child(mode: str, path: str, cache: str) -> dict[str, float]:
+    """One fresh process's figures (seconds)."""
+    t0 = time.perf_counter()
+    if mode == "mlx-audio":
+        ref = load_reference(Path(path))
+        reference_voice(
+            ref, Path(path), VOICE, ref.audio_codebook_embeddings["embeddings"].weight.dtype
+        )
+        loaded = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        it = ref.generate(TEXT, voice=VOICE, max_tokens=4, stream=True, streaming_interval=0.08)
+        next(iter(it))
+        return {"load": loaded, "warmup": 0.0, "first_audio": time.perf_counter() - t1}
+    import voxtral_mlx
+
+    tts = voxtral_mlx.load(path, prefix_cache_dir=cache)
+    loaded = time.perf_counter() - t0
+    warm = tts.warmup(VOICE).result() if mode == "warmup" else 0.0
+    t1 = time.perf_counter()
+    stream = tts.stream(TEXT, VOICE, seed=0, max_frames=4)
+    next(iter(stream))
+    first = time.perf_counter() - t1
+    stream.close()
+    tts.close()
+    return {"load": loaded, "warmup": warm, "first_audio": first}
+
+
+def run(mode: str, path: Path) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as cache:
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", mode, str(path), cache],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if out.returncode:
+        raise SystemExit(f"{mode} run failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["--child"]:
+        print(json.dumps(child(*args_in[1:4])))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="tiny")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args(args_in)
+    rows = [
+        (
+            "config",
+            "ours cold: first audio",
+            "ours: warmup()",
+            "ours after warmup: first audio",
+            "mlx-audio: first audio",
+            "cold / mlx-audio",
+            "warm / mlx-audio",
+        )
+    ]
+    for name in args.configs.split(","):
+        path = resolve(name, CONFIGS)
+        runs: dict[str, list[dict[str, float]]] = {"cold": [], "warmup": [], "mlx-audio": []}
+        for _ in range(args.repeats):  # interleaved: drift hits all three alike
+            for mode, results in runs.items():
+                results.append(run(mode, path))
+
+        def med(mode: str, key: str, runs=runs) -> float:
+            return statistics.median(r[key] for r in runs[mode])
+
+        cold, warm = med("cold", "first_audio"), med("warmup", "first_audio")
+        theirs = med("mlx-audio", "first_audio")
+        rows.append(
+            (
+                label(name),
+                f"{cold * 1e3:.0f} ms",
+                f"{med('warmup', 'warmup'):.2f} s",
+                f"{warm * 1e3:.0f} ms",
+                f"{theirs * 1e3:.0f} ms",
+                f"{cold / theirs:.2f}",
+                f"{warm / theirs:.2f}",
+            )
+        )
+        print(" | ".join(rows[-1]), flush=True)
+    if not args.no_record:
+        notes = (
+            "Fresh process per run, medians; first audio from the call to the first chunk "
+            "(one frame). Cold: the first request right after load(). After warmup: "
+            "load(), warmup(voice) (an app at launch, a server before it accepts "
+            "requests), then the request. mlx-audio: its first one-frame chunk after loading."
+        )
+        print(
+            record(
+                "First request after start-up",
+                "python benchmarks/first_request.py " + " ".join(args_in),
+                rows,
+                notes,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

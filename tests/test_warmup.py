@@ -1,0 +1,97 @@
+"""warmup(): the first requests find the weights read, the frame compiled for every batch
+size and their voices' prefixes prefilled, and get exactly the output they would have got."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import voxtral_mlx
+from voxtral_mlx.errors import InputError, VoiceError
+from voxtral_mlx.generate import FrameBatch
+from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+
+TEXT = "A first request, right after the app starts."
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_random_checkpoint(
+        tmp_path_factory.mktemp("warm"), "tiny", seed=4, dtype="float32", suppress_end=True
+    )
+
+
+@pytest.fixture
+def fresh(checkpoint):
+    models = []
+
+    def make(**kwargs):
+        kwargs.setdefault("prefix_cache_dir", None)
+        models.append(voxtral_mlx.load(checkpoint, **kwargs))
+        return models[-1]
+
+    yield make
+    for m in models:
+        m.close()
+
+
+def _speak(tts, voice: str, seed: int):
+    chunks = list(tts.stream(TEXT, voice, seed=seed, max_frames=5, chunk_frames=2))
+    codes = np.concatenate([c.codes for c in chunks])
+    audio = np.concatenate([c.audio for c in chunks])
+    return codes, audio, chunks[0].timings
+
+
+def test_output_after_warmup_equals_a_cold_start(fresh):
+    cold_codes, cold_audio, cold_t = _speak(fresh(), "neutral_male", 11)
+    assert not cold_t.prefix_cached
+
+    warm = fresh()
+    assert warm.warmup(["neutral_male", "fr_female"]).result() > 0
+    codes, audio, t = _speak(warm, "neutral_male", 11)
+    assert t.prefix_cached  # its prefix was prefilled by warmup()
+    np.testing.assert_array_equal(codes, cold_codes)
+    np.testing.assert_array_equal(audio, cold_audio)
+    _, _, t2 = _speak(warm, "fr_female", 12)
+    assert t2.prefix_cached
+
+
+def test_every_batch_size_is_run(fresh, monkeypatch):
+    sizes: list[int] = []
+    original = FrameBatch._frame
+
+    def spy(self, h, rows):
+        sizes.append(len(rows))
+        return original(self, h, rows)
+
+    monkeypatch.setattr(FrameBatch, "_frame", spy)
+    tts = fresh(max_batch=3)
+    tts.warmup()
+    assert set(sizes) == {1, 2, 3}
+    assert sizes[0] == 1
+
+
+def test_background_warmup_serves_requests_meanwhile(fresh):
+    reference = _speak(fresh(), "ar_male", 5)[0]
+    tts = fresh()
+    future = tts.warmup("ar_male", wait=False)
+    codes = _speak(tts, "ar_male", 5)[0]  # issued while warming up
+    assert future.result(timeout=120) > 0
+    np.testing.assert_array_equal(codes, reference)
+
+
+def test_prefixes_are_kept_on_disk(fresh, tmp_path):
+    tts = fresh(prefix_cache_dir=tmp_path)
+    tts.warmup(["neutral_male", "ar_male"])
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    again = fresh(prefix_cache_dir=tmp_path)
+    assert _speak(again, "ar_male", 1)[2].prefix_from_disk
+
+
+def test_bad_voices_are_reported_before_anything_runs(fresh):
+    tts = fresh()
+    with pytest.raises(VoiceError, match="no_such_voice"):
+        tts.warmup(["neutral_male", "no_such_voice"])
+    with pytest.raises(InputError, match="no voices"):
+        tts.warmup([])
+    assert not tts.engine.busy and not tts.engine._prefixes
