@@ -57,6 +57,8 @@ def load(
     from .tokenizer import default_cache_dir
     from .worker import Worker
 
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise InputError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
     directory = None
     if prefix_cache_dir is not None:
         if not isinstance(prefix_cache_dir, (str, os.PathLike)):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from .errors import InputError
 from .generate import FrameBatch, Sequence, prefill
 from .model.cache import KVCache
 from .model.voxtral import VoxtralModel
@@ -128,7 +129,7 @@ class Engine:
         self.residency = residency
         self.prefix_store = prefix_store
         self._pending_saves: list[tuple[str, list[KVCache]]] = []
-        self.max_batch = max_batch
+        self.max_batch = max_batch  # validated by the property
         self._prefix_ids = prefix_ids  # [BOS, BEGIN_AUDIO, AUDIO (one per voice row), ...]
         self._voice_start = voice_start
         self._batch = FrameBatch(model)
@@ -137,6 +138,17 @@ class Engine:
         self._jobs: dict[int, Job] = {}
         self._prefixes: OrderedDict[tuple[str, str], list[KVCache]] = OrderedDict()
         self.prefix_cache_voices = PREFIX_CACHE_VOICES
+
+    @property
+    def max_batch(self) -> int:
+        """Sequences generated together at most (settable; takes effect at the next frame)."""
+        return self._max_batch
+
+    @max_batch.setter
+    def max_batch(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"max_batch must be a whole number >= 1, got {value!r}")
+        self._max_batch = value
 
     # -- voice prefix -------------------------------------------------------------------
 
@@ -246,20 +258,25 @@ class Engine:
         try:
             busy = self._pump()
         except Exception as e:
-            failed = {id(j): j for j in [*self._jobs.values(), *self._waiting]}
-            failed.update((id(r[0]), r[0]) for r in self._inflight)
-            for job in failed.values():
-                if not job.done:
-                    job.seq.finished = job.done = True
-                    job._emit(e)
-            self._jobs.clear()
-            self._waiting.clear()
-            self._inflight = []
-            self._batch = FrameBatch(self.model)
+            self.fail_all(e)
             busy = False
         if not busy and self.residency is not None:
             self.residency.release()
         return busy
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every job, running or waiting, with ``error`` (a failed frame, or the model
+        being closed): their consumers get it instead of waiting forever."""
+        failed = {id(j): j for j in [*self._jobs.values(), *self._waiting]}
+        failed.update((id(r[0]), r[0]) for r in self._inflight)
+        for job in failed.values():
+            if not job.done:
+                job.seq.finished = job.done = True
+                job._emit(error)
+        self._jobs.clear()
+        self._waiting.clear()
+        self._inflight = []
+        self._batch = FrameBatch(self.model)
 
     def _pump(self) -> bool:
         """One frame: END check, then the next frame queued before this one is decoded.

@@ -49,11 +49,13 @@ class NoiseSource:
                     f"noise must be a float array of shape [frames, {width}], got "
                     f"{arr.dtype} {list(arr.shape)}"
                 )
+            with np.errstate(over="ignore"):
+                arr = arr.astype(np.float32)  # checked as used: 1e300 becomes inf here
             if not np.all(np.isfinite(arr)):
-                raise InputError("noise contains NaN or infinite values")
+                raise InputError("noise contains NaN or infinite values (as float32)")
             self.seed = None
             self.limit: int | None = arr.shape[0]
-            self._explicit = mx.array(arr.astype(np.float32))
+            self._explicit = mx.array(arr)
         else:
             check_seed(seed)
             self.seed = secrets.randbits(63) if seed is None else int(seed)

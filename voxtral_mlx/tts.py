@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .engine import DONE, AudioChunk, Engine, Job, Timings
-from .errors import InputError
+from .errors import InputError, VoxtralError
 from .generate import NoiseSource, Sequence, check_seed
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA
@@ -92,8 +92,14 @@ class VoxtralTTS:
             residency=residency,
         )
         worker.pump = self.engine.pump
-        if residency is not None:
-            worker.on_close = residency.release
+        engine, release = self.engine, residency.release if residency is not None else None
+
+        def on_close() -> None:  # on the worker thread, before it parks
+            engine.fail_all(VoxtralError("this model was closed: load it again to use it"))
+            if release is not None:
+                release()
+
+        worker.on_close = on_close
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the model's worker thread and return its result.
@@ -119,10 +125,13 @@ class VoxtralTTS:
         the default voice), kept in memory and on disk (see ``load(prefix_cache_dir=...)``).
 
         Call it when an app or server starts. It generates a few throwaway frames and
-        changes no later output. ``wait=False`` returns at once; requests made meanwhile are
-        served alongside it. Returns a future holding the seconds it took (or the error that
-        stopped it); unknown voices are reported here, before anything runs.
+        changes no later output. ``wait=False`` returns at once; requests made meanwhile join
+        the batch as soon as it has room (within ``max_batch + 1`` frames). The 8 most recent
+        prefixes stay in memory, the others are read back from disk on use. Returns a future
+        holding the seconds it took (or the error that stopped it, e.g. ``close()``);
+        unknown voices are reported here, before anything runs.
         """
+        self._not_on_worker("warmup()")
         if voices is None:
             names = [self.default_voice]
         else:
@@ -192,6 +201,14 @@ class VoxtralTTS:
                 "voice_embedding folder there"
             )
         return sorted(self.voices)[0]
+
+    def _not_on_worker(self, what: str) -> None:
+        # The worker would wait for itself: it serves every request, so all would hang.
+        if self.worker.in_worker:
+            raise VoxtralError(
+                f"{what} cannot be called on the model's worker thread (inside tts.call() or "
+                "a job's on_output callback): call it from another thread"
+            )
 
     def _voice(self, voice: str | None) -> Voice:
         return self.voices.get_voice(self.default_voice if voice is None else voice)
@@ -265,6 +282,7 @@ class VoxtralTTS:
         add_period: bool = True,
         lookahead: int | None = None,
     ):
+        self._not_on_worker("a speech request")
         if not isinstance(text, str):
             raise InputError(f"text must be a string, got {type(text).__name__}")
         if not text.strip():
@@ -277,6 +295,14 @@ class VoxtralTTS:
             segments = split_text(
                 text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
             )
+            # Every segment is checked now: a too-long one must not fail mid-stream.
+            for seg in segments:
+                n = len(self.tokenizer.encode(seg.spoken))
+                if n > MAX_TEXT_TOKENS:
+                    raise InputError(
+                        f"a segment of the text is too long for one utterance ({n} tokens, "
+                        f"limit {MAX_TEXT_TOKENS}): lower max_chars (now {max_chars})"
+                    )
         else:
             segments = [Segment(text, 0, len(text), 0.0, text)]
         base = secrets.randbits(62) if seed is None and noise is None else seed
@@ -389,6 +415,7 @@ class VoxtralTTS:
     def submit(self, job: Job) -> Job:
         """Hand ``job`` to the engine (from any thread); its output arrives in ``job.output``
         (or its ``on_output`` callback)."""
+        self._not_on_worker("submit()")
         self._submit_all([job])
         return job
 
@@ -488,11 +515,16 @@ class VoxtralTTS:
         :class:`Playback` handle (``stop()``, ``wait()``, ``done``). Needs PortAudio, unless
         ``player`` supplies another sink with ``feed(audio)``, ``finish()`` and ``stop()``.
         """
+        # The request is checked before the audio output is opened: bad input opens nothing.
+        stream = self.stream(text, voice, seed=seed, split=True, pause=pause, max_frames=max_frames)
         if player is None:
             from .audio.player import AudioPlayer
 
-            player = AudioPlayer(self.sample_rate, device=device)
-        stream = self.stream(text, voice, seed=seed, split=True, pause=pause, max_frames=max_frames)
+            try:
+                player = AudioPlayer(self.sample_rate, device=device)
+            except BaseException:
+                stream.close()
+                raise
         playback = Playback(stream, player)
         if wait:
             playback.wait()

@@ -47,6 +47,7 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._busy = False
         self._closed = False
+        self._lock = threading.Lock()  # a task is never queued behind the closing marker
         self._parked = threading.Event()
         self._thread.start()
         _WORKERS.add(self)
@@ -58,10 +59,11 @@ class Worker:
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn()`` on the worker; the future holds its result or exception."""
         future: Future[T] = Future()
-        if self._closed:
-            future.set_exception(VoxtralError("this model was closed: load it again to use it"))
-            return future
-        self._tasks.put((fn, future))
+        with self._lock:
+            if not self._closed:
+                self._tasks.put((fn, future))
+                return future
+        future.set_exception(_closed_error())
         return future
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -77,11 +79,13 @@ class Worker:
         teardown at thread exit aborts the process ("terminate called without an active
         exception"), while a parked daemon thread is simply dropped at interpreter exit.
         """
-        if not self._closed:
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
             self._tasks.put(None)
-            if not self.in_worker:
-                self._parked.wait(timeout=10)
+        if not self.in_worker:
+            self._parked.wait(timeout=10)
 
     def _run(self) -> None:
         while True:
@@ -90,16 +94,26 @@ class Worker:
             except queue.Empty:
                 item = ...
             if item is None:
-                self.pump = lambda: False
-                with contextlib.suppress(Exception):  # the thread must park regardless
-                    self.on_close()
-                self._parked.set()
-                threading.Event().wait()
+                break
             if item is not ...:
-                fn, future = item
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except BaseException as e:  # handed to the caller
-                        future.set_exception(e)
+                _run_task(*item)
+            item = None  # the parked frame must not keep the last task's objects alive
             self._busy = self.pump()
+        with contextlib.suppress(Exception):  # the thread must park regardless
+            self.on_close()
+        self.pump = lambda: False
+        self.on_close = lambda: None
+        self._parked.set()
+        threading.Event().wait()
+
+
+def _run_task(fn: Callable[[], Any], future: Future) -> None:
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # handed to the caller
+            future.set_exception(e)
+
+
+def _closed_error() -> VoxtralError:
+    return VoxtralError("this model was closed: load it again to use it")

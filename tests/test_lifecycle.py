@@ -1,0 +1,143 @@
+"""A model's life cycle seen from apps: close() ends every request with an error (none is left
+waiting), frees the model, and misuse (max_batch < 1, a request from the worker thread
+itself) is refused instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import voxtral_mlx
+from voxtral_mlx.errors import InputError, VoxtralError
+from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+from voxtral_mlx.worker import Worker
+
+VOICE = "neutral_male"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_random_checkpoint(
+        tmp_path_factory.mktemp("life"), "tiny", seed=2, dtype="float32", suppress_end=True
+    )
+
+
+@pytest.fixture
+def tts(checkpoint):
+    model = voxtral_mlx.load(checkpoint, prefix_cache_dir=None)
+    yield model
+    model.close()
+
+
+def test_close_fails_a_stream_in_progress(tts):
+    stream = tts.stream("A long utterance.", VOICE, seed=1, max_frames=500)
+    next(stream)
+    tts.close()
+    with pytest.raises(VoxtralError, match="closed"):
+        for _ in stream:
+            pass
+
+
+def test_close_fails_an_async_stream_in_progress(tts):
+    async def consume() -> None:
+        stream = tts.astream("A long utterance.", VOICE, seed=1, max_frames=500)
+        await stream.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, tts.close)
+        async for _ in stream:
+            pass
+
+    with pytest.raises(VoxtralError, match="closed"):
+        asyncio.run(asyncio.wait_for(consume(), timeout=60))
+
+
+def test_close_fails_a_background_warmup_and_waiting_requests(tts):
+    future = tts.warmup(wait=False)
+    waiting = tts.stream("Queued behind the warm-up.", VOICE, seed=2, max_frames=50)
+    tts.close()
+    with pytest.raises(VoxtralError, match="closed"):
+        future.result(timeout=60)
+    with pytest.raises(VoxtralError, match="closed"):
+        list(waiting)
+
+
+def test_say_reports_the_close(tts):
+    class Sink:
+        def feed(self, audio):
+            pass
+
+        def finish(self):
+            pass
+
+        def stop(self):
+            pass
+
+    playback = tts.say("One. Two. Three.", VOICE, wait=False, max_frames=300, player=Sink())
+    tts.close()
+    with pytest.raises(VoxtralError, match="closed"):
+        playback.wait(60)
+    assert playback.done
+
+
+def test_submissions_racing_close_all_resolve():
+    for _ in range(20):
+        worker = Worker()
+        futures = []
+        lock = threading.Lock()
+
+        def submit(worker=worker, futures=futures, lock=lock) -> None:
+            for _ in range(50):
+                f = worker.submit(lambda: 1)
+                with lock:
+                    futures.append(f)
+
+        threads = [threading.Thread(target=submit) for _ in range(3)]
+        for t in threads:
+            t.start()
+        worker.close()
+        for t in threads:
+            t.join()
+        for f in futures:
+            try:
+                assert f.result(timeout=10) == 1
+            except VoxtralError as e:
+                assert "closed" in str(e)
+
+
+def test_close_frees_the_model(checkpoint):
+    model = voxtral_mlx.load(checkpoint, prefix_cache_dir=None)
+    model.synthesize("Hi.", VOICE, seed=1, max_frames=2)
+    refs = weakref.ref(model), weakref.ref(model.model)
+    model.close()
+    del model
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
+
+
+def test_max_batch_must_be_at_least_one(checkpoint, tts):
+    with pytest.raises(InputError, match="max_batch"):
+        voxtral_mlx.load(checkpoint, max_batch=0)
+    with pytest.raises(InputError, match="max_batch"):
+        tts.engine.max_batch = 0
+    assert tts.engine.max_batch == 4
+
+
+def test_requests_from_the_worker_thread_are_refused(tts):
+    with pytest.raises(VoxtralError, match="worker thread"):
+        tts.worker.submit(lambda: tts.synthesize("Hi.", VOICE, max_frames=2)).result(timeout=30)
+    assert len(tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2).codes) == 2
+
+
+def test_noise_is_checked_as_float32(tts):
+    with pytest.raises(InputError, match="infinite"):
+        tts.synthesize("Hi.", VOICE, noise=np.full((4, 36), 1e300))
+
+
+def test_every_segment_is_checked_when_the_stream_is_made(tts):
+    text = "Short opening.\n\n" + " ".join(["word"] * 9000) + "."
+    with pytest.raises(InputError, match="max_chars"):
+        tts.stream(text, VOICE, split=True, max_chars=200_000, lookahead=1, max_frames=2)
