@@ -58,7 +58,7 @@ class AudioChunk:
 
     audio: np.ndarray  # [frames * samples_per_frame] float32
     sample_rate: int
-    frame_index: int  # index of the chunk's first frame in the utterance
+    frame_index: int  # index of the chunk's first frame in its utterance (segment, with split)
     frames: int
     is_final: bool
     codes: np.ndarray  # [frames, 37] int32
