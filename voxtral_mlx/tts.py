@@ -282,7 +282,6 @@ class VoxtralTTS:
         add_period: bool = True,
         lookahead: int | None = None,
     ):
-        self._not_on_worker("a speech request")
         if not isinstance(text, str):
             raise InputError(f"text must be a string, got {type(text).__name__}")
         if not text.strip():
@@ -422,6 +421,7 @@ class VoxtralTTS:
     def _submit_all(self, jobs: list[Job]) -> None:
         # One hand-over to the worker, which takes tasks only between frames: one per job
         # would hold the caller (and so the first job's audio) for a frame each.
+        self._not_on_worker("a blocking speech request")
         self.worker.submit(lambda: self._enqueue(jobs)).result()
 
     def _enqueue(self, jobs: list[Job]) -> None:
