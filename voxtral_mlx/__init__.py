@@ -50,6 +50,7 @@ def load(
     :mod:`voxtral_mlx.residency`); a model larger than the GPU can keep resident loads with
     a :class:`~voxtral_mlx.residency.MemoryWarning`.
     """
+    from .engine import check_max_batch
     from .hub import resolve_model_dir
     from .loader import load_model_dir
     from .prefix_store import PrefixStore, model_fingerprint
@@ -57,8 +58,7 @@ def load(
     from .tokenizer import default_cache_dir
     from .worker import Worker
 
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise InputError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
+    check_max_batch(max_batch)  # before the model is read, not after
     directory = None
     if prefix_cache_dir is not None:
         if not isinstance(prefix_cache_dir, (str, os.PathLike)):

@@ -113,6 +113,13 @@ class Job:
             self.cancel()
 
 
+def check_max_batch(value: object) -> int:
+    """``value`` if it is a valid batch size, else a one-line :class:`InputError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"max_batch must be a whole number >= 1, got {value!r}")
+    return value
+
+
 class Engine:
     """Runs jobs in one :class:`FrameBatch` of up to ``max_batch`` sequences."""
 
@@ -146,9 +153,7 @@ class Engine:
 
     @max_batch.setter
     def max_batch(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"max_batch must be a whole number >= 1, got {value!r}")
-        self._max_batch = value
+        self._max_batch = check_max_batch(value)
 
     # -- voice prefix -------------------------------------------------------------------
 

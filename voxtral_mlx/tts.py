@@ -28,7 +28,7 @@ from .segment import Segment, split_text
 from .textstream import AsyncTextStream, TextStream
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
 from .voices import Voice, VoiceRegistry
-from .worker import Worker
+from .worker import Worker, closed_error
 
 T = TypeVar("T")
 
@@ -95,7 +95,7 @@ class VoxtralTTS:
         engine, release = self.engine, residency.release if residency is not None else None
 
         def on_close() -> None:  # on the worker thread, before it parks
-            engine.fail_all(VoxtralError("this model was closed: load it again to use it"))
+            engine.fail_all(closed_error())
             if release is not None:
                 release()
 
@@ -131,7 +131,6 @@ class VoxtralTTS:
         holding the seconds it took (or the error that stopped it, e.g. ``close()``);
         unknown voices are reported here, before anything runs.
         """
-        self._not_on_worker("warmup()")
         if voices is None:
             names = [self.default_voice]
         else:
@@ -158,7 +157,7 @@ class VoxtralTTS:
 
     def _warm(self, voices: list[str]) -> float:
         t0 = time.perf_counter()
-        batch = max(1, self.engine.max_batch)
+        batch = self.engine.max_batch
         # Jobs join one per frame, so with batch + 1 frames each the batch passes through
         # every size from 1 to max_batch (each a compiled shape of its own), and the first
         # job's audio goes through the codec's first and steady-state steps.
@@ -201,14 +200,6 @@ class VoxtralTTS:
                 "voice_embedding folder there"
             )
         return sorted(self.voices)[0]
-
-    def _not_on_worker(self, what: str) -> None:
-        # The worker would wait for itself: it serves every request, so all would hang.
-        if self.worker.in_worker:
-            raise VoxtralError(
-                f"{what} cannot be called on the model's worker thread (inside tts.call() or "
-                "a job's on_output callback): call it from another thread"
-            )
 
     def _voice(self, voice: str | None) -> Voice:
         return self.voices.get_voice(self.default_voice if voice is None else voice)
@@ -414,14 +405,17 @@ class VoxtralTTS:
     def submit(self, job: Job) -> Job:
         """Hand ``job`` to the engine (from any thread); its output arrives in ``job.output``
         (or its ``on_output`` callback)."""
-        self._not_on_worker("submit()")
         self._submit_all([job])
         return job
 
     def _submit_all(self, jobs: list[Job]) -> None:
         # One hand-over to the worker, which takes tasks only between frames: one per job
         # would hold the caller (and so the first job's audio) for a frame each.
-        self._not_on_worker("a blocking speech request")
+        if self.worker.in_worker:  # it would wait for itself, and so would every request
+            raise VoxtralError(
+                "a blocking speech request cannot be made on the model's worker thread (inside "
+                "tts.call() or a job's on_output callback): make it from another thread"
+            )
         self.worker.submit(lambda: self._enqueue(jobs)).result()
 
     def _enqueue(self, jobs: list[Job]) -> None:

@@ -63,7 +63,7 @@ class Worker:
             if not self._closed:
                 self._tasks.put((fn, future))
                 return future
-        future.set_exception(_closed_error())
+        future.set_exception(closed_error())
         return future
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -115,5 +115,6 @@ def _run_task(fn: Callable[[], Any], future: Future) -> None:
             future.set_exception(e)
 
 
-def _closed_error() -> VoxtralError:
+def closed_error() -> VoxtralError:
+    """What requests to a closed model get."""
     return VoxtralError("this model was closed: load it again to use it")
