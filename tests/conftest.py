@@ -36,6 +36,16 @@ def tiny_checkpoint_bf16(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint_noend(tmp_path_factory) -> Path:
+    """Float32 tiny checkpoint whose END never fires: every utterance runs ``max_frames``."""
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+
+    return build_random_checkpoint(
+        tmp_path_factory.mktemp("tiny-noend"), "tiny", seed=2, dtype="float32", suppress_end=True
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_tts(tiny_checkpoint):
     import voxtral_mlx
 

@@ -67,6 +67,25 @@ def injected_noise(rows: np.ndarray) -> Iterator[list[int]]:
         mx.random.normal = original
 
 
+@contextlib.contextmanager
+def recorded_frames(model) -> Iterator[list[np.ndarray]]:
+    """Collect the codes ``[37]`` of every frame mlx-audio's ``model`` decodes (END frame
+    included) while the block runs."""
+    frames: list[np.ndarray] = []
+    original = model.acoustic_transformer.decode_one_frame
+
+    def record(h):
+        codes = original(h)
+        frames.append(np.array(codes)[0])
+        return codes
+
+    model.acoustic_transformer.decode_one_frame = record
+    try:
+        yield frames
+    finally:
+        del model.acoustic_transformer.decode_one_frame
+
+
 def load_reference(model_dir: Path, patch: bool = True):
     """mlx-audio's Model with our checkpoint's weights (and its tokenizer from tekken.json)."""
     from mlx_audio.tts.models.voxtral_tts.voxtral_tts import Model, ModelConfig

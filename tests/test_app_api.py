@@ -14,7 +14,6 @@ import pytest
 import voxtral_mlx
 import voxtral_mlx.engine as engine_mod
 from voxtral_mlx.segment import split_text
-from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
 
 VOICE = "neutral_male"
 STORY = (
@@ -26,12 +25,9 @@ STORY = (
 
 
 @pytest.fixture(scope="module")
-def tts(tmp_path_factory):
+def tts(tiny_checkpoint_noend):
     """Float32 tiny model whose END never fires, so every segment runs ``max_frames``."""
-    path = build_random_checkpoint(
-        tmp_path_factory.mktemp("app"), "tiny", seed=2, dtype="float32", suppress_end=True
-    )
-    model = voxtral_mlx.load(path)
+    model = voxtral_mlx.load(tiny_checkpoint_noend)
     yield model
     model.close()
 

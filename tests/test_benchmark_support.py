@@ -16,7 +16,7 @@ from benchmarks.common import (
     suppress_end,
     zero_end_row,
 )
-from tests.mlx_audio_reference import injected_noise, spec_codebook_floor
+from tests.mlx_audio_reference import injected_noise, recorded_frames, spec_codebook_floor
 from voxtral_mlx.config import END_AUDIO
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -52,16 +52,7 @@ def test_both_implementations_run_every_frame_and_agree(early_end_checkpoint):
     assert len(ours.codes) == FRAMES
     assert not (ours.codes[:, 0] == END_AUDIO).any()
 
-    recorded = []
-    original = ref.acoustic_transformer.decode_one_frame
-
-    def record(h):
-        codes = original(h)
-        recorded.append(np.array(codes)[0])
-        return codes
-
-    ref.acoustic_transformer.decode_one_frame = record
-    with injected_noise(noise), spec_codebook_floor():
+    with recorded_frames(ref) as recorded, injected_noise(noise), spec_codebook_floor():
         list(ref.generate(TEXT, voice=VOICE, max_tokens=FRAMES))
     np.testing.assert_array_equal(ours.codes, np.stack(recorded))
 

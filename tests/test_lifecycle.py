@@ -14,22 +14,14 @@ import pytest
 
 import voxtral_mlx
 from voxtral_mlx.errors import InputError, VoxtralError
-from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
 from voxtral_mlx.worker import Worker
 
 VOICE = "neutral_male"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_random_checkpoint(
-        tmp_path_factory.mktemp("life"), "tiny", seed=2, dtype="float32", suppress_end=True
-    )
-
-
 @pytest.fixture
-def tts(checkpoint):
-    model = voxtral_mlx.load(checkpoint, prefix_cache_dir=None)
+def tts(tiny_checkpoint_noend):
+    model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
     yield model
     model.close()
 
@@ -108,8 +100,8 @@ def test_submissions_racing_close_all_resolve():
                 assert "closed" in str(e)
 
 
-def test_close_frees_the_model(checkpoint):
-    model = voxtral_mlx.load(checkpoint, prefix_cache_dir=None)
+def test_close_frees_the_model(tiny_checkpoint_noend):
+    model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
     model.synthesize("Hi.", VOICE, seed=1, max_frames=2)
     refs = weakref.ref(model), weakref.ref(model.model)
     model.close()
@@ -118,9 +110,9 @@ def test_close_frees_the_model(checkpoint):
     assert refs[0]() is None and refs[1]() is None
 
 
-def test_max_batch_must_be_at_least_one(checkpoint, tts):
+def test_max_batch_must_be_at_least_one(tiny_checkpoint_noend, tts):
     with pytest.raises(InputError, match="max_batch"):
-        voxtral_mlx.load(checkpoint, max_batch=0)
+        voxtral_mlx.load(tiny_checkpoint_noend, max_batch=0)
     with pytest.raises(InputError, match="max_batch"):
         tts.engine.max_batch = 0
     assert tts.engine.max_batch == 4

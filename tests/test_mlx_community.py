@@ -17,7 +17,12 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 
 import voxtral_mlx
-from tests.mlx_audio_reference import injected_noise, spec_alibi_slopes, spec_codebook_floor
+from tests.mlx_audio_reference import (
+    injected_noise,
+    recorded_frames,
+    spec_alibi_slopes,
+    spec_codebook_floor,
+)
 from voxtral_mlx.checkpoint import CheckpointMismatch, expected_tensors
 from voxtral_mlx.config import ModelConfig
 from voxtral_mlx.errors import CheckpointError, ConfigError, ModelNotFoundError, VoxtralError
@@ -137,20 +142,8 @@ def load_mlx_audio(path: Path):
 
 
 def reference_run(model, noise: np.ndarray, frames: int) -> tuple[np.ndarray, np.ndarray]:
-    recorded = []
-    original = model.acoustic_transformer.decode_one_frame
-
-    def record(h):
-        codes = original(h)
-        recorded.append(np.array(codes)[0])
-        return codes
-
-    model.acoustic_transformer.decode_one_frame = record
-    try:
-        with injected_noise(noise), spec_codebook_floor():
-            results = list(model.generate(TEXT, voice=VOICE, max_tokens=frames))
-    finally:
-        del model.acoustic_transformer.decode_one_frame
+    with recorded_frames(model) as recorded, injected_noise(noise), spec_codebook_floor():
+        results = list(model.generate(TEXT, voice=VOICE, max_tokens=frames))
     return np.stack(recorded), np.array(results[-1].audio)
 
 

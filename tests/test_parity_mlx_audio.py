@@ -15,6 +15,7 @@ import torch
 from tests.mlx_audio_reference import (
     injected_noise,
     load_reference,
+    recorded_frames,
     spec_codebook_floor,
 )
 from voxtral_mlx.model.flow import cfg_weights
@@ -131,20 +132,8 @@ def test_whole_pipeline_frame_by_frame(tiny_tts, ref):
     noise = _long_run_noise(tiny_tts, max_frames)
     speech = tiny_tts.synthesize(TEXT, VOICE, noise=noise, max_frames=max_frames)
 
-    recorded = []
-    original = ref.acoustic_transformer.decode_one_frame
-
-    def record(h):
-        codes = original(h)
-        recorded.append(np.array(codes)[0])
-        return codes
-
-    ref.acoustic_transformer.decode_one_frame = record
-    try:
-        with injected_noise(noise), spec_codebook_floor():
-            results = list(ref.generate(TEXT, voice=VOICE, max_tokens=max_frames))
-    finally:
-        del ref.acoustic_transformer.decode_one_frame
+    with recorded_frames(ref) as recorded, injected_noise(noise), spec_codebook_floor():
+        results = list(ref.generate(TEXT, voice=VOICE, max_tokens=max_frames))
     ref_audio = np.array(results[-1].audio)
 
     # The reference decodes a frame, sees END in its semantic code and stops: the last

@@ -9,25 +9,17 @@ import pytest
 import voxtral_mlx
 from voxtral_mlx.errors import InputError, VoiceError
 from voxtral_mlx.generate import FrameBatch
-from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
 
 TEXT = "A first request, right after the app starts."
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_random_checkpoint(
-        tmp_path_factory.mktemp("warm"), "tiny", seed=4, dtype="float32", suppress_end=True
-    )
-
-
 @pytest.fixture
-def fresh(checkpoint):
+def fresh(tiny_checkpoint_noend):
     models = []
 
     def make(**kwargs):
         kwargs.setdefault("prefix_cache_dir", None)
-        models.append(voxtral_mlx.load(checkpoint, **kwargs))
+        models.append(voxtral_mlx.load(tiny_checkpoint_noend, **kwargs))
         return models[-1]
 
     yield make
