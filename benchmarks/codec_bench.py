@@ -32,27 +32,33 @@ from voxtral_mlx.model.codec_layers import alibi_slopes
 from voxtral_mlx.synthetic.checkpoint import make_params, random_weights
 
 PREFIX = "audio_tokenizer."
+WEIGHTS = "consolidated.safetensors"
 MLX_AUDIO_CONTEXT = 16
 FRAME_MS = 80.0
+
+
+def codec_config(config_name: str) -> ModelConfig:
+    """A built-in size's config, or a Mistral-layout checkpoint directory's."""
+    if config_name in DEFAULT_FRAMES:
+        return ModelConfig.from_params(make_params(config_name))
+    path = Path(config_name).expanduser()
+    if not (path / "params.json").is_file() or not (path / WEIGHTS).is_file():
+        raise SystemExit(
+            f"{config_name}: not {' or '.join(DEFAULT_FRAMES)} nor a checkpoint directory in "
+            f"Mistral's layout (params.json + {WEIGHTS})"
+        )
+    return ModelConfig.from_file(path / "params.json")
 
 
 def codec_weights(config_name: str) -> tuple[ModelConfig, dict[str, mx.array]]:
     """A built-in size's random codec weights, or those of a Mistral-layout checkpoint
     directory (only the ``audio_tokenizer.*`` tensors are read)."""
+    config = codec_config(config_name)
     if config_name in DEFAULT_FRAMES:
-        config = ModelConfig.from_params(make_params(config_name))
         weights = random_weights(config, 0, prefix="audio_tokenizer")
         return config, {k: mx.array(v) for k, v in weights.items()}
-    path = Path(config_name).expanduser()
-    weights_file = path / "consolidated.safetensors"
-    if not (path / "params.json").is_file() or not weights_file.is_file():
-        raise SystemExit(
-            f"{config_name}: not {' or '.join(DEFAULT_FRAMES)} nor a checkpoint directory in "
-            "Mistral's layout (params.json + consolidated.safetensors)"
-        )
-    config = ModelConfig.from_file(path / "params.json")
-    raw = {k: v for k, v in mx.load(str(weights_file)).items() if k.startswith(PREFIX)}
-    return config, raw
+    stored = mx.load(str(Path(config_name).expanduser() / WEIGHTS))
+    return config, {k: v for k, v in stored.items() if k.startswith(PREFIX)}
 
 
 def build(size: str, dtype: mx.Dtype):
@@ -203,7 +209,7 @@ DEFAULT_FRAMES = {"tiny": (200, 100), "wide": (75, 24), "full": (75, 24)}
 
 def codec_size(path: str) -> str:
     """The built-in size whose frame counts suit a checkpoint's codec width."""
-    config, _ = codec_weights(path)
+    config = codec_config(path)
     return "tiny" if config.codec.dim < 1024 else "full"
 
 
