@@ -430,3 +430,101 @@ def test_wav_stream_empty_and_closed():
         w.write(np.zeros(10, np.float32))
     info = sf.info(io.BytesIO(buf.getvalue()))
     assert info.frames == 0 and info.samplerate == SR
+
+
+def test_wav_stream_in_append_mode_keeps_unknown_sizes(tmp_path):
+    # `>> out.wav`: every write lands at the end, so patching the header would corrupt it.
+    x = speechlike(0.2)
+    path = tmp_path / "appended.wav"
+    path.write_bytes(b"earlier")
+    with open(path, "ab") as f, WavStreamWriter(f, SR) as w:
+        assert not w.seekable
+        w.write(x)
+    data = path.read_bytes()
+    assert data[:7] == b"earlier" and len(data) == 7 + 44 + 2 * x.size
+    assert struct.unpack("<I", data[7 + 40 : 7 + 44])[0] == 0xFFFFFFFF
+    y, _ = sf.read(io.BytesIO(data[7:]), dtype="int16")
+    assert np.array_equal(y, float_to_int16(x))
+
+
+class FailingStream(Unseekable):
+    def __init__(self, error: OSError) -> None:
+        super().__init__()
+        self.error = error
+
+    def write(self, data) -> int:
+        raise self.error
+
+
+def test_wav_stream_write_errors_are_one_line():
+    with pytest.raises(AudioOutputError) as exc:
+        WavStreamWriter(FailingStream(OSError(28, "No space left on device")), SR)
+    assert "No space left on device" in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(BrokenPipeError):  # the reader went away: the CLI exits quietly
+        aio.write_stream(FailingStream(BrokenPipeError(32, "Broken pipe")), b"x")
+
+
+def test_check_output_path_trailing_slash(tmp_path):
+    with pytest.raises(AudioOutputError, match="slash"):
+        check_output_path(f"{tmp_path}/out.wav/")
+    assert not (tmp_path / "out.wav").exists()
+
+
+def test_second_interrupt_while_finishing_leaves_no_temp_file(tmp_path, monkeypatch):
+    target = tmp_path / "x.wav"
+    target.write_bytes(b"old")
+    w = AudioFileWriter(target, SR)
+    w.write(speechlike(0.1))
+
+    def interrupted(fd: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(aio.os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        w.commit_partial()
+    del w
+    gc.collect()
+    assert target.read_bytes() == b"old"
+    assert hidden_leftovers(tmp_path) == []
+
+
+_FULL_DISK = """
+import resource, sys
+import numpy as np
+from voxtral_mlx.audio.io import AudioFileWriter
+from voxtral_mlx.errors import AudioOutputError
+target, limit = sys.argv[1], int(sys.argv[2])
+x = np.random.default_rng(0).uniform(-0.5, 0.5, 48000).astype(np.float32)
+if limit:  # writes past `limit` bytes fail with EFBIG, as they would on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+try:
+    with AudioFileWriter(target, 24000) as w:
+        w.write(x)
+except AudioOutputError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("ext", list(aio.available_formats()))
+def test_disk_full_while_finishing_is_an_error(tmp_path, ext):
+    # FLAC, Ogg and MP3 write their last block only when closed, and libsndfile ignores
+    # a failure there: the file must be checked, not trusted.
+    pytest.importorskip("resource")
+    import subprocess
+    import sys
+
+    target = tmp_path / f"x{ext}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def run(limit: int) -> subprocess.CompletedProcess:
+        args = [sys.executable, "-c", _FULL_DISK, str(target), str(limit)]
+        return subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+
+    assert run(0).returncode == 0
+    size = target.stat().st_size
+    target.unlink()
+    proc = run(size - 100)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert proc.stdout.count("\n") == 1 and proc.stderr == ""
+    assert list(tmp_path.iterdir()) == []

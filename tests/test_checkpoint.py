@@ -540,3 +540,22 @@ def test_deeply_nested_header_is_a_checkpoint_error(tmp_path: Path) -> None:
     """json raises RecursionError (not JSONDecodeError) for 100000 nested arrays."""
     raw = b"[" * 100_000 + b"]" * 100_000
     assert "header" in header_error(raw_file(tmp_path / "n.safetensors", raw))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b'{"w": {"dtype": "F32", "shape": [Infinity], "data_offsets": [0, 4]}}',
+        b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, Infinity]}}',
+        b'{"w": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}',
+        b'{"w": {"dtype": "F32", "shape": [1e400], "data_offsets": [0, 4]}}',
+        b'{"w": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}',
+        b'{"w": {"dtype": "F32", "shape": [true], "data_offsets": [0, 4]}}',
+        b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]}}',
+        b'{"w": {"dtype": "F32", "shape": [0, 99999999999999999999999], "data_offsets": [0, 0]}}',
+    ],
+    ids=["inf-shape", "inf-offset", "nan", "1e400", "fraction", "bool", "strings", "huge"],
+)
+def test_header_numbers_must_be_integers(tmp_path: Path, header: bytes) -> None:
+    message = header_error(raw_file(tmp_path / "n.safetensors", header, b"\0" * 16))
+    assert "malformed header entry for tensor 'w'" in message

@@ -565,3 +565,22 @@ def test_byte_order_mark_is_accepted(tmp_path: Path) -> None:
     path = tmp_path / "params.json"
     path.write_bytes(b"\xef\xbb\xbf" + PARAMS_JSON.read_bytes())
     assert ModelConfig.from_file(path) == ModelConfig.from_file(PARAMS_JSON)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (f"{TOK}.pretransform_patch_size", 1e308),  # an integral float: was an OverflowError
+        (f"{TOK}.pretransform_patch_size", 10**30),
+        ("dim", 2**31),
+        ("n_layers", 1_000_000),  # took minutes and gigabytes before failing
+        (f"{AT}.n_layers", 5000),
+        (f"{AM}.n_acoustic_codebook", 10**6),
+        (f"{TOK}.decoder_transformer_lengths_str", "2,2,2,100000"),
+        (f"{TOK}.decoder_convs_strides_str", "1,2,2,99999999999999999999"),
+        (f"{TOK}.decoder_convs_strides_str", ",".join(["2"] * 1000)),
+    ],
+)
+def test_absurdly_large_values_name_the_key(path: str, value: Any) -> None:
+    message = config_error(with_value(path, value))
+    assert f"'{path}'" in message and len(message) < 300

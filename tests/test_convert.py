@@ -341,6 +341,8 @@ def test_mlx_directories_convert_again(converted, source: Path, tmp_path: Path) 
         ({"q_bits": 16}, "--q-bits 16"),
         ({"q_bits": 4, "q_flow_bits": 5}, "--q-flow-bits 5"),
         ({"q_flow_bits": 8}, "needs --q-bits"),
+        ({"q_group_size": 7}, "--q-group-size needs --q-bits"),
+        ({"q_group_size": 64}, "--q-group-size needs --q-bits"),
         ({"q_bits": 4, "q_group_size": 48}, "--q-group-size 48"),
         ({"dtype": "int8"}, "--dtype"),
     ],
@@ -422,6 +424,40 @@ def test_failure_midway_keeps_the_old_output(converted, source, tmp_path, monkey
         convert_model(source, out, q_bits=4, force=True)
     assert tree_bytes(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_failure_removes_the_parent_directories_it_made(source, tmp_path, monkeypatch) -> None:
+    def fail(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(convert_mod, "_copy_voices", fail)
+    with pytest.raises(InputError):
+        convert_model(source, tmp_path / "new" / "deeper" / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_symlinked_output_replaces_what_it_points_to(converted, source, tmp_path) -> None:
+    real = Path(shutil.copytree(converted["bf16"], tmp_path / "real"))
+    (tmp_path / "link").symlink_to(real)
+    out = convert_model(source, tmp_path / "link", q_bits=4, force=True).path
+    assert out == real and (tmp_path / "link").is_symlink()
+    assert tree_bytes(real) == tree_bytes(converted["q4"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no leftovers
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
+    assert convert_model(source, tmp_path / "to-empty").path == tmp_path / "empty"
+    assert (tmp_path / "to-empty" / "config.json").is_file()
+
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(InputError) as exc:
+        convert_model(source, tmp_path / "dangling")
+    assert "symbolic link" in one_line(exc.value)
+
+
+def test_dtype_names_match_speak(source, tmp_path: Path) -> None:
+    out = convert_model(source, tmp_path / "out", dtype="bf16").path
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_quantized_source_is_refused(converted, tmp_path: Path) -> None:

@@ -757,3 +757,17 @@ def test_small_deflated_records_still_load(tmp_path: Path) -> None:
     t = read_pt(path)
     assert t.shape == (1 << 18,) and not t.data.any()
     assert torch.load(path, weights_only=True).shape == (1 << 18,)
+
+
+@pytest.mark.parametrize(
+    "shape", [(2**70, 0), (2**40, 2**40, 0), (2**30, 2**30, 2**30, 0)], ids=["2^70", "2^80", "2^90"]
+)
+def test_empty_tensor_of_absurd_shape_is_refused(tmp_path: Path, shape) -> None:
+    # No element is read, so no storage size bounds the shape; numpy cannot even describe it.
+    pkl = tensor_pickle(numel=0, shape=(1,) * len(shape), stride=(1,) * len(shape))
+    dims = op_tuple(*(op_int(1) for _ in shape))
+    huge = op_tuple(*(pickle.dumps(d, protocol=2)[2:-1] for d in shape))
+    path = make_pt(tmp_path / "huge.pt", pkl.replace(dims, huge, 1), {"data/0": b""})
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    assert "absurdly large" in one_line(exc)

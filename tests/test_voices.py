@@ -392,7 +392,47 @@ def test_convert_failure_leaves_no_partial_file(
     with pytest.raises(VoiceError) as exc:
         convert_voice_files([tmp_path / "a.pt"], out)
     assert "No space left" in one_line(exc)
-    assert list(out.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [tmp_path / "a.pt"]  # nor the directory it made
+
+
+def test_convert_checks_every_target_before_writing(tmp_path: Path) -> None:
+    for name in ("a", "b", "c"):
+        torch.save(bf16_voice(3, seed=ord(name)), tmp_path / f"{name}.pt")
+    out = tmp_path / "out"
+    (out / "b.safetensors").mkdir(parents=True)  # a target that cannot be written
+    with pytest.raises(VoiceError) as exc:
+        convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out)
+    assert "b.safetensors" in one_line(exc) and "not a file" in one_line(exc)
+    assert sorted(p.name for p in out.iterdir()) == ["b.safetensors"]
+
+
+def test_convert_failure_midway_writes_none_of_the_voices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("a", "b", "c"):
+        torch.save(bf16_voice(3, seed=ord(name)), tmp_path / f"{name}.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.safetensors").write_bytes(b"old")
+    real = voices_mod._write_safetensors
+    calls = []
+
+    def third_fails(path: Path, tensor: PtTensor) -> None:
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(path, tensor)
+
+    monkeypatch.setattr(voices_mod, "_write_safetensors", third_fails)
+    with pytest.raises(VoiceError) as exc:
+        convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out / "nested" / "deeper")
+    assert "No space left" in one_line(exc)
+    assert list(out.iterdir()) == [out / "a.safetensors"]  # no half set, no new directories
+    calls.clear()
+    with pytest.raises(VoiceError):
+        convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out)
+    assert sorted(p.name for p in out.iterdir()) == ["a.safetensors"]
+    assert (out / "a.safetensors").read_bytes() == b"old"  # replaced only when all succeed
 
 
 def test_convert_refuses_hostile_before_writing(tmp_path: Path) -> None:

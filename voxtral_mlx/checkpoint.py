@@ -246,6 +246,19 @@ def expected_tensors(
 IGNORED_TENSORS = frozenset({"output.weight"})
 
 
+def _header_ints(values: object) -> tuple[int, ...]:
+    """A shape or offset list of a safetensors header: JSON integers of at most 64 bits.
+
+    Python's JSON reader also returns floats (``2.5``, ``1e400``, ``Infinity``) and
+    arbitrarily large integers; none of them describes a tensor.
+    """
+    if not isinstance(values, list):
+        raise TypeError("not a list")
+    if not all(type(v) is int and abs(v) < 2**63 for v in values):
+        raise ValueError("not a list of 64-bit integers")
+    return tuple(values)
+
+
 def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
     """Parse and sanity-check a safetensors header without reading any tensor data."""
     path = Path(path)
@@ -296,8 +309,8 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
             continue
         try:
             dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            start, end = (int(o) for o in entry["data_offsets"])
+            shape = _header_ints(entry["shape"])
+            start, end = _header_ints(entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(
                 f"{path}: malformed header entry for tensor '{one_line(name, 80)}'"

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from .errors import InputError, VoxtralError
+from .errors import AudioOutputError, InputError, VoxtralError
 
 PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
@@ -31,7 +32,8 @@ def _default_model() -> str:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP during ``speak``: cleaned up like Ctrl-C, exit status 128 + signal."""
+    """SIGTERM or SIGHUP during a command that writes: cleaned up like Ctrl-C, exit status
+    128 + signal."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -59,6 +61,19 @@ def _catching_termination() -> Iterator[None]:
             signal.signal(sig, previous)
 
 
+def _terminable(
+    command: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """Run ``command`` under :func:`_catching_termination` (every command that writes)."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        with _catching_termination():
+            return command(args)
+
+    return run
+
+
 def _err(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr)
 
@@ -67,12 +82,26 @@ def _info(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+class StdoutError(VoxtralError):
+    """stdout cannot take the command's output (a full disk, a closed device)."""
+
+
+def _out(line: str) -> None:
+    """One line of a command's result on stdout."""
+    try:
+        print(line)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise StdoutError(f"writing to stdout failed: {e.strerror or e}") from None
+
+
 def _read_text(args: argparse.Namespace) -> str:
     if args.file is not None and args.text:
         raise InputError("give the text either as arguments or with -f FILE, not both")
     if args.file is not None:
         if args.file == "-":
-            return _without_bom(sys.stdin.read())
+            return _read_stdin()
         try:
             # utf-8-sig: editors that save a byte-order mark must not make it spoken text
             return Path(args.file).read_text(encoding="utf-8-sig")
@@ -84,13 +113,26 @@ def _read_text(args: argparse.Namespace) -> str:
             raise InputError(f"cannot read {args.file}: {e.strerror}") from None
     if args.text:
         return " ".join(args.text)
-    if not sys.stdin.isatty():
-        return _without_bom(sys.stdin.read())
+    if sys.stdin is not None and not sys.stdin.isatty():
+        return _read_stdin()
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
 
 
-def _without_bom(text: str) -> str:
-    return text[1:] if text.startswith("\ufeff") else text
+def _read_stdin() -> str:
+    """stdin as UTF-8 whatever the locale says, like ``-f FILE`` (a byte-order mark dropped)."""
+    if sys.stdin is None:
+        raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
+    buffer = getattr(sys.stdin, "buffer", None)
+    try:
+        raw = sys.stdin.read() if buffer is None else buffer.read()
+    except OSError as e:
+        raise InputError(f"cannot read stdin: {e.strerror}") from None
+    if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
+        return raw.removeprefix("\ufeff")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise InputError("stdin is not UTF-8 text; convert it first (e.g. with iconv)") from None
 
 
 def _load(args: argparse.Namespace):
@@ -110,7 +152,7 @@ def _print_voices(tts) -> None:
     for name in sorted(tts.voices):
         voice = tts.voices[name]
         lang = voice.language or "?"
-        print(f"{name:<20} {lang:<3} {LANGUAGE_NAMES.get(lang, 'unknown')}")
+        _out(f"{name:<20} {lang:<3} {LANGUAGE_NAMES.get(lang, 'unknown')}")
 
 
 def cmd_voices(args: argparse.Namespace) -> int:
@@ -126,15 +168,11 @@ def _print_devices() -> None:
         raise no_output_device_error()
     for dev in devices:
         mark = "*" if dev.get("default") else " "
-        print(f"{mark} {dev['index']:>3}  {dev['name']}  ({dev['channels']} ch)")
+        _out(f"{mark} {dev['index']:>3}  {dev['name']}  ({dev['channels']} ch)")
 
 
+@_terminable
 def cmd_speak(args: argparse.Namespace) -> int:
-    with _catching_termination():
-        return _speak(args)
-
-
-def _speak(args: argparse.Namespace) -> int:
     if args.device == "?":
         _print_devices()
         return 0
@@ -144,6 +182,10 @@ def _speak(args: argparse.Namespace) -> int:
     to_stdout = args.output == "-"
     if raw_out and args.output is not None:
         raise InputError("--raw writes PCM to stdout; do not combine it with -o")
+    if (raw_out or to_stdout) and sys.stdout is None:
+        raise AudioOutputError(
+            "stdout is closed: redirect it to a file or a pipe, or write a file with -o FILE"
+        )
     if args.output is not None and not to_stdout:
         from .audio.io import check_output_path
 
@@ -165,33 +207,13 @@ def _speak(args: argparse.Namespace) -> int:
     if args.voice is not None:
         tts.voices.get_voice(args.voice)
 
-    sinks = []
-    file_writer = None
-    if args.output is not None and not to_stdout:
-        from .audio.io import AudioFileWriter
-
-        file_writer = AudioFileWriter(args.output, tts.sample_rate)
-        sinks.append(file_writer.write)
-    if to_stdout:
-        from .audio.io import WavStreamWriter
-
-        wav = WavStreamWriter(sys.stdout.buffer, tts.sample_rate)
-        sinks.append(wav.write)
-    if raw_out:
-        from .audio.io import float_to_pcm16
-
-        def write_raw(chunk):
-            sys.stdout.buffer.write(float_to_pcm16(chunk))
-            sys.stdout.buffer.flush()
-
-        sinks.append(write_raw)
-
     expected = None
     if player is not None:
         n_tokens = len(tts.tokenizer.encode(text))
         expected = max(1.0, n_tokens * SECONDS_PER_TEXT_TOKEN)
 
     started = time.monotonic()  # the player's clock
+    # The stream checks the remaining arguments: nothing may be written before it exists.
     stream = tts.stream(
         text,
         voice=args.voice,
@@ -202,6 +224,30 @@ def _speak(args: argparse.Namespace) -> int:
         pause=args.pause,
         add_period=not args.no_period,
     )
+    sinks = []
+    file_writer = wav = None
+    try:
+        if args.output is not None and not to_stdout:
+            from .audio.io import AudioFileWriter
+
+            file_writer = AudioFileWriter(args.output, tts.sample_rate)
+            sinks.append(file_writer.write)
+        if to_stdout:
+            from .audio.io import WavStreamWriter
+
+            wav = WavStreamWriter(sys.stdout.buffer, tts.sample_rate)
+            sinks.append(wav.write)
+        if raw_out:
+            from .audio.io import float_to_pcm16, write_stream
+
+            sinks.append(lambda chunk: write_stream(sys.stdout.buffer, float_to_pcm16(chunk)))
+    except BaseException:
+        stream.cancel()
+        if file_writer is not None:
+            file_writer.abort()
+        if player is not None:
+            player.stop()
+        raise
     progress = Progress(len(stream.segments)) if _show_progress(args, stream) else None
     ok = interrupted = False
     try:
@@ -237,7 +283,7 @@ def _speak(args: argparse.Namespace) -> int:
                 _info(f"interrupted: kept {file_writer.duration_s:.1f} s of audio in {args.output}")
             else:
                 file_writer.abort()
-        if to_stdout:
+        if wav is not None:
             wav.close()
     timings = stream.timings
     if args.verbose:
@@ -296,17 +342,23 @@ def _report(t, player, started: float) -> None:
         )
 
 
+@_terminable
 def cmd_convert_voices(args: argparse.Namespace) -> int:
     from .voices import convert_voice_files
 
     for path in convert_voice_files([Path(s) for s in args.sources], Path(args.output)):
-        print(path)
+        _out(str(path))
     return 0
 
 
+@_terminable
 def cmd_random_checkpoint(args: argparse.Namespace) -> int:
+    from .config import MAX_LAYERS
     from .synthetic.checkpoint import build_random_checkpoint, make_params
 
+    for flag, value in (("--layers", args.layers), ("--flow-layers", args.flow_layers)):
+        if value is not None and not 1 <= value <= MAX_LAYERS:
+            raise InputError(f"{flag} must be between 1 and {MAX_LAYERS}, got {value}")
     params = make_params(args.size, n_layers=args.layers, flow_layers=args.flow_layers)
     t0 = time.perf_counter()
     out = build_random_checkpoint(
@@ -316,12 +368,14 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         voice_format=args.voice_format,
         suppress_end=args.suppress_end,
+        force=args.force,
     )
     _info(f"wrote a random {args.size} checkpoint to {out} in {time.perf_counter() - t0:.1f} s")
-    print(out)
+    _out(str(out))
     return 0
 
 
+@_terminable
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert_model
 
@@ -349,7 +403,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"wrote {result.total_bytes / 2**30:.2f} GiB ({what}) to {result.path} in "
         f"{time.perf_counter() - t0:.1f} s"
     )
-    print(result.path)
+    _out(str(result.path))
     return 0
 
 
@@ -361,6 +415,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_batch", "max_queue", "max_input_chars", "max_frames"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port {args.port} is not a TCP port: use 1 to 65535 (0: any free port)")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
     try:
@@ -487,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="zero the END row of the semantic head so generation runs to --max-frames",
     )
+    rnd.add_argument(
+        "--force", action="store_true", help="replace an existing OUT_DIR holding a model"
+    )
     rnd.set_defaults(func=cmd_random_checkpoint)
 
     cvt = sub.add_parser(
@@ -497,7 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     cvt.add_argument(
         "--q-bits", type=int, help="quantize the backbone's Linear layers to 4, 6 or 8 bits"
     )
-    cvt.add_argument("--q-group-size", type=int, default=64, help="quantization group size")
+    cvt.add_argument(
+        "--q-group-size", type=int, help="quantization group size: 32, 64 or 128 (default 64)"
+    )
     cvt.add_argument(
         "--q-flow-bits",
         type=int,
@@ -564,8 +625,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.showwarning = _show_warning  # one line each, without Python's source echo
     try:
-        return args.func(args)
+        code = args.func(args)
     except VoxtralError as e:
+        _release_stdout()
         _err(str(e))
         return 1
     except KeyboardInterrupt as e:
@@ -575,6 +637,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader of stdout went away (e.g. `| head`): not an error of ours.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         return 141
+    error = _release_stdout()
+    if isinstance(error, BrokenPipeError):
+        return 141
+    if error is not None:
+        _err(f"writing to stdout failed: {error.strerror or error}")
+        return 1
+    return code
+
+
+def _release_stdout() -> OSError | None:
+    """Flush stdout now and return the error if that fails; stdout then points at
+    /dev/null, so that Python's own flush at exit prints no traceback."""
+    if sys.stdout is None:
+        return None
+    try:
+        sys.stdout.flush()
+        return None
+    except OSError as e:
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return e
 
 
 if __name__ == "__main__":

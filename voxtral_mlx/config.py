@@ -22,6 +22,13 @@ N_SPECIAL_AUDIO_CODES = 2  # 0 = EMPTY_AUDIO, 1 = END_AUDIO; real codes start at
 END_AUDIO = 1
 EMPTY_AUDIO = 0
 
+# Far above any real model, low enough that a hostile params.json cannot make the checks
+# themselves slow: every layer adds a dozen expected tensors before a single one is read.
+MAX_INT = 2**31 - 1
+MAX_LAYERS = 1024
+MAX_CODEC_STAGES = 32
+MAX_CODEBOOKS = 1024
+
 
 def pad_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
@@ -46,7 +53,15 @@ class _Reader:
             raise ConfigError(f"params.json is missing required key '{self._name(key)}'")
         return _Reader(self.data[key], self._name(key))
 
-    def get(self, key: str, kind: type, default: Any = ..., *, positive: bool = False) -> Any:
+    def get(
+        self,
+        key: str,
+        kind: type,
+        default: Any = ...,
+        *,
+        positive: bool = False,
+        maximum: int = MAX_INT,
+    ) -> Any:
         if key not in self.data:
             if default is ...:
                 raise ConfigError(f"params.json is missing required key '{self._name(key)}'")
@@ -62,6 +77,12 @@ class _Reader:
                     value = int(value)
                 else:
                     raise ConfigError(f"params.json key '{name}' must be an integer, got {value!r}")
+            lowest = 1 if positive else -MAX_INT
+            if not lowest <= value <= maximum:
+                raise ConfigError(
+                    f"params.json key '{name}' must be between {lowest} and {maximum}, "
+                    f"got {_short(value)}"
+                )
         elif kind is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"params.json key '{name}' must be a number, got {value!r}")
@@ -74,20 +95,37 @@ class _Reader:
             raise ConfigError(f"params.json key '{name}' must be positive, got {value!r}")
         return value
 
-    def int_list(self, key: str) -> tuple[int, ...]:
+    def int_list(self, key: str, maximum: int = MAX_INT) -> tuple[int, ...]:
         """A comma-separated list of positive integers stored as a string ("2,2,2,2")."""
         raw = self.get(key, str)
         name = self._name(key)
+        parts = raw.split(",")
+        if len(parts) > MAX_CODEC_STAGES:
+            raise ConfigError(
+                f"params.json key '{name}' lists {len(parts)} values; at most "
+                f"{MAX_CODEC_STAGES} are supported"
+            )
         try:
-            values = tuple(int(part) for part in raw.split(","))
+            values = tuple(int(part) for part in parts)
         except ValueError:
             raise ConfigError(
                 f"params.json key '{name}' must be comma-separated integers like \"2,2,2,2\", "
-                f"got {raw!r}"
+                f"got {_short(raw)}"
             ) from None
         if not values or any(v <= 0 for v in values):
-            raise ConfigError(f"params.json key '{name}' must list positive integers, got {raw!r}")
+            raise ConfigError(
+                f"params.json key '{name}' must list positive integers, got {_short(raw)}"
+            )
+        if any(v > maximum for v in values):
+            raise ConfigError(
+                f"params.json key '{name}' is out of range: every value must be at most {maximum}"
+            )
         return values
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _require(condition: bool, key: str, message: str) -> None:
@@ -236,7 +274,7 @@ class ModelConfig:
         top = _Reader(params, "")
         backbone = BackboneArgs(
             dim=top.get("dim", int, positive=True),
-            n_layers=top.get("n_layers", int, positive=True),
+            n_layers=top.get("n_layers", int, positive=True, maximum=MAX_LAYERS),
             head_dim=top.get("head_dim", int, positive=True),
             hidden_dim=top.get("hidden_dim", int, positive=True),
             n_heads=top.get("n_heads", int, positive=True),
@@ -257,7 +295,7 @@ class ModelConfig:
         flow = FlowArgs(
             input_dim=at.get("input_dim", int, backbone.dim, positive=True),
             dim=at.get("dim", int, positive=True),
-            n_layers=at.get("n_layers", int, positive=True),
+            n_layers=at.get("n_layers", int, positive=True, maximum=MAX_LAYERS),
             head_dim=at.get("head_dim", int, positive=True),
             hidden_dim=at.get("hidden_dim", int, positive=True),
             n_heads=at.get("n_heads", int, positive=True),
@@ -267,7 +305,9 @@ class ModelConfig:
             n_decoding_steps=at.get("n_decoding_steps", int, 7, positive=True),
             semantic_codebook_size=audio.get("semantic_codebook_size", int, positive=True),
             acoustic_codebook_size=audio.get("acoustic_codebook_size", int, positive=True),
-            n_acoustic_codebook=audio.get("n_acoustic_codebook", int, positive=True),
+            n_acoustic_codebook=audio.get(
+                "n_acoustic_codebook", int, positive=True, maximum=MAX_CODEBOOKS
+            ),
         )
         if at.get("use_biases", bool, False):
             raise ConfigError(
@@ -296,7 +336,9 @@ class ModelConfig:
             semantic_dim=codec_r.get("semantic_dim", int, positive=True),
             acoustic_codebook_size=codec_r.get("acoustic_codebook_size", int, positive=True),
             acoustic_dim=codec_r.get("acoustic_dim", int, positive=True),
-            transformer_lengths=codec_r.int_list("decoder_transformer_lengths_str"),
+            transformer_lengths=codec_r.int_list(
+                "decoder_transformer_lengths_str", maximum=MAX_LAYERS
+            ),
             conv_kernels=codec_r.int_list("decoder_convs_kernels_str"),
             conv_strides=codec_r.int_list("decoder_convs_strides_str"),
             sampling_rate=codec_r.get("sampling_rate", int, positive=True),
@@ -423,7 +465,7 @@ class ModelConfig:
         )
         per_frame = self.sampling_rate / self.frame_rate
         _require(
-            math.isclose(per_frame, c.samples_per_frame),
+            c.samples_per_frame <= 2**53 and math.isclose(per_frame, c.samples_per_frame),
             f"{enc}.frame_rate",
             f"sampling_rate / frame_rate = {per_frame:g} samples per frame, but the codec "
             f"produces pretransform_patch_size x strides = {c.samples_per_frame}",

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,11 +49,19 @@ from .checkpoint import (
     quantized_shapes,
     safetensors_data_start,
 )
-from .errors import CheckpointError, InputError
+from .errors import CheckpointError, ConfigError, InputError
 from .fileio import atomic_write_text, one_line
 from .hub import resolve_model_dir
-from .loader import TensorRef, WeightSet, check_tokenizer, open_weights, read_model_config
+from .loader import (
+    TensorRef,
+    WeightSet,
+    check_tokenizer,
+    open_weights,
+    parse_dtype,
+    read_model_config,
+)
 from .mlx_layout import FORMAT, FORMAT_VERSION, INDEX_NAME, SHARD_NAME, SINGLE_NAME
+from .output_dir import check_output_dir, staged_dir
 from .synthetic.safetensors_writer import TensorSpec, write_safetensors
 from .tokenizer import TekkenTokenizer
 from .voices import VoiceRegistry, convert_voice_files
@@ -91,11 +97,12 @@ class QuantOptions:
         cls, bits: int | None, group_size: int | None = None, flow_bits: int | None = None
     ) -> QuantOptions:
         """Checked options; ``flow_bits`` defaults to ``max(8, bits)``."""
-        group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
         if bits is None:
-            if flow_bits is not None:
-                raise InputError("--q-flow-bits needs --q-bits: pass both, or neither")
-            return cls(None, None, group_size)
+            for flag, value in (("--q-flow-bits", flow_bits), ("--q-group-size", group_size)):
+                if value is not None:
+                    raise InputError(f"{flag} needs --q-bits: pass both, or neither")
+            return cls(None, None, DEFAULT_GROUP_SIZE)
+        group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
         for flag, value in (("--q-bits", bits), ("--q-flow-bits", flow_bits)):
             if value is not None and (isinstance(value, bool) or value not in SUPPORTED_BITS):
                 raise InputError(
@@ -153,38 +160,27 @@ class ConvertResult:
 # --------------------------------------------------------------------------- checks
 
 
-def _looks_like_model_dir(path: Path) -> bool:
-    names = {p.name for p in path.iterdir()}
-    return bool(
-        names & {"config.json", "params.json", "tekken.json", INDEX_NAME}
-        or any(n.endswith(".safetensors") for n in names)
-    )
-
-
-def _check_output(out: Path, src: Path, force: bool) -> None:
+def _check_output(out: Path, src: Path, force: bool) -> Path:
     real = out.resolve()
     if real == src or src in real.parents or real in src.parents:
         raise InputError(
             f"output {one_line(str(out))} overlaps the source model {one_line(str(src))}: "
             "choose another output directory"
         )
-    if out.exists() or out.is_symlink():
-        if not out.is_dir():
-            raise InputError(f"output {one_line(str(out))} exists and is not a directory")
-        try:
-            empty = not any(out.iterdir())
-        except OSError as e:
-            raise InputError(f"cannot read output {one_line(str(out))}: {e.strerror}") from None
-        if not empty and not force:
-            raise InputError(
-                f"output {one_line(str(out))} exists and is not empty: pass --force to replace "
-                "it, or choose another directory"
-            )
-        if not empty and not _looks_like_model_dir(out):
-            raise InputError(
-                f"output {one_line(str(out))} holds files that are not a model; refusing to "
-                "replace it even with --force: choose another directory"
-            )
+    return check_output_dir(out, force)
+
+
+def output_dtype(dtype: str) -> str:
+    """The name in :data:`OUTPUT_DTYPES` of ``dtype`` (aliases such as ``bf16`` included)."""
+    try:
+        parsed = parse_dtype(dtype)
+    except ConfigError:
+        parsed = None
+    if parsed is not None:
+        for name, (_, mx_dtype) in OUTPUT_DTYPES.items():
+            if parsed == mx_dtype:
+                return name
+    raise InputError(f"--dtype {dtype!r} is not supported: use bfloat16, float16 or float32")
 
 
 # --------------------------------------------------------------------------- planning
@@ -429,11 +425,9 @@ def convert_model(
     docstring for the layout and the precision rules. Raises :class:`VoxtralError` subclasses
     with one-line messages; on any failure ``out_dir`` is left as it was."""
     options = QuantOptions.make(q_bits, q_group_size, q_flow_bits)
-    if dtype not in OUTPUT_DTYPES:
-        raise InputError(f"--dtype {dtype!r} is not supported: use bfloat16, float16 or float32")
+    dtype = output_dtype(dtype)
     src = resolve_model_dir(model)
-    out = Path(out_dir).expanduser().absolute()
-    _check_output(out, src, force)
+    out = _check_output(Path(out_dir).expanduser().absolute(), src, force)
 
     config = read_model_config(src)
     tokenizer = TekkenTokenizer.from_file(src / "tekken.json")
@@ -454,15 +448,7 @@ def convert_model(
     )
     total = sum(o.nbytes for job in jobs for o in job.outputs)
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    except OSError as e:
-        raise InputError(
-            f"cannot write to {one_line(str(out.parent))}: {one_line(e.strerror or str(e))}; "
-            "choose a writable output directory"
-        ) from None
-    try:
+    with staged_dir(out) as tmp:
         done = [0]
         for name, shard in zip(names, shards, strict=True):
             _write_shard(tmp / name, shard, dtype, chunk_bytes, progress, done, total)
@@ -485,33 +471,5 @@ def convert_model(
         planned = {j.name[: -len(".weight")]: j.spec for j in jobs if j.spec is not None}
         if written.quantized != planned:  # pragma: no cover - a bug of ours, not of the input
             raise InputError("the converted weights do not match the plan; please report this")
-        _swap_into_place(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise InputError(
-            f"cannot write {one_line(str(out))}: {one_line(e.strerror or str(e))}; check "
-            "the free disk space and permissions"
-        ) from None
-    except BaseException:  # errors of ours, interrupts: nothing half-written stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     files = [out / n for n in names]
     return ConvertResult(out, files, planned, total)
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished directory to ``out``, replacing an old one only at the very end."""
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is as readable as its files
-    if out.exists() and any(out.iterdir()):
-        old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
-        os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)

@@ -81,6 +81,9 @@ _MAX_PICKLE_BYTES = 64 << 20  # a tensor file's pickle is tiny; refuse a decompr
 _MAX_COMPRESSION_RATIO = 32  # inflated / deflated size of one zip record, beyond: a bomb
 _BOMB_MIN_BYTES = 1 << 20  # small records may compress well (a zero voice): no ratio check
 _MAX_EXPANSION = 16  # overlapping strides may not blow a storage up beyond this factor
+# A shape numpy can still describe (its byte size must fit in 64 bits), even when a zero
+# dimension makes the tensor empty.
+_MAX_SHAPE_PRODUCT = 1 << 48
 _ALIGNMENT = 64  # torch aligns every record's data to 64 bytes
 _ZIP64_LIMIT = 0xFFFFFFFF
 
@@ -236,6 +239,8 @@ class _RebuildTensorV2(_Inert):
             raise _Malformed(f"tensor shape {shape} and stride {strides} differ in length")
         if len(shape) > 32:
             raise _Malformed(f"tensor has {len(shape)} dimensions; at most 32 are supported")
+        if math.prod(d for d in shape if d) > _MAX_SHAPE_PRODUCT:
+            raise _Malformed(f"tensor shape {one_line(str(list(shape)), 80)} is absurdly large")
         if not isinstance(requires_grad, bool) or not isinstance(backward_hooks, dict):
             raise _Malformed("tensor requires_grad / backward_hooks arguments are malformed")
         if metadata is not None and not isinstance(metadata, dict):

@@ -8,9 +8,12 @@ tekken.json lists the row count N each voice must have.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import struct
+import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -285,9 +288,10 @@ def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = Tr
     """Convert ``.pt`` voices (files, or directories of them) to ``out_dir/<stem>.safetensors``.
 
     Each output holds one tensor under key ``embedding`` with the source's dtype and shape,
-    bit-exact, written atomically. Every source is read and checked before the first file is
-    written; returns the written paths in order. Raises :class:`VoiceError` (or
-    :class:`UnsafePickleError` for a hostile .pt).
+    bit-exact. Every source and target is checked before anything is written, and the files
+    are written into a hidden directory inside ``out_dir`` first, so a failure leaves
+    ``out_dir`` as it was (and removes it if it was created). Returns the written paths in
+    order. Raises :class:`VoiceError` (or :class:`UnsafePickleError` for a hostile .pt).
     """
     files = _voice_sources(sources)
     out_dir = Path(out_dir)
@@ -300,29 +304,43 @@ def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = Tr
                 f"{one_line(str(dst))}; convert them into separate directories"
             )
         seen[dst] = src
-        if not overwrite and dst.exists():
+        if not overwrite and (dst.exists() or dst.is_symlink()):
             raise VoiceError(f"{one_line(str(dst))} already exists; remove it or allow overwriting")
+        if dst.is_dir() or (dst.exists() and not dst.is_file()):
+            raise VoiceError(
+                f"{one_line(str(dst))} exists and is not a file; remove it or choose another "
+                "output directory"
+            )
     tensors = [read_pt(src) for src in files]  # voices are small: fail before writing any
     if out_dir.exists() and not out_dir.is_dir():
         raise VoiceError(
             f"output {one_line(str(out_dir))} is a file, not a directory; pick another"
         )
+    created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]
+    replaced = {dst for dst in targets if dst.exists()}
+    stage: Path | None = None
+    written: list[Path] = []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise VoiceError(
-            f"cannot create output directory {one_line(str(out_dir))}: "
-            f"{one_line(e.strerror or str(e))}; choose a writable directory"
-        ) from e
-
-    written: list[Path] = []
-    for tensor, dst in zip(tensors, targets, strict=True):
-        try:
-            _write_safetensors(dst, tensor)
-        except OSError as e:
+        stage = Path(tempfile.mkdtemp(prefix=".voices-", suffix=".partial", dir=out_dir))
+        for tensor, dst in zip(tensors, targets, strict=True):
+            _write_safetensors(stage / dst.name, tensor)
+        for dst in targets:
+            os.replace(stage / dst.name, dst)
+            written.append(dst)
+    except BaseException as e:
+        for path in set(written) - replaced:  # only if a rename fails: no partial set
+            path.unlink(missing_ok=True)
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        for d in created:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        if isinstance(e, OSError):
             raise VoiceError(
-                f"cannot write {one_line(str(dst))}: {one_line(e.strerror or str(e))}; "
-                f"choose a writable output directory"
+                f"cannot write voices to {one_line(str(out_dir))}: "
+                f"{one_line(e.strerror or str(e))}; choose a writable output directory"
             ) from e
-        written.append(dst)
+        raise
+    shutil.rmtree(stage, ignore_errors=True)
     return written

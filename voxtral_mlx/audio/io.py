@@ -89,6 +89,11 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
     An existing file at ``path`` is fine: it is replaced only when writing succeeds.
     """
     p = Path(path)
+    if str(path).endswith(("/", os.sep)):  # Path() drops the slash that names a directory
+        raise AudioOutputError(
+            f"output path {str(path)!r} ends with a slash, so it names a directory; "
+            "give a file name without it"
+        )
     if p.is_dir():
         raise AudioOutputError(
             f"output path {str(p)!r} is a directory; give a file name such as "
@@ -145,12 +150,54 @@ def _as_mono_float(chunk: np.ndarray, channels: int) -> np.ndarray:
 
 
 def _discard(handle: sf.SoundFile | None, tmp: Path) -> None:
-    """Close the encoder and delete the temp file; never raises (used on error paths)."""
-    if handle is not None:
-        with contextlib.suppress(Exception):
-            handle.close()
-    with contextlib.suppress(OSError):
-        tmp.unlink()
+    """Close the encoder and delete the temp file (used on error paths).
+
+    Raises nothing of its own; a Ctrl-C that lands while the encoder closes still lets the
+    temp file be deleted before it propagates.
+    """
+    try:
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                handle.close()
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _mp3_stream_bytes(path: Path) -> int | None:
+    """The stream size LAME records in the Xing/Info frame at the start of an MP3, if any."""
+    with open(path, "rb") as fh:
+        head = fh.read(256)
+    for tag in (b"Xing", b"Info"):
+        i = head.find(tag)
+        if i < 0 or len(head) < i + 16:
+            continue
+        (flags,) = struct.unpack(">I", head[i + 4 : i + 8])
+        if flags & 2:  # the byte count follows the frame count when flag 1 is set
+            at = i + 12 if flags & 1 else i + 8
+            return struct.unpack(">I", head[at : at + 4])[0]
+    return None
+
+
+def _check_complete(path: Path, tmp: Path, fmt: str, frames: int) -> None:
+    """Raise :class:`AudioOutputError` unless ``tmp`` (format ``fmt``) holds all ``frames``.
+
+    libsndfile ignores write errors while it finalises a file (the last FLAC frame, the
+    Ogg and MP3 encoder flush), so a full disk at that moment would pass for success.
+    """
+    if fmt == "MP3":  # the frame count is in a header written at the end; mpg123 would
+        # also print a warning on stderr when opening a cut-short file
+        expected = _mp3_stream_bytes(tmp)
+        complete = expected is None or expected == tmp.stat().st_size
+    elif fmt in ("WAV", "FLAC"):
+        complete = sf.info(str(tmp)).frames == frames
+    else:  # lossy codecs: a truncated stream has fewer frames; a longer one is padding
+        complete = sf.info(str(tmp)).frames >= frames
+    if not complete:
+        raise AudioOutputError(
+            f"finishing {str(path)!r} failed: the file was cut short (the disk may be full); "
+            "free some space or choose another location"
+        )
 
 
 class AudioFileWriter:
@@ -180,6 +227,7 @@ class AudioFileWriter:
         check_output_path(self.path, self.sample_rate)
         ext = _extension(self.path)
         fmt, subtype = FORMATS[ext]
+        self._format = fmt
         self._pcm16 = subtype == "PCM_16"
         self.frames_written = 0
         self._closed = False
@@ -252,25 +300,33 @@ class AudioFileWriter:
         if self._closed:
             return self.path if self._kept else None
         self._closed = True
-        self._finalizer.detach()
         handle, self._sf = self._sf, None
-        if not keep:
-            _discard(handle, self._tmp)
-            return None
         try:
+            self._finalizer.detach()
+            if not keep:
+                _discard(handle, self._tmp)
+                return None
             assert handle is not None
             handle.close()
+            if self.frames_written:
+                _check_complete(self.path, self._tmp, self._format, self.frames_written)
             fd = os.open(self._tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)  # the rename must not land before the data after a crash
             finally:
                 os.close(fd)
             os.replace(self._tmp, self.path)  # a symlink at the target is replaced, not followed
+        except AudioOutputError:
+            _discard(None, self._tmp)
+            raise
         except Exception as e:
             _discard(None, self._tmp)
             raise AudioOutputError(
                 f"finishing {str(self.path)!r} failed: {e}; check free space and permissions"
             ) from e
+        except BaseException:  # a second Ctrl-C while finishing: no temp file stays behind
+            _discard(handle, self._tmp)
+            raise
         self._kept = True
         return self.path
 
@@ -329,13 +385,52 @@ def wav_header(sample_rate: int, channels: int = 1, data_bytes: int | None = Non
     )
 
 
+def write_stream(stream: BinaryIO, data: bytes) -> None:
+    """Write all of ``data`` to ``stream`` and flush it (for stdout: pipes, files, ttys).
+
+    :class:`BrokenPipeError` propagates (the reader went away: not an error of ours); any
+    other failure, such as a full disk, becomes a one-line :class:`AudioOutputError`.
+    """
+    view = memoryview(data)
+    try:
+        while view:  # raw (unbuffered) streams may write only part
+            n = stream.write(view)
+            if n is None:  # a non-blocking stream with no room yet
+                time.sleep(0.001)
+                continue
+            view = view[n:]
+        flush = getattr(stream, "flush", None)
+        if flush is not None:
+            flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        name = getattr(stream, "name", None)
+        where = "stdout" if name in (1, "<stdout>") else "the output stream"
+        raise AudioOutputError(
+            f"writing audio to {where} failed: {e.strerror or e}; "
+            "check free space or write to a file with -o FILE"
+        ) from None
+
+
+def _appends(stream: BinaryIO) -> bool:
+    """True for a stream opened with O_APPEND (``>>``): every write lands at the end, so
+    seeking back to patch a header would corrupt it instead."""
+    try:
+        import fcntl
+
+        return bool(fcntl.fcntl(stream.fileno(), fcntl.F_GETFL) & os.O_APPEND)
+    except (ImportError, AttributeError, OSError, ValueError):
+        return False
+
+
 class WavStreamWriter:
     """PCM16 WAV onto a binary stream (e.g. ``sys.stdout.buffer``) of unknown total length.
 
     The header goes out at once with both size fields 0xFFFFFFFF, the convention for
     "length unknown" on pipes; chunks follow as they arrive, flushed so a consumer
     (``| aplay``, ``| ffmpeg``) hears them promptly. If the stream is seekable (stdout
-    redirected to a file) the real sizes are patched in at :meth:`close`.
+    redirected to a file, not in append mode) the real sizes are patched in at :meth:`close`.
 
     libsndfile (and so soundfile) reads such a stream: it notes that the declared sizes
     exceed the file and uses the bytes actually present; Python's :mod:`wave` does too.
@@ -350,11 +445,11 @@ class WavStreamWriter:
         self._closed = False
         self._start: int | None = None
         try:
-            if stream.seekable():
+            if stream.seekable() and not _appends(stream):
                 self._start = stream.tell()
         except (AttributeError, OSError, ValueError):
             self._start = None
-        self._write(wav_header(self.sample_rate, self.channels))
+        write_stream(self.stream, wav_header(self.sample_rate, self.channels))
 
     @property
     def seekable(self) -> bool:
@@ -364,18 +459,6 @@ class WavStreamWriter:
     def frames_written(self) -> int:
         return self.data_bytes // (2 * self.channels)
 
-    def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:  # raw (unbuffered) streams may write only part
-            n = self.stream.write(view)
-            if n is None:  # a non-blocking stream with no room yet
-                time.sleep(0.001)
-                continue
-            view = view[n:]
-        flush = getattr(self.stream, "flush", None)
-        if flush is not None:
-            flush()
-
     def write(self, chunk: np.ndarray) -> None:
         if self._closed:
             raise AudioOutputError("write to a WAV stream after it was closed")
@@ -383,7 +466,7 @@ class WavStreamWriter:
         if a.shape[0] == 0:
             return
         data = float_to_pcm16(a)
-        self._write(data)
+        write_stream(self.stream, data)
         self.data_bytes += len(data)
 
     def close(self) -> None:

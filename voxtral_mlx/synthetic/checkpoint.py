@@ -20,8 +20,10 @@ import numpy as np
 
 from ..checkpoint import expected_tensors
 from ..config import END_AUDIO, ModelConfig
+from ..errors import InputError
 from ..fileio import atomic_write_text
-from .safetensors_writer import TensorSpec, encode, write_safetensors
+from ..output_dir import check_output_dir, staged_dir
+from .safetensors_writer import TensorSpec, encode, float32_to_bf16_bits, write_safetensors
 
 # The 20 preset voices of the real checkpoint and their row counts (tekken.json).
 REAL_VOICES: dict[str, int] = {
@@ -238,8 +240,9 @@ def build_random_checkpoint(
     vocab_source: str | Path | None = "auto",
     voice_format: str = "pt",
     suppress_end: bool = False,
+    force: bool = False,
 ) -> Path:
-    """Write a random checkpoint in Mistral's layout to ``out_dir`` and return it.
+    """Write a random checkpoint in Mistral's layout to ``out_dir`` and return its path.
 
     ``params``: a params.json dict or a size name for :func:`make_params`.
     ``dtype``: ``bfloat16`` (as published) or ``float32``. ``voices``: name -> rows
@@ -247,27 +250,52 @@ def build_random_checkpoint(
     ``voice_format``: ``pt`` (as published) or ``safetensors`` (as converted).
     ``suppress_end``: zero the END row of the semantic head, so that generation runs to
     ``max_frames`` (benchmarks need a fixed number of frames; random weights end early).
+
+    ``out_dir`` must be new or empty, or (with ``force``) a model directory, which is then
+    replaced. The checkpoint is built in a hidden directory beside it and renamed into place
+    at the end, so a failed or interrupted build leaves nothing behind.
     """
-    from ..torch_pickle import PtTensor, write_pt
-    from .tekken import build_tekken, write_tekken
+    from .tekken import build_tekken
 
     if isinstance(params, str):
         params = make_params(params)
     params = copy.deepcopy(dict(params))
     st_dtype = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}.get(dtype)
     if st_dtype is None:
-        raise ValueError(f"unsupported dtype {dtype!r}: use bfloat16, float16 or float32")
+        raise InputError(f"unsupported dtype {dtype!r}: use bfloat16, float16 or float32")
+    if voice_format not in ("pt", "safetensors"):
+        raise InputError(f"unknown voice format {voice_format!r}: use pt or safetensors")
     voices = dict(REAL_VOICES if voices is None else voices)
-
-    out = Path(out_dir)
-    (out / "voice_embedding").mkdir(parents=True, exist_ok=True)
     tekken = build_tekken(voices, vocab_source=vocab_source)
     n_text = tekken["config"]["default_vocab_size"]
     if params["vocab_size"] < n_text:
         params["vocab_size"] = n_text
     config = ModelConfig.from_params(params)
-    write_tekken(out / "tekken.json", tekken)
 
+    out = check_output_dir(Path(out_dir).expanduser().absolute(), force)
+    with staged_dir(out) as tmp:
+        _write_checkpoint(
+            tmp, params, config, tekken, voices, seed, st_dtype, voice_format, suppress_end
+        )
+    return out
+
+
+def _write_checkpoint(
+    out: Path,
+    params: dict[str, Any],
+    config: ModelConfig,
+    tekken: dict[str, Any],
+    voices: dict[str, int],
+    seed: int,
+    st_dtype: str,
+    voice_format: str,
+    suppress_end: bool,
+) -> None:
+    from ..torch_pickle import PtTensor, write_pt
+    from .tekken import write_tekken
+
+    (out / "voice_embedding").mkdir()
+    write_tekken(out / "tekken.json", tekken)
     specs = [TensorSpec(name, st_dtype, e.shape) for name, e in expected_tensors(config).items()]
     write_safetensors(
         out / "consolidated.safetensors",
@@ -280,8 +308,6 @@ def build_random_checkpoint(
         values = _rng(seed, f"voice/{name}").standard_normal((rows, dim), dtype=np.float32)
         if voice_format == "pt":
             if st_dtype == "BF16":
-                from .safetensors_writer import float32_to_bf16_bits
-
                 tensor = PtTensor("BF16", (rows, dim), float32_to_bf16_bits(values))
             else:
                 tensor = PtTensor(
@@ -290,18 +316,14 @@ def build_random_checkpoint(
                     values.astype(np.float16 if st_dtype == "F16" else np.float32),
                 )
             write_pt(out / "voice_embedding" / f"{name}.pt", tensor)
-        elif voice_format == "safetensors":
+        else:
             spec = TensorSpec("embedding", st_dtype, (rows, dim))
             write_safetensors(
                 out / "voice_embedding" / f"{name}.safetensors",
                 [spec],
                 lambda _s, v=values: iter([encode(v, st_dtype)]),
             )
-        else:
-            raise ValueError(f"unknown voice format {voice_format!r}: use pt or safetensors")
-
     atomic_write_text(out / "params.json", json.dumps(params, indent=4) + "\n")
-    return out
 
 
 def random_weights(

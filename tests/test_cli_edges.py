@@ -1,0 +1,270 @@
+"""The command line at its edges: odd stdin and stdout, signals while writing, bad outputs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def env_with_repo(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(extra or {})
+    return env
+
+
+def run(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
+    if "stdout" not in kwargs and "stderr" not in kwargs:
+        kwargs.setdefault("capture_output", True)
+    return subprocess.run(
+        [sys.executable, "-m", "voxtral_mlx", *args],
+        env=env_with_repo(env),
+        timeout=300,
+        cwd=REPO,
+        **kwargs,
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, (proc.returncode, err)
+    assert err.count("\n") == 1 and err.startswith("voxtral-mlx: error: "), err
+    return err
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny checkpoint whose END never fires: every run makes --max-frames frames."""
+    out = tmp_path_factory.mktemp("edges") / "tiny"
+    proc = run("random-checkpoint", str(out), "--seed", "3", "--suppress-end")
+    assert proc.returncode == 0, proc.stderr.decode()
+    return out
+
+
+def speak(model_dir: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    return run("speak", "-m", str(model_dir), "--max-frames", "3", "--seed", "1", *args, **kwargs)
+
+
+# --------------------------------------------------------------------------- stdin
+
+
+@pytest.mark.parametrize("encoding", [None, "utf-8:strict"], ids=["locale", "strict"])
+def test_stdin_that_is_not_utf8_is_one_line(model_dir, tmp_path, encoding):
+    env = {"PYTHONIOENCODING": encoding} if encoding else None
+    out = tmp_path / "s.wav"
+    proc = speak(model_dir, "-o", str(out), input=b"caf\xe9.", env=env)
+    assert "stdin is not UTF-8" in one_line_error(proc)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stdin_is_read_as_utf8_whatever_the_locale(model_dir, tmp_path):
+    out = tmp_path / "s.wav"
+    text = "\ufeffCafé.".encode()
+    proc = speak(model_dir, "-o", str(out), "-f", "-", input=text, env={"LC_ALL": "C"})
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert sf.info(out).frames > 0
+
+
+@pytest.mark.parametrize("args", [[], ["-f", "-"]], ids=["implicit", "dash"])
+def test_closed_stdin_is_one_line(model_dir, tmp_path, args):
+    out = tmp_path / "s.wav"
+    proc = speak(model_dir, "-o", str(out), *args, preexec_fn=lambda: os.close(0))
+    assert "text" in one_line_error(proc) or "stdin" in one_line_error(proc)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- stdout
+
+
+def test_stdout_gets_nothing_before_the_arguments_are_checked(model_dir):
+    proc = speak(model_dir, "Hi.", "-o", "-", "--pause", "100")
+    assert "pause" in one_line_error(proc)
+    assert proc.stdout == b""
+
+
+def test_appending_stdout_keeps_the_wav_intact(model_dir, tmp_path):
+    path = tmp_path / "app.wav"
+    path.write_bytes(b"")
+    with open(path, "ab") as f:  # `>> app.wav`
+        proc = speak(model_dir, "Hi there.", "-o", "-", stdout=f, stderr=subprocess.PIPE)
+    assert proc.returncode == 0, proc.stderr.decode()
+    data = path.read_bytes()
+    assert data[:4] == b"RIFF" and data[36:40] == b"data"
+    assert struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF  # unknown: nothing patched
+    assert len(data) == 44 + 2 * 3 * 1920  # three frames, and no size patch appended
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize(
+    "args", [["-o", "-"], ["--raw"], ["voices"]], ids=["wav", "raw", "voices-list"]
+)
+def test_full_stdout_is_one_line(model_dir, args):
+    with open("/dev/full", "wb") as full:
+        if args == ["voices"]:
+            proc = run("voices", "-m", str(model_dir), stdout=full, stderr=subprocess.PIPE)
+        else:
+            proc = speak(model_dir, "Hello.", *args, stdout=full, stderr=subprocess.PIPE)
+    assert "No space left on device" in one_line_error(proc)
+
+
+@pytest.mark.parametrize("args", [["-o", "-"], ["--raw"]], ids=["wav", "raw"])
+def test_closed_stdout_is_one_line(model_dir, args):
+    proc = speak(
+        model_dir,
+        "Hello.",
+        *args,
+        stdout=None,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.close(1),
+    )
+    assert "stdout is closed" in one_line_error(proc)
+
+
+def test_trailing_slash_names_a_directory(model_dir, tmp_path):
+    proc = speak(model_dir, "Hi.", "-o", f"{tmp_path}/out.wav/")
+    assert "slash" in one_line_error(proc)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- serve
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_serve_rejects_ports_out_of_range(model_dir, port):
+    proc = run("serve", "-m", str(model_dir), "--no-warmup", "--port", port)
+    assert f"--port {port}" in one_line_error(proc)
+
+
+# --------------------------------------------------------------------------- random-checkpoint
+
+
+def test_random_checkpoint_bad_layers_leave_nothing(tmp_path):
+    proc = run("random-checkpoint", str(tmp_path / "new" / "rc"), "--layers", "0")
+    assert "--layers must be between 1 and 1024" in one_line_error(proc)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_random_checkpoint_output_checks(model_dir, tmp_path):
+    (tmp_path / "file").write_text("x")
+    proc = run("random-checkpoint", str(tmp_path / "file"))
+    assert "not a directory" in one_line_error(proc)
+    proc = run("random-checkpoint", str(tmp_path / "file" / "sub"))
+    assert "cannot write" in one_line_error(proc)
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    for force in ([], ["--force"]):
+        proc = run("random-checkpoint", str(mine), *force)
+        one_line_error(proc)
+        assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+    old = tmp_path / "old"
+    proc = run("random-checkpoint", str(old), "--layers", "1", "--flow-layers", "1")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "--force" in one_line_error(run("random-checkpoint", str(old)))
+    proc = run("random-checkpoint", str(old), "--force", "--voice-format", "safetensors")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert not list((old / "voice_embedding").glob("*.pt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine", "old"]
+
+
+# --------------------------------------------------------------------------- termination
+
+# Runs the CLI with one step made slow, saying "ready" on stderr once it has started writing.
+_SLOW = """
+import sys, time, importlib
+module, name = sys.argv[1], sys.argv[2]
+mod = importlib.import_module(module)
+real = getattr(mod, name)
+def slow(*args, **kwargs):
+    real(*args, **kwargs)
+    sys.stderr.write("ready\\n")
+    sys.stderr.flush()
+    time.sleep(120)
+setattr(mod, name, slow)
+from voxtral_mlx.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def run_until_ready_then(sig: int, slow: str, args: list[str]) -> tuple[int, str]:
+    module, name = slow.rsplit(".", 1)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW, module, name, *args],
+        env=env_with_repo(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert line == b"ready\n", line + proc.stderr.read()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        return code, proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+COMMANDS: dict[str, Callable[[Path, Path], tuple[str, list[str]]]] = {
+    "convert": lambda model, out: (
+        "voxtral_mlx.convert._write_shard",
+        ["convert", str(model), "-o", str(out), "--q-bits", "4"],
+    ),
+    "convert-voices": lambda model, out: (
+        "voxtral_mlx.voices._write_safetensors",
+        ["convert-voices", str(model / "voice_embedding"), "-o", str(out)],
+    ),
+    "random-checkpoint": lambda model, out: (
+        "voxtral_mlx.synthetic.checkpoint.write_safetensors",
+        ["random-checkpoint", str(out)],
+    ),
+}
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_termination_while_writing_leaves_nothing(model_dir, tmp_path, command, sig):
+    signum = getattr(signal, sig, None)
+    if signum is None:
+        pytest.skip(f"no {sig} here")
+    slow, args = COMMANDS[command](model_dir, tmp_path / "new" / "out")
+    code, err = run_until_ready_then(signum, slow, args)
+    assert code == 128 + signum, err
+    assert err.endswith("voxtral-mlx: error: interrupted\n"), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stdout_redirected_to_a_file_gets_real_sizes(model_dir, tmp_path):
+    path = tmp_path / "s.wav"
+    with open(path, "wb") as f:
+        proc = speak(model_dir, "Hello.", "-o", "-", stdout=f, stderr=subprocess.PIPE)
+    assert proc.returncode == 0, proc.stderr.decode()
+    data = path.read_bytes()
+    assert struct.unpack("<I", data[40:44])[0] == len(data) - 44
+    audio, _ = sf.read(path, dtype="float32")
+    assert len(audio) == 3 * 1920 and np.isfinite(audio).all()
+
+
+def test_random_checkpoint_checks_params_before_writing(tmp_path):
+    from voxtral_mlx.errors import ConfigError
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
+
+    with pytest.raises(ConfigError):
+        build_random_checkpoint(tmp_path / "new" / "rc", make_params("tiny", n_layers=0))
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,122 @@
+"""Writing a whole model directory: which outputs may be replaced, and a staging directory
+that is renamed into place only when complete, so a failed or interrupted write leaves
+nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import InputError
+from .fileio import one_line
+
+_MODEL_FILES = {"config.json", "params.json", "tekken.json", "model.safetensors.index.json"}
+
+
+def looks_like_model_dir(path: Path) -> bool:
+    names = {p.name for p in path.iterdir()}
+    return bool(names & _MODEL_FILES or any(n.endswith(".safetensors") for n in names))
+
+
+def check_output_dir(out: Path, force: bool) -> Path:
+    """The directory to write: ``out``, or the directory a symbolic link ``out`` points to
+    (the link stays; what it points to is replaced). Raises :class:`InputError` unless it is
+    new, empty, or (with ``force``) a model directory."""
+    if out.is_symlink():
+        target = out.resolve()
+        if not target.is_dir():
+            raise InputError(
+                f"output {one_line(str(out))} is a symbolic link to {one_line(str(target))}, "
+                "which is not a directory: choose another output directory"
+            )
+        out = target
+    if out.exists():
+        if not out.is_dir():
+            raise InputError(f"output {one_line(str(out))} exists and is not a directory")
+        try:
+            empty = not any(out.iterdir())
+        except OSError as e:
+            raise InputError(f"cannot read output {one_line(str(out))}: {e.strerror}") from None
+        if not empty and not force:
+            raise InputError(
+                f"output {one_line(str(out))} exists and is not empty: pass --force to replace "
+                "it, or choose another directory"
+            )
+        if not empty and not looks_like_model_dir(out):
+            raise InputError(
+                f"output {one_line(str(out))} holds files that are not a model; refusing to "
+                "replace it even with --force: choose another directory"
+            )
+    return out
+
+
+def make_parents(path: Path) -> list[Path]:
+    """Create the missing parents of ``path``; returns the ones created, deepest first,
+    for :func:`remove_dirs` to undo."""
+    missing = [d for d in path.parents if not d.exists()]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        remove_dirs(missing)
+        raise
+    return missing
+
+
+def remove_dirs(dirs: list[Path]) -> None:
+    """Remove the directories of :func:`make_parents` that are still empty."""
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """Yield a hidden directory beside ``out`` to fill; on success it replaces ``out``.
+
+    On any failure or interrupt the staging directory and the parents made for it are
+    removed, and ``out`` is untouched. ``OSError`` becomes a one-line :class:`InputError`.
+    """
+    created: list[Path] = []
+    try:
+        created = make_parents(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as e:
+        remove_dirs(created)
+        raise InputError(
+            f"cannot write to {one_line(str(out.parent))}: {one_line(e.strerror or str(e))}; "
+            "choose a writable output directory"
+        ) from None
+    try:
+        yield tmp
+        _swap_into_place(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_dirs(created)
+        if isinstance(e, OSError):
+            raise InputError(
+                f"cannot write {one_line(str(out))}: {one_line(e.strerror or str(e))}; check "
+                "the free disk space and permissions"
+            ) from None
+        raise
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is as readable as its files
+    if out.exists() and any(out.iterdir()):
+        old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
