@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from common import SENTENCES, VOICE, label, record, resolve, suppress_end
+from common import SENTENCES, label, pick_voice, record, resolve, suppress_end
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3), "full": ("full", None, None)}
 
@@ -29,16 +29,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
-    tts = voxtral_mlx.load(resolve(args.config, CONFIGS, args.dtype), dtype=args.dtype)
+    path = resolve(args.config, CONFIGS, args.dtype)
+    voice = pick_voice(path)
+    tts = voxtral_mlx.load(path, dtype=args.dtype)
     suppress_end(tts)
     kwargs = {"seed": 1, "split": True, "max_chars": 80, "max_frames": args.frames, "pause": 0.0}
-    tts.synthesize(SENTENCES[:200], VOICE, **kwargs)  # warm-up
+    tts.synthesize(SENTENCES[:200], voice, **kwargs)  # warm-up
 
     results = {}
     for mode, batch in (("sequential", 1), ("batched", args.batch)):
         tts.engine.max_batch = batch
         t0 = time.perf_counter()
-        speech = tts.synthesize(SENTENCES, VOICE, **kwargs)
+        speech = tts.synthesize(SENTENCES, voice, **kwargs)
         wall = time.perf_counter() - t0
         results[mode] = (speech.duration / wall, wall, speech.duration)
         print(f"{mode}: {speech.duration:.1f} s of audio in {wall:.1f} s", flush=True)

@@ -4,7 +4,7 @@ mlx-audio streams by re-decoding every chunk with 16 frames of left context
 (``voxtral_tts.py``, ``generate(stream=True)``, ``context_frames = 16``); its default chunk
 is 25 frames (2 s). Both decoders get the same random weights; mlx-audio is patched to
 Mistral's ALiBi slopes and codebook floor (SPEC §6) so the parity line compares like with
-like. Times are wall-clock per decoded frame (80 ms of audio), evaluated at every chunk
+like. Times are wall-clock per decoded frame (80 ms of audio for Voxtral), evaluated at every chunk
 boundary as a player would; streaming times are steady state (chunks from frame 16 on).
 
     python benchmarks/codec_bench.py [--configs tiny full CHECKPOINT_DIR] [--frames N]
@@ -34,7 +34,7 @@ from voxtral_mlx.synthetic.checkpoint import make_params, random_weights
 PREFIX = "audio_tokenizer."
 WEIGHTS = "consolidated.safetensors"
 MLX_AUDIO_CONTEXT = 16
-FRAME_MS = 80.0
+MLX_AUDIO_WINDOWS = (2, 4, 8, 16)  # per stage, whatever params.json says
 
 
 def codec_config(config_name: str) -> ModelConfig:
@@ -57,7 +57,15 @@ def codec_weights(config_name: str) -> tuple[ModelConfig, dict[str, mx.array]]:
     if config_name in DEFAULT_FRAMES:
         weights = random_weights(config, 0, prefix="audio_tokenizer")
         return config, {k: mx.array(v) for k, v in weights.items()}
-    stored = mx.load(str(Path(config_name).expanduser() / WEIGHTS))
+    from voxtral_mlx.errors import VoxtralError
+    from voxtral_mlx.loader import open_weights
+
+    path = Path(config_name).expanduser()
+    try:
+        open_weights(path, config)  # headers only: every tensor against params.json
+    except VoxtralError as e:
+        raise SystemExit(str(e)) from None
+    stored = mx.load(str(path / WEIGHTS))
     return config, {k: v for k, v in stored.items() if k.startswith(PREFIX)}
 
 
@@ -76,7 +84,19 @@ def build(size: str, dtype: mx.Dtype):
     ref = at.VoxtralTTSAudioTokenizer(
         at.AudioTokenizerArgs(**{k: v for k, v in tok.items() if k in fields})
     )
-    ref.load_weights([(k[len(PREFIX) :], v.astype(dtype)) for k, v in raw.items()], strict=True)
+    try:
+        ref.load_weights([(k[len(PREFIX) :], v.astype(dtype)) for k, v in raw.items()], strict=True)
+    except ValueError as e:  # e.g. an upsampling first stage, which mlx-audio cannot build
+        raise SystemExit(
+            f"{size}: mlx-audio's codec cannot hold this checkpoint's codec "
+            f"({str(e).splitlines()[0]}), so there is nothing to compare with"
+        ) from None
+    theirs = [MLX_AUDIO_WINDOWS[min(s, 3)] for s in range(config.codec.n_stages)]
+    if list(config.codec.windows) != theirs:
+        print(
+            f"[{size}] note: mlx-audio fixes the codec's attention windows at {theirs}; "
+            f"this codec's are {list(config.codec.windows)}, so the two decoders' audio differs"
+        )
     ref._alibi_slopes = mx.array(alibi_slopes(config.codec.n_heads), dtype=mx.float32)
     sc = ref.quantizer.semantic_codebook
     sc.cluster_usage = mx.maximum(sc.cluster_usage.astype(mx.float32), 1e-5)
@@ -169,7 +189,7 @@ def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype, streams: in
     # Warm-up (mask construction, allocator) on a few frames.
     mx.eval(ours.decode(codes[:, :3]), ref.decode(codes[:, :3]))
 
-    rows = []
+    rows: list[tuple] = []
     s1, ms = ours_stream(ours, few, 1, steady)
     rows.append((label, "ours: streaming, chunk 1 (exact state)", slow_frames - steady, ms))
     from25 = -(-steady // 25) * 25
@@ -200,7 +220,8 @@ def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype, streams: in
     print(f"[{size}] {streams} streams together vs alone: {err(together, alone)}")
     print(f"[{size}] ours chunk-25 stream vs ours one-shot: {err(s25, one)}")
     print(f"[{size}] mlx-audio re-decode chunk 25 vs its one-shot (seams): {err(r25, ref_full)}")
-    return rows
+    audio_ms = 1000.0 * spf / config.codec.sampling_rate
+    return [(*row, audio_ms) for row in rows]
 
 
 # Frames per config: (chunk-25 and one-shot runs, chunk-1 runs); the real width is slow on CPU.
@@ -237,19 +258,18 @@ def main() -> None:
             parser.error("need --slow-frames > 16 and --frames >= 50 (steady state is timed)")
         rows += bench(size, frames, slow, dtype, args.streams)
 
-    print(f"\nbackend: {mx.default_device()}; real time = {FRAME_MS:.0f} ms per frame\n")
+    frame_ms = sorted({f"{r[4]:g}" for r in rows})
+    print(f"\nbackend: {mx.default_device()}; real time = {', '.join(frame_ms)} ms per frame\n")
     head = ("config", "method", "frames", "ms/frame", "x real time")
     width = [max(len(str(r[0])) for r in rows), max(len(r[1]) for r in rows), 6, 9, 11]
     print("  ".join(h.ljust(w) for h, w in zip(head, width)))
-    for cfg, method, n, ms in rows:
-        cells = (cfg, method, str(n), f"{ms:.2f}", f"{FRAME_MS / ms:.2f}")
+    for cfg, method, n, ms, audio_ms in rows:
+        cells = (cfg, method, str(n), f"{ms:.2f}", f"{audio_ms / ms:.2f}")
         print("  ".join(c.ljust(w) for c, w in zip(cells, width)))
     if args.record:
         from common import record
 
-        table = [head] + [
-            (c, m, str(n), f"{ms:.2f}", f"{FRAME_MS / ms:.2f}") for c, m, n, ms in rows
-        ]
+        table = [head] + [(c, m, str(n), f"{ms:.2f}", f"{a / ms:.2f}") for c, m, n, ms, a in rows]
         record(
             "Codec cost per frame (streaming vs one-shot vs mlx-audio)",
             "python benchmarks/codec_bench.py " + " ".join(sys.argv[1:]),

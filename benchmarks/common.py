@@ -130,7 +130,23 @@ def load_reference(model_dir: Path):
             "(consolidated.safetensors): give a directory in that layout (frame_speed.py "
             "can also time voxtral_mlx alone with --no-reference)"
         )
-    return load(model_dir)
+    from voxtral_mlx.loader import find_weight_files
+
+    if find_weight_files(Path(model_dir))[0] != "mistral":
+        raise SystemExit(
+            f"{model_dir} holds a conversion (config.json, model*.safetensors) beside "
+            "consolidated.safetensors: voxtral_mlx loads the conversion, mlx-audio's reference "
+            "would read the original; compare on a directory holding only one of them"
+        )
+    try:
+        return load(model_dir)
+    except (ValueError, KeyError, TypeError) as e:  # a shape mlx-audio's model cannot hold
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SystemExit(
+            f"{model_dir}: mlx-audio cannot load this checkpoint ({first}), so there is "
+            "nothing to compare with (frame_speed.py can time voxtral_mlx alone with "
+            "--no-reference)"
+        ) from None
 
 
 def injected_noise(rows: np.ndarray):
@@ -143,9 +159,45 @@ def reference_voice(ref, model_dir: Path, voice: str, dtype) -> None:
     """Give mlx-audio the voice from our reader (it only reads .safetensors voices)."""
     import voxtral_mlx.torch_pickle as tp
 
-    ref._voice_embeddings[voice] = tp.to_mlx(
-        tp.read_pt(model_dir / "voice_embedding" / f"{voice}.pt")
-    ).astype(dtype)
+    folder = Path(model_dir) / "voice_embedding"
+    if (folder / f"{voice}.pt").is_file():
+        rows = tp.to_mlx(tp.read_pt(folder / f"{voice}.pt"))
+    else:
+        rows = mx.load(str(folder / f"{voice}.safetensors"))["embedding"]
+    ref._voice_embeddings[voice] = rows.astype(dtype)
+
+
+def model_config(model_dir: Path):
+    """The :class:`~voxtral_mlx.config.ModelConfig` of a model directory (any layout)."""
+    from voxtral_mlx.loader import read_model_config
+
+    return read_model_config(Path(model_dir))
+
+
+def pick_voice(model_dir: Path) -> str:
+    """:data:`VOICE` if the checkpoint has it, else its first voice by name (a checkpoint
+    built with other voices than the release's still runs)."""
+    folder = Path(model_dir) / "voice_embedding"
+    names = sorted(
+        {p.stem for p in folder.glob("*") if p.suffix in (".pt", ".safetensors")}
+        if folder.is_dir()
+        else set()
+    )
+    if not names:
+        raise SystemExit(f"{model_dir}: no voices in voice_embedding/ (*.pt or *.safetensors)")
+    return VOICE if VOICE in names else names[0]
+
+
+def start_noise(model_dir: Path, frames: int, seed: int = 0) -> np.ndarray:
+    """Flow-matching start noise ``[frames, n_acoustic_codebook]`` for the checkpoint."""
+    width = model_config(model_dir).flow.n_acoustic_codebook
+    return np.random.default_rng(seed).standard_normal((frames, width)).astype(np.float32)
+
+
+def frame_ms(model_dir: Path) -> float:
+    """Milliseconds of audio per frame (80 for the release: 1920 samples at 24 kHz)."""
+    config = model_config(model_dir)
+    return 1000.0 * config.samples_per_frame / config.sampling_rate
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:

@@ -27,31 +27,32 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import TEXT, VOICE, label, load_reference, record, reference_voice, resolve
+from common import TEXT, label, load_reference, pick_voice, record, reference_voice, resolve
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
 
 
 def child(mode: str, path: str, cache: str) -> dict[str, float]:
     """One fresh process's figures (seconds)."""
+    voice = pick_voice(Path(path))
     t0 = time.perf_counter()
     if mode == "mlx-audio":
         ref = load_reference(Path(path))
         reference_voice(
-            ref, Path(path), VOICE, ref.audio_codebook_embeddings["embeddings"].weight.dtype
+            ref, Path(path), voice, ref.audio_codebook_embeddings["embeddings"].weight.dtype
         )
         loaded = time.perf_counter() - t0
         t1 = time.perf_counter()
-        it = ref.generate(TEXT, voice=VOICE, max_tokens=4, stream=True, streaming_interval=0.08)
+        it = ref.generate(TEXT, voice=voice, max_tokens=4, stream=True, streaming_interval=0.08)
         next(iter(it))
         return {"load": loaded, "warmup": 0.0, "first_audio": time.perf_counter() - t1}
     import voxtral_mlx
 
     tts = voxtral_mlx.load(path, prefix_cache_dir=cache)
     loaded = time.perf_counter() - t0
-    warm = tts.warmup(VOICE).result() if mode == "warmup" else 0.0
+    warm = tts.warmup(voice).result() if mode == "warmup" else 0.0
     t1 = time.perf_counter()
-    stream = tts.stream(TEXT, VOICE, seed=0, max_frames=4)
+    stream = tts.stream(TEXT, voice, seed=0, max_frames=4)
     next(iter(stream))
     first = time.perf_counter() - t1
     stream.close()

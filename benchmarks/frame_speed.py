@@ -19,18 +19,19 @@ import statistics
 import sys
 import time
 
-import numpy as np
 from common import (
     TEXT,
-    VOICE,
+    frame_ms,
     injected_noise,
     is_model_dir,
     is_narrow,
     label,
     load_reference,
+    pick_voice,
     record,
     reference_voice,
     resolve,
+    start_noise,
     suppress_end,
 )
 
@@ -55,13 +56,15 @@ def measure(
         n1, n2 = (8, 40) if is_narrow(path) else (1, 3)
     else:
         n1, n2 = CONFIGS[name][3:]
-    noise = np.random.default_rng(0).standard_normal((n2, 36)).astype(np.float32)
+    noise = start_noise(path, n2)
+    voice = pick_voice(path)
 
     tts = voxtral_mlx.load(path)
+    spf = tts.samples_per_frame
 
     def ours(n: int) -> float:
         t0 = time.perf_counter()
-        speech = tts.synthesize(TEXT, VOICE, noise=noise[:n], max_frames=n)
+        speech = tts.synthesize(TEXT, voice, noise=noise[:n], max_frames=n)
         if len(speech.codes) != n:
             raise SystemExit(f"{path}: {len(speech.codes)} of {n} frames")
         return time.perf_counter() - t0
@@ -69,14 +72,14 @@ def measure(
     ref = None
     if reference:
         ref = load_reference(path)
-        reference_voice(ref, path, VOICE, ref.audio_codebook_embeddings["embeddings"].weight.dtype)
+        reference_voice(ref, path, voice, ref.audio_codebook_embeddings["embeddings"].weight.dtype)
     suppress_end(tts, ref)
 
     def theirs(n: int) -> float:
         t0 = time.perf_counter()
         with injected_noise(noise[:n]):
-            out = list(ref.generate(TEXT, voice=VOICE, max_tokens=n))
-        assert out[-1].audio.shape[0] == n * 1920
+            out = list(ref.generate(TEXT, voice=voice, max_tokens=n))
+        assert out[-1].audio.shape[0] == n * spf
         return time.perf_counter() - t0
 
     ours(n1)  # warm-up: weights read, graphs compiled, voice prefix cached
@@ -91,6 +94,7 @@ def measure(
     return {
         "ours_ms": statistics.median(ours_ms),
         "ref_ms": statistics.median(ref_ms) if ref_ms else float("nan"),
+        "frame_ms": frame_ms(path),
     }
 
 
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m['ours_ms']:.1f}",
                 "not run" if args.no_reference else f"{m['ref_ms']:.1f}",
                 "" if args.no_reference else f"{m['ours_ms'] / m['ref_ms']:.2f}",
-                f"{m['ours_ms'] / 80:.2f}",
+                f"{m['ours_ms'] / m['frame_ms']:.2f}",
             )
         )
         print(" | ".join(rows[-1]), flush=True)
@@ -132,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             "tiny: the test config (64-wide backbone): per-operation costs dominate (on a "
             "CPU backend, so does the compute of its many small matmuls). "
             "wide: the real layer shapes (3072-wide backbone and flow head, 1024-wide "
-            "codec) with 2 backbone layers. RTF = ms per frame / 80 ms (below 1 is "
-            "faster than real time)."
+            "codec) with 2 backbone layers. RTF = ms per frame / ms of audio per frame "
+            "(80 ms for Voxtral; below 1 is faster than real time)."
         )
         print(
             record(

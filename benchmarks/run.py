@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = openblas_env() if args.openblas else None
     if args.model is not None:
+        args.model = args.model.expanduser()
         if not (args.model / "consolidated.safetensors").is_file():
             raise SystemExit(
                 f"{args.model}: not a checkpoint in Mistral's layout (consolidated.safetensors), "

@@ -20,17 +20,17 @@ import statistics
 import sys
 import time
 
-import numpy as np
 from common import (
     SENTENCES,
     TEXT,
-    VOICE,
     injected_noise,
     label,
     load_reference,
+    pick_voice,
     record,
     reference_voice,
     resolve,
+    start_noise,
     suppress_end,
 )
 
@@ -55,7 +55,8 @@ def measure(name: str, repeats: int, default_interval: bool = True) -> dict[str,
     import voxtral_mlx
 
     path = resolve(name, CONFIGS)
-    noise = np.random.default_rng(0).standard_normal((DEFAULT_CHUNK, 36)).astype(np.float32)
+    noise = start_noise(path, DEFAULT_CHUNK)
+    voice = pick_voice(path)
     tts = voxtral_mlx.load(path)
 
     def wait_idle() -> None:
@@ -68,16 +69,16 @@ def measure(name: str, repeats: int, default_interval: bool = True) -> dict[str,
         if clear:
             tts.clear_prefix_cache()
         wait_idle()
-        return first_chunk_s(lambda: tts.stream(TEXT, VOICE, noise=noise, max_frames=8))
+        return first_chunk_s(lambda: tts.stream(TEXT, voice, noise=noise, max_frames=8))
 
     def ours_long() -> float:
         wait_idle()
         return first_chunk_s(
-            lambda: tts.stream(SENTENCES, VOICE, seed=0, split=True, max_chars=80, max_frames=8)
+            lambda: tts.stream(SENTENCES, voice, seed=0, split=True, max_chars=80, max_frames=8)
         )
 
     ref = load_reference(path)
-    reference_voice(ref, path, VOICE, ref.audio_codebook_embeddings["embeddings"].weight.dtype)
+    reference_voice(ref, path, voice, ref.audio_codebook_embeddings["embeddings"].weight.dtype)
     suppress_end(tts, ref)
 
     def theirs(interval: float) -> float:
@@ -85,7 +86,7 @@ def measure(name: str, repeats: int, default_interval: bool = True) -> dict[str,
             return first_chunk_s(
                 lambda: ref.generate(
                     TEXT,
-                    voice=VOICE,
+                    voice=voice,
                     max_tokens=DEFAULT_CHUNK,
                     stream=True,
                     streaming_interval=interval,

@@ -23,12 +23,13 @@ import mlx.core as mx
 import numpy as np
 from common import (
     TEXT,
-    VOICE,
     is_narrow,
     label,
     median_time,
+    pick_voice,
     record,
     resolve,
+    start_noise,
     suppress_end,
 )
 
@@ -138,10 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         n1, n2 = (8, 40) if is_narrow(path) else (1, 3)
     tts = voxtral_mlx.load(path)
     suppress_end(tts)
-    noise = np.random.default_rng(0).standard_normal((n2, 36)).astype(np.float32)
+    noise = start_noise(path, n2)
+    voice = pick_voice(path)
 
     def ours(n):
-        tts.synthesize(TEXT, VOICE, noise=noise[:n], max_frames=n)
+        tts.synthesize(TEXT, voice, noise=noise[:n], max_frames=n)
 
     t1 = median_time(lambda: ours(n1), args.repeats)
     t2 = median_time(lambda: ours(n2), args.repeats)

@@ -242,8 +242,9 @@ def expected_tensors(
     return apply_quantization(out, quantized) if quantized else out
 
 
-# Present in some exports, never used for speech (the LM head is tied and unused).
-IGNORED_TENSORS = frozenset({"output.weight"})
+# Present in some exports, never used for speech: the text LM head (tied in the release;
+# an untied one is ``output.weight``, which mlx-audio calls ``lm_head`` and may quantize).
+IGNORED_TENSORS = frozenset({"output.weight", "output.scales", "output.biases"})
 
 
 def _header_ints(values: object) -> tuple[int, ...]:

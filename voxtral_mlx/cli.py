@@ -206,6 +206,15 @@ def cmd_speak(args: argparse.Namespace) -> int:
     tts = _load(args)
     if args.voice is not None:
         tts.voices.get_voice(args.voice)
+    if args.no_split:
+        from .tts import MAX_TEXT_TOKENS
+
+        n_tokens = len(tts.tokenizer.encode(text))
+        if n_tokens > MAX_TEXT_TOKENS:
+            raise InputError(
+                f"text is too long to speak as one utterance ({n_tokens} tokens, limit "
+                f"{MAX_TEXT_TOKENS}): drop --no-split"
+            )
 
     expected = None
     if player is not None:

@@ -215,6 +215,13 @@ class CodecArgs:
         return self.upsample * self.patch_size
 
     @property
+    def first_chunk_frames(self) -> int:
+        """Fewest frames a stream's first codec chunk must hold to decode exactly as one
+        shot: its output conv's start padding mirrors ``patch_proj_kernel_size - 1`` steps
+        (1 for the release: a frame gives 8 steps, the kernel is 7)."""
+        return -(-self.patch_proj_kernel_size // self.upsample)
+
+    @property
     def windows(self) -> tuple[int, ...]:
         """Causal attention window of each decoder stage (2, 4, 8, 16 for the real codec).
 

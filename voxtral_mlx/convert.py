@@ -214,6 +214,31 @@ def _plan(weights: WeightSet, options: QuantOptions, dtype: str) -> list[_Job]:
     return jobs
 
 
+def _check_backbone_quantized(jobs: list[_Job], options: QuantOptions) -> None:
+    """``--q-bits`` that quantizes none of the backbone (no Linear input width is a multiple
+    of the group size) is refused rather than written as an unquantized copy."""
+    if options.bits is None or any(j.spec and j.name.startswith("layers.") for j in jobs):
+        return
+    widths = sorted(
+        {
+            j.ref.info.shape[1]
+            for j in jobs
+            if j.name.startswith("layers.") and len(j.ref.info.shape) == 2
+        }
+    )
+    fits = [
+        g
+        for g in SUPPORTED_GROUP_SIZES
+        if any(quantized_shapes((1, w), QuantSpec(options.bits, g)) for w in widths)
+    ]
+    fix = f"use --q-group-size {fits[-1]}" if fits else "convert without --q-bits"
+    raise InputError(
+        f"--q-bits {options.bits} with group size {options.group_size} quantizes no backbone "
+        f"layer: their input widths ({', '.join(map(str, widths))}) are not multiples of "
+        f"{options.group_size}; {fix}"
+    )
+
+
 def _shards(jobs: list[_Job], max_bytes: int) -> list[list[_Job]]:
     shards: list[list[_Job]] = [[]]
     size = 0
@@ -440,6 +465,7 @@ def convert_model(
             "original or an unquantized checkpoint"
         )
     jobs = _plan(weights, options, dtype)
+    _check_backbone_quantized(jobs, options)
     shards = _shards(jobs, max_shard_bytes)
     names = (
         [SINGLE_NAME]

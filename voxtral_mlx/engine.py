@@ -92,6 +92,7 @@ class Job:
     output: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
     done: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
+    segment: int = 0  # its index in a split text: earlier segments of any text wait less
     _codes: list[mx.array] = field(default_factory=list, repr=False)
     _next_index: int = 0  # frames handed to the codec
     _delivered_frames: int = 0
@@ -113,11 +114,17 @@ class Job:
             self.cancel()
 
 
+def check_whole(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int if it is a whole number >= ``minimum``, else a one-line
+    :class:`InputError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InputError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return int(value)
+
+
 def check_max_batch(value: object) -> int:
     """``value`` if it is a valid batch size, else a one-line :class:`InputError`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InputError(f"max_batch must be a whole number >= 1, got {value!r}")
-    return value
+    return check_whole("max_batch", value, 1)
 
 
 class Engine:
@@ -139,6 +146,7 @@ class Engine:
         self.max_batch = max_batch  # validated by the property
         self._prefix_ids = prefix_ids  # [BOS, BEGIN_AUDIO, AUDIO (one per voice row), ...]
         self._voice_start = voice_start
+        self._first_chunk = model.config.codec.first_chunk_frames
         self._batch = FrameBatch(model)
         self._inflight: list[tuple[Job, mx.array, mx.array, bool]] = []
         self._waiting: list[Job] = []
@@ -223,11 +231,16 @@ class Engine:
         """Move the first waiting job (if the batch has room) into the batch."""
         # A cancelled job leaves the queue at the next frame even while the batch is full.
         if any(job.seq.cancelled for job in self._waiting):
-            for job in [job for job in self._waiting if job.seq.cancelled]:
-                self._waiting.remove(job)
-                self._finish(job)
+            waiting, self._waiting = self._waiting, []
+            for job in waiting:  # one read of each flag: cancel() may come from any thread
+                if job.seq.cancelled:
+                    self._finish(job)
+                else:
+                    self._waiting.append(job)
         while self._waiting and len(self._batch) < self.max_batch:
-            job = self._waiting.pop(0)
+            # Another text's first segment goes before one text's segments generated ahead.
+            k = min(range(len(self._waiting)), key=lambda k: self._waiting[k].segment)
+            job = self._waiting.pop(k)
             if job.seq.cancelled:
                 self._finish(job)
                 continue
@@ -321,7 +334,10 @@ class Engine:
             if first_chunks and job._next_index:
                 continue
             n, final = len(job._codes), job.seq.finished
-            if n and (n >= job.chunk_frames or final):
+            if job.seq.stop_reason == "cancelled":  # nobody wants its audio: no decoding
+                job._codes = []
+                ready.append((job, None, None, True))
+            elif n and (n >= self._chunk_due(job) or final):
                 due.append(len(ready))
                 ready.append((job, mx.stack(job._codes), None, final))
                 job._codes = []
@@ -335,6 +351,10 @@ class Engine:
             job, codes, _, final = ready[i]
             ready[i] = (job, codes, audio[0].astype(mx.float32), final)
         return ready
+
+    def _chunk_due(self, job: Job) -> int:
+        """Frames that make a job's next chunk due (the first chunk may need more)."""
+        return job.chunk_frames if job._next_index else max(job.chunk_frames, self._first_chunk)
 
     def _deliver(self, ready: list[tuple[Job, mx.array, mx.array, bool]]) -> None:
         now = time.perf_counter()

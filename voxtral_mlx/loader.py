@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .checkpoint import (
+    IGNORED_TENSORS,
     QUANT_BITS,
     QUANT_GROUP_SIZES,
     UNLOADABLE_DTYPES,
@@ -173,9 +174,15 @@ class WeightSet:
 
 
 def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] | None]:
-    """``("mistral", [consolidated])`` or ``("mlx", files, index weight map or None)``."""
+    """``("mistral", [consolidated])`` or ``("mlx", files, index weight map or None)``.
+
+    A conversion (``config.json`` + ``model*.safetensors``) wins over a
+    ``consolidated.safetensors`` beside it: mlx-audio's converter copies the source's
+    weights into its output, and the converted (often quantized) model is the one meant.
+    """
     consolidated = model_dir / CONSOLIDATED
-    if consolidated.is_file():
+    has_mlx = (model_dir / INDEX_NAME).is_file() or any(model_dir.glob("model*.safetensors"))
+    if consolidated.is_file() and not (has_mlx and (model_dir / "config.json").is_file()):
         return "mistral", [consolidated], None
     files, index = weight_files(model_dir)
     if files:
@@ -255,6 +262,8 @@ def _quantized_layers(
     for path in sorted(paths):
         if qconfig is not None and path in qconfig.layers and qconfig.layers[path] is None:
             continue  # config.json says unquantized: stray scales are reported as unexpected
+        if f"{path}.weight" in IGNORED_TENSORS:
+            continue  # read by no module
         layer = qconfig.layers.get(path) if qconfig is not None else None
         bits = (layer.bits if layer else None) or (qconfig.bits if qconfig else None)
         group = (layer.group_size if layer else None) or (qconfig.group_size if qconfig else None)

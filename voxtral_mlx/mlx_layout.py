@@ -42,8 +42,10 @@ _SUMMARY_KEYS = frozenset({"layers", "components"})
 # --------------------------------------------------------------------------- rename table
 
 _BACKBONE = "language_model.model.model."
+_LM_HEAD = "language_model.model.lm_head."  # the untied text head (unused for speech)
 # (Mistral name prefix, mlx-audio name prefix); the first match wins.
 PREFIXES: tuple[tuple[str, str], ...] = (
+    ("output.", _LM_HEAD),
     ("mm_audio_embeddings.tok_embeddings.", _BACKBONE + "embed_tokens."),
     ("mm_audio_embeddings.audio_codebook_embeddings.", "audio_codebook_embeddings."),
     ("norm.", _BACKBONE + "norm."),
@@ -91,7 +93,7 @@ def _rename(name: str, src: int) -> str | None:
 
 def to_mistral_name(name: str) -> str | None:
     """mlx-audio name -> Mistral name (tensor or module path); None if the table has no rule."""
-    if name.startswith(_OLD_BACKBONE) and not name.startswith(_BACKBONE):
+    if name.startswith(_OLD_BACKBONE) and not (name + ".").startswith((_BACKBONE, _LM_HEAD)):
         name = _BACKBONE + name[len(_OLD_BACKBONE) :]
     return _rename(name, 1)
 

@@ -294,7 +294,7 @@ def _hard_cut(text: str, cur: int, limit: int, forbid: bytearray) -> tuple[int, 
             e -= 1
         while text[s].isspace():
             s += 1
-        rank = (_cuttable(text, e) and _cuttable(text, s), not forbid[e], e != s)
+        rank = (_cuttable(text, e, cur) and _cuttable(text, s, cur), not forbid[e], e != s)
         if rank > best_rank:
             best, best_rank = (e, s, CUT), rank
             if rank[:2] == (True, True):
@@ -303,8 +303,12 @@ def _hard_cut(text: str, cur: int, limit: int, forbid: bytearray) -> tuple[int, 
     return best
 
 
-def _cuttable(text: str, i: int) -> bool:
-    """False when a cut before ``text[i]`` would split a grapheme cluster (simplified UAX #29)."""
+def _cuttable(text: str, i: int, start: int = 0) -> bool:
+    """False when a cut before ``text[i]`` would split a grapheme cluster (simplified UAX #29).
+
+    Regional-indicator flags pair up from the start of their run, or from ``start`` (where
+    the segment begins) if that is later: linear time on a long run of them.
+    """
     if i <= 0 or i >= len(text):
         return True
     p, c = text[i - 1], text[i]
@@ -328,7 +332,7 @@ def _cuttable(text: str, i: int) -> bool:
         return False
     if _is_regional(c) and _is_regional(p):
         k = i - 1
-        while k > 0 and _is_regional(text[k - 1]):
+        while k > start and _is_regional(text[k - 1]):
             k -= 1
         return (i - k) % 2 == 0  # flags pair up from the start of the run
     return True

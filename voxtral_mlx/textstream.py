@@ -41,6 +41,7 @@ class _Reader:
         self._next = 0
         self._cancelled = False
         self._finished = not segments
+        self._codes_width = 0  # codes per frame, as the segments' own chunks have them
         self._t0 = time.perf_counter()
         self.timings = Timings()  # the whole text's figures
         if pause is not None and not (
@@ -75,6 +76,9 @@ class _Reader:
         """What the consumer sees for one item of the head job."""
         i = self.jobs[0][0]
         last = i == len(self.segments) - 1
+        if self._cancelled:  # what was still on its way after cancel() is not handed out
+            self._finished = True
+            return []
         if isinstance(item, BaseException):
             self._abandon()
             raise item
@@ -85,7 +89,8 @@ class _Reader:
                 return []
             seconds = self.segments[i].pause_after if self.pause is None else self.pause
             n = round(seconds * self.sample_rate)
-            return [self._chunk(np.zeros(n, np.float32), i, 0, np.zeros((0, 37), np.int32))]
+            codes = np.zeros((0, self._codes_width), np.int32)
+            return [self._chunk(np.zeros(n, np.float32), i, 0, codes)]
         t, c = self.timings, item.timings
         if i == 0:
             t.prompt_tokens, t.prefill_s, t.prefix_cached = (
@@ -99,6 +104,7 @@ class _Reader:
             t.frames += c.frames
         t.peak_memory_bytes = max(t.peak_memory_bytes, c.peak_memory_bytes)
         self._add_audio(item.audio)
+        self._codes_width = item.codes.shape[-1]  # every segment ends with a chunk
         item.segment, item.segments = i, len(self.segments)
         item.is_final = item.is_final and last
         return [item]

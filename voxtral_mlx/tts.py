@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import numbers
 import secrets
 import threading
 import time
@@ -17,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .config import ModelConfig
-from .engine import DONE, AudioChunk, Engine, Job, Timings
+from .engine import DONE, AudioChunk, Engine, Job, Timings, check_whole
 from .errors import InputError, VoxtralError
 from .generate import NoiseSource, Sequence, check_seed
 from .loader import LoadedModel
@@ -133,10 +134,14 @@ class VoxtralTTS:
         """
         if voices is None:
             names = [self.default_voice]
-        else:
-            names = [voices] if isinstance(voices, str) else list(voices)
+        elif isinstance(voices, str):
+            names = [voices]
+        elif isinstance(voices, Iterable):
+            names = list(voices)
             if not names:
                 raise InputError("warmup() was given no voices: name one, or pass None")
+        else:
+            raise InputError(f"voices must be a voice name or several, got {type(voices).__name__}")
         names = list(dict.fromkeys(self._voice(v).name for v in names))
         future: Future[float] = Future()
 
@@ -237,12 +242,14 @@ class VoxtralTTS:
             raise InputError(f"text must be a string, got {type(text).__name__}")
         if not text.strip():
             raise InputError("text is empty: give some words to speak")
-        if max_frames < 0:
-            raise InputError(f"max_frames must be >= 0, got {max_frames}")
-        if chunk_frames < 1:
-            raise InputError(f"chunk_frames must be >= 1, got {chunk_frames}")
-        if not math.isfinite(cfg_alpha):
-            raise InputError(f"cfg_alpha must be a finite number, got {cfg_alpha}")
+        max_frames = check_whole("max_frames", max_frames, 0)
+        chunk_frames = check_whole("chunk_frames", chunk_frames, 1)
+        if (
+            isinstance(cfg_alpha, bool)
+            or not isinstance(cfg_alpha, numbers.Real)
+            or not math.isfinite(cfg_alpha)
+        ):
+            raise InputError(f"cfg_alpha must be a finite number, got {cfg_alpha!r}")
         v = self._voice(voice)
         text_ids = self.tokenizer.encode(text)
         if len(text_ids) > MAX_TEXT_TOKENS:
@@ -279,14 +286,21 @@ class VoxtralTTS:
             raise InputError("text is empty: give some words to speak")
         check_seed(seed)
         voice = self._voice(voice).name
+        if lookahead is not None:
+            lookahead = check_whole("lookahead", lookahead, 0)
         if split:
+            max_chars = check_whole("max_chars", max_chars, 2)
             if noise is not None:
                 raise InputError("noise= gives one utterance's noise: it cannot be split")
             segments = split_text(
                 text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
             )
-            # Every segment is checked now: a too-long one must not fail mid-stream.
+            # Every segment is checked now: a too-long one must not fail mid-stream. A token
+            # is at least one byte and a character at most four: short ones need no encoding
+            # (a chapter's worth would hold up an event loop).
             for seg in segments:
+                if 4 * len(seg.spoken) <= MAX_TEXT_TOKENS:
+                    continue
                 n = len(self.tokenizer.encode(seg.spoken))
                 if n > MAX_TEXT_TOKENS:
                     raise InputError(
@@ -298,7 +312,7 @@ class VoxtralTTS:
         base = secrets.randbits(62) if seed is None and noise is None else seed
 
         def make_job(i: int, seg: Segment) -> Job:
-            return self.job(
+            job = self.job(
                 seg.spoken,
                 voice,
                 seed=None if base is None else (int(base) + i) % 2**64,
@@ -307,6 +321,8 @@ class VoxtralTTS:
                 cfg_alpha=cfg_alpha,
                 chunk_frames=chunk_frames,
             )
+            job.segment = i
+            return job
 
         if lookahead is None:
             lookahead = self.engine.max_batch if split else 1
@@ -345,6 +361,8 @@ class VoxtralTTS:
         ``segment`` and ``segments``; memory stays bounded whatever the length.
         ``lookahead``: segments generated ahead of the one being consumed (default: the
         batch size with ``split``; lower it to leave room in the batch for other requests).
+        Waiting segments join the batch in segment order across requests, so another
+        request's first segment is not queued behind this one's segments generated ahead.
         """
         return self._reader(
             TextStream,

@@ -271,6 +271,7 @@ def build_random_checkpoint(
     if params["vocab_size"] < n_text:
         params["vocab_size"] = n_text
     config = ModelConfig.from_params(params)
+    tekken["audio"].update(sampling_rate=config.sampling_rate, frame_rate=config.frame_rate)
 
     out = check_output_dir(Path(out_dir).expanduser().absolute(), force)
     with staged_dir(out) as tmp:

@@ -1,0 +1,245 @@
+"""Requests from apps: bad arguments are one-line InputErrors, cancel() ends a stream at once
+and spends no more work on it."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import voxtral_mlx
+from voxtral_mlx.errors import InputError
+
+VOICE = "neutral_male"
+TEXT = "A stream that is cancelled before its first chunk is due. " * 4
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoint_noend):
+    model = voxtral_mlx.load(tiny_checkpoint_noend)
+    yield model
+    model.close()
+
+
+BAD_ARGUMENTS = [
+    ("max_frames", None),
+    ("max_frames", "3"),
+    ("max_frames", 3.5),
+    ("max_frames", True),
+    ("chunk_frames", None),
+    ("chunk_frames", 1.5),
+    ("cfg_alpha", None),
+    ("cfg_alpha", "1.2"),
+    ("max_chars", "100"),
+    ("max_chars", 100.5),
+    ("max_chars", 1),
+    ("lookahead", "2"),
+    ("lookahead", -1),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_ARGUMENTS)
+def test_bad_arguments_are_input_errors(tts, name, value):
+    kwargs = {"seed": 0, "split": True, name: value}
+    with pytest.raises(InputError, match=name):
+        tts.stream("Hello there.", VOICE, **kwargs)
+    with pytest.raises(InputError, match=name):
+        tts.astream("Hello there.", VOICE, **kwargs)
+    if name not in ("chunk_frames", "lookahead"):
+        with pytest.raises(InputError, match=name):
+            tts.synthesize("Hello there.", VOICE, **kwargs)
+    assert tts.engine.stats()["waiting"] == 0
+
+
+def test_numpy_integers_are_accepted(tts):
+    speech = tts.synthesize("Hi.", VOICE, seed=0, max_frames=np.int64(2), max_chars=np.int32(50))
+    assert len(speech.codes) == 2
+
+
+def _count_decodes(tts, monkeypatch) -> list[int]:
+    decoded: list[int] = []
+    codec = tts.model.audio_tokenizer
+    original = codec.decode_chunks
+
+    def decode_chunks(chunks):
+        decoded.extend(int(codes.shape[1]) for codes, _ in chunks)
+        return original(chunks)
+
+    monkeypatch.setattr(codec, "decode_chunks", decode_chunks)
+    return decoded
+
+
+def _wait_for_frames(job, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while job.seq.frames < n and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert job.seq.frames >= n
+
+
+def _wait_done(job) -> None:
+    deadline = time.monotonic() + 10
+    while not job.done and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert job.done and job.seq.stop_reason == "cancelled"
+
+
+def test_cancel_hands_out_nothing_more_and_decodes_nothing(tts, monkeypatch):
+    """A consumer blocked on the stream when cancel() comes gets no further chunk, and the
+    frames generated but not yet decoded are dropped, not decoded for nobody."""
+    decoded = _count_decodes(tts, monkeypatch)
+    # No chunk is due before the end: all audio would be decoded at once when it stops.
+    stream = tts.stream(TEXT, VOICE, seed=3, max_frames=500, chunk_frames=10_000)
+    got: list = []
+    consumer = threading.Thread(target=lambda: got.extend(stream))
+    consumer.start()
+    deadline = time.monotonic() + 30
+    while not stream.jobs and time.monotonic() < deadline:
+        time.sleep(0.002)
+    job = stream.jobs[0][1]
+    _wait_for_frames(job, 4)
+    stream.cancel()
+    consumer.join(timeout=10)
+    assert not consumer.is_alive()
+    _wait_done(job)
+    assert got == []
+    assert decoded == []
+    assert tts.engine.stats()["active"] == 0
+
+
+def test_async_cancel_handle_ends_the_stream_without_a_chunk(tts, monkeypatch):
+    decoded = _count_decodes(tts, monkeypatch)
+
+    async def main():
+        stream = tts.astream(TEXT, VOICE, seed=4, max_frames=500, chunk_frames=10_000)
+
+        async def consume() -> list:
+            return [chunk async for chunk in stream]
+
+        task = asyncio.create_task(consume())
+        deadline = time.monotonic() + 30
+        while not (stream.jobs and stream.jobs[0][1].seq.frames >= 4):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.002)
+        job = stream.jobs[0][1]
+        stream.cancel()
+        chunks = await asyncio.wait_for(task, 10)
+        return chunks, job
+
+    chunks, job = asyncio.run(main())
+    _wait_done(job)
+    assert chunks == []
+    assert decoded == []
+
+
+def test_a_cancelled_job_next_to_running_ones_leaves_their_audio_intact(tts):
+    """Dropping a cancelled job's frames must not touch the others in the batch."""
+    expected = tts.synthesize("Keep talking.", VOICE, seed=7, max_frames=40)
+    doomed = tts.stream(TEXT, VOICE, seed=8, max_frames=500, chunk_frames=10_000)
+    doomed_iter = threading.Thread(target=lambda: list(doomed))
+    doomed_iter.start()
+    deadline = time.monotonic() + 30
+    while not doomed.jobs and time.monotonic() < deadline:
+        time.sleep(0.002)
+    _wait_for_frames(doomed.jobs[0][1], 3)
+    other = tts.stream("Keep talking.", VOICE, seed=7, max_frames=40, chunk_frames=4)
+    chunks = [next(other)]  # both are in the batch now
+    assert tts.engine.stats()["active"] == 2
+    doomed.cancel()
+    chunks += list(other)
+    doomed_iter.join(timeout=10)
+    assert not doomed_iter.is_alive()
+    codes = np.concatenate([c.codes for c in chunks])
+    audio = np.concatenate([c.audio for c in chunks])
+    np.testing.assert_array_equal(codes, expected.codes)
+    np.testing.assert_allclose(audio, expected.audio, atol=1e-5)
+
+
+def test_a_long_run_of_flags_is_split_in_linear_time(monkeypatch):
+    import voxtral_mlx.segment as segment
+
+    calls = {"n": 0}
+    original = segment._is_regional
+
+    def counting(ch: str) -> bool:
+        calls["n"] += 1
+        return original(ch)
+
+    monkeypatch.setattr(segment, "_is_regional", counting)
+    n = 40_000
+    segments = segment.split_text("\U0001f1eb" * n, target_chars=200, max_chars=400)
+    assert "".join(s.text for s in segments) == "\U0001f1eb" * n
+    assert all(len(s.text) % 2 == 0 for s in segments)  # flags stay whole
+    assert calls["n"] < 10 * n  # quadratic before: every cut looked back to the run's start
+
+
+def test_warmup_with_a_non_iterable_is_an_input_error(tts):
+    with pytest.raises(InputError, match="voices must be"):
+        tts.warmup(5, wait=False)
+
+
+def test_cli_no_split_with_a_chapter_says_to_drop_the_flag(tiny_checkpoint, tmp_path):
+    chapter = tmp_path / "chapter.txt"
+    chapter.write_text("Word after word goes on and on. " * 2000, encoding="utf-8")
+    out = tmp_path / "chapter.flac"
+    args = ["speak", "-m", str(tiny_checkpoint), "-f", str(chapter), "-o", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "voxtral_mlx", *args, "--no-split"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "drop --no-split" in proc.stderr, proc.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == [chapter]
+
+
+def test_a_chapter_is_not_tokenized_up_front(tts, monkeypatch):
+    """Creating a stream of a long text (on an event loop, for astream) only encodes the
+    segments it submits; short segments cannot exceed the token limit."""
+    chapter = "One sentence of a long chapter, read aloud. " * 400
+    calls = {"n": 0}
+    original = tts.tokenizer.encode
+
+    def encode(text: str) -> list[int]:
+        calls["n"] += bool(text)
+        return original(text)
+
+    monkeypatch.setattr(tts.tokenizer, "encode", encode)
+    stream = tts.astream(chapter, VOICE, split=True, lookahead=2)
+    assert len(stream.segments) > 50
+    assert calls["n"] <= 2
+    stream.cancel()
+    with pytest.raises(InputError, match="too long"):
+        tts.stream("x" * 40_000, VOICE, split=True, max_chars=40_000)
+
+
+def test_another_texts_first_segment_waits_less_than_segments_generated_ahead(
+    tiny_checkpoint_noend,
+):
+    """With one batch slot, text A's segments 1 and 2 (generated ahead) were queued before
+    text B's first segment: B's first audio waited for all of A."""
+    from voxtral_mlx.engine import DONE
+
+    tts = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None, max_batch=1)
+    done: list[str] = []
+    try:
+        jobs = []
+        for name, segment in (("a0", 0), ("a1", 1), ("a2", 2), ("b0", 0)):
+            job = tts.job("Words to say.", VOICE, seed=1, max_frames=2, chunk_frames=2)
+            job.segment = segment
+            job.on_output = lambda item, name=name: done.append(name) if item is DONE else None
+            jobs.append(job)
+        tts.worker.call(lambda: [tts.engine.submit(job) for job in jobs])  # one hand-over
+        deadline = time.monotonic() + 60
+        while len(done) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        tts.close()
+    assert done == ["a0", "b0", "a1", "a2"]
