@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import warnings
 from pathlib import Path
 
@@ -128,6 +129,25 @@ def test_rewritten_weights_change_the_fingerprint(tiny_checkpoint, tmp_path):
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     assert model_fingerprint(model) != before
+
+
+def test_other_weights_copied_in_with_their_timestamps_change_the_fingerprint(tmp_path):
+    """Same shapes, size, header and modification time: only the values differ (as with
+    ``cp -p`` of another random checkpoint of the same config over this one)."""
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+
+    a = build_random_checkpoint(tmp_path / "a", "tiny", seed=1)
+    b = build_random_checkpoint(tmp_path / "b", "tiny", seed=2)
+    name = "consolidated.safetensors"
+    old, new = (a / name).read_bytes(), (b / name).read_bytes()
+    (n,) = struct.unpack("<Q", old[:8])
+    assert len(old) == len(new) and old[: 8 + n] == new[: 8 + n] and old != new
+    before = model_fingerprint(a)
+    assert model_fingerprint(a) == before  # deterministic
+    st = (a / name).stat()
+    (a / name).write_bytes(new)
+    os.utime(a / name, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert model_fingerprint(a) != before
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign key"])

@@ -3,8 +3,9 @@
 One safetensors file per (model, voice, compute dtype): the keys and values of every backbone
 layer after ``[BOS, BEGIN_AUDIO, voice rows..., NEXT_AUDIO_TEXT]``. The file name and the
 key stored inside it hash everything the state depends on -- the model files (names, sizes,
-modification times and safetensors headers), the compute dtype, the prompt ids and the
-voice's rows themselves -- so a changed model, voice or dtype can never reuse a stale file.
+modification times, safetensors headers and a sample of every tensor), the compute dtype,
+the prompt ids and the voice's rows themselves -- so a changed model, voice or dtype does
+not reuse a stale file.
 A file that is unreadable, truncated or inconsistent is a miss (and is removed); a
 directory that cannot be written only loses the cache (a :class:`PrefixCacheWarning`).
 """
@@ -29,6 +30,7 @@ FORMAT = "voxtral_mlx.prefix/1"
 MAX_FILES = 32  # least recently used files beyond this are deleted
 _MODEL_FILES = (".safetensors", ".json")
 _HEADER_LIMIT = 64 << 20  # a safetensors header larger than this is not one
+_SAMPLE = 64  # bytes of each tensor read at its start, middle and end
 
 
 class PrefixCacheWarning(UserWarning):
@@ -37,7 +39,9 @@ class PrefixCacheWarning(UserWarning):
 
 def model_fingerprint(model_dir: Path) -> str:
     """A hash of the model directory's weight and config files: name, size, modification
-    time, and for safetensors the header (every tensor's name, dtype, shape and offsets)."""
+    time, and for safetensors the header (every tensor's name, dtype, shape and offsets)
+    and a sample of every tensor's bytes (its start, middle and end), so that another
+    checkpoint of the same shapes copied in with its timestamps kept is not taken for it."""
     h = hashlib.sha256(FORMAT.encode())
     for path in sorted(Path(model_dir).iterdir()):
         if path.suffix not in _MODEL_FILES or path.name.startswith(".") or not path.is_file():
@@ -46,13 +50,36 @@ def model_fingerprint(model_dir: Path) -> str:
         h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
         if path.suffix == ".safetensors":
             with path.open("rb") as f:
-                head = f.read(8)
-                if len(head) == 8:
-                    (n,) = struct.unpack("<Q", head)
-                    h.update(f.read(min(n, _HEADER_LIMIT)))
+                _hash_safetensors(f, h)
         elif st.st_size <= _HEADER_LIMIT:
             h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def _hash_safetensors(f, h) -> None:
+    head = f.read(8)
+    if len(head) < 8:
+        return
+    (n,) = struct.unpack("<Q", head)
+    header = f.read(min(n, _HEADER_LIMIT))
+    h.update(header)
+    try:
+        entries = json.loads(header)
+        spans = [
+            tuple(e["data_offsets"])
+            for k, e in entries.items()
+            if k != "__metadata__" and isinstance(e, dict)
+        ]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return  # not for the fingerprint to judge: the loader has read this file
+    offsets = set()
+    for span in spans:
+        if len(span) == 2 and all(isinstance(v, int) for v in span) and span[0] < span[1]:
+            b, e = span
+            offsets.update((b, (b + e) // 2, max(b, e - _SAMPLE)))
+    for offset in sorted(offsets):  # in file order: a few hundred small reads
+        f.seek(8 + n + offset)
+        h.update(f.read(_SAMPLE))
 
 
 class PrefixStore:
