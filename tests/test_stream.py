@@ -300,3 +300,29 @@ def test_a_failed_segment_reaches_say_wait_and_stops_the_others():
         playback.wait(10)
     assert player.stopped and not player.finished
     assert len(made) == 3 and all(j.cancelled for j in made)  # nothing left generating
+
+
+def test_an_error_before_stop_is_still_reported_by_wait():
+    """stop() silences what it causes itself, not a failure that came before it."""
+    from voxtral_mlx.tts import Playback
+
+    class Player:
+        stopped = False
+
+        def feed(self, audio, **_):
+            raise RuntimeError("the device went away")
+
+        def finish(self):
+            pass
+
+        def stop(self):
+            self.stopped = True
+
+    player = Player()
+    stream = TextStream(_answer, lambda i, seg: FakeJob(i), _segments(2), 24000, 1, None)
+    playback = Playback(stream, player)
+    playback._thread.join(10)
+    assert playback.done and player.stopped
+    playback.stop()
+    with pytest.raises(RuntimeError, match="device went away"):
+        playback.wait(10)

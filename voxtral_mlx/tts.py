@@ -588,8 +588,8 @@ class Playback:
     def __init__(self, stream: TextStream, player) -> None:
         self.stream = stream
         self.player = player
-        self.error: BaseException | None = None
-        self._stopped = False  # by stop(): errors that follow it are not reported
+        self.error: BaseException | None = None  # raised before stop(), if any
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="voxtral-mlx-say", daemon=True)
         self._thread.start()
 
@@ -600,7 +600,8 @@ class Playback:
                     self.player.feed(chunk.audio)
             self.player.finish()
         except BaseException as e:  # handed to wait()
-            self.error = e
+            if not self._stopped:  # what stop() itself causes is not an error
+                self.error = e
             self.stream.cancel()  # e.g. the device went away: stop generating too
             self.player.stop()
 
@@ -620,6 +621,6 @@ class Playback:
         except KeyboardInterrupt:
             self.stop()
             raise
-        if self.error is not None and not self._stopped:
+        if self.error is not None:
             raise self.error
         return self.done
