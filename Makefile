@@ -48,7 +48,7 @@ bench-openblas: $(STAMP)
 
 # Try the main job on a random checkpoint (the real 8 GB download is not needed).
 demo: $(STAMP)
-	$(VENV)/bin/voxtral-mlx random-checkpoint /tmp/voxtral-tiny --size tiny
+	$(VENV)/bin/voxtral-mlx random-checkpoint /tmp/voxtral-tiny --size tiny --force
 	$(VENV)/bin/voxtral-mlx speak -m /tmp/voxtral-tiny "Hello from Voxtral." -o /tmp/voxtral-hello.wav --verbose
 
 clean:
