@@ -268,3 +268,19 @@ def test_random_checkpoint_checks_params_before_writing(tmp_path):
     with pytest.raises(ConfigError):
         build_random_checkpoint(tmp_path / "new" / "rc", make_params("tiny", n_layers=0))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_line_parses_its_arguments_before_loading_mlx():
+    """MLX and the model code load on first use: `--help` is quick, and Ctrl-C right after
+    starting a command meets main()'s one-line handler instead of an import traceback."""
+    code = (
+        "import sys, voxtral_mlx, voxtral_mlx.cli\n"
+        "voxtral_mlx.cli.build_parser().parse_args(['speak', 'hi'])\n"
+        "print('mlx.core' in sys.modules, 'voxtral_mlx.tts' in sys.modules)\n"
+        "from voxtral_mlx import VoxtralTTS\n"
+        "print(VoxtralTTS.__module__, 'mlx.core' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split("\n")
+    assert out[:2] == ["False False", "voxtral_mlx.tts True"]

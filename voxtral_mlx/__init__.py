@@ -10,12 +10,34 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import mlx.core as mx
+from typing import TYPE_CHECKING
 
 from .errors import InputError, VoxtralError
 from .hub import DEFAULT_REPO
-from .tts import AudioChunk, Speech, Timings, VoxtralTTS
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from .tts import AudioChunk, Speech, Timings, VoxtralTTS
+
+# MLX and the model code load on first use, so that `voxtral-mlx --help` is quick and
+# Ctrl-C right after starting the command ends it with one line, not a traceback.
+_FROM_TTS = frozenset({"AudioChunk", "Speech", "Timings", "VoxtralTTS"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _FROM_TTS:
+        from . import tts
+
+        value = getattr(tts, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_FROM_TTS})
+
 
 __all__ = [
     "DEFAULT_REPO",
@@ -56,6 +78,7 @@ def load(
     from .prefix_store import PrefixStore, model_fingerprint
     from .residency import Residency
     from .tokenizer import default_cache_dir
+    from .tts import VoxtralTTS
     from .worker import Worker
 
     check_max_batch(max_batch)  # before the model is read, not after
