@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -45,6 +46,9 @@ def model_dir(tmp_path_factory):
     for name in ("params.json", "tekken.json", "consolidated.safetensors"):
         assert (out / name).is_file()
     assert (out / "voice_embedding" / "casual_male.pt").is_file()
+    # mistral-common is a test dependency: its real vocabulary is used, and said so.
+    assert "the real text vocabulary, from mistral-common" in proc.stderr.decode()
+    assert len(json.loads((out / "tekken.json").read_text())["vocab"]) > 100_000
     return out
 
 

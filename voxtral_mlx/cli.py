@@ -364,6 +364,7 @@ def cmd_convert_voices(args: argparse.Namespace) -> int:
 def cmd_random_checkpoint(args: argparse.Namespace) -> int:
     from .config import MAX_LAYERS
     from .synthetic.checkpoint import build_random_checkpoint, make_params
+    from .synthetic.tekken import mistral_common_tekken_path
 
     for flag, value in (("--layers", args.layers), ("--flow-layers", args.flow_layers)):
         if value is not None and not 1 <= value <= MAX_LAYERS:
@@ -379,7 +380,15 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> int:
         suppress_end=args.suppress_end,
         force=args.force,
     )
-    _info(f"wrote a random {args.size} checkpoint to {out} in {time.perf_counter() - t0:.1f} s")
+    vocab = (
+        "the real text vocabulary, from mistral-common"
+        if mistral_common_tekken_path() is not None
+        else "a 256-byte text vocabulary; `pip install mistral-common` gives the real one"
+    )
+    _info(
+        f"wrote a random {args.size} checkpoint to {out} in {time.perf_counter() - t0:.1f} s "
+        f"({vocab})"
+    )
     _out(str(out))
     return 0
 
