@@ -243,3 +243,24 @@ def test_another_texts_first_segment_waits_less_than_segments_generated_ahead(
     finally:
         tts.close()
     assert done == ["a0", "b0", "a1", "a2"]
+
+
+def test_an_async_stream_made_off_the_event_loop_iterates_on_it(tts):
+    """The README's advice for a chapter: create the stream with asyncio.to_thread."""
+    text = "First sentence here. Second sentence there. A third one to finish."
+
+    async def collect(make) -> np.ndarray:
+        stream = await make()
+        return np.concatenate([c.codes async for c in stream])
+
+    async def on_loop():
+        return tts.astream(text, VOICE, seed=5, split=True, max_chars=30, max_frames=3)
+
+    async def off_loop():
+        return await asyncio.to_thread(
+            tts.astream, text, VOICE, seed=5, split=True, max_chars=30, max_frames=3
+        )
+
+    here, there = asyncio.run(collect(on_loop)), asyncio.run(collect(off_loop))
+    assert len(here) == 3 * 3
+    np.testing.assert_array_equal(here, there)
