@@ -228,7 +228,8 @@ class Engine:
         return bool(self._jobs or self._waiting or len(self._batch) or self._inflight)
 
     def _admit(self) -> None:
-        """Move the first waiting job (if the batch has room) into the batch."""
+        """Move one waiting job (if the batch has room) into the batch: the earliest segment
+        of any text, first come first served among equals."""
         # A cancelled job leaves the queue at the next frame even while the batch is full.
         if any(job.seq.cancelled for job in self._waiting):
             waiting, self._waiting = self._waiting, []
