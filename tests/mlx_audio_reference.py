@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,3 +100,65 @@ def load_reference(model_dir: Path, patch: bool = True):
     Model.post_load_hook(model, model_dir)
     mx.eval(model.parameters())
     return model
+
+
+def _small_shards(max_bytes: int):
+    """mlx-lm's make_shards greedy rule with a byte limit instead of whole gigabytes."""
+
+    def make_shards(weights: dict, max_file_size_gb: int = 0) -> list:
+        shards, shard, size = [], {}, 0
+        for name, weight in weights.items():
+            if shard and size + weight.nbytes > max_bytes:
+                shards.append(shard)
+                shard, size = {}, 0
+            shard[name] = weight
+            size += weight.nbytes
+        shards.append(shard)
+        return shards
+
+    return make_shards
+
+
+def build_mlx_community(
+    src: Path,
+    out: Path,
+    bits: int | None,
+    shard_bytes: int | None = None,
+    *,
+    group: int = 64,
+    dtype: mx.Dtype = mx.bfloat16,
+) -> Path:
+    """What ``python -m mlx_audio.convert --hf-path SRC [-q --q-bits B]`` writes from a
+    Mistral-layout ``src``, step by step with mlx-audio's own functions (its CLI needs a
+    config.json the source does not have); ``shard_bytes`` forces small shards, as > 5 GB
+    does on the real model."""
+    from mlx.utils import tree_flatten
+    from mlx_audio.convert import build_quant_predicate, copy_model_files
+    from mlx_audio.lm import convert as lm_convert
+    from mlx_audio.tts.models.voxtral_tts.voxtral_tts import Model, ModelConfig
+
+    config = json.loads((src / "params.json").read_text())
+    model = Model(ModelConfig.from_dict(config))
+    model.load_weights(list(model.sanitize(mx.load(str(src / "consolidated.safetensors"))).items()))
+    model.load_weights([(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())])
+    if bits is not None:
+        model, config = lm_convert.quantize_model(
+            model, config, group, bits, mode="affine", quant_predicate=build_quant_predicate(model)
+        )
+    staging = out.parent / f"{out.name}-staging"  # the Hub snapshot mlx-audio would copy from
+    shutil.copytree(src, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.pt"))
+    for voice in (src / "voice_embedding").glob("*.safetensors"):
+        shutil.copy(voice, staging / "voice_embedding" / voice.name)
+    out.mkdir(parents=True)
+    copy_model_files(staging, out)
+    shutil.rmtree(staging)
+    original = lm_convert.make_shards
+    if shard_bytes is not None:
+        lm_convert.make_shards = _small_shards(shard_bytes)
+    try:
+        lm_convert.save_model(out, model, donate_model=True)
+    finally:
+        lm_convert.make_shards = original
+    config["model_type"] = "voxtral_tts"
+    lm_convert.save_config(config, config_path=out / "config.json")
+    return out

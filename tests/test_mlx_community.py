@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_map
 
 import voxtral_mlx
 from tests.mlx_audio_reference import (
+    build_mlx_community,
     injected_noise,
     recorded_frames,
     spec_alibi_slopes,
@@ -46,63 +47,6 @@ def one_line(e: BaseException) -> str:
     return text
 
 
-def _small_shards(max_bytes: int):
-    """mlx-lm's make_shards greedy rule with a byte limit instead of whole gigabytes."""
-
-    def make_shards(weights: dict, max_file_size_gb: int = 0) -> list:
-        shards, shard, size = [], {}, 0
-        for name, weight in weights.items():
-            if shard and size + weight.nbytes > max_bytes:
-                shards.append(shard)
-                shard, size = {}, 0
-            shard[name] = weight
-            size += weight.nbytes
-        shards.append(shard)
-        return shards
-
-    return make_shards
-
-
-def build_mlx_community(
-    src: Path, out: Path, bits: int | None, shard_bytes: int | None = SHARD_BYTES
-) -> Path:
-    """What ``python -m mlx_audio.convert --hf-path SRC [-q --q-bits B]`` writes, step by step
-    with mlx-audio's own functions (its CLI needs a config.json the source does not have)."""
-    from mlx_audio.convert import build_quant_predicate, copy_model_files
-    from mlx_audio.lm import convert as lm_convert
-    from mlx_audio.tts.models.voxtral_tts.voxtral_tts import Model, ModelConfig
-
-    config = json.loads((src / "params.json").read_text())
-    model = Model(ModelConfig.from_dict(config))
-    weights = model.sanitize(mx.load(str(src / "consolidated.safetensors")))
-    model.load_weights(list(weights.items()))
-    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
-    model.load_weights(list(weights.items()))
-    if bits is not None:
-        model, config = lm_convert.quantize_model(
-            model, config, 64, bits, mode="affine", quant_predicate=build_quant_predicate(model)
-        )
-    staging = out.parent / f"{out.name}-staging"  # the Hub snapshot mlx-audio would copy from
-    (staging / "voice_embedding").mkdir(parents=True)
-    for name in ("params.json", "tekken.json"):
-        shutil.copy(src / name, staging / name)
-    for voice in (src / "voice_embedding").glob("*.safetensors"):
-        shutil.copy(voice, staging / "voice_embedding" / voice.name)
-    out.mkdir(parents=True)
-    copy_model_files(staging, out)
-    shutil.rmtree(staging)
-    original = lm_convert.make_shards
-    if shard_bytes is not None:
-        lm_convert.make_shards = _small_shards(shard_bytes)
-    try:
-        lm_convert.save_model(out, model, donate_model=True)
-    finally:
-        lm_convert.make_shards = original
-    config["model_type"] = "voxtral_tts"
-    lm_convert.save_config(config, config_path=out / "config.json")
-    return out
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     return build_random_checkpoint(
@@ -119,7 +63,7 @@ def source(tmp_path_factory) -> Path:
 def community(source: Path, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mc")
     return {
-        name: build_mlx_community(source, root / name, bits)
+        name: build_mlx_community(source, root / name, bits, SHARD_BYTES)
         for name, bits in (("bf16", None), ("4bit", 4), ("6bit", 6))
     }
 

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
 import voxtral_mlx
 from benchmarks.common import (
@@ -33,6 +33,7 @@ from benchmarks.common import (
     start_noise,
 )
 from tests.mlx_audio_reference import (
+    build_mlx_community,
     injected_noise,
     recorded_frames,
     spec_alibi_slopes,
@@ -336,54 +337,6 @@ def test_independently_written_checkpoint_speaks_like_mlx_audio(tmp_path: Path, 
     np.testing.assert_array_equal(ours.codes, theirs)
 
 
-def build_mlx_community(
-    src: Path, out: Path, bits: int | None, group: int, dtype: mx.Dtype, shard_bytes: int | None
-) -> Path:
-    """What mlx-audio's conversion writes, with its own functions, at any bits, group size
-    and dtype (see tests/test_mlx_community.py for the default case)."""
-    from mlx_audio.convert import build_quant_predicate, copy_model_files
-    from mlx_audio.lm import convert as lm_convert
-    from mlx_audio.tts.models.voxtral_tts.voxtral_tts import Model
-    from mlx_audio.tts.models.voxtral_tts.voxtral_tts import ModelConfig as RefConfig
-
-    config = json.loads((src / "params.json").read_text())
-    model = Model(RefConfig.from_dict(config))
-    model.load_weights(list(model.sanitize(mx.load(str(src / "consolidated.safetensors"))).items()))
-    model.load_weights([(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())])
-    if bits is not None:
-        model, config = lm_convert.quantize_model(
-            model, config, group, bits, mode="affine", quant_predicate=build_quant_predicate(model)
-        )
-    staging = out.parent / f"{out.name}-staging"
-    shutil.copytree(src, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.pt"))
-    for voice in (src / "voice_embedding").glob("*.safetensors"):
-        shutil.copy(voice, staging / "voice_embedding" / voice.name)
-    out.mkdir(parents=True)
-    copy_model_files(staging, out)
-    shutil.rmtree(staging)
-
-    def make_shards(weights: dict, max_file_size_gb: int = 0) -> list:
-        shards, shard, size = [], {}, 0
-        for name, weight in weights.items():
-            if shard and size + weight.nbytes > shard_bytes:
-                shards.append(shard)
-                shard, size = {}, 0
-            shard[name] = weight
-            size += weight.nbytes
-        return [*shards, shard]
-
-    original = lm_convert.make_shards
-    if shard_bytes is not None:
-        lm_convert.make_shards = make_shards
-    try:
-        lm_convert.save_model(out, model, donate_model=True)
-    finally:
-        lm_convert.make_shards = original
-    config["model_type"] = "voxtral_tts"
-    lm_convert.save_config(config, config_path=out / "config.json")
-    return out
-
-
 @pytest.fixture(scope="module")
 def odd_st(tmp_path_factory) -> Path:
     params = odd_params()
@@ -411,7 +364,7 @@ def test_mlx_community_variants_speak_like_mlx_audio(
 ) -> None:
     from mlx_audio.tts.utils import load_model
 
-    path = build_mlx_community(odd_st, tmp_path / "mc", bits, group, dtype, shard_bytes)
+    path = build_mlx_community(odd_st, tmp_path / "mc", bits, shard_bytes, group=group, dtype=dtype)
     assert (len(list(path.glob("model-*.safetensors"))) > 1) == (shard_bytes is not None)
     noise = np.random.default_rng(2).standard_normal((FRAMES, N_ACOUSTIC)).astype(np.float32)
     ours = our_codes(path, "alice", noise)
@@ -442,7 +395,7 @@ def test_untied_lm_head_of_an_mlx_community_conversion_is_ignored(
     tensors["output.weight"] = head.bfloat16()
     save_file(tensors, src / "consolidated.safetensors")
 
-    plain = build_mlx_community(src, tmp_path / "bf16", None, 64, mx.bfloat16, None)
+    plain = build_mlx_community(src, tmp_path / "bf16", None)
     index = json.loads((plain / "model.safetensors.index.json").read_text())["weight_map"]
     assert "language_model.model.lm_head.weight" in index
     noise = np.random.default_rng(5).standard_normal((FRAMES, N_ACOUSTIC)).astype(np.float32)
@@ -450,7 +403,7 @@ def test_untied_lm_head_of_an_mlx_community_conversion_is_ignored(
         our_codes(plain, "alice", noise).codes, our_codes(src, "alice", noise).codes
     )
 
-    quantized = build_mlx_community(src, tmp_path / "q4", 4, 64, mx.bfloat16, None)
+    quantized = build_mlx_community(src, tmp_path / "q4", 4)
     index = json.loads((quantized / "model.safetensors.index.json").read_text())["weight_map"]
     assert "language_model.model.lm_head.scales" in index
     loaded = load_model_dir(quantized, "float32")
