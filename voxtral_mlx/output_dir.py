@@ -55,20 +55,25 @@ def check_output_dir(out: Path, force: bool) -> Path:
     return out
 
 
-def make_parents(path: Path) -> list[Path]:
-    """Create the missing parents of ``path``; returns the ones created, deepest first,
-    for :func:`remove_dirs` to undo."""
-    missing = [d for d in path.parents if not d.exists()]
+def make_dirs(directory: Path) -> list[Path]:
+    """Create ``directory`` and its missing parents; returns the ones created, deepest
+    first, for :func:`remove_dirs` to undo."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
     except OSError:
         remove_dirs(missing)
         raise
     return missing
 
 
+def make_parents(path: Path) -> list[Path]:
+    """:func:`make_dirs` for the directory that will hold ``path``."""
+    return make_dirs(path.parent)
+
+
 def remove_dirs(dirs: list[Path]) -> None:
-    """Remove the directories of :func:`make_parents` that are still empty."""
+    """Remove the directories of :func:`make_dirs` that are still empty."""
     for d in dirs:
         with contextlib.suppress(OSError):
             d.rmdir()

@@ -8,7 +8,6 @@ tekken.json lists the row count N each voice must have.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ import numpy as np
 
 from .errors import VoiceError
 from .fileio import atomic_write, one_line
+from .output_dir import make_dirs, remove_dirs
 from .torch_pickle import PtTensor, read_pt, to_mlx
 
 LANGUAGE_NAMES: dict[str, str] = {
@@ -316,12 +316,12 @@ def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = Tr
         raise VoiceError(
             f"output {one_line(str(out_dir))} is a file, not a directory; pick another"
         )
-    created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]
     replaced = {dst for dst in targets if dst.exists()}
+    created: list[Path] = []
     stage: Path | None = None
     written: list[Path] = []
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        created = make_dirs(out_dir)
         stage = Path(tempfile.mkdtemp(prefix=".voices-", suffix=".partial", dir=out_dir))
         for tensor, dst in zip(tensors, targets, strict=True):
             _write_safetensors(stage / dst.name, tensor)
@@ -333,9 +333,7 @@ def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = Tr
             path.unlink(missing_ok=True)
         if stage is not None:
             shutil.rmtree(stage, ignore_errors=True)
-        for d in created:
-            with contextlib.suppress(OSError):
-                d.rmdir()
+        remove_dirs(created)
         if isinstance(e, OSError):
             raise VoiceError(
                 f"cannot write voices to {one_line(str(out_dir))}: "
