@@ -57,6 +57,21 @@ def test_bad_arguments_are_input_errors(tts, name, value):
     assert tts.engine.stats()["waiting"] == 0
 
 
+@pytest.mark.parametrize("text", [" \t\n\u3000", "\u200b\u2060\ufeff", "\u200e \x00\x1f"])
+@pytest.mark.parametrize("split", [False, True])
+def test_text_with_nothing_visible_is_empty(tts, text, split):
+    """Zero-width, format and control characters alone are no text to speak."""
+    for call in (tts.synthesize, tts.stream, tts.astream):
+        with pytest.raises(InputError, match="text is empty"):
+            call(text, VOICE, seed=0, split=split, max_frames=2)
+    assert tts.engine.stats()["waiting"] == 0
+
+
+def test_invisible_characters_next_to_words_are_spoken(tts):
+    speech = tts.synthesize("Hi \u200bthere\u2060.", VOICE, seed=0, max_frames=2)
+    assert len(speech.codes) == 2
+
+
 def test_numpy_integers_are_accepted(tts):
     speech = tts.synthesize("Hi.", VOICE, seed=0, max_frames=np.int64(2), max_chars=np.int32(50))
     assert len(speech.codes) == 2
@@ -264,3 +279,20 @@ def test_an_async_stream_made_off_the_event_loop_iterates_on_it(tts):
     here, there = asyncio.run(collect(on_loop)), asyncio.run(collect(off_loop))
     assert len(here) == 3 * 3
     np.testing.assert_array_equal(here, there)
+
+
+def test_an_async_stream_continued_on_another_event_loop_says_so_and_stops(tts):
+    """Its segments hand their chunks to the loop that started it; a second loop would
+    wait on queues that loop can never fill."""
+    stream = tts.astream(TEXT, VOICE, seed=1, split=True, max_chars=60, max_frames=50)
+    first = asyncio.run(stream.__anext__())
+    assert first.frames == 1
+    with pytest.raises(RuntimeError) as exc:
+        asyncio.run(stream.__anext__())
+    assert "another event loop" in str(exc.value) and "\n" not in str(exc.value)
+    jobs = [job for _, job in stream.jobs]
+    assert jobs and all(job.seq.cancelled for job in jobs)
+    deadline = time.monotonic() + 10
+    while tts.engine.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not tts.engine.busy

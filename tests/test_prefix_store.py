@@ -215,6 +215,20 @@ def test_old_files_are_pruned(tiny_checkpoint, tmp_path, noise):
     assert any(n.startswith(model_fingerprint(tiny_checkpoint)[:16]) for n in names)
 
 
+def test_temp_files_of_killed_writers_are_removed_once_stale(tiny_checkpoint, tmp_path, noise):
+    """A process killed mid-write (the CLI exits at once after Ctrl-C) leaves its temp file;
+    a young one may be another process's write in progress and stays."""
+    stale = tmp_path / f".{'a' * 16}-{'0' * 32}.safetensors.0123456789ab.tmp"
+    young = tmp_path / f".{'b' * 16}-{'0' * 32}.safetensors.ba9876543210.tmp"
+    for path in (stale, young):
+        path.write_bytes(b"half a prefix")
+    old = 10**9 * 1_000_000_000  # 2001
+    os.utime(stale, ns=(old, old))
+    run(tiny_checkpoint, tmp_path, noise)
+    assert not stale.exists() and young.exists()
+    assert len(files(tmp_path)) == 1
+
+
 def test_a_bad_prefix_cache_dir_is_a_one_line_error(tiny_checkpoint):
     from voxtral_mlx.errors import InputError
 

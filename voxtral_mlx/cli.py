@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import functools
 import os
+import queue
 import signal
 import sys
 import threading
@@ -17,12 +18,14 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from .errors import AudioOutputError, InputError, VoxtralError
 
 PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
 SECONDS_PER_TEXT_TOKEN = 0.3  # rough speaking rate, only a hint for the player's pre-roll
+T = TypeVar("T")
 
 
 def _default_model() -> str:
@@ -40,25 +43,67 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+class _Held:
+    """Signals that arrived inside :func:`_signals_held` (main thread only)."""
+
+    depth = 0
+    pending: KeyboardInterrupt | None = None
+
+
+def _deliver(exc: KeyboardInterrupt) -> None:
+    if _Held.depth:
+        if _Held.pending is None:
+            _Held.pending = exc
+        return
+    raise exc
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    _deliver(KeyboardInterrupt())
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated(signum)
+    _deliver(Terminated(signum))
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM/SIGHUP back until the block is done, then raise them.
+
+    For short steps that must not be cut in half: an interrupt between libsndfile's write
+    and the writer's frame count made the kept file look cut short, and lost it.
+    Only with the handlers of :func:`_catching_termination` installed.
+    """
+    _Held.depth += 1
+    try:
+        yield
+    finally:
+        _Held.depth -= 1
+    if not _Held.depth and _Held.pending is not None:
+        exc, _Held.pending = _Held.pending, None
+        raise exc
 
 
 @contextlib.contextmanager
 def _catching_termination() -> Iterator[None]:
     """Turn SIGTERM/SIGHUP (``timeout``, ``kill``, a closed terminal) into :class:`Terminated`,
-    so they too keep what was finished and leave no temp file (unless ignored already)."""
+    so they too keep what was finished and leave no temp file (unless ignored already);
+    Ctrl-C still raises KeyboardInterrupt, but through a handler :func:`_signals_held`
+    can hold back."""
     installed = {}
     if threading.current_thread() is threading.main_thread():
         for name in ("SIGTERM", "SIGHUP"):
             sig = getattr(signal, name, None)
             if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
                 installed[sig] = signal.signal(sig, _raise_terminated)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            installed[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupted)
     try:
         yield
     finally:
         for sig, previous in installed.items():
             signal.signal(sig, previous)
+        _Held.depth, _Held.pending = 0, None
 
 
 def _terminable(
@@ -80,6 +125,91 @@ def _err(message: str) -> None:
 
 def _info(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+_POLL_S = 0.05  # longest the main thread waits in one go: signals run between waits
+
+
+def _interruptibly(fn: Callable[[], T]) -> T:
+    """``fn()`` on a helper thread while the main thread waits in short timed waits.
+
+    Ctrl-C and SIGTERM are handled by the main thread between bytecodes only: blocked in
+    an untimed lock wait (a Future, a Queue), it would not notice them until the model's
+    worker hands something over (a whole load or frame; macOS never interrupts such a
+    wait, Linux only when the signal reaches the main thread).
+    """
+    box: queue.Queue[tuple[bool, Any]] = queue.Queue()
+
+    def run() -> None:
+        try:
+            box.put((True, fn()))
+        except BaseException as e:
+            box.put((False, e))
+
+    threading.Thread(target=run, name="voxtral-mlx-cli", daemon=True).start()
+    while True:
+        try:
+            ok, value = box.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+        if ok:
+            return value
+        raise value
+
+
+class _Chunks:
+    """Iterates a speech stream on a helper thread; see :func:`_interruptibly`.
+
+    ``close()`` (or leaving its ``with`` block) cancels the stream and releases the helper.
+    """
+
+    def __init__(self, stream: Any, depth: int = 8) -> None:
+        self._stream = stream
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="voxtral-mlx-speak", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: tuple[str, Any]) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _pump(self) -> None:
+        try:
+            for chunk in self._stream:
+                if not self._put(("chunk", chunk)):
+                    return
+        except BaseException as e:
+            self._put(("error", e))
+            return
+        self._put(("end", None))
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            try:
+                kind, value = self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+
+    def close(self) -> None:
+        self._closed.set()
+        self._stream.cancel()
+
+    def __enter__(self) -> _Chunks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class StdoutError(VoxtralError):
@@ -140,7 +270,7 @@ def _load(args: argparse.Namespace):
 
     t0 = time.perf_counter()
     prefixes = None if getattr(args, "no_prefix_cache", False) else "auto"
-    tts = load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes)
+    tts = _interruptibly(lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes))
     if getattr(args, "verbose", False):
         _info(f"loaded {tts.path} ({tts.dtype}) in {time.perf_counter() - t0:.2f} s")
     return tts
@@ -195,7 +325,9 @@ def cmd_speak(args: argparse.Namespace) -> int:
         _print_voices(_load(args))
         return 0
     text = _read_text(args)
-    if not text.strip():
+    from .segment import is_blank
+
+    if is_blank(text):
         raise InputError("text is empty: give some words to speak")
 
     player = None
@@ -239,8 +371,8 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if args.output is not None and not to_stdout:
             from .audio.io import AudioFileWriter
 
-            file_writer = AudioFileWriter(args.output, tts.sample_rate)
-            sinks.append(file_writer.write)
+            with _signals_held():  # the temp file must not exist unreferenced
+                file_writer = AudioFileWriter(args.output, tts.sample_rate)
         if to_stdout:
             from .audio.io import WavStreamWriter
 
@@ -257,11 +389,16 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if player is not None:
             player.stop()
         raise
-    progress = Progress(len(stream.segments)) if _show_progress(args, stream) else None
+    progress = chunks = None
     ok = interrupted = False
     try:
-        for chunk in stream:
+        progress = Progress(len(stream.segments)) if _show_progress(args, stream) else None
+        chunks = _Chunks(stream)
+        for chunk in chunks:
             if len(chunk.audio):
+                if file_writer is not None:
+                    with _signals_held():
+                        file_writer.write(chunk.audio)
                 for sink in sinks:
                     sink(chunk.audio)
                 if player is not None:
@@ -280,20 +417,24 @@ def cmd_speak(args: argparse.Namespace) -> int:
         interrupted = True
         raise
     finally:
-        stream.cancel()
-        if progress is not None:
-            progress.close()
-        if player is not None and not ok:
-            player.stop()
-        if file_writer is not None:
-            if ok:
-                file_writer.close()
-            elif interrupted and file_writer.commit_partial():
-                _info(f"interrupted: kept {file_writer.duration_s:.1f} s of audio in {args.output}")
-            else:
-                file_writer.abort()
-        if wav is not None:
-            wav.close()
+        with _signals_held():  # a second Ctrl-C must not leave the temp file behind
+            stream.cancel()
+            if chunks is not None:
+                chunks.close()
+            if progress is not None:
+                progress.close()
+            if player is not None and not ok:
+                player.stop()
+            if file_writer is not None:
+                if ok:
+                    file_writer.close()
+                elif interrupted and file_writer.commit_partial():
+                    kept = file_writer.duration_s
+                    _info(f"interrupted: kept {kept:.1f} s of audio in {args.output}")
+                else:
+                    file_writer.abort()
+            if wav is not None:
+                wav.close()
     timings = stream.timings
     if args.verbose:
         _report(timings, player, started)
@@ -640,6 +781,12 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    ``argv=None`` (the ``voxtral-mlx`` script, ``python -m voxtral_mlx``) means the process
+    is the command's own: once an interrupted command has cleaned up, it exits at once
+    (see :func:`_exit_now`).
+    """
     args = build_parser().parse_args(argv)
     warnings.showwarning = _show_warning  # one line each, without Python's source echo
     try:
@@ -650,7 +797,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as e:
         _err("interrupted")
-        return 128 + e.signum if isinstance(e, Terminated) else 130
+        code = 128 + e.signum if isinstance(e, Terminated) else 130
+        if argv is None:
+            _exit_now(code)
+        return code
     except BrokenPipeError:
         # The reader of stdout went away (e.g. `| head`): not an error of ours.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
@@ -662,6 +812,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err(f"writing to stdout failed: {error.strerror or error}")
         return 1
     return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process without the interpreter's teardown.
+
+    After an interrupt the output is already kept or removed; a normal exit would then
+    wait for the model's worker to finish the frame (or prefill) it is computing, up to a
+    second or more, and free every array of the model before the shell prompt returns.
+    """
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            if f is not None:
+                f.flush()
+    os._exit(code)
 
 
 def _release_stdout() -> OSError | None:

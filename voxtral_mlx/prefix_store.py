@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import struct
+import time
 import warnings
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from .model.cache import KVCache
 
 FORMAT = "voxtral_mlx.prefix/1"
 MAX_FILES = 32  # least recently used files beyond this are deleted
+# A temp file this old was left by a process that was killed while writing (the CLI exits
+# without waiting after Ctrl-C); a younger one may be another process's write in progress.
+STALE_TEMP_S = 3600
 _MODEL_FILES = (".safetensors", ".json")
 _HEADER_LIMIT = 64 << 20  # a safetensors header larger than this is not one
 _SAMPLE = 64  # bytes of each tensor read at its start, middle and end
@@ -162,6 +166,17 @@ class PrefixStore:
                     stacklevel=2,
                 )
 
+    def _remove_stale_temps(self) -> None:
+        cutoff = time.time() - STALE_TEMP_S
+        try:
+            temps = list(self.directory.glob(".*.safetensors.*.tmp"))
+        except OSError:
+            return
+        for path in temps:
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+
     def clear(self) -> None:
         """Delete this model's files (other models' are left alone)."""
         for path in self._files():
@@ -179,6 +194,7 @@ class PrefixStore:
             return []
 
     def _prune(self) -> None:
+        self._remove_stale_temps()
         files = []
         for p in self._files():
             try:

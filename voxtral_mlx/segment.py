@@ -110,6 +110,19 @@ class Segment:
     spoken: str
 
 
+def is_blank(text: str) -> bool:
+    """Whether ``text`` has nothing to speak: only spaces, control and format characters
+    (zero-width spaces and joiners, byte order marks, direction marks)."""
+    return not any(_visible(ch) for ch in text)
+
+
+def _visible(ch: str) -> bool:
+    if ch.isspace():
+        return False
+    category = unicodedata.category(ch)
+    return category[0] != "Z" and category not in ("Cc", "Cf")
+
+
 def split_text(
     text: str, *, target_chars: int = 200, max_chars: int = 400, add_period: bool = True
 ) -> list[Segment]:

@@ -181,6 +181,7 @@ class AsyncTextStream(_Reader):
         self._submit = submit_async
         self._ready: deque[AudioChunk] = deque()
         self._queues: dict[int, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def __aiter__(self) -> AsyncTextStream:
         return self
@@ -191,6 +192,13 @@ class AsyncTextStream(_Reader):
                 if self._finished:
                     raise StopAsyncIteration
                 loop = asyncio.get_running_loop()
+                if self._loop is None:
+                    self._loop = loop
+                elif loop is not self._loop:  # its segments report to the first loop
+                    raise RuntimeError(
+                        "this audio stream was started on another event loop: iterate it "
+                        "within one loop (call astream() again inside each asyncio.run())"
+                    )
                 pending = self._pending()
                 for job in pending:
                     q: asyncio.Queue = asyncio.Queue()

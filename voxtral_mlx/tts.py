@@ -25,7 +25,7 @@ from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA
 from .prefix_store import PrefixStore
 from .residency import Residency
-from .segment import Segment, split_text
+from .segment import Segment, is_blank, split_text
 from .textstream import AsyncTextStream, TextStream
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
 from .voices import Voice, VoiceRegistry
@@ -240,7 +240,7 @@ class VoxtralTTS:
         """Validate a request and turn it into a :class:`Job` (not yet submitted)."""
         if not isinstance(text, str):
             raise InputError(f"text must be a string, got {type(text).__name__}")
-        if not text.strip():
+        if is_blank(text):
             raise InputError("text is empty: give some words to speak")
         max_frames = check_whole("max_frames", max_frames, 0)
         chunk_frames = check_whole("chunk_frames", chunk_frames, 1)
@@ -282,7 +282,7 @@ class VoxtralTTS:
     ):
         if not isinstance(text, str):
             raise InputError(f"text must be a string, got {type(text).__name__}")
-        if not text.strip():
+        if is_blank(text):
             raise InputError("text is empty: give some words to speak")
         check_seed(seed)
         voice = self._voice(voice).name

@@ -205,6 +205,7 @@ class AudioPlayer:
         self._last_end_at: float | None = None  # when the latest real sample leaves the DAC
         self._last_sample_at: float | None = None  # same, for the very last sample
         self._last_callback_at: float | None = None
+        self._callback_error: Exception | None = None
 
         self._started = False
         self._closed = False
@@ -328,6 +329,10 @@ class AudioPlayer:
             )
         if start:
             self._start(now)
+        elif self._started:
+            # A device that went away must not go unnoticed until finish(), after the
+            # whole text has been generated into silence.
+            self._check_alive()
         self._wait_for_room()
 
     def _wait_for_room(self) -> None:
@@ -371,6 +376,19 @@ class AudioPlayer:
         return delay
 
     def _callback(self, outdata: np.ndarray, frames: int, time_info: Any, status: Any) -> None:
+        try:
+            self._fill(outdata, frames, time_info, status)
+        except Exception as e:
+            # Raised out of here, it would be printed by cffi on every block while the
+            # device plays whatever was left in the buffer: silence it and report it once.
+            outdata.fill(0)
+            if self._callback_error is None:
+                self._callback_error = e
+            abort = getattr(self._sd, "CallbackAbort", None)
+            if isinstance(abort, type) and issubclass(abort, BaseException):
+                raise abort from e
+
+    def _fill(self, outdata: np.ndarray, frames: int, time_info: Any, status: Any) -> None:
         now = self._clock()
         out = outdata[:, 0]
         # Bounded wait: if stop() runs in a signal handler that interrupted feed() while
@@ -470,6 +488,12 @@ class AudioPlayer:
     drain = finish
 
     def _check_alive(self) -> None:
+        if self._callback_error is not None and not self._stopped.is_set():
+            e = self._callback_error
+            raise AudioOutputError(
+                f"audio output failed ({type(e).__name__}: {e}); check the output device "
+                f"{_NO_DEVICE_HINT}"
+            ) from e
         if self._finished.is_set() and not self._stopped.is_set():
             raise AudioOutputError(
                 f"the audio stream ended unexpectedly; check the output device {_NO_DEVICE_HINT}"

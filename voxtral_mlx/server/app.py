@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -26,13 +27,20 @@ from ..errors import VoxtralError
 from ..textstream import AsyncTextStream
 from ..tts import DEFAULT_MAX_FRAMES, SYNTH_CHUNK_FRAMES, VoxtralTTS
 from ..voices import LANGUAGE_NAMES
-from .errors import APIError, bad_request, server_error
+from .errors import APIError, bad_request, server_error, shown
 from .formats import FORMATS, Encoder, make_encoder
-from .request import SpeechRequest, parse_speech_request, voice_aliases
+from .request import FIELDS, SpeechRequest, parse_speech_request, voice_aliases
 from .response import BodyResponse, sse_events
 from .speed import TimeStretcher
 
 log = logging.getLogger("uvicorn.error")
+
+# Seconds a client has to send the whole JSON body once its headers arrived; a client that
+# dribbles it (or never finishes) would otherwise hold a connection and a task forever.
+BODY_TIMEOUT_S = 30.0
+# Seconds a response may wait for a client that has stopped reading (the socket's buffers
+# full): then it is cut off, so that clients that never read cannot fill --max-queue.
+SEND_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -42,6 +50,13 @@ class ServerConfig:
     max_input_chars: int = 4096  # OpenAI's limit
     max_queue: int = 32  # speech requests in progress (generating or waiting) at most
     max_frames: int = DEFAULT_MAX_FRAMES  # per text segment
+    body_timeout: float = BODY_TIMEOUT_S  # then 408
+    send_timeout: float = SEND_TIMEOUT_S  # then the response is cut off
+
+    @property
+    def max_body_bytes(self) -> int:
+        """Bodies beyond this get 413: room for the longest input, escaped, plus fields."""
+        return 12 * self.max_input_chars + 65536
 
 
 @dataclass
@@ -107,7 +122,7 @@ class SpeechAPI:
 
     async def speech(self, request: Request) -> Response:
         try:
-            body = await _json_body(request, 12 * self.config.max_input_chars + 65536)
+            body = await _json_body(request, self.config.max_body_bytes, self.config.body_timeout)
         except ClientDisconnect:
             return Response(status_code=400)
         req = parse_speech_request(
@@ -190,9 +205,16 @@ class SpeechAPI:
                 streams=True,
                 on_close=on_close,
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+                send_timeout=self.config.send_timeout,
             )
         else:
-            response = BodyResponse(audio, fmt.media_type, streams=fmt.streams, on_close=on_close)
+            response = BodyResponse(
+                audio,
+                fmt.media_type,
+                streams=fmt.streams,
+                on_close=on_close,
+                send_timeout=self.config.send_timeout,
+            )
         self._responses.add(response)
         return response
 
@@ -286,7 +308,9 @@ def _engine_state(tts: VoxtralTTS) -> dict[str, int]:
     return tts.engine.stats()
 
 
-async def _json_body(request: Request, limit: int) -> Any:
+async def _json_body(request: Request, limit: int, timeout: float) -> Any:
+    """The decoded JSON body: 415 for another Content-Type, 413 beyond ``limit`` bytes,
+    408 if it has not fully arrived within ``timeout`` seconds, 400 if it is not JSON."""
     ctype = request.headers.get("content-type")
     if ctype is not None:
         mime = ctype.split(";", 1)[0].strip().lower()
@@ -296,19 +320,84 @@ async def _json_body(request: Request, limit: int) -> Any:
                 f"unsupported Content-Type {mime or ctype!r}: send the body as application/json",
                 code="unsupported_media_type",
             )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused before it is sent
+        raise _too_large(limit)
     data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > limit:
-            raise APIError(
-                413, f"request body too large (limit {limit} bytes)", code="request_too_large"
-            )
+    with anyio.move_on_after(timeout) as deadline:
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise _too_large(limit)
+    if deadline.cancelled_caught:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout:g} s "
+            f"({len(data)} bytes received): send the whole JSON body at once",
+            code="request_timeout",
+            headers={"Connection": "close"},  # the rest of the body may still be coming
+        )
+    return _decode_json(bytes(data))
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"request body too large (limit {limit} bytes)",
+        code="request_too_large",
+        headers={"Connection": "close"},  # the rest of the body is not read
+    )
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+class _NonFinite(Exception):
+    pass
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return obj
+
+
+def _constant(name: str) -> Any:
+    raise _NonFinite(name)
+
+
+def _decode_json(data: bytes) -> Any:
+    """Strict JSON (RFC 8259): no NaN or Infinity, no key given twice (Python would keep
+    the last silently); each refusal names the problem."""
+    prefix = "we could not parse the JSON body of your request"
     try:
-        return json.loads(bytes(data))
-    except (ValueError, RecursionError):
+        return json.loads(data, object_pairs_hook=_object, parse_constant=_constant)
+    except UnicodeDecodeError as e:
         raise bad_request(
-            "we could not parse the JSON body of your request: it is not valid JSON"
+            f"{prefix}: it is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
         ) from None
+    except json.JSONDecodeError as e:
+        raise bad_request(
+            f"{prefix}: {e.msg} at line {e.lineno} column {e.colno}"
+            if data.strip()
+            else f"{prefix}: the body is empty"
+        ) from None
+    except RecursionError:
+        raise bad_request(f"{prefix}: it is nested too deeply") from None
+    except ValueError:  # Python converts integers of at most 4300 digits
+        raise bad_request(f"{prefix}: a number in it has too many digits") from None
+    except _DuplicateKey as e:
+        key = e.args[0]
+        message = f"duplicate key {shown(key)} in the JSON body: give each field once"
+        raise bad_request(message, key if key in FIELDS else None) from None
+    except _NonFinite as e:
+        raise bad_request(f"{prefix}: {e.args[0]} is not a JSON number") from None
 
 
 class BearerAuth:

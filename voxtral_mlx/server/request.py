@@ -8,12 +8,12 @@ takes no style instructions).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import bad_request
+from ..segment import is_blank
+from .errors import bad_request, shown
 from .formats import FORMATS, UNSUPPORTED_FORMATS
 from .speed import MAX_SPEED, MIN_SPEED
 
@@ -82,7 +82,8 @@ def resolve_voice(value: Any, voices: Mapping[str, Any], default: str) -> str:
         return aliases[value]
     names = ", ".join([*voices, *aliases])
     raise bad_request(
-        f"unknown voice {value!r}; available voices: {names} (GET /v1/audio/voices lists them)",
+        f"unknown voice {shown(value)}; available voices: {names} "
+        "(GET /v1/audio/voices lists them)",
         "voice",
     )
 
@@ -93,7 +94,7 @@ def _text(body: dict, max_chars: int) -> str:
     text = body["input"]
     if not isinstance(text, str):
         raise bad_request(f"input must be a string, got {type(text).__name__}", "input")
-    if not text.strip():
+    if is_blank(text):
         raise bad_request("input is empty: give some text to speak", "input")
     if len(text) > max_chars:
         raise bad_request(
@@ -113,11 +114,11 @@ def _choice(body: dict, name: str, default: str, allowed: tuple[str, ...]) -> st
         return value
     if name == "response_format" and isinstance(value, str) and value in UNSUPPORTED_FORMATS:
         raise bad_request(
-            f"response_format {value!r} is not supported by this server; use one of "
+            f"response_format {shown(value)} is not supported by this server; use one of "
             f"{', '.join(allowed)}",
             name,
         )
-    raise bad_request(f"unknown {name} {value!r}; use one of {', '.join(allowed)}", name)
+    raise bad_request(f"unknown {name} {shown(value)}; use one of {', '.join(allowed)}", name)
 
 
 def _speed(body: dict) -> float:
@@ -125,9 +126,12 @@ def _speed(body: dict) -> float:
     if value is None:
         return 1.0
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or not MIN_SPEED <= value <= MAX_SPEED:
+    # Compared, never converted first: float() of a 400-digit integer raises OverflowError;
+    # NaN fails the comparison.
+    if not ok or not MIN_SPEED <= value <= MAX_SPEED:
         raise bad_request(
-            f"speed must be a number from {MIN_SPEED} to {MAX_SPEED}, got {value!r}", "speed"
+            f"speed must be a number from {MIN_SPEED} to {MAX_SPEED}, got {shown(value)}",
+            "speed",
         )
     return float(value)
 
@@ -137,8 +141,20 @@ def _seed(body: dict) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_SEED:
-        raise bad_request(f"seed must be an integer from 0 to 2**62 - 1, got {value!r}", "seed")
+        raise bad_request(
+            f"seed must be an integer from 0 to 2**62 - 1, got {shown(value)}", "seed"
+        )
     return value
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array"
 
 
 def parse_speech_request(
@@ -146,11 +162,14 @@ def parse_speech_request(
 ) -> SpeechRequest:
     """Check a decoded JSON body; :class:`APIError` (400) names the first problem."""
     if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
+        raise bad_request(
+            f"the request body must be a JSON object ({{...}}), got {_json_type(body)}"
+        )
     unknown = [k for k in body if k not in FIELDS]
     if unknown:
+        name = unknown[0] if len(unknown[0]) <= 60 else unknown[0][:57] + "..."
         raise bad_request(
-            f"unrecognized request argument supplied: {unknown[0]} (accepted: {', '.join(FIELDS)})",
+            f"unrecognized request argument supplied: {name} (accepted: {', '.join(FIELDS)})",
             unknown[0],
         )
     model = body.get("model")

@@ -12,10 +12,12 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import anyio
-from starlette.types import Receive, Scope, Send
+import anyio.lowlevel
+from starlette.types import Message, Receive, Scope, Send
 
 from ..errors import VoxtralError
 from .errors import APIError, bad_request, server_error, shutting_down
@@ -33,12 +35,14 @@ class BodyResponse:
         streams: bool,
         on_close: Callable[[str], Awaitable[None]],
         headers: dict[str, str] | None = None,
+        send_timeout: float = math.inf,
     ) -> None:
         self.body = body
         self.media_type = media_type
         self.streams = streams
         self.on_close = on_close  # called with "completed", "cancelled" or "failed"
         self.headers = dict(headers or {})
+        self.send_timeout = send_timeout  # a client not reading for this long is cut off
         self.started = False
         self._aborted = False
         self._scope: anyio.CancelScope | None = None
@@ -71,6 +75,11 @@ class BodyResponse:
                 self.started = True
                 await send(self._head())
             await send({"type": "http.response.body", "body": part, "more_body": True})
+            # The server's send returns without yielding while the socket takes the bytes:
+            # yield, so that a client gone away is noticed before the next part (a whole
+            # FLAC file's SSE events would otherwise all go to a closed socket) and other
+            # responses get their turn.
+            await anyio.lowlevel.checkpoint()
         if not self.started:
             self.started = True
             await send(self._head())
@@ -91,8 +100,15 @@ class BodyResponse:
 
                 tg.start_soon(watch)
                 try:
-                    await self._send_body(send)
+                    await self._send_body(self._guarded(send))
                     outcome = "completed"
+                except _Stalled:
+                    # Its slot in the queue is freed; the server closes the connection
+                    # (it logs that the response was not completed).
+                    log.warning(
+                        "client stopped reading for %g s: its speech response is cut off",
+                        self.send_timeout,
+                    )
                 except APIError as e:
                     outcome = "failed"
                     await self._fail(send, e)
@@ -113,6 +129,18 @@ class BodyResponse:
                 await self.body.aclose()
                 await self.on_close(outcome)
 
+    def _guarded(self, send: Send) -> Send:
+        """``send`` that gives up when the client has not taken the bytes for
+        ``send_timeout`` seconds (the server waits while its write buffer is full)."""
+
+        async def guarded(message: Message) -> None:
+            with anyio.move_on_after(self.send_timeout) as scope:
+                await send(message)
+            if scope.cancelled_caught:
+                raise _Stalled
+
+        return guarded
+
     async def _fail(self, send: Send, error: APIError) -> None:
         if self.started:
             # Too late for a status: returning without the final chunk makes the server
@@ -128,6 +156,10 @@ class BodyResponse:
         ]
         await send(head)
         await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class _Stalled(Exception):
+    pass
 
 
 async def sse_events(

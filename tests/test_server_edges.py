@@ -1,0 +1,330 @@
+"""The speech server against hostile or sloppy clients: slow bodies, odd JSON, clients
+that vanish mid-stream. The server runs in-process (uvicorn on a thread) so that its
+config, the body deadline included, can be set to what a fast test needs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+import voxtral_mlx
+from voxtral_mlx.server import ServerConfig, bind, create_app, url_of
+from voxtral_mlx.server.app import BODY_TIMEOUT_S, SEND_TIMEOUT_S
+from voxtral_mlx.server.response import BodyResponse
+
+KEY = "edge-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_TIMEOUT = 0.6
+SEND_TIMEOUT = 0.5
+MAX_CHARS = 2000
+LONG = " ".join(f"This is sentence number {i}, which goes on for a while." for i in range(30))
+
+
+@dataclass
+class Live:
+    url: str
+    host: str
+    port: int
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection((self.host, self.port), timeout=10)
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoint_noend):
+    model = voxtral_mlx.load(tiny_checkpoint_noend)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def live(tts) -> Iterator[Live]:
+    config = ServerConfig(
+        api_key=KEY,
+        max_input_chars=MAX_CHARS,
+        max_queue=2,
+        max_frames=20,
+        body_timeout=BODY_TIMEOUT,
+        send_timeout=SEND_TIMEOUT,
+    )
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(tts, config),
+            lifespan="off",
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started)
+    host, port = sock.getsockname()[:2]
+    try:
+        yield Live(url_of(sock), host, port)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+    assert not thread.is_alive()
+
+
+def wait_until(predicate, timeout: float = 10.0, every: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(every)
+    raise AssertionError("condition not reached in time")
+
+
+def idle(live: Live) -> dict:
+    def check() -> dict | None:
+        h = live.health()
+        return h if h["requests"] == h["active"] == h["waiting"] == 0 else None
+
+    return wait_until(check)
+
+
+def head(length: int | None, *, chunked: bool = False, close: bool = False) -> bytes:
+    lines = [
+        "POST /v1/audio/speech HTTP/1.1",
+        "Host: test",
+        "Content-Type: application/json",
+        f"Authorization: Bearer {KEY}",
+    ]
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    if close:
+        lines.append("Connection: close")
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_response(sock: socket.socket, timeout: float = 10) -> tuple[int, dict, bytes]:
+    """Status, headers and body of one response; the connection must then be closed."""
+    sock.settimeout(timeout)
+    data = b""
+    while part := sock.recv(65536):
+        data += part
+    raw_head, _, body = data.partition(b"\r\n\r\n")
+    lines = raw_head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def assert_openai_error(status: int, body: bytes, expected: int) -> dict:
+    assert status == expected, body
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "\n" not in error["message"]
+    assert len(error["message"]) < 1000  # a 50 kB value is not echoed back
+    return error
+
+
+# -- the body deadline -----------------------------------------------------------------------
+
+
+def test_the_default_deadlines_are_bounded():
+    assert ServerConfig().body_timeout == BODY_TIMEOUT_S
+    assert 5 <= BODY_TIMEOUT_S <= 120
+    assert ServerConfig().send_timeout == SEND_TIMEOUT_S
+    assert 10 <= SEND_TIMEOUT_S <= 600
+
+
+@pytest.mark.parametrize("how", ["stalled", "dribbled", "chunked"])
+def test_a_body_that_does_not_arrive_in_time_gets_408(live, how):
+    body = json.dumps({"input": "Never finished.", "response_format": "pcm"}).encode()
+    sock = live.connect()
+    try:
+        t0 = time.monotonic()
+        if how == "chunked":
+            sock.sendall(head(None, chunked=True) + b"5\r\n" + body[:5] + b"\r\n")
+        else:
+            sock.sendall(head(len(body)) + body[:5])
+        if how == "dribbled":  # a byte now and then: each arrives, the whole never does
+            for byte in body[5:9]:
+                time.sleep(BODY_TIMEOUT / 5)
+                sock.sendall(bytes([byte]))
+        status, headers, data = read_response(sock)
+        elapsed = time.monotonic() - t0
+    finally:
+        sock.close()
+    error = assert_openai_error(status, data, 408)
+    assert error["code"] == "request_timeout" and error["type"] == "invalid_request_error"
+    assert f"within {BODY_TIMEOUT:g} s" in error["message"]
+    assert headers["connection"] == "close"  # read_response returned: the server closed it
+    assert BODY_TIMEOUT <= elapsed < BODY_TIMEOUT + 3
+    assert idle(live)["requests"] == 0
+
+
+def test_a_slow_body_does_not_take_a_queue_slot_and_a_prompt_one_is_served(live):
+    body = json.dumps({"input": "On time.", "response_format": "pcm"}).encode()
+    stalled = [live.connect() for _ in range(3)]  # more than --max-queue (2)
+    try:
+        for sock in stalled:
+            sock.sendall(head(len(body)) + body[:3])
+        time.sleep(0.1)
+        assert live.health()["requests"] == 0
+        # Split across writes but complete within the deadline: served normally.
+        sock = live.connect()
+        sock.sendall(head(len(body), close=True) + body[:4])
+        time.sleep(BODY_TIMEOUT / 4)
+        sock.sendall(body[4:])
+        status, _, data = read_response(sock)
+        sock.close()
+        assert status == 200 and len(data) > 0
+        for s in stalled:
+            assert read_response(s)[0] == 408
+    finally:
+        for s in stalled:
+            s.close()
+    idle(live)
+
+
+def test_a_declared_oversized_body_is_refused_before_it_is_sent(live):
+    sock = live.connect()
+    try:
+        sock.sendall(head(10**9))  # no body follows: the answer must not wait for it
+        status, headers, data = read_response(sock, timeout=BODY_TIMEOUT / 2)
+    finally:
+        sock.close()
+    error = assert_openai_error(status, data, 413)
+    assert error["code"] == "request_too_large" and headers["connection"] == "close"
+
+
+# -- odd JSON --------------------------------------------------------------------------------
+
+ODD_BODIES = [
+    ("array", b'["Hi."]', "got an array", None),
+    ("number", b"42", "got a number", None),
+    ("null", b"null", "got null", None),
+    ("empty", b"", "the body is empty", None),
+    ("syntax", b'{"input": "Hi.",}', "line 1 column", None),
+    ("duplicate key", b'{"input": "a", "input": "Hello there."}', "duplicate key 'input'", "input"),
+    ("NaN", b'{"input": "Hi.", "speed": NaN}', "NaN is not a JSON number", None),
+    ("Infinity", b'{"input": "Hi.", "speed": Infinity}', "Infinity is not a JSON number", None),
+    ("-Infinity", b'{"input": "Hi.", "seed": -Infinity}', "-Infinity is not a JSON number", None),
+    ("not UTF-8", b'{"input": "caf\xe9"}', "not UTF-8 text (byte 0xe9 at offset 14)", None),
+    ("400-digit speed", b'{"input": "Hi.", "speed": 1' + b"0" * 400 + b"}", "speed must", "speed"),
+    ("400-digit seed", b'{"input": "Hi.", "seed": 1' + b"0" * 400 + b"}", "seed must", "seed"),
+    (
+        "5000-digit seed",
+        b'{"input": "Hi.", "seed": 1' + b"0" * 5000 + b"}",
+        "too many digits",
+        None,
+    ),
+    ("huge float", b'{"input": "Hi.", "speed": 1e400}', "got inf", "speed"),
+    ("deep nesting", b'{"input": ' + b"[" * 20000 + b"]" * 20000 + b"}", "nested too deeply", None),
+    ("zero-width input", b'{"input": "\\u200b\\u2060\\ufeff"}', "input is empty", "input"),
+    ("odd spaces input", '{"input": "\u00a0\u3000\u2003\\n"}'.encode(), "input is empty", "input"),
+    (
+        "long voice",
+        b'{"input": "Hi.", "voice": "' + b"v" * 50_000 + b'"}',
+        "unknown voice",
+        "voice",
+    ),
+    ("long field", b'{"' + b"f" * 50_000 + b'": 1, "input": "Hi."}', "unrecognized", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "body", "expected", "param"), ODD_BODIES, ids=[c[0] for c in ODD_BODIES]
+)
+def test_odd_bodies_get_a_one_line_400(live, what, body, expected, param):
+    r = httpx.post(
+        f"{live.url}/v1/audio/speech",
+        content=body,
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=30,
+    )
+    error = assert_openai_error(r.status_code, r.content, 400)
+    assert expected in error["message"], error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "text", ["😀🎉", "...", "a" * MAX_CHARS, "Hi \u200bthere."], ids=["emoji", "dots", "word", "zw"]
+)
+def test_unusual_but_visible_input_is_spoken(live, text):
+    body = {"input": text, "response_format": "pcm"}
+    r = httpx.post(f"{live.url}/v1/audio/speech", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and len(r.content) % 2 == 0 and len(r.content) > 0
+
+
+# -- clients that go away --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+@pytest.mark.parametrize("fmt", ["pcm", "wav", "mp3", "opus", "flac"])
+def test_a_client_gone_mid_response_frees_the_engine(live, fmt, stream_format):
+    before = idle(live)
+    body = json.dumps({"input": LONG, "response_format": fmt, "stream_format": stream_format})
+    sock = live.connect()
+    try:
+        sock.sendall(head(len(body)) + body.encode())
+        wait_until(lambda: live.health()["active"] >= 1)
+    finally:
+        sock.close()
+    after = idle(live)
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["completed"] == before["completed"]
+    time.sleep(0.1)
+    assert live.health()["frames"] == after["frames"]  # nothing generates any more
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_frees_its_slot(live):
+    before = idle(live)
+    body = json.dumps({"input": LONG, "response_format": "pcm", "speed": 0.25})
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+    sock.settimeout(10)
+    sock.connect((live.host, live.port))
+    try:
+        sock.sendall(head(len(body)) + body.encode())
+        wait_until(lambda: live.health()["requests"] == 1)
+        after = idle(live)  # the client never reads: the server gives up on it
+        assert after["cancelled"] == before["cancelled"] + 1
+        assert after["completed"] == before["completed"]
+    finally:
+        sock.close()
+
+
+def test_a_disconnect_is_noticed_between_parts_sent_back_to_back():
+    """Parts that are ready at once (a FLAC file's SSE events) stop at a disconnect
+    instead of all being written to a closed socket."""
+    sent: list[dict] = []
+    outcomes: list[str] = []
+
+    async def parts():
+        for _ in range(5):
+            yield b"x" * 10
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def on_close(outcome: str) -> None:
+        outcomes.append(outcome)
+
+    response = BodyResponse(parts(), "audio/pcm", streams=True, on_close=on_close)
+    asyncio.run(response({"type": "http"}, receive, send))
+    assert outcomes == ["cancelled"]
+    assert len([m for m in sent if m["type"] == "http.response.body"]) == 1
