@@ -593,6 +593,12 @@ def test_transport_level_mistakes(server, http):
     assert _assert_openai_error(missing, 401)["code"] == "missing_api_key"
     wrong = httpx.post(speech, json={"input": "Hi."}, headers={"Authorization": "Bearer no"})
     assert _assert_openai_error(wrong, 401)["code"] == "invalid_api_key"
+    assert "--api-key" in wrong.json()["error"]["message"]
+    empty = httpx.post(speech, json={"input": "Hi."}, headers={"Authorization": "Bearer"})
+    assert _assert_openai_error(empty, 401)["code"] == "missing_api_key"
+    basic = httpx.post(speech, json={"input": "Hi."}, headers={"Authorization": "Basic eDp5"})
+    basic_error = _assert_openai_error(basic, 401)
+    assert basic_error["code"] == "invalid_api_key" and "'Basic'" in basic_error["message"]
     assert _assert_openai_error(http.get("/v1/nothing"), 404)["code"] == "not_found"
     assert _assert_openai_error(http.get("/nothing"), 404)["code"] == "not_found"
     not_allowed = http.get("/v1/audio/speech")

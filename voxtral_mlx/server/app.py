@@ -416,12 +416,27 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
     def _check(self, header: bytes | None) -> APIError | None:
-        if not header:
-            message = "you didn't provide an API key: send it as 'Authorization: Bearer KEY'"
-            return APIError(401, message, code="missing_api_key")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-            return APIError(401, "incorrect API key provided", code="invalid_api_key")
+        missing = "you didn't provide an API key: send it as 'Authorization: Bearer KEY'"
+        if not header or not header.strip():
+            return APIError(401, missing, code="missing_api_key")
+        scheme, _, token = header.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            shown_scheme = scheme[:20].decode("latin-1")
+            return APIError(
+                401,
+                f"the Authorization header uses the scheme {shown_scheme!r}: send "
+                "'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+            )
+        if not token.strip():
+            return APIError(401, missing, code="missing_api_key")
+        if not hmac.compare_digest(token.strip(), self._key):
+            return APIError(
+                401,
+                "incorrect API key provided: send the key the server was started with "
+                "(--api-key or $VOXTRAL_MLX_API_KEY)",
+                code="invalid_api_key",
+            )
         return None
 
 
