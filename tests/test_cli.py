@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,6 +131,16 @@ def test_voices_listing(model_dir):
     assert any(line.split()[:2] == ["casual_male", "en"] for line in lines)
     proc2 = run("speak", "-m", str(model_dir), "-v", "?")
     assert proc2.returncode == 0 and proc2.stdout == proc.stdout
+
+
+def test_voices_of_a_model_without_voices_is_an_error(model_dir, tmp_path):
+    """Not an empty listing with exit 0: the same error speak gives."""
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("voice_embedding"))
+    for args in (["voices"], ["speak", "-v", "?"]):
+        proc = run(*args, "-m", str(bare))
+        assert "has no voices in voice_embedding/" in one_line_error(proc)
+        assert proc.stdout == b""
 
 
 @pytest.mark.parametrize(

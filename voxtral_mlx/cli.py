@@ -279,6 +279,7 @@ def _load(args: argparse.Namespace):
 def _print_voices(tts) -> None:
     from .voices import LANGUAGE_NAMES
 
+    tts.default_voice  # noqa: B018 - raises the one-line "no voices" error for an empty list
     for name in sorted(tts.voices):
         voice = tts.voices[name]
         lang = voice.language or "?"
@@ -643,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     speak.add_argument(
         "-o",
         "--output",
-        help="write audio to FILE (.wav .flac .ogg .mp3; "
+        help="write audio to FILE (.wav .flac .ogg .mp3 .opus; "
         "'-' writes WAV to stdout) instead of playing",
     )
     speak.add_argument("--play", action="store_true", help="play even when writing a file")
@@ -658,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-frames",
         type=int,
         default=2400,
-        help="stop after this many 80 ms frames (default 2400 = 192 s)",
+        help="stop each text segment after this many 80 ms frames (default 2400 = 192 s)",
     )
     speak.add_argument("--verbose", action="store_true", help="print timings to stderr")
     speak.add_argument("-q", "--quiet", action="store_true", help="no progress line")
