@@ -227,6 +227,35 @@ def test_keep_partial_on_interrupt_leaves_valid_file(tmp_path, ext):
     assert hidden_leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("ext", [".wav", ".flac"])
+@pytest.mark.parametrize("written", [True, False], ids=["after-write", "before-write"])
+def test_interrupt_around_libsndfiles_write_keeps_a_valid_file(tmp_path, monkeypatch, ext, written):
+    """Ctrl-C is raised between bytecodes: right after (or before) libsndfile's write of a
+    chunk, before the writer counted it. The file used to fail its completeness check
+    ("cut short") and be lost."""
+    x = speechlike(0.5)
+    parts = list(chunks(x))
+    target = tmp_path / f"out{ext}"
+    w = AudioFileWriter(target, SR)
+    w.write(parts[0])
+    real = sf.SoundFile.write
+
+    def interrupted(self, data):
+        if written:
+            real(self, data)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sf.SoundFile, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        w.write(parts[1])
+    monkeypatch.undo()
+    assert w.commit_partial() is True
+    y, _ = sf.read(target, dtype="int16")
+    kept = 2 if written else 1
+    assert np.array_equal(y, float_to_int16(np.concatenate(parts[:kept])))
+    assert hidden_leftovers(tmp_path) == []
+
+
 def test_close_keep_true_and_false(tmp_path):
     x = speechlike(0.3)
     with AudioFileWriter(tmp_path / "a.wav", SR) as w:

@@ -179,8 +179,9 @@ def _mp3_stream_bytes(path: Path) -> int | None:
     return None
 
 
-def _check_complete(path: Path, tmp: Path, fmt: str, frames: int) -> None:
-    """Raise :class:`AudioOutputError` unless ``tmp`` (format ``fmt``) holds all ``frames``.
+def _check_complete(path: Path, tmp: Path, fmt: str, frames: int, pending: int = 0) -> None:
+    """Raise :class:`AudioOutputError` unless ``tmp`` (format ``fmt``) holds all ``frames``
+    (or ``frames + pending``: a chunk whose write an interrupt may have cut from its count).
 
     libsndfile ignores write errors while it finalises a file (the last FLAC frame, the
     Ogg and MP3 encoder flush), so a full disk at that moment would pass for success.
@@ -190,7 +191,7 @@ def _check_complete(path: Path, tmp: Path, fmt: str, frames: int) -> None:
         expected = _mp3_stream_bytes(tmp)
         complete = expected is None or expected == tmp.stat().st_size
     elif fmt in ("WAV", "FLAC"):
-        complete = sf.info(str(tmp)).frames == frames
+        complete = sf.info(str(tmp)).frames in (frames, frames + pending)
     else:  # lossy codecs: a truncated stream has fewer frames; a longer one is padding
         complete = sf.info(str(tmp)).frames >= frames
     if not complete:
@@ -230,6 +231,7 @@ class AudioFileWriter:
         self._format = fmt
         self._pcm16 = subtype == "PCM_16"
         self.frames_written = 0
+        self._pending = 0  # frames of the chunk being written, until they are counted
         self._closed = False
         self._kept = False
         self._tmp = self.path.parent / f".{self.path.stem}.partial-{secrets.token_hex(4)}{ext}"
@@ -282,6 +284,9 @@ class AudioFileWriter:
         if a.shape[0] == 0:
             return
         data = float_to_int16(a) if self._pcm16 else np.clip(a, -1.0, 1.0)
+        # Ctrl-C lands between bytecodes: right after libsndfile's write, before the count.
+        # The close-time check then accepts the file with or without that chunk.
+        self._pending = a.shape[0]
         try:
             self._sf.write(data)
         except Exception as e:
@@ -290,6 +295,7 @@ class AudioFileWriter:
                 f"writing {str(self.path)!r} failed: {e}; check free space and permissions"
             ) from e
         self.frames_written += a.shape[0]
+        self._pending = 0
 
     def close(self, *, keep: bool = True) -> Path | None:
         """Finish the file: keep=True moves it onto the target, keep=False deletes it.
@@ -309,7 +315,9 @@ class AudioFileWriter:
             assert handle is not None
             handle.close()
             if self.frames_written:
-                _check_complete(self.path, self._tmp, self._format, self.frames_written)
+                _check_complete(
+                    self.path, self._tmp, self._format, self.frames_written, self._pending
+                )
             fd = os.open(self._tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)  # the rename must not land before the data after a crash
