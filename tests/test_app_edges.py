@@ -233,6 +233,8 @@ def test_a_chapter_is_not_tokenized_up_front(tts, monkeypatch):
     stream.cancel()
     with pytest.raises(InputError, match="too long"):
         tts.stream("x" * 40_000, VOICE, split=True, max_chars=40_000)
+    with pytest.raises(InputError, match="pass split=True"):
+        tts.synthesize("word " * 10_000, VOICE, split=False)
 
 
 def test_another_texts_first_segment_waits_less_than_segments_generated_ahead(

@@ -255,7 +255,7 @@ class VoxtralTTS:
         if len(text_ids) > MAX_TEXT_TOKENS:
             raise InputError(
                 f"text is too long for one utterance ({len(text_ids)} tokens, limit "
-                f"{MAX_TEXT_TOKENS}): split it into paragraphs"
+                f"{MAX_TEXT_TOKENS}): pass split=True to speak it in segments"
             )
         tail = speech_prompt_ids(self.tokenizer, "", 0)[-2:]  # [REPEAT_AUDIO_TEXT, BEGIN_AUDIO]
         rows = self.voices.embedding(v.name, self.dtype)
