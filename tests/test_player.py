@@ -283,7 +283,7 @@ def test_no_output_device():
     sd = FakeSD(devices=[{"name": "Mic", "max_input_channels": 1, "max_output_channels": 0}])
     with pytest.raises(AudioOutputError, match="-o FILE"):
         AudioPlayer(SR, sd=sd)
-    with pytest.raises(AudioOutputError, match="-o FILE"):
+    with pytest.raises(AudioOutputError, match=r"-o FILE; in Python, tts\.synthesize\(\)"):
         AudioPlayer(SR, sd=FakeSD(devices=[]))
 
 

@@ -31,7 +31,11 @@ import numpy as np
 
 from ..errors import AudioOutputError
 
-_NO_DEVICE_HINT = "or use -o FILE to write a file instead"
+# Said by the command line and by tts.say() alike, so it names both ways to a file.
+_NO_DEVICE_HINT = (
+    "or write a file instead (voxtral-mlx speak -o FILE; in Python, tts.synthesize() and "
+    "soundfile.write)"
+)
 _POLL_S = 0.02  # how often blocking waits look at stop() and the clock
 _STALL_S = 3.0  # a device whose callback stops for this long is considered gone
 _CALLBACK_LOCK_S = 0.02  # longest the audio callback waits for the buffer lock
