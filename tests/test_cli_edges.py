@@ -146,6 +146,30 @@ def test_serve_rejects_ports_out_of_range(model_dir, port):
     assert f"--port {port}" in one_line_error(proc)
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--body-timeout", "0"),
+        ("--send-timeout", "-5"),
+        ("--body-timeout", "nan"),
+        ("--send-timeout", "inf"),
+    ],
+)
+def test_serve_rejects_timeouts_out_of_range(model_dir, flag, value):
+    proc = run("serve", "-m", str(model_dir), "--no-warmup", "--port", "0", flag, value)
+    assert f"{flag} must be a number of seconds" in one_line_error(proc)
+
+
+def test_serve_timeout_flags_default_to_the_servers_deadlines():
+    from voxtral_mlx.cli import build_parser
+    from voxtral_mlx.server.app import BODY_TIMEOUT_S, SEND_TIMEOUT_S
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.body_timeout, args.send_timeout) == (BODY_TIMEOUT_S, SEND_TIMEOUT_S)
+    args = build_parser().parse_args(["serve", "--body-timeout", "2.5", "--send-timeout", "9"])
+    assert (args.body_timeout, args.send_timeout) == (2.5, 9.0)
+
+
 # --------------------------------------------------------------------------- random-checkpoint
 
 

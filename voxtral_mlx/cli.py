@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
 import queue
 import signal
@@ -24,6 +25,7 @@ from .errors import AudioOutputError, InputError, VoxtralError
 
 PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
+MAX_TIMEOUT_S = 86400.0  # serve's --body-timeout and --send-timeout
 SECONDS_PER_TEXT_TOKEN = 0.3  # rough speaking rate, only a hint for the player's pre-roll
 T = TypeVar("T")
 
@@ -577,6 +579,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} is not a TCP port: use 1 to 65535 (0: any free port)")
+    for name in ("body_timeout", "send_timeout"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+            raise InputError(
+                f"--{name.replace('_', '-')} must be a number of seconds from 0 (exclusive) "
+                f"to {MAX_TIMEOUT_S:g}, got {value:g}"
+            )
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
     try:
@@ -597,6 +606,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_input_chars=args.max_input_chars,
         max_queue=args.max_queue,
         max_frames=args.max_frames,
+        body_timeout=args.body_timeout,
+        send_timeout=args.send_timeout,
     )
     if api_key is None and args.host not in ("127.0.0.1", "::1", "localhost"):
         _info(f"{PROG}: warning: serving on {args.host} without an API key (--api-key)")
@@ -759,6 +770,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2400,
         help="stop a text segment after this many 80 ms frames (default 2400 = 192 s)",
+    )
+    srv.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send its whole request body; then 408 (default 30)",
+    )
+    srv.add_argument(
+        "--send-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may stop reading the audio before it is cut off (default 60)",
     )
     srv.add_argument(
         "--no-warmup",

@@ -58,15 +58,16 @@ Limits and errors
     nothing but spaces, control or zero-width characters is empty), 401 missing or wrong
     ``Authorization: Bearer`` key (when ``--api-key`` or ``$VOXTRAL_MLX_API_KEY`` is set),
     404 unknown route, 405 wrong method, 408 body not fully received within 30 s of the
-    headers (then the connection is closed), 413 body far beyond the input limit (refused
-    at once when Content-Length declares it), 415 a Content-Type other than JSON, 429
-    queue full, 500 a server failure (details only in the server's log). A request whose
-    body is still arriving is not yet in the queue; a client that stops reading the audio
-    for 60 s is cut off and leaves it. A failure after audio has started closes the
-    connection without the end of the chunked body. uvicorn has no deadline for the
-    request line and headers: a connection that never completes them stays open (it
-    holds a socket, not a queue slot) until the client or shutdown closes it; put a
-    reverse proxy with a header timeout in front of a server exposed to untrusted clients.
+    headers (``--body-timeout``; then the connection is closed), 413 body far beyond the
+    input limit (refused at once when Content-Length declares it), 415 a Content-Type
+    other than JSON, 429 queue full, 500 a server failure (details only in the server's
+    log). A request whose body is still arriving is not yet in the queue; a client that
+    stops reading the audio for 60 s (``--send-timeout``) is cut off and leaves it. A
+    failure after audio has started closes the connection without the end of the chunked
+    body. uvicorn has no deadline for the request line and headers: a connection that
+    never completes them stays open (it holds a socket, not a queue slot) until the client
+    or shutdown closes it; put a reverse proxy with a header timeout in front of a server
+    exposed to untrusted clients.
 
 Shutdown
     Ctrl-C (or SIGTERM) stops accepting connections, lets speech requests finish for up to
