@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import uvicorn
+from test_server import idle, start_server, stop_server, wait_until
 
 import voxtral_mlx
 from voxtral_mlx.server import ServerConfig, bind, create_app, url_of
@@ -79,23 +80,6 @@ def live(tts) -> Iterator[Live]:
         thread.join(30)
         sock.close()
     assert not thread.is_alive()
-
-
-def wait_until(predicate, timeout: float = 10.0, every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise AssertionError("condition not reached in time")
-
-
-def idle(live: Live) -> dict:
-    def check() -> dict | None:
-        h = live.health()
-        return h if h["requests"] == h["active"] == h["waiting"] == 0 else None
-
-    return wait_until(check)
 
 
 def head(length: int | None, *, chunked: bool = False, close: bool = False) -> bytes:
@@ -328,3 +312,23 @@ def test_a_disconnect_is_noticed_between_parts_sent_back_to_back():
     asyncio.run(response({"type": "http"}, receive, send))
     assert outcomes == ["cancelled"]
     assert len([m for m in sent if m["type"] == "http.response.body"]) == 1
+
+
+def test_the_body_timeout_flag_reaches_the_server(tiny_checkpoint_noend, tmp_path):
+    """``serve --body-timeout`` is the deadline the running server applies."""
+    srv = start_server(
+        tmp_path / "timeout", tiny_checkpoint_noend, "--no-warmup", "--body-timeout", "0.5"
+    )
+    try:
+        host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+        body = b'{"input": "Never sent whole."}'
+        with socket.create_connection((host, int(port)), timeout=20) as sock:
+            t0 = time.monotonic()
+            sock.sendall(head(len(body)) + body[:5])
+            status, _, data = read_response(sock)
+            elapsed = time.monotonic() - t0
+        error = assert_openai_error(status, data, 408)
+        assert "within 0.5 s" in error["message"]
+        assert elapsed < 10
+    finally:
+        assert stop_server(srv) == 0

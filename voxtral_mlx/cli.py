@@ -149,14 +149,19 @@ def _interruptibly(fn: Callable[[], T]) -> T:
             box.put((False, e))
 
     threading.Thread(target=run, name="voxtral-mlx-cli", daemon=True).start()
+    ok, value = _get(box)
+    if ok:
+        return value
+    raise value
+
+
+def _get(q: queue.Queue[T]) -> T:
+    """``q.get()`` in timed waits, so that signals are handled while it waits."""
     while True:
         try:
-            ok, value = box.get(timeout=_POLL_S)
+            return q.get(timeout=_POLL_S)
         except queue.Empty:
             continue
-        if ok:
-            return value
-        raise value
 
 
 class _Chunks:
@@ -193,10 +198,7 @@ class _Chunks:
 
     def __iter__(self) -> Iterator[Any]:
         while True:
-            try:
-                kind, value = self._queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
+            kind, value = _get(self._queue)
             if kind == "end":
                 return
             if kind == "error":

@@ -22,7 +22,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
     A failure (including in ``write``) leaves no partial file behind. Raises ``OSError``.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")  # see temp_pattern
     # os.open with mode 0o666 lets the umask decide the final permissions, like open() does.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
@@ -34,6 +34,12 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def temp_pattern(name_pattern: str) -> str:
+    """A glob for :func:`atomic_write`'s temp files of targets matching ``name_pattern``
+    (left behind only by a process killed while writing)."""
+    return f".{name_pattern}.*.tmp"
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

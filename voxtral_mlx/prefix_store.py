@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .fileio import atomic_write, one_line
+from .fileio import atomic_write, one_line, temp_pattern
 from .model.cache import KVCache
 
 FORMAT = "voxtral_mlx.prefix/1"
@@ -169,7 +169,7 @@ class PrefixStore:
     def _remove_stale_temps(self) -> None:
         cutoff = time.time() - STALE_TEMP_S
         try:
-            temps = list(self.directory.glob(".*.safetensors.*.tmp"))
+            temps = list(self.directory.glob(temp_pattern("*.safetensors")))
         except OSError:
             return
         for path in temps:

@@ -421,10 +421,9 @@ class BearerAuth:
             return APIError(401, missing, code="missing_api_key")
         scheme, _, token = header.strip().partition(b" ")
         if scheme.lower() != b"bearer":
-            shown_scheme = scheme[:20].decode("latin-1")
             return APIError(
                 401,
-                f"the Authorization header uses the scheme {shown_scheme!r}: send "
+                f"the Authorization header uses the scheme {shown(scheme.decode('latin-1'))}: send "
                 "'Authorization: Bearer KEY'",
                 code="invalid_api_key",
             )

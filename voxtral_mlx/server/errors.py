@@ -44,8 +44,7 @@ class APIError(Exception):
 def shown(value: object, limit: int = 60) -> str:
     """``repr(value)`` for an error message, cut to about ``limit`` characters (a client's
     megabyte string or 4000-digit number is not echoed back whole)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return one_line(repr(value), limit)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

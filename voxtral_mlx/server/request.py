@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..fileio import one_line
 from ..segment import is_blank
 from .errors import bad_request, shown
 from .formats import FORMATS, UNSUPPORTED_FORMATS
@@ -167,7 +168,7 @@ def parse_speech_request(
         )
     unknown = [k for k in body if k not in FIELDS]
     if unknown:
-        name = unknown[0] if len(unknown[0]) <= 60 else unknown[0][:57] + "..."
+        name = one_line(unknown[0], 60)
         raise bad_request(
             f"unrecognized request argument supplied: {name} (accepted: {', '.join(FIELDS)})",
             unknown[0],
