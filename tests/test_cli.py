@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -204,6 +205,7 @@ def test_speak_plays_through_a_real_output_device(model_dir, reference, tmp_path
     err = proc.stderr.decode()
     for needle in ("first audio after", "first sound after", "underruns", "real-time factor"):
         assert needle in err, err
+    assert re.search(r"\d+ device xruns, pre-roll \d+ ms", err), err
     recorded = np.fromfile(rec, dtype="<i2").astype(np.int32)
     rec.unlink()
     # The null device is not clocked: it drains instantly, so silence appears wherever the

@@ -102,7 +102,9 @@ class FakeStream:
         self.active = False
         self.closed = True
 
-    def pump(self, dac_delay: float = 0.0, frames: int | None = None) -> np.ndarray | None:
+    def pump(
+        self, dac_delay: float = 0.0, frames: int | None = None, status: Any = None
+    ) -> np.ndarray | None:
         """Run one callback as PortAudio would; returns the block (mono).
 
         Like PortAudio, no callback runs on a stream that is not active (None then).
@@ -115,7 +117,7 @@ class FakeStream:
             now = self.sd.clock()
             ti = SimpleNamespace(currentTime=now, outputBufferDacTime=now + dac_delay)
             try:
-                self.callback(out, frames, ti, None)
+                self.callback(out, frames, ti, status)
             except FakeCallbackStop:
                 self.end_by_host()
             assert not np.isnan(out).any(), "callback left part of the block unwritten"
@@ -538,6 +540,20 @@ def test_chunks_spanning_blocks_are_played_in_order():
     s = sd.streams[0]
     got = np.concatenate([s.pump() for _ in range(5)])
     assert np.array_equal(got, x) and p.stats.underruns == 0
+
+
+def test_device_xruns_count_only_portaudio_output_underflow_flags():
+    # PortAudio passes CallbackFlags; only output_underflow means the device went without.
+    p, sd = make_player()
+    for i in range(4):
+        p.feed(frame(i))
+    stream = sd.streams[0]
+    stream.pump(status=SimpleNamespace(output_underflow=True, output_overflow=False))
+    stream.pump(status=SimpleNamespace(output_underflow=False, output_overflow=True))
+    stream.pump(status=None)
+    stream.pump(status=SimpleNamespace(output_underflow=True, output_overflow=False))
+    assert p.stats.device_xruns == 2
+    assert p.stats.underruns == 0  # the player's own buffer never ran dry
 
 
 def test_trailing_silence_before_finish_is_not_an_underrun():

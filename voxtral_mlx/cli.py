@@ -493,7 +493,7 @@ def _report(t, player, started: float) -> None:
             heard = f"first sound after {(s.first_audio_at - started) * 1000:.0f} ms, "
         _info(
             f"playback: {heard}{s.underruns} underruns ({s.underrun_s:.2f} s of silence), "
-            f"pre-roll {s.preroll_s * 1000:.0f} ms"
+            f"{s.device_xruns} device xruns, pre-roll {s.preroll_s * 1000:.0f} ms"
         )
 
 
