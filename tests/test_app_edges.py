@@ -72,6 +72,19 @@ def test_invisible_characters_next_to_words_are_spoken(tts):
     assert len(speech.codes) == 2
 
 
+def test_a_paragraph_of_invisible_characters_is_skipped(tts):
+    """Split text whose middle paragraph is zero-width characters alone speaks the two real
+    paragraphs, exactly as the same text without it (same seeds: seed + spoken index)."""
+    text = "Hello there.\n\n\u200b\u2060\ufeff\n\nWorld again."
+    chunks = list(tts.stream(text, VOICE, seed=3, split=True, max_frames=2))
+    assert {c.segments for c in chunks} == {2}
+    assert [c.segment for c in chunks if c.frames] == [0, 0, 1, 1]
+    plain = tts.synthesize("Hello there.\n\nWorld again.", VOICE, seed=3, split=True, max_frames=2)
+    got = tts.synthesize(text, VOICE, seed=3, split=True, max_frames=2)
+    assert np.array_equal(got.codes, plain.codes) and np.array_equal(got.audio, plain.audio)
+    assert len(got.codes) == 4
+
+
 def test_numpy_integers_are_accepted(tts):
     speech = tts.synthesize("Hi.", VOICE, seed=0, max_frames=np.int64(2), max_chars=np.int32(50))
     assert len(speech.codes) == 2

@@ -292,9 +292,15 @@ class VoxtralTTS:
             max_chars = check_whole("max_chars", max_chars, 2)
             if noise is not None:
                 raise InputError("noise= gives one utterance's noise: it cannot be split")
-            segments = split_text(
-                text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
-            )
+            # A paragraph of zero-width or format characters alone has nothing to speak
+            # (sent as ".", the model would babble for a moment): it is skipped.
+            segments = [
+                seg
+                for seg in split_text(
+                    text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
+                )
+                if not is_blank(seg.text)
+            ]
             # Every segment is checked now: a too-long one must not fail mid-stream. A token
             # is at least one byte and a character at most four: short ones need no encoding
             # (a chapter's worth would hold up an event loop).
@@ -356,9 +362,10 @@ class VoxtralTTS:
         period), the segments are generated as one batch, and their audio follows in order
         with the pause each boundary implies (``pause`` seconds instead, if given);
         ``add_period=False`` sends segments as written (END is less reliable without
-        final punctuation). Segment
-        ``i`` uses seed ``seed + i``; ``max_frames`` applies per segment; chunks carry
-        ``segment`` and ``segments``; memory stays bounded whatever the length.
+        final punctuation); a segment of invisible characters alone (zero-width spaces,
+        format marks) is skipped. Segment ``i`` uses seed ``seed + i``; ``max_frames``
+        applies per segment; chunks carry ``segment`` and ``segments``; memory stays bounded
+        whatever the length.
         ``lookahead``: segments generated ahead of the one being consumed (default: the
         batch size with ``split``; lower it to leave room in the batch for other requests).
         Waiting segments join the batch in segment order across requests, so another
