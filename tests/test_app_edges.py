@@ -4,6 +4,7 @@ and spends no more work on it."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import subprocess
 import sys
 import threading
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 
 import voxtral_mlx
+import voxtral_mlx.engine as engine_mod
 from voxtral_mlx.errors import InputError
+from voxtral_mlx.segment import PARAGRAPH, PAUSE_AFTER
 
 VOICE = "neutral_male"
 TEXT = "A stream that is cancelled before its first chunk is due. " * 4
@@ -72,17 +75,23 @@ def test_invisible_characters_next_to_words_are_spoken(tts):
     assert len(speech.codes) == 2
 
 
-def test_a_paragraph_of_invisible_characters_is_skipped(tts):
-    """Split text whose middle paragraph is zero-width characters alone speaks the two real
-    paragraphs, exactly as the same text without it (same seeds: seed + spoken index)."""
+def test_a_paragraph_of_invisible_characters_is_only_a_pause(tts):
+    """Split text whose middle paragraph is zero-width characters alone: that segment keeps
+    its place (segments and seeds as split_text numbers them) but makes no sound except its
+    pause; the real paragraphs are spoken exactly as on their own with seed + index."""
     text = "Hello there.\n\n\u200b\u2060\ufeff\n\nWorld again."
     chunks = list(tts.stream(text, VOICE, seed=3, split=True, max_frames=2))
-    assert {c.segments for c in chunks} == {2}
-    assert [c.segment for c in chunks if c.frames] == [0, 0, 1, 1]
-    plain = tts.synthesize("Hello there.\n\nWorld again.", VOICE, seed=3, split=True, max_frames=2)
+    assert {c.segments for c in chunks} == {3}
+    assert [c.segment for c in chunks if c.frames] == [0, 0, 2, 2]
+    silent = [c for c in chunks if c.segment == 1]
+    assert silent and not any(c.frames or c.audio.any() for c in silent)
+    first = tts.synthesize("Hello there.", VOICE, seed=3, max_frames=2)
+    last = tts.synthesize("World again.", VOICE, seed=5, max_frames=2)
     got = tts.synthesize(text, VOICE, seed=3, split=True, max_frames=2)
-    assert np.array_equal(got.codes, plain.codes) and np.array_equal(got.audio, plain.audio)
-    assert len(got.codes) == 4
+    np.testing.assert_array_equal(got.codes, np.concatenate([first.codes, last.codes]))
+    pauses = sum(len(c.audio) for c in chunks if not c.frames)
+    assert len(got.audio) == len(first.audio) + len(last.audio) + pauses
+    assert pauses == round(2 * PAUSE_AFTER[PARAGRAPH] * tts.sample_rate)
 
 
 def test_numpy_integers_are_accepted(tts):
@@ -311,3 +320,82 @@ def test_an_async_stream_continued_on_another_event_loop_says_so_and_stops(tts):
     while tts.engine.busy and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not tts.engine.busy
+
+
+LONG_PROMPT = " ".join(f"Sentence number {i} goes on a little." for i in range(30))
+
+
+def test_a_long_prompt_prefilled_in_parts_equals_one_pass(tts, monkeypatch):
+    parts: list[int] = []
+    prefill_part = engine_mod.prefill_part
+
+    def recording(model, text, cache):
+        parts.append(text.shape[1])
+        return prefill_part(model, text, cache)
+
+    monkeypatch.setattr(engine_mod, "prefill_part", recording)
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 10**6)
+    whole = tts.synthesize(LONG_PROMPT, VOICE, seed=2, max_frames=4)
+    assert parts == []
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 16)
+    parted = tts.synthesize(LONG_PROMPT, VOICE, seed=2, max_frames=4)
+    tokens = len(tts.job(LONG_PROMPT, VOICE).text_ids)
+    assert parts == [16] * ((tokens - 1) // 16)
+    assert parted.timings.prompt_tokens == whole.timings.prompt_tokens
+    np.testing.assert_array_equal(parted.codes, whole.codes)
+    np.testing.assert_array_equal(parted.audio, whole.audio)
+
+
+def test_cancel_during_a_long_prefill_stops_after_one_part(tts, monkeypatch):
+    """A consumer blocked on a stream whose long prompt is being prefilled: cancel() takes
+    effect after the part being run, and the rest of the prompt is never computed."""
+    calls: list[str] = []
+    stream = tts.stream(LONG_PROMPT, VOICE, seed=2, max_frames=4)
+    prefill_part, prefill = engine_mod.prefill_part, engine_mod.prefill
+
+    def part(model, text, cache):
+        calls.append("part")
+        stream.cancel()  # from the worker thread, while the consumer waits
+        return prefill_part(model, text, cache)
+
+    def last(*args):
+        calls.append("last")
+        return prefill(*args)
+
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 16)
+    monkeypatch.setattr(engine_mod, "prefill_part", part)
+    monkeypatch.setattr(engine_mod, "prefill", last)
+    assert list(stream) == []
+    tts.worker.call(lambda: None)
+    assert calls == ["part"]
+    assert tts.engine.stats() == {"active": 0, "waiting": 0, "max_batch": tts.engine.max_batch}
+
+
+def test_running_streams_get_frames_between_the_parts_of_a_long_prefill(tts, monkeypatch):
+    events: list[str] = []
+    prefill_part, deliver = engine_mod.prefill_part, tts.engine._deliver
+
+    def part(model, text, cache):
+        events.append("part")
+        return prefill_part(model, text, cache)
+
+    def recording_deliver(ready):
+        events.extend("audio" for _, _, audio, _ in ready if audio is not None)
+        return deliver(ready)
+
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 16)
+    monkeypatch.setattr(engine_mod, "prefill_part", part)
+    monkeypatch.setattr(tts.engine, "_deliver", recording_deliver)
+    running = tts.stream("Keep talking.", VOICE, seed=7, max_frames=60)
+    got = [next(running)]
+    newcomer = tts.synthesize(LONG_PROMPT, VOICE, seed=2, max_frames=2, split=False)
+    got.extend(running)
+    assert len(newcomer.codes) == 2 and sum(c.frames for c in got) == 60
+    first, last = events.index("part"), len(events) - events[::-1].index("part") - 1
+    between = events[first : last + 1]
+    assert between.count("part") >= 10
+    # A frame of the running stream between every two parts; its audio is handed out one
+    # step after the frame (the step that queued it may have had none to hand out yet).
+    pairs = list(itertools.pairwise(i for i, e in enumerate(between) if e == "part"))
+    for a, b in pairs[1:]:
+        assert "audio" in between[a:b], between

@@ -41,20 +41,27 @@ def one_line(e: BaseException) -> str:
 
 @pytest.fixture
 def no_hub(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Fail the test if snapshot_download is called; returns the calls (for the message)."""
+    """Fail the test if the Hub is asked anything; returns the calls (for the message)."""
     calls: list = []
 
     def forbidden(*args, **kwargs):
         calls.append((args, kwargs))
-        pytest.fail(f"snapshot_download was called with {args} {kwargs}")
+        pytest.fail(f"the Hub was called with {args} {kwargs}")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", forbidden)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", forbidden)
     return calls
+
+
+def _unreachable(*args, **kwargs):
+    raise huggingface_hub.errors.OfflineModeIsEnabled("no network in this test")
 
 
 @pytest.fixture
 def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[tuple, dict]]:
-    """snapshot_download recording its arguments and returning an empty snapshot directory."""
+    """snapshot_download recording its arguments and returning an empty snapshot directory;
+    the Hub cannot list repos (tests that need a listing patch list_repo_files), and the
+    local cache is empty."""
     calls: list[tuple[tuple, dict]] = []
     snapshot = tmp_path / "snapshot"
     snapshot.mkdir()
@@ -64,6 +71,8 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[tupl
         return str(snapshot)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", _unreachable)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     return calls
 
 
@@ -231,6 +240,94 @@ def test_snapshot_download_receives_the_layout_patterns(
     assert not {"force_download", "local_files_only", "token", "revision"} & set(kwargs)
 
 
+MLX_FILES = [
+    ".gitattributes",
+    "README.md",
+    "config.json",
+    "params.json",
+    "tekken.json",
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+    "model.safetensors.index.json",
+    "voice_embedding/neutral_male.safetensors",
+]
+MISTRAL_FILES = [
+    "README.md",
+    "params.json",
+    "tekken.json",
+    "consolidated.safetensors",
+    "voice_embedding/neutral_male.pt",
+]
+
+
+@pytest.mark.parametrize(
+    ("repo", "files", "expected"),
+    [
+        # the name says nothing (or the wrong thing): the listing decides
+        ("someone/Voxtral-4B-TTS-2603-4bit", MLX_FILES, MLX_PATTERNS),
+        ("someone/voxtral-tts-q6", MLX_FILES[2:6], MLX_PATTERNS),  # one shard, no index
+        ("someone/voxtral-tts-mlx-ready", MISTRAL_FILES, MISTRAL_PATTERNS),
+        # a conversion that kept its source's weights: only the conversion is fetched
+        ("someone/voxtral-copy", [*MLX_FILES, "consolidated.safetensors"], MLX_PATTERNS),
+        # neither layout: the name decides, the loader says what is missing
+        ("someone/voxtral-empty", ["README.md"], MISTRAL_PATTERNS),
+        ("someone/voxtral-mlx-empty", ["README.md"], MLX_PATTERNS),
+    ],
+)
+def test_other_repos_are_fetched_by_what_they_hold(
+    repo, files, expected, fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    listed: list[str] = []
+
+    def list_repo_files(repo_id, **kwargs):
+        listed.append(repo_id)
+        return list(files)
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    monkeypatch.chdir(tmp_path)
+    resolve_model_dir(repo)
+    assert listed == [repo]
+    assert sorted(fake_hub[0][1]["allow_patterns"]) == sorted(expected)
+
+
+@pytest.mark.parametrize("repo", [DEFAULT_REPO, "mlx-community/Voxtral-4B-TTS-2603-mlx-4bit"])
+def test_known_owners_are_not_listed(
+    repo: str, fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def forbidden(*args, **kwargs):
+        pytest.fail("listed a repo whose layout its owner gives")
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", forbidden)
+    monkeypatch.chdir(tmp_path)
+    resolve_model_dir(repo)
+    assert len(fake_hub) == 1
+
+
+@pytest.mark.parametrize(
+    ("make_error", "words"),
+    [
+        (lambda: _http_error(huggingface_hub.errors.GatedRepoError, 403)(), "accept its license"),
+        (lambda: _http_error(huggingface_hub.errors.RepositoryNotFoundError, 404)(), "not found"),
+    ],
+    ids=["gated", "not-found"],
+)
+def test_listing_a_missing_or_gated_repo_is_one_line(
+    make_error, words: str, fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    error = make_error()
+
+    def list_repo_files(repo_id, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(REPO)
+    message = one_line(exc.value)
+    assert words in message and REPO in message
+    assert fake_hub == []  # nothing downloaded
+
+
 def test_default_is_mistrals_repo(fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.chdir(tmp_path)
     resolve_model_dir()
@@ -325,6 +422,22 @@ def test_load_from_the_cache_offline(offline_cache: Path, tiny_checkpoint: Path,
     ref = tiny_tts.synthesize("Hi.", max_frames=2, seed=0)
     np.testing.assert_array_equal(ours.codes, ref.codes)
     np.testing.assert_array_equal(ours.audio, ref.audio)
+
+
+def test_a_conversion_under_any_name_loads_from_the_cache_offline(
+    offline_cache: Path, tiny_checkpoint: Path, tiny_tts, tmp_path: Path
+) -> None:
+    """Offline, the Hub cannot list the repo: what the cache holds picks the layout (a
+    conversion whose name lacks "mlx", downloaded earlier)."""
+    from voxtral_mlx.convert import convert_model
+
+    converted = convert_model(tiny_checkpoint, tmp_path / "converted", dtype="float32").path
+    repo = "owner-x/voxtral-tiny-converted"
+    populate_hub_cache(offline_cache, repo, converted)
+    tts = voxtral_mlx.load(repo)
+    ours = tts.synthesize("Hi.", max_frames=2, seed=0)
+    ref = tiny_tts.synthesize("Hi.", max_frames=2, seed=0)
+    np.testing.assert_array_equal(ours.codes, ref.codes)
 
 
 def test_repo_missing_from_the_cache_offline(offline_cache: Path, tiny_checkpoint: Path) -> None:

@@ -18,13 +18,16 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import InputError
-from .generate import FrameBatch, Sequence, prefill
+from .generate import FrameBatch, Sequence, prefill, prefill_part
 from .model.cache import KVCache
 from .model.voxtral import VoxtralModel
 from .prefix_store import PrefixStore
 from .residency import Residency
 
 PREFIX_CACHE_VOICES = 8
+# A longer prompt text is prefilled this many tokens per frame step: a cancel() takes effect
+# and the sequences already running get their next frame after at most one part.
+PREFILL_PART_TOKENS = 256
 
 
 @dataclass
@@ -127,6 +130,16 @@ def check_max_batch(value: object) -> int:
     return check_whole("max_batch", value, 1)
 
 
+@dataclass
+class _Prefill:
+    """A job whose prompt is being prefilled, part by part."""
+
+    job: Job
+    cache: list[KVCache]
+    text: mx.array  # [1, tokens, dim]: the embeddings not yet run
+    hit: bool  # the voice prefix came from the cache
+
+
 class Engine:
     """Runs jobs in one :class:`FrameBatch` of up to ``max_batch`` sequences."""
 
@@ -150,6 +163,7 @@ class Engine:
         self._batch = FrameBatch(model)
         self._inflight: list[tuple[Job, mx.array, mx.array, bool]] = []
         self._waiting: list[Job] = []
+        self._prefilling: _Prefill | None = None
         self._jobs: dict[int, Job] = {}
         self._prefixes: OrderedDict[tuple[str, str], list[KVCache]] = OrderedDict()
         self.prefix_cache_voices = PREFIX_CACHE_VOICES
@@ -218,14 +232,20 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """Jobs generating in the batch and waiting to join it (safe from any thread)."""
         return {
-            "active": len(self._jobs),
+            "active": len(self._jobs) + (self._prefilling is not None),
             "waiting": len(self._waiting),
             "max_batch": self.max_batch,
         }
 
     @property
     def busy(self) -> bool:
-        return bool(self._jobs or self._waiting or len(self._batch) or self._inflight)
+        return bool(
+            self._jobs
+            or self._waiting
+            or self._prefilling is not None
+            or len(self._batch)
+            or self._inflight
+        )
 
     def _admit(self) -> None:
         """Move one waiting job (if the batch has room) into the batch: the earliest segment
@@ -238,6 +258,9 @@ class Engine:
                     self._finish(job)
                 else:
                     self._waiting.append(job)
+        if self._prefilling is not None:
+            self._prefill_next()
+            return
         while self._waiting and len(self._batch) < self.max_batch:
             # Another text's first segment goes before one text's segments generated ahead.
             k = min(range(len(self._waiting)), key=lambda k: self._waiting[k].segment)
@@ -248,24 +271,47 @@ class Engine:
             try:
                 cache, hit = self._prefix_cache(job)
                 text = self.model.mm_audio_embeddings.tok_embeddings(mx.array(job.text_ids))
-                prefill(self.model, job.seq, text[None], cache)
             except Exception as e:  # handed to the job's consumer
                 job.seq.finished = job.done = True
                 job._emit(e)
                 continue
-            job.timings.prefix_cached = hit
-            job.timings.prompt_tokens = job.seq.prompt_tokens
-            job.timings.prefill_s = time.perf_counter() - job.submitted_at
-            job._codec_state = self.model.audio_tokenizer.new_state(1)
-            self._batch.add(job.seq)
-            if job.seq.finished:
-                self._finish(job)
-            else:
-                self._jobs[id(job.seq)] = job
-            # One prefill per frame: the first job in the queue (the first segment of a
-            # text) reaches its first audio without waiting for the prefills of the others,
-            # which join at the following frames.
+            self._prefilling = _Prefill(job, cache, text[None], hit)
+            # One prefill (part) per frame: the first job in the queue (the first segment of
+            # a text) reaches its first audio without waiting for the prefills of the
+            # others, which join at the following frames.
+            self._prefill_next()
             break
+
+    def _prefill_next(self) -> None:
+        """Run the next part of the prefilling job's prompt; the last part adds it to the
+        batch."""
+        p = self._prefilling
+        job = p.job
+        if job.seq.cancelled:
+            self._prefilling = None
+            self._finish(job)
+            return
+        try:
+            if p.text.shape[1] > PREFILL_PART_TOKENS:
+                prefill_part(self.model, p.text[:, :PREFILL_PART_TOKENS], p.cache)
+                p.text = p.text[:, PREFILL_PART_TOKENS:]
+                return
+            prefill(self.model, job.seq, p.text, p.cache)
+        except Exception as e:  # handed to the job's consumer
+            self._prefilling = None
+            job.seq.finished = job.done = True
+            job._emit(e)
+            return
+        self._prefilling = None
+        job.timings.prefix_cached = p.hit
+        job.timings.prompt_tokens = job.seq.prompt_tokens
+        job.timings.prefill_s = time.perf_counter() - job.submitted_at
+        job._codec_state = self.model.audio_tokenizer.new_state(1)
+        self._batch.add(job.seq)
+        if job.seq.finished:
+            self._finish(job)
+        else:
+            self._jobs[id(job.seq)] = job
 
     def pump(self) -> bool:
         """One frame for every running job (and the next waiting one joins). Returns False
@@ -287,6 +333,9 @@ class Engine:
         """End every job, running or waiting, with ``error`` (a failed frame, or the model
         being closed): their consumers get it instead of waiting forever."""
         failed = {id(j): j for j in [*self._jobs.values(), *self._waiting]}
+        if self._prefilling is not None:
+            failed[id(self._prefilling.job)] = self._prefilling.job
+            self._prefilling = None
         failed.update((id(r[0]), r[0]) for r in self._inflight)
         for job in failed.values():
             if not job.done:

@@ -109,6 +109,13 @@ class Sequence:
         return self._cancel.is_set()
 
 
+def prefill_part(model: VoxtralModel, text: mx.array, cache: list[KVCache]) -> None:
+    """Run a leading part of the prompt's text into ``cache`` (a long prompt is prefilled
+    in parts, so that it can be cancelled and running sequences keep getting frames)."""
+    model(text, cache)
+    mx.eval([c.state for c in cache])
+
+
 def prefill(model: VoxtralModel, seq: Sequence, text: mx.array, cache: list[KVCache]) -> None:
     """Run the prompt's text part on top of ``cache`` (which holds the voice prefix).
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import ModelNotFoundError
 
 DEFAULT_REPO = "mistralai/Voxtral-4B-TTS-2603"
+KNOWN_OWNERS = ("mistralai", "mlx-community")  # their repos' layouts follow from the owner
 
 # Only what inference reads; the Mistral repo also carries README and license files.
 MISTRAL_PATTERNS = ["params.json", "tekken.json", "consolidated.safetensors", "voice_embedding/*"]
@@ -27,12 +30,66 @@ _SEGMENT = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
 _REPO_ID = re.compile(rf"^{_SEGMENT}/{_SEGMENT}$")
 
 
-def allow_patterns(repo_id: str) -> list[str]:
-    """The files to fetch for a repo, by its layout (MLX conversions vs Mistral's original)."""
+# Files that tell the layouts apart, looked up in the local cache when the Hub cannot be asked.
+_LAYOUT_FILES = (
+    "config.json",
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "consolidated.safetensors",
+)
+
+
+def layout_patterns(files: Iterable[str]) -> list[str] | None:
+    """The files to fetch from a repo holding ``files``: an MLX conversion (``config.json``
+    and ``model*.safetensors``, even beside a copied ``consolidated.safetensors``) or
+    Mistral's layout; None when it holds neither."""
+    names = set(files)
+    if "config.json" in names and any(fnmatch.fnmatchcase(n, "model*.safetensors") for n in names):
+        return list(MLX_PATTERNS)
+    if "consolidated.safetensors" in names:
+        return list(MISTRAL_PATTERNS)
+    return None
+
+
+def allow_patterns(repo_id: str, files: Iterable[str] | None = None) -> list[str]:
+    """The files to fetch for a repo: by what it holds when its listing ``files`` is known,
+    else by its owner and name (mlx-community, or "mlx" in the name, for a conversion)."""
+    if files is not None:
+        found = layout_patterns(files)
+        if found is not None:
+            return found
     owner, name = repo_id.split("/", 1)
     if owner.lower() == "mlx-community" or "mlx" in name.lower():
         return list(MLX_PATTERNS)
     return list(MISTRAL_PATTERNS)
+
+
+def _repo_files(repo_id: str) -> list[str] | None:
+    """What a repo holds, for choosing its layout; None when its owner's layout is known or
+    neither the local cache nor the Hub can say.
+
+    Mistral's and mlx-community's repos are known by their owner (no extra Hub call on every
+    load); any other repo is looked up in the cache, then listed on the Hub. A repo that does
+    not exist or is gated raises here, as the download would.
+    """
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if repo_id.split("/", 1)[0].lower() in KNOWN_OWNERS:
+        return None
+    cached = [
+        name
+        for name in _LAYOUT_FILES
+        if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name), str)
+    ]
+    if layout_patterns(cached) is not None:
+        return cached
+    try:
+        return list(huggingface_hub.list_repo_files(repo_id))
+    except RepositoryNotFoundError:  # gated repos too (a subclass)
+        raise
+    except Exception:  # offline, no network, Hub down: the download reports it (or the cache)
+        return None
 
 
 def looks_like_repo_id(spec: str) -> bool:
@@ -80,7 +137,8 @@ def _download(repo_id: str) -> Path:
             "(pip install huggingface_hub)"
         ) from None
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=allow_patterns(repo_id)))
+        patterns = allow_patterns(repo_id, _repo_files(repo_id))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except HFValidationError:
         raise ModelNotFoundError(
             f"{repo_id} is neither an existing directory nor a valid Hugging Face repo id"

@@ -292,15 +292,9 @@ class VoxtralTTS:
             max_chars = check_whole("max_chars", max_chars, 2)
             if noise is not None:
                 raise InputError("noise= gives one utterance's noise: it cannot be split")
-            # A paragraph of zero-width or format characters alone has nothing to speak
-            # (sent as ".", the model would babble for a moment): it is skipped.
-            segments = [
-                seg
-                for seg in split_text(
-                    text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
-                )
-                if not is_blank(seg.text)
-            ]
+            segments = split_text(
+                text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
+            )
             # Every segment is checked now: a too-long one must not fail mid-stream. A token
             # is at least one byte and a character at most four: short ones need no encoding
             # (a chapter's worth would hold up an event loop).
@@ -323,7 +317,9 @@ class VoxtralTTS:
                 voice,
                 seed=None if base is None else (int(base) + i) % 2**64,
                 noise=noise,
-                max_frames=max_frames,
+                # A paragraph of zero-width or format characters alone has nothing to say
+                # (sent as ".", the model would babble): it keeps its place, as a pause.
+                max_frames=0 if is_blank(seg.text) else max_frames,
                 cfg_alpha=cfg_alpha,
                 chunk_frames=chunk_frames,
             )
@@ -363,9 +359,9 @@ class VoxtralTTS:
         with the pause each boundary implies (``pause`` seconds instead, if given);
         ``add_period=False`` sends segments as written (END is less reliable without
         final punctuation); a segment of invisible characters alone (zero-width spaces,
-        format marks) is skipped. Segment ``i`` uses seed ``seed + i``; ``max_frames``
-        applies per segment; chunks carry ``segment`` and ``segments``; memory stays bounded
-        whatever the length.
+        format marks) makes no sound but its pause. Segment ``i`` uses seed ``seed + i``;
+        ``max_frames`` applies per segment; chunks carry ``segment`` and ``segments``; memory
+        stays bounded whatever the length.
         ``lookahead``: segments generated ahead of the one being consumed (default: the
         batch size with ``split``; lower it to leave room in the batch for other requests).
         Waiting segments join the batch in segment order across requests, so another
