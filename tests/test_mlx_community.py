@@ -210,10 +210,69 @@ def test_wrong_bits_in_config_are_reported_by_name(broken: Path) -> None:
         load_model_dir(broken)
     message = one_line(exc.value)
     assert "mis-shaped" in message and "expected [" in message
+    assert "does not match params.json and config.json" in message
     assert "language_model" not in message  # reported under Mistral's names
     names = {m[0] for m in exc.value.misshaped}
     assert "layers.0.attention.wk.weight" in names
     assert "mm_audio_embeddings.tok_embeddings.weight" in names
+
+
+def _edit_quantization(model: Path, edit) -> None:
+    """Apply ``edit`` to both quantization sections of config.json (mlx-lm writes both)."""
+    config = json.loads((model / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        edit(config[key])
+    (model / "config.json").write_text(json.dumps(config))
+
+
+def _stored(model: Path) -> tuple[list[str], list[str]]:
+    """(module paths stored quantized, float weights of 2-D layers) under mlx-audio's names."""
+    index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+    quantized = sorted(k[: -len(".scales")] for k in index if k.endswith(".scales"))
+    plain = sorted(
+        k[: -len(".weight")]
+        for k in index
+        if k.endswith(".weight")
+        and k[: -len(".weight")] not in quantized
+        and k.startswith("audio_tokenizer.")
+        and ".attention.wq." in k
+    )
+    return quantized, plain
+
+
+def test_config_entries_for_unquantized_or_missing_layers_are_ignored(broken: Path) -> None:
+    """mlx-lm style per-layer entries that name an unquantized layer or no module at all
+    change nothing (mlx-audio ignores them too): the same codes as before."""
+    before = load_model_dir(broken, "float32")
+    _, plain = _stored(broken)
+    assert plain
+
+    def add(q: dict) -> None:
+        q[plain[0]] = {"group_size": 64, "bits": 8}
+        q["some.module.that.does.not.exist"] = {"group_size": 32, "bits": 4}
+
+    _edit_quantization(broken, add)
+    after = load_model_dir(broken, "float32")
+    assert after.quantized == before.quantized
+
+
+def test_config_leaving_a_stored_quantized_layer_unquantized_names_config_json(
+    broken: Path,
+) -> None:
+    quantized, _ = _stored(broken)
+    _edit_quantization(broken, lambda q: q.update({quantized[0]: False}))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert "config.json" in message and "unquantized" in message and "re-convert" in message
+
+
+def test_another_quantization_mode_says_to_convert_the_original(broken: Path) -> None:
+    _edit_quantization(broken, lambda q: q.update(mode="mxfp4"))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert "'mxfp4'" in message and "original (unquantized)" in message
 
 
 def test_scales_without_config_are_read_off_the_shapes(broken: Path) -> None:

@@ -356,6 +356,7 @@ class CheckpointMismatch(CheckpointError):
         unexpected: list[str],
         misshaped: list[tuple[str, tuple[int, ...], str]],
         mistyped: list[tuple[str, str, str]] | None = None,
+        against: str = "params.json",
     ):
         self.missing, self.unexpected, self.misshaped = missing, unexpected, misshaped
         self.mistyped = mistyped or []
@@ -377,9 +378,9 @@ class CheckpointMismatch(CheckpointError):
             more = f", ... {len(self.mistyped) - 4} more" if len(self.mistyped) > 4 else ""
             parts.append(f"{len(self.mistyped)} of the wrong dtype ({shown}{more})")
         super().__init__(
-            f"{source} does not match params.json: "
+            f"{source} does not match {against}: "
             + "; ".join(parts)
-            + ". Check that params.json and the weights come from the same model."
+            + f". Check that {against} and the weights come from the same model."
         )
 
 
@@ -396,11 +397,13 @@ def verify_tensors(
     expected: Mapping[str, Expected],
     source: str,
     dtypes: Mapping[str, str] | None = None,
+    against: str = "params.json",
 ) -> None:
     """Raise :class:`CheckpointMismatch` listing every discrepancy.
 
     With ``dtypes`` (name -> safetensors dtype) the dtypes are checked too: packed quantized
-    weights must be ``U32``, every other expected tensor a float.
+    weights must be ``U32``, every other expected tensor a float. ``against`` names what
+    ``expected`` was derived from, for the message.
     """
     missing = sorted(n for n in expected if n not in shapes)
     unexpected = sorted(n for n in shapes if n not in expected and n not in IGNORED_TENSORS)
@@ -419,7 +422,7 @@ def verify_tensors(
         elif want is None and dtypes[n] not in FLOAT_DTYPES:
             mistyped.append((n, dtypes[n], "a float"))
     if missing or unexpected or misshaped or mistyped:
-        raise CheckpointMismatch(source, missing, unexpected, misshaped, mistyped)
+        raise CheckpointMismatch(source, missing, unexpected, misshaped, mistyped, against)
 
 
 def load_tensors(path: str | Path, names: Iterable[str] | None = None) -> dict[str, mx.array]:

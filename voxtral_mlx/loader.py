@@ -253,15 +253,26 @@ def _quantized_layers(
     base: Mapping[str, Expected],
     source: str,
 ) -> dict[str, QuantSpec]:
-    """Module path -> spec for every layer stored quantized (its ``.scales`` are present, or
-    config.json lists it), with bits and group size from config.json or the shapes."""
+    """Module path -> spec for every layer stored quantized, with bits and group size from
+    config.json or the shapes. A layer is stored quantized when its ``.scales`` are present,
+    or when config.json lists it and its weight is packed (so that lost scales are reported
+    as missing); config.json entries for other layers (unquantized ones, or modules that
+    do not exist) are ignored, as mlx-audio ignores them."""
     paths = {n[: -len(".scales")] for n in tensors if n.endswith(".scales")}
     if qconfig is not None:
-        paths |= {p for p, q in qconfig.layers.items() if q is not None}
+        for p, q in qconfig.layers.items():
+            weight = tensors.get(f"{p}.weight")
+            if q is not None and weight is not None and weight.info.dtype == "U32":
+                paths.add(p)
     out: dict[str, QuantSpec] = {}
     for path in sorted(paths):
         if qconfig is not None and path in qconfig.layers and qconfig.layers[path] is None:
-            continue  # config.json says unquantized: stray scales are reported as unexpected
+            raise CheckpointError(
+                f"{source}: config.json's quantization section leaves layer "
+                f"'{one_line(path, 80)}' unquantized, but the files hold it quantized: "
+                "config.json and the weights come from different conversions; re-download "
+                "or re-convert the model"
+            )
         if f"{path}.weight" in IGNORED_TENSORS:
             continue  # read by no module
         layer = qconfig.layers.get(path) if qconfig is not None else None
@@ -271,8 +282,8 @@ def _quantized_layers(
         if mode != "affine":
             raise CheckpointError(
                 f"{source}: layer '{one_line(path, 80)}' uses quantization mode "
-                f"{one_line(str(mode), 40)!r}; only 'affine' is supported: convert the model "
-                "with `voxtral-mlx convert`"
+                f"{one_line(str(mode), 40)!r}; only 'affine' is supported: convert the "
+                "original (unquantized) checkpoint with `voxtral-mlx convert --q-bits N`"
             )
         if bits is None or group is None:
             inferred = _infer_spec(path, tensors, base)
@@ -316,6 +327,7 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
         expected,
         source,
         dtypes={n: r.info.dtype for n, r in tensors.items()},
+        against="params.json" if qconfig is None else "params.json and config.json",
     )
     return WeightSet(model_dir, layout, files, tensors, quantized, source)
 
