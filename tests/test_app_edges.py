@@ -399,3 +399,21 @@ def test_running_streams_get_frames_between_the_parts_of_a_long_prefill(tts, mon
     pairs = list(itertools.pairwise(i for i, e in enumerate(between) if e == "part"))
     for a, b in pairs[1:]:
         assert "audio" in between[a:b], between
+
+
+def test_leaving_a_with_block_stops_the_stream(tts):
+    with tts.stream(TEXT, VOICE, seed=1, max_frames=500) as stream:
+        next(stream)
+        job = stream.jobs[0][1]
+    _wait_done(job)
+    assert job.seq.frames < 500
+
+    async def main():
+        async with tts.astream(TEXT, VOICE, seed=1, max_frames=500) as stream:
+            async for _ in stream:
+                break
+            return stream.jobs[0][1]
+
+    job = asyncio.run(main())
+    _wait_done(job)
+    assert job.seq.frames < 500

@@ -29,7 +29,7 @@ from voxtral_mlx.audio.player import (
     list_output_devices,
     resolve_device,
 )
-from voxtral_mlx.errors import AudioOutputError
+from voxtral_mlx.errors import AudioOutputError, InputError
 
 SR = 24000
 FRAME = 1920
@@ -279,6 +279,14 @@ def test_resolve_device_errors_list_devices(spec, pattern):
     msg = str(e.value)
     assert "\n" not in msg
     assert "MacBook Pro Speakers" in msg or "USB Audio CODEC" in msg
+
+
+@pytest.mark.parametrize("spec", [1.5, True, b"speakers", ["speakers"]])
+def test_a_device_that_is_neither_name_nor_index_is_an_input_error(spec):
+    # Checked before the devices are listed: no device at all must not hide the type error.
+    with pytest.raises(InputError, match="device must be an output device's name or index"):
+        resolve_device(spec, FakeSD(devices=[]))
+    assert resolve_device(np.int64(2), FakeSD()) == 2
 
 
 def test_no_output_device():

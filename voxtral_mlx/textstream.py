@@ -168,6 +168,13 @@ class TextStream(_Reader):
     def close(self) -> None:
         self.cancel()
 
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Leaving a ``with`` block stops generation, however the loop inside ended."""
+        self.close()
+
     def __del__(self) -> None:
         self.cancel()
 
@@ -226,6 +233,13 @@ class AsyncTextStream(_Reader):
             raise
 
     async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self) -> AsyncTextStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Leaving an ``async with`` block stops generation."""
         self.cancel()
 
     def __del__(self) -> None:

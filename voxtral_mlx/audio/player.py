@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AudioOutputError
+from ..errors import AudioOutputError, InputError
 
 # Said by the command line and by tts.say() alike, so it names both ways to a file.
 _NO_DEVICE_HINT = (
@@ -116,6 +116,13 @@ def resolve_device(spec: str | int | None, sd: Any = None) -> int | None:
     listing the output devices) when nothing or more than one device matches, or when
     there is no output device at all.
     """
+    if spec is not None and (
+        isinstance(spec, bool) or not isinstance(spec, (str, int, np.integer))
+    ):
+        raise InputError(
+            f"device must be an output device's name or index, got {type(spec).__name__} "
+            f"{spec!r}: pass e.g. 'MacBook Pro Speakers' or 2 (voxtral-mlx speak -a '?' lists them)"
+        )
     devices = list_output_devices(sd)
     if not devices:
         raise no_output_device_error()
