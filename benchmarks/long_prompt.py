@@ -1,0 +1,165 @@
+"""A long prompt sent without ``split=True``: prefilled in parts vs in one pass.
+
+The engine prefills a prompt's text ``PREFILL_PART_TOKENS`` tokens per frame step, so that
+``cancel()`` lands within one part and the streams already running get a frame between
+parts. This measures what that costs and what it buys, on the same model in one run:
+
+* time to first audio of the long request alone (parts vs one pass);
+* the longest wait between two chunks of a stream that is already running while the long
+  request is prefilled (the stall a listener would hear without pre-roll);
+* how long ``cancel()`` takes to end the long request when it comes during its prefill.
+
+    python benchmarks/long_prompt.py [--configs tiny,CHECKPOINT_DIR] [--tokens 1000,2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import threading
+import time
+
+from common import label, pick_voice, record, resolve, suppress_end
+
+CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
+ONE_PASS = 10**9
+
+
+def long_text(tts, tokens: int) -> str:
+    """A text of about ``tokens`` text tokens."""
+    words, text = 0, ""
+    while len(tts.tokenizer.encode(text)) < tokens:
+        words += 20
+        text = " ".join(f"word{i % 97}," if i % 9 else f"Sentence {i}." for i in range(words))
+    return text
+
+
+def ttfa(tts, text: str, voice: str) -> float:
+    t0 = time.perf_counter()
+    stream = tts.stream(text, voice, seed=0, max_frames=1)
+    next(stream)
+    dt = time.perf_counter() - t0
+    stream.close()
+    return dt
+
+
+def stall(tts, text: str, voice: str) -> float:
+    """The longest gap between chunks of a running stream while ``text`` is prefilled."""
+    running = tts.stream("Keep talking while the other one starts.", voice, seed=1)
+    next(running)
+    done = threading.Event()
+
+    def newcomer() -> None:
+        tts.synthesize(text, voice, seed=0, max_frames=1)
+        done.set()
+
+    worker = threading.Thread(target=newcomer)
+    arrivals = [time.perf_counter()]
+    worker.start()
+    for _ in running:
+        arrivals.append(time.perf_counter())
+        if done.is_set():
+            break
+    worker.join()
+    running.close()
+    return max(b - a for a, b in itertools.pairwise(arrivals))
+
+
+def cancel_latency(tts, text: str, voice: str, part_s: float) -> float:
+    """From cancel() (sent a third of the way into the prefill) to the stream's end."""
+    stream = tts.stream(text, voice, seed=0, max_frames=1)
+    ended: list[float] = []
+    consumer = threading.Thread(target=lambda: (list(stream), ended.append(time.perf_counter())))
+    consumer.start()
+    time.sleep(part_s)
+    t0 = time.perf_counter()
+    stream.cancel()
+    consumer.join()
+    return ended[0] - t0
+
+
+def measure(name: str, tokens: int, repeats: int) -> dict[str, float]:
+    import voxtral_mlx
+    import voxtral_mlx.engine as engine
+
+    path = resolve(name, CONFIGS)
+    voice = pick_voice(path)
+    tts = voxtral_mlx.load(path)
+    suppress_end(tts)
+    text = long_text(tts, tokens)
+    tts.synthesize("Warm up.", voice, seed=0, max_frames=2)
+    out: dict[str, float] = {"tokens": len(tts.tokenizer.encode(text))}
+    default = engine.PREFILL_PART_TOKENS
+    for key, part in (("parts", default), ("one", ONE_PASS)):
+        engine.PREFILL_PART_TOKENS = part
+        out[f"ttfa_{key}"] = statistics.median(ttfa(tts, text, voice) for _ in range(repeats))
+        out[f"stall_{key}"] = statistics.median(stall(tts, text, voice) for _ in range(repeats))
+        third = out[f"ttfa_{key}"] / 3
+        out[f"cancel_{key}"] = statistics.median(
+            cancel_latency(tts, text, voice, third) for _ in range(repeats)
+        )
+    engine.PREFILL_PART_TOKENS = default
+    tts.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="tiny")
+    parser.add_argument("--tokens", default="1000,2000", help="text tokens of the long prompt")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args(argv)
+    from voxtral_mlx.engine import PREFILL_PART_TOKENS
+
+    rows = [
+        (
+            "config",
+            "text tokens",
+            f"first audio, {PREFILL_PART_TOKENS}-token parts",
+            "first audio, one pass",
+            "running stream's longest gap, parts",
+            "same, one pass",
+            "cancel during prefill, parts",
+            "same, one pass",
+        )
+    ]
+    for name in args.configs.split(","):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            m = measure(name, tokens, args.repeats)
+            rows.append(
+                (
+                    label(name),
+                    str(int(m["tokens"])),
+                    *(
+                        f"{1000 * m[k]:.0f} ms"
+                        for k in (
+                            "ttfa_parts",
+                            "ttfa_one",
+                            "stall_parts",
+                            "stall_one",
+                            "cancel_parts",
+                            "cancel_one",
+                        )
+                    ),
+                )
+            )
+            print(" | ".join(rows[-1]), flush=True)
+    if not args.no_record:
+        print(
+            record(
+                "Long prompt without split: prefill in parts vs one pass",
+                "python benchmarks/long_prompt.py " + " ".join(argv or sys.argv[1:]),
+                rows,
+                "Medians. The running stream's gap is the longest time between two of its "
+                "chunks while the long request is prefilled; cancel is sent a third of the "
+                "way into the prefill and timed until the stream ends.",
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
