@@ -51,6 +51,7 @@ FULL = [
     ["batch_throughput.py", "--config", "wide", "--frames", "3"],  # bf16: see --openblas
     ["frame_speed.py", "--configs", "full", "--repeats", "3", "--no-reference"],
     ["weight_bound.py", "--config", "full", "--repeats", "3"],
+    ["long_prompt.py", "--configs", "tiny", "--tokens", "1000,2000"],
 ]
 
 
