@@ -318,7 +318,7 @@ class Engine:
         when there is nothing left to do. An error fails every running job, not the thread.
         Weights are kept resident on the GPU (:mod:`~voxtral_mlx.residency`) from the first
         job until the engine is idle again."""
-        if self.residency is not None and (self._jobs or self._waiting):
+        if self.residency is not None and self.busy:
             self.residency.acquire()
         try:
             busy = self._pump()
