@@ -213,8 +213,16 @@ def test_same_seed_same_audio_and_noise_rows_drive_frames(tiny_tts):
     "bad", [np.zeros((3, 35)), np.zeros((3, 36), np.int32), np.full((2, 36), np.nan)]
 )
 def test_bad_noise_is_rejected(tiny_tts, bad):
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match="noise") as exc:
         tiny_tts.synthesize(TEXT, VOICE, noise=bad)
+    assert "or a seed instead" in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("text", [None, 3, b"Hello."])
+def test_text_that_is_not_a_string_is_rejected(tiny_tts, text):
+    for call in (tiny_tts.synthesize, tiny_tts.stream):
+        with pytest.raises(InputError, match=r"text must be a string.*pass the text itself"):
+            call(text, VOICE)
 
 
 @pytest.mark.parametrize("text", ["", "   \n\t "])

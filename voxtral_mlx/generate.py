@@ -47,12 +47,16 @@ class NoiseSource:
             if arr.ndim != 2 or arr.shape[1] != width or not np.issubdtype(arr.dtype, np.floating):
                 raise InputError(
                     f"noise must be a float array of shape [frames, {width}], got "
-                    f"{arr.dtype} {list(arr.shape)}"
+                    f"{arr.dtype} {list(arr.shape)}: pass one row of start noise per frame, "
+                    "or a seed instead"
                 )
             with np.errstate(over="ignore"):
                 arr = arr.astype(np.float32)  # checked as used: 1e300 becomes inf here
             if not np.all(np.isfinite(arr)):
-                raise InputError("noise contains NaN or infinite values (as float32)")
+                raise InputError(
+                    "noise contains NaN or infinite values (as float32): pass finite start "
+                    "noise (standard normal), or a seed instead"
+                )
             self.seed = None
             self.limit: int | None = arr.shape[0]
             self._explicit = mx.array(arr)

@@ -239,7 +239,9 @@ class VoxtralTTS:
     ) -> Job:
         """Validate a request and turn it into a :class:`Job` (not yet submitted)."""
         if not isinstance(text, str):
-            raise InputError(f"text must be a string, got {type(text).__name__}")
+            raise InputError(
+                f"text must be a string, got {type(text).__name__}: pass the text itself (str)"
+            )
         if is_blank(text):
             raise InputError("text is empty: give some words to speak")
         max_frames = check_whole("max_frames", max_frames, 0)
@@ -281,7 +283,9 @@ class VoxtralTTS:
         lookahead: int | None = None,
     ):
         if not isinstance(text, str):
-            raise InputError(f"text must be a string, got {type(text).__name__}")
+            raise InputError(
+                f"text must be a string, got {type(text).__name__}: pass the text itself (str)"
+            )
         if is_blank(text):
             raise InputError("text is empty: give some words to speak")
         check_seed(seed)
