@@ -133,6 +133,18 @@ def test_write_audio_one_shot(tmp_path):
     assert hidden_leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("stem", ["a" * 250, "é" * 125])  # 250 and 250 bytes + ".wav"
+def test_a_name_at_the_file_system_limit_is_writable(tmp_path, stem):
+    """The hidden temporary name adds ".…partial-XXXXXXXX"; it must not push a legal target
+    name past the 255-byte limit."""
+    path = tmp_path / f"{stem}.wav"
+    audio = np.linspace(-0.5, 0.5, FRAME, dtype=np.float32)
+    with AudioFileWriter(path, SR) as w:
+        w.write(audio)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert sf.info(str(path)).frames == FRAME
+
+
 def test_writer_accepts_column_vectors_and_empty_chunks(tmp_path):
     x = speechlike(0.2)
     with AudioFileWriter(tmp_path / "a.wav", SR) as w:

@@ -179,6 +179,23 @@ def test_random_checkpoint_bad_layers_leave_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("seed", ["-1", "-99999999999999999999"])
+def test_random_checkpoint_negative_seed_is_one_line(tmp_path, seed):
+    err = one_line_error(run("random-checkpoint", str(tmp_path / "rc"), "--seed", seed))
+    assert "seed must be a whole number >= 0" in err
+    assert not (tmp_path / "rc").exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [("", "--api-key is empty"), (" key", "spaces"), ("ke\ty", "control characters")],
+)
+def test_serve_refuses_an_api_key_http_cannot_carry(tmp_path, value, words):
+    """Checked before the model is loaded (the model path does not even exist)."""
+    args = ("serve", "-m", str(tmp_path / "none"), "--port", "0", "--api-key", value)
+    assert words in one_line_error(run(*args))
+
+
 def test_random_checkpoint_output_checks(model_dir, tmp_path):
     (tmp_path / "file").write_text("x")
     proc = run("random-checkpoint", str(tmp_path / "file"))
@@ -308,3 +325,19 @@ def test_the_command_line_parses_its_arguments_before_loading_mlx():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout.split("\n")
     assert out[:2] == ["False False", "voxtral_mlx.tts True"]
+
+
+def test_progress_line_clears_what_a_longer_line_left(capsys):
+    from types import SimpleNamespace
+
+    from voxtral_mlx.cli import Progress
+
+    progress = Progress(total=3)
+    timings = SimpleNamespace(audio_s=1.5)
+    for segment in range(3):  # each segment's end: a pause chunk (or the final chunk)
+        chunk = SimpleNamespace(is_final=segment == 2, frames=0, audio=[0.0], segment=segment)
+        progress.update(chunk, timings)
+    progress.close()
+    lines = capsys.readouterr().err.split("\r")[1:]
+    assert len(lines) == 3 and all(line.rstrip("\n").endswith("\x1b[K") for line in lines)
+    assert "ETA" in lines[0] and "ETA" not in lines[2]

@@ -5,6 +5,7 @@ config, the body deadline included, can be set to what a fast test needs."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import socket
 import threading
@@ -332,3 +333,25 @@ def test_the_body_timeout_flag_reaches_the_server(tiny_checkpoint_noend, tmp_pat
         assert elapsed < 10
     finally:
         assert stop_server(srv) == 0
+
+
+def test_bind_errors_name_the_fix_for_their_cause(monkeypatch):
+    from voxtral_mlx.server.run import ServerError
+
+    taken = bind("127.0.0.1", 0)
+    try:
+        port = taken.getsockname()[1]
+        taken.listen()
+        with pytest.raises(ServerError, match="choose another --port or stop the program"):
+            bind("127.0.0.1", port)
+    finally:
+        taken.close()
+    with pytest.raises(ServerError, match=r"no such address: use 127\.0\.0\.1"):
+        bind("192.0.2.1", 0)  # TEST-NET-1: never this machine's
+
+    def refused(self, address):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "bind", refused)
+    with pytest.raises(ServerError, match="ports below 1024 need administrator rights"):
+        bind("127.0.0.1", 80)

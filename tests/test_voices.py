@@ -130,6 +130,16 @@ def test_missing_dir_gives_empty_registry(tmp_path: Path) -> None:
         VoiceRegistry.from_dir(tmp_path / "file", {}, DIM)
 
 
+def test_voice_names_ignore_case_when_unambiguous(tmp_path: Path) -> None:
+    """As `say -v`: another case of one name is that voice; of two names, neither."""
+    vdir = make_voice_dir(tmp_path / "v", {"neutral_male": 5, "Mixed": 5, "mixed": 5})
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    assert reg.get_voice("Neutral_Male").name == "neutral_male"
+    assert reg.get_voice("mixed").name == "mixed" and reg.get_voice("Mixed").name == "Mixed"
+    with pytest.raises(VoiceError, match="unknown voice 'MIXED'"):
+        reg.get_voice("MIXED")
+
+
 def test_unknown_voice_lists_names(tmp_path: Path) -> None:
     vdir = make_voice_dir(tmp_path / "v", {"neutral_male": 5, "de_female": 5, "ar_male": 5})
     reg = VoiceRegistry.from_dir(vdir, {}, DIM)

@@ -466,9 +466,10 @@ class Progress:
         if 0 < self.done < self.total:
             left = elapsed / self.done * (self.total - self.done)
             eta = f", ETA {int(left // 60)}:{int(left % 60):02d}"
+        # \x1b[K clears what a longer previous line left at the end.
         sys.stderr.write(
             f"\r{PROG}: segment {min(self.done + 1, self.total)}/{self.total}, "
-            f"{timings.audio_s:.1f} s of audio{eta}   "
+            f"{timings.audio_s:.1f} s of audio{eta}\x1b[K"
         )
         sys.stderr.flush()
 
@@ -588,7 +589,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"--{name.replace('_', '-')} must be a number of seconds from 0 (exclusive) "
                 f"to {MAX_TIMEOUT_S:g}, got {value:g}"
             )
+    if args.api_key is not None and not args.api_key:
+        raise InputError(
+            "--api-key is empty (an unset shell variable?): give the key, or leave --api-key "
+            "out to serve without one"
+        )
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and (api_key != api_key.strip() or not api_key.isprintable()):
+        raise InputError(
+            "the API key starts or ends with spaces or holds control characters, which "
+            "HTTP headers cannot carry: give one without them"
+        )
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
     try:
         tts = _load(args)

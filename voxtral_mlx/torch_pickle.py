@@ -476,7 +476,8 @@ def _select(payload: Any, key: str | None, src: str) -> _TensorRef:
     if not tensors:
         raise VoiceError(f"{src} holds a dict without any tensor; expected a voice embedding")
     raise VoiceError(
-        f"{src} holds {len(tensors)} tensors ({listed}); pass key= to pick one of them"
+        f"{src} holds {len(tensors)} tensors ({listed}); a voice file holds one: save just "
+        "the embedding (torch.save(tensor, path)), or in Python pass key= to pick one"
     )
 
 

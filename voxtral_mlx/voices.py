@@ -119,10 +119,15 @@ class VoiceRegistry(Mapping[str, Voice]):
         return len(self._voices)
 
     def get_voice(self, name: str) -> Voice:
-        """The voice called ``name``; :class:`VoiceError` listing the valid names otherwise."""
+        """The voice called ``name`` (or, as ``say -v`` does, the one name equal to it but
+        for case); :class:`VoiceError` listing the valid names otherwise."""
         voice = self._voices.get(name)
         if voice is not None:
             return voice
+        if isinstance(name, str):
+            folded = [v for n, v in self._voices.items() if n.casefold() == name.casefold()]
+            if len(folded) == 1:
+                return folded[0]
         if not self._voices:
             where = f" in {one_line(str(self.voice_dir))}" if self.voice_dir is not None else ""
             raise VoiceError(

@@ -201,6 +201,18 @@ def _check_complete(path: Path, tmp: Path, fmt: str, frames: int, pending: int =
         )
 
 
+NAME_MAX = 255  # bytes in a file name (APFS, HFS+, ext4)
+
+
+def _temp_name(stem: str, ext: str) -> str:
+    """``.<stem>.partial-<random><ext>``, the stem shortened if the name would be too long
+    for the file system (a legal 250-byte target name must still be writable)."""
+    tail = f".partial-{secrets.token_hex(4)}{ext}"
+    room = NAME_MAX - 1 - len(tail.encode())
+    stem = stem.encode()[:room].decode(errors="ignore")  # never half a character
+    return f".{stem}{tail}"
+
+
 class AudioFileWriter:
     """Streams audio chunks into a file that appears atomically when finished.
 
@@ -234,7 +246,7 @@ class AudioFileWriter:
         self._pending = 0  # frames of the chunk being written, until they are counted
         self._closed = False
         self._kept = False
-        self._tmp = self.path.parent / f".{self.path.stem}.partial-{secrets.token_hex(4)}{ext}"
+        self._tmp = self.path.parent / _temp_name(self.path.stem, ext)
         try:
             # O_EXCL: never reuse someone else's file; mode 0o666 lets the umask decide.
             fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)

@@ -3,6 +3,7 @@ error, ``--port 0`` picks a free one, and the URL is known when the server is re
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -32,10 +33,15 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        raise ServerError(
-            f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or stop "
-            "the program using it"
-        ) from e
+        if e.errno == errno.EADDRINUSE:
+            fix = "choose another --port or stop the program using it"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            fix = "ports below 1024 need administrator rights: choose a --port of 1024 or above"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            fix = "this machine has no such address: use 127.0.0.1, 0.0.0.0 or one of its own"
+        else:
+            fix = "check --host and --port"
+        raise ServerError(f"cannot listen on {host}:{port}: {e.strerror}; {fix}") from e
     return sock
 
 

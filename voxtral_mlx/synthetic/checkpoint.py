@@ -265,6 +265,8 @@ def build_random_checkpoint(
         raise InputError(f"unsupported dtype {dtype!r}: use bfloat16, float16 or float32")
     if voice_format not in ("pt", "safetensors"):
         raise InputError(f"unknown voice format {voice_format!r}: use pt or safetensors")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"seed must be a whole number >= 0, got {seed!r}: pass e.g. 0")
     voices = dict(REAL_VOICES if voices is None else voices)
     tekken = build_tekken(voices, vocab_source=vocab_source)
     n_text = tekken["config"]["default_vocab_size"]
