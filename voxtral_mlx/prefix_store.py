@@ -161,7 +161,8 @@ class PrefixStore:
                 warnings.warn(
                     f"cannot write the voice-prefix cache in {one_line(str(self.directory))}: "
                     f"{one_line(str(e))}; voices are prefilled again in each process "
-                    "(pass prefix_cache_dir=None to load() to turn the cache off)",
+                    "(turn the cache off with --no-prefix-cache, or prefix_cache_dir=None "
+                    "in load())",
                     PrefixCacheWarning,
                     stacklevel=2,
                 )
