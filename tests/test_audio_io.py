@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import io
 import os
+import shutil
 import struct
 import threading
 import wave
@@ -143,6 +144,28 @@ def test_a_name_at_the_file_system_limit_is_writable(tmp_path, stem):
         w.write(audio)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     assert sf.info(str(path)).frames == FRAME
+
+
+@pytest.mark.parametrize("free", [0, 10 << 30])
+def test_a_failed_write_says_when_the_disk_is_full(tmp_path, monkeypatch, free):
+    """libsndfile says "System error." when the disk is full: the message says what it is."""
+    path = tmp_path / "full.wav"
+    with AudioFileWriter(path, SR) as w:
+
+        def failing(data):
+            raise RuntimeError("Internal psf_fwrite error.\nSystem error.")
+
+        monkeypatch.setattr(w._sf, "write", failing)
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(shutil, "disk_usage", lambda d: usage._replace(free=free))
+        with pytest.raises(AudioOutputError) as exc:
+            w.write(np.zeros(FRAME, np.float32))
+    message = str(exc.value)
+    assert "\n" not in message and not list(tmp_path.iterdir())
+    if free:
+        assert "System error." in message and "check free space and permissions" in message
+    else:
+        assert "no space left on the device" in message
 
 
 def test_writer_accepts_column_vectors_and_empty_chunks(tmp_path):

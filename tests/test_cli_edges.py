@@ -327,6 +327,19 @@ def test_the_command_line_parses_its_arguments_before_loading_mlx():
     assert out[:2] == ["False False", "voxtral_mlx.tts True"]
 
 
+def test_speak_will_not_write_over_its_own_text_file(tmp_path):
+    text = tmp_path / "notes.wav"  # a text file with an audio extension
+    text.write_text("Some words to say.")
+    link = tmp_path / "link.wav"
+    link.symlink_to(text)
+    for out in (text, link):
+        err = one_line_error(
+            run("speak", "-m", str(tmp_path / "none"), "-f", str(text), "-o", str(out))
+        )
+        assert "is the text file given with -f" in err
+    assert text.read_text() == "Some words to say."
+
+
 def test_progress_line_clears_what_a_longer_line_left(capsys):
     from types import SimpleNamespace
 

@@ -306,6 +306,13 @@ def _print_devices() -> None:
         _out(f"{mark} {dev['index']:>3}  {dev['name']}  ({dev['channels']} ch)")
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
 @_terminable
 def cmd_speak(args: argparse.Namespace) -> int:
     if args.device == "?":
@@ -325,6 +332,10 @@ def cmd_speak(args: argparse.Namespace) -> int:
         from .audio.io import check_output_path
 
         check_output_path(args.output)
+        if args.file not in (None, "-") and _same_file(args.file, args.output):
+            raise InputError(
+                f"-o {args.output} is the text file given with -f: write the audio to another file"
+            )
     play = args.play or (args.output is None and not raw_out)
     if args.voice == "?":
         _print_voices(_load(args))

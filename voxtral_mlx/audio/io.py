@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import struct
 import time
 import weakref
@@ -202,6 +203,18 @@ def _check_complete(path: Path, tmp: Path, fmt: str, frames: int, pending: int =
 
 
 NAME_MAX = 255  # bytes in a file name (APFS, HFS+, ext4)
+LOW_SPACE_BYTES = 1 << 20
+
+
+def _failure(error: Exception, directory: Path) -> str:
+    """Why a write failed, in words: libsndfile reports a full disk as "System error."."""
+    try:
+        if shutil.disk_usage(directory).free < LOW_SPACE_BYTES:
+            return "no space left on the device; free some space or write elsewhere"
+    except OSError:
+        pass
+    text = " ".join(str(error).split()) or type(error).__name__
+    return f"{text[:200]}; check free space and permissions"
 
 
 def _temp_name(stem: str, ext: str) -> str:
@@ -304,7 +317,7 @@ class AudioFileWriter:
         except Exception as e:
             self.abort()
             raise AudioOutputError(
-                f"writing {str(self.path)!r} failed: {e}; check free space and permissions"
+                f"writing {str(self.path)!r} failed: {_failure(e, self.path.parent)}"
             ) from e
         self.frames_written += a.shape[0]
         self._pending = 0
@@ -342,7 +355,7 @@ class AudioFileWriter:
         except Exception as e:
             _discard(None, self._tmp)
             raise AudioOutputError(
-                f"finishing {str(self.path)!r} failed: {e}; check free space and permissions"
+                f"finishing {str(self.path)!r} failed: {_failure(e, self.path.parent)}"
             ) from e
         except BaseException:  # a second Ctrl-C while finishing: no temp file stays behind
             _discard(handle, self._tmp)
