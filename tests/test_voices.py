@@ -38,8 +38,8 @@ def expected_tokens() -> dict[str, int]:
 
 
 def bf16_voice(rows: int, dim: int = DIM, seed: int = 0, finite: bool = True) -> torch.Tensor:
-    """Random bf16 bit patterns; ``finite=False`` keeps the NaN/inf patterns too (conversion
-    must copy them bit-exactly, while the registry refuses them)."""
+    """Random bf16 bit patterns; ``finite=False`` keeps the NaN/inf patterns too (a damaged
+    voice, which the converter and the registry refuse)."""
     g = torch.Generator().manual_seed(seed)
     bits = torch.randint(0, 2**16, (rows, dim), generator=g, dtype=torch.int32)
     if finite:  # exponent all ones (NaN/inf) -> clear its lowest bit
@@ -317,8 +317,8 @@ def test_convert_bit_exact(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     refs = {
-        "casual_female": bf16_voice(21, seed=1, finite=False),  # NaN bits too
-        "de_male": bf16_voice(16, seed=2, finite=False),
+        "casual_female": bf16_voice(21, seed=1),
+        "de_male": bf16_voice(16, seed=2),
         "f32_voice": torch.randn(5, DIM),
     }
     for name, t in refs.items():
@@ -338,11 +338,33 @@ def test_convert_bit_exact(tmp_path: Path) -> None:
         assert mx_bits(mx.load(str(out / f"{name}.safetensors"))["embedding"]) == raw_bits(theirs)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)
 
-    # the converted directory works as a registry (which refuses the NaN-holding ones)
+    # the converted directory works as a registry
     reg = VoiceRegistry.from_dir(out, {"casual_female": 21, "f32_voice": 5}, DIM)
     assert mx_bits(reg.embedding("f32_voice")) == raw_bits(refs["f32_voice"])
-    with pytest.raises(VoiceError, match="NaN or infinite"):
-        reg.embedding("casual_female")
+    assert mx_bits(reg.embedding("casual_female")) == raw_bits(refs["casual_female"])
+
+
+@pytest.mark.parametrize(
+    ("tensor", "words"),
+    [
+        (bf16_voice(4, finite=False, seed=5), "NaN or infinite"),
+        (torch.full((3, DIM), float("inf")), "NaN or infinite"),
+        (torch.randn(2, 3, DIM), f"shape [2, 3, {DIM}]"),
+        (torch.zeros(0, DIM), f"shape [0, {DIM}]"),
+        (torch.zeros(3, DIM, dtype=torch.int64), "not floats"),
+    ],
+    ids=["bf16-nan", "inf", "3-d", "empty", "int64"],
+)
+def test_convert_refuses_what_no_model_can_load(tmp_path: Path, tensor, words: str) -> None:
+    """Refused at conversion, not later at load (whose message would send the user back to
+    convert-voices); nothing is written."""
+    torch.save(bf16_voice(3), tmp_path / "good.pt")
+    torch.save(tensor, tmp_path / "bad.pt")
+    with pytest.raises(VoiceError) as exc:
+        convert_voice_files([tmp_path / "good.pt", tmp_path / "bad.pt"], tmp_path / "out")
+    text = one_line(exc)
+    assert words in text and "bad.pt" in text and "not a voice embedding" in text
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_files_and_our_own_pt(tmp_path: Path) -> None:

@@ -289,6 +289,26 @@ def _voice_sources(sources: list[Path]) -> list[Path]:
     return list(unique.values())
 
 
+def _check_voice_tensor(src: Path, tensor) -> None:
+    """A voice embedding is a non-empty ``[rows, dim]`` float tensor of finite values; what
+    a model would refuse at load is refused at conversion."""
+    data = tensor.data
+    if tensor.dtype == "BF16":  # stored as 16-bit words: widen to float32 for the checks
+        data = (data.astype(np.uint32) << 16).view(np.float32)
+    problem = None
+    if len(tensor.shape) != 2 or 0 in tensor.shape:
+        problem = f"has shape {list(tensor.shape)}, not [rows, dim]"
+    elif data.dtype.kind != "f":
+        problem = f"holds {tensor.dtype} values, not floats"
+    elif not np.all(np.isfinite(data)):
+        problem = "holds NaN or infinite values"
+    if problem is not None:
+        raise VoiceError(
+            f"{one_line(str(src))} {problem}: it is not a voice embedding (take the .pt files "
+            "from the checkpoint's voice_embedding folder)"
+        )
+
+
 def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = True) -> list[Path]:
     """Convert ``.pt`` voices (files, or directories of them) to ``out_dir/<stem>.safetensors``.
 
@@ -317,6 +337,8 @@ def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = Tr
                 "output directory"
             )
     tensors = [read_pt(src) for src in files]  # voices are small: fail before writing any
+    for src, tensor in zip(files, tensors, strict=True):
+        _check_voice_tensor(src, tensor)
     if out_dir.exists() and not out_dir.is_dir():
         raise VoiceError(
             f"output {one_line(str(out_dir))} is a file, not a directory; pick another"
