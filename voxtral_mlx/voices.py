@@ -316,7 +316,8 @@ def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = Tr
     bit-exact. Every source and target is checked before anything is written, and the files
     are written into a hidden directory inside ``out_dir`` first, so a failure leaves
     ``out_dir`` as it was (and removes it if it was created). Returns the written paths in
-    order. Raises :class:`VoiceError` (or :class:`UnsafePickleError` for a hostile .pt).
+    order. Raises :class:`VoiceError` (or :class:`UnsafePickleError` for a hostile .pt), also
+    for a tensor no model could load (not ``[rows, dim]``, empty, not floats, not finite).
     """
     files = _voice_sources(sources)
     out_dir = Path(out_dir)
