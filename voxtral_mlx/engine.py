@@ -248,8 +248,8 @@ class Engine:
         )
 
     def _admit(self) -> None:
-        """Move one waiting job (if the batch has room) into the batch: the earliest segment
-        of any text, first come first served among equals."""
+        """Take one waiting job (if the batch has room) towards the batch, one prefill part
+        per call: the earliest segment of any text, first come first served among equals."""
         # A cancelled job leaves the queue at the next frame even while the batch is full.
         if any(job.seq.cancelled for job in self._waiting):
             waiting, self._waiting = self._waiting, []

@@ -27,6 +27,7 @@ import numpy as np
 import soundfile as sf
 
 from ..errors import AudioOutputError
+from ..fileio import one_line
 
 # extension -> (libsndfile major format, subtype)
 FORMATS: dict[str, tuple[str, str]] = {
@@ -213,8 +214,7 @@ def _failure(error: Exception, directory: Path) -> str:
             return "no space left on the device; free some space or write elsewhere"
     except OSError:
         pass
-    text = " ".join(str(error).split()) or type(error).__name__
-    return f"{text[:200]}; check free space and permissions"
+    return f"{one_line(str(error), 200) or type(error).__name__}; check free space and permissions"
 
 
 def _temp_name(stem: str, ext: str) -> str:
