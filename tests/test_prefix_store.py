@@ -150,7 +150,7 @@ def test_other_weights_copied_in_with_their_timestamps_change_the_fingerprint(tm
     assert model_fingerprint(a) != before
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign key"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign key", "changed byte"])
 def test_a_damaged_file_is_a_miss_and_is_replaced(
     tiny_checkpoint, tmp_path, noise, reference, damage
 ):
@@ -161,6 +161,10 @@ def test_a_damaged_file_is_a_miss_and_is_replaced(
         stored.write_bytes(data[: len(data) // 2])
     elif damage == "garbage":
         stored.write_bytes(b"\x00" * 64)
+    elif damage == "changed byte":  # the header is intact: only the digest can tell
+        changed = bytearray(data)
+        changed[-3] ^= 0x40
+        stored.write_bytes(bytes(changed))
     else:  # a well-formed file stored under another key
         arrays, meta = mx.load(str(stored), return_metadata=True)
         mx.save_safetensors(str(stored), arrays, metadata={**meta, "key": "0" * 64})

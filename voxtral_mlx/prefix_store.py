@@ -6,7 +6,8 @@ key stored inside it hash everything the state depends on -- the model files (na
 modification times, safetensors headers and a sample of every tensor), the compute dtype,
 the prompt ids and the voice's rows themselves -- so a changed model, voice or dtype does
 not reuse a stale file.
-A file that is unreadable, truncated or inconsistent is a miss (and is removed); a
+The file also records a digest of its tensors' bytes: a file that is unreadable, truncated,
+inconsistent or has bytes changed on disk is a miss (and is removed); a
 directory that cannot be written only loses the cache (a :class:`PrefixCacheWarning`).
 """
 
@@ -27,7 +28,7 @@ import numpy as np
 from .fileio import atomic_write, one_line, temp_pattern
 from .model.cache import KVCache
 
-FORMAT = "voxtral_mlx.prefix/1"
+FORMAT = "voxtral_mlx.prefix/2"
 MAX_FILES = 32  # least recently used files beyond this are deleted
 # A temp file this old was left by a process that was killed while writing (the CLI exits
 # without waiting after Ctrl-C); a younger one may be another process's write in progress.
@@ -86,6 +87,22 @@ def _hash_safetensors(f, h) -> None:
         h.update(f.read(_SAMPLE))
 
 
+def _digest(arrays: dict[str, mx.array]) -> str:
+    """SHA-256 of the arrays' names, shapes, dtypes and bytes (evaluates them)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"{name}\0{a.dtype}\0{tuple(a.shape)}\0".encode())
+        h.update(_bytes(a))
+    return h.hexdigest()
+
+
+def _bytes(a: mx.array) -> bytes:
+    if a.dtype == mx.bfloat16:  # numpy has no bfloat16: take its bits
+        a = a.view(mx.uint16)
+    return np.ascontiguousarray(np.array(a)).tobytes()
+
+
 class PrefixStore:
     """The prefix files of one loaded model (``fingerprint``) in ``directory``."""
 
@@ -102,10 +119,7 @@ class PrefixStore:
         h = hashlib.sha256(f"{FORMAT}\0{self.fingerprint}\0{voice_rows.dtype}\0".encode())
         h.update(json.dumps(prompt_ids).encode())
         h.update(str(tuple(voice_rows.shape)).encode())
-        rows = voice_rows
-        if rows.dtype == mx.bfloat16:  # numpy has no bfloat16: hash its bits
-            rows = rows.view(mx.uint16)
-        h.update(np.ascontiguousarray(np.array(rows)).tobytes())
+        h.update(_bytes(voice_rows))
         return h.hexdigest()
 
     def _path(self, key: str) -> Path:
@@ -136,7 +150,8 @@ class PrefixStore:
                 caches.append(cache)
             if len(arrays) != 2 * n_layers:
                 raise ValueError("wrong layer count")
-            mx.eval([c.state for c in caches])
+            if meta.get("sha256") != _digest(arrays):
+                raise ValueError("content changed")
         except Exception:
             # Damaged or foreign: recompute (the caller does) and replace it.
             path.unlink(missing_ok=True)
@@ -150,7 +165,7 @@ class PrefixStore:
         arrays = {}
         for i, cache in enumerate(caches):
             arrays[f"keys.{i}"], arrays[f"values.{i}"] = cache.state
-        meta = {"format": FORMAT, "key": key}
+        meta = {"format": FORMAT, "key": key, "sha256": _digest(arrays)}
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             atomic_write(self._path(key), lambda f: mx.save_safetensors(f, arrays, metadata=meta))
