@@ -492,10 +492,23 @@ def test_cli_convert(source: Path, tmp_path: Path, capsys) -> None:
     assert cli_main(["convert", str(source), "-o", str(tmp_path / "out"), "--q-bits", "8"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() == str((tmp_path / "out").absolute())
-    assert "31 quantized layers" in captured.err
+    assert f"31 quantized layers, {len(VOICES)} voices)" in captured.err
+    assert "note:" not in captured.err
     assert cli_main(["convert", str(source), "-o", str(tmp_path / "out"), "--q-bits", "5"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("voxtral-mlx: error: --q-bits 5") and "\n" not in err
+
+
+def test_cli_convert_says_when_the_source_has_no_voices(
+    source: Path, tmp_path: Path, capsys
+) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(source, bare, ignore=shutil.ignore_patterns("voice_embedding"))
+    assert cli_main(["convert", str(bare), "-o", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "(unquantized, no voices)" in err
+    assert f"note: {bare} has no voices in voice_embedding/" in err
+    assert not (tmp_path / "out" / "voice_embedding").exists()
 
 
 def test_entry_script(source: Path, tmp_path: Path) -> None:

@@ -575,10 +575,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
         progress=progress,
     )
     what = f"{len(result.quantized)} quantized layers" if result.quantized else "unquantized"
+    voices = f"{len(result.voices)} voices" if result.voices else "no voices"
     _info(
-        f"wrote {result.total_bytes / 2**30:.2f} GiB ({what}) to {result.path} in "
+        f"wrote {result.total_bytes / 2**30:.2f} GiB ({what}, {voices}) to {result.path} in "
         f"{time.perf_counter() - t0:.1f} s"
     )
+    if not result.voices:
+        _info(
+            f"note: {args.model} has no voices in voice_embedding/; to speak with the "
+            f"converted model, copy voice files into {result.path / 'voice_embedding'}"
+        )
     _out(str(result.path))
     return 0
 

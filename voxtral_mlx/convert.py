@@ -155,6 +155,7 @@ class ConvertResult:
     files: list[Path]
     quantized: dict[str, QuantSpec]
     total_bytes: int
+    voices: list[str]  # the voices written to voice_embedding/ (none if the source had none)
 
 
 # --------------------------------------------------------------------------- checks
@@ -401,15 +402,16 @@ def _config_json(
     return config
 
 
-def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> None:
+def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> list[str]:
     """Every voice the output would carry must load with this model (shape, width, rows,
     finite values), checked before anything is written: a converted directory never holds
-    a voice that fails at its first use."""
+    a voice that fails at its first use. Returns their names."""
     registry = VoiceRegistry.from_dir(
         src / "voice_embedding", tokenizer.voice_num_audio_tokens, dim
     )
     for name in registry:
         registry.embedding(name)
+    return list(registry)
 
 
 def _copy_voices(src: Path, dst: Path) -> None:
@@ -457,7 +459,7 @@ def convert_model(
     config = read_model_config(src)
     tokenizer = TekkenTokenizer.from_file(src / "tekken.json")
     check_tokenizer(config, tokenizer)
-    _check_voices(src, tokenizer, config.backbone.dim)
+    voices = _check_voices(src, tokenizer, config.backbone.dim)
     weights = open_weights(src, config)
     if weights.quantized:
         raise InputError(
@@ -498,4 +500,4 @@ def convert_model(
         if written.quantized != planned:  # pragma: no cover - a bug of ours, not of the input
             raise InputError("the converted weights do not match the plan; please report this")
     files = [out / n for n in names]
-    return ConvertResult(out, files, planned, total)
+    return ConvertResult(out, files, planned, total, voices)
