@@ -30,6 +30,7 @@ from voxtral_mlx.config import ModelConfig
 from voxtral_mlx.convert import convert_model
 from voxtral_mlx.errors import InputError, ModelNotFoundError, VoxtralError
 from voxtral_mlx.loader import LoadedModel, load_model_dir
+from voxtral_mlx.mlx_layout import to_mistral_name, to_mlx_audio_name
 from voxtral_mlx.model.layers import Float32QuantizedLinear
 from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
 from voxtral_mlx.tokenizer import speech_prompt_ids
@@ -124,6 +125,9 @@ def test_directory_layout(converted: dict[str, Path], source: Path) -> None:
         assert (path / "tekken.json").read_bytes() == (source / "tekken.json").read_bytes()
         config = json.loads((path / "config.json").read_text())
         assert config["format"] == "voxtral-mlx" and config["dtype"] == "bfloat16"
+        assert config["format_version"] == 2 and config["weight_names"] == "mlx-audio"
+        params = json.loads((source / "params.json").read_text())
+        assert {k: config[k] for k in params} == params  # mlx-audio reads them here
         index = json.loads((path / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"].values()) == {"model.safetensors"}
         assert set(index["weight_map"]) == set(mx.load(str(path / "model.safetensors")))
@@ -140,12 +144,33 @@ def test_directory_layout(converted: dict[str, Path], source: Path) -> None:
                 "codec": None,
                 "embeddings": None,
             }
-            assert q["layers"]["layers.1.feed_forward.w2"] == {
+            assert q["language_model.model.model.layers.1.mlp.down_proj"] == {
                 "group_size": 64,
                 "bits": bits,
                 "mode": "affine",
             }
-            assert q["layers"]["acoustic_transformer.semantic_codebook_output"]["bits"] == flow
+            assert q["acoustic_transformer.semantic_codebook_output"]["bits"] == flow
+            assert "language_model.model.model.layers.1.mlp.down_proj.scales" in index["weight_map"]
+
+
+def test_format_version_1_still_loads(converted, loaded, tmp_path: Path) -> None:
+    """Version 1 of the format had Mistral's tensor names and the layers under `layers`."""
+    out = Path(shutil.copytree(converted["q4"], tmp_path / "v1"))
+    (out / "model.safetensors.index.json").unlink()
+    tensors = mx.load(str(out / "model.safetensors"))
+    mx.save_safetensors(
+        str(out / "model.safetensors"), {to_mistral_name(k): v for k, v in tensors.items()}
+    )
+    config = json.loads((out / "config.json").read_text())
+    q = config["quantization"]
+    layers = {to_mistral_name(k): q.pop(k) for k in list(q) if "." in k}
+    config.update(format_version=1, weight_names="mistral", quantization={**q, "layers": layers})
+    (out / "config.json").write_text(json.dumps(config))
+    old = load_model_dir(out, "float32")
+    assert old.layout == "voxtral-mlx" and old.quantized == loaded["q4"].quantized
+    a = dict(tree_flatten(old.model.parameters()))
+    b = dict(tree_flatten(loaded["q4"].model.parameters()))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
 
 
 def test_voices_are_converted_from_pt(converted: dict[str, Path], source: Path) -> None:
@@ -218,10 +243,12 @@ def test_quantization_matches_mx_quantize_on_the_whole_matrix(source: Path, tmp_
     original = mx.load(str(source / "consolidated.safetensors"))
     for path, bits in (("layers.0.feed_forward.w1", 6), ("acoustic_transformer.llm_projection", 8)):
         w, s, b = mx.quantize(original[f"{path}.weight"], group_size=64, bits=bits)
-        assert mx.array_equal(stored[f"{path}.weight"], w).item()
-        assert mx.array_equal(stored[f"{path}.scales"], s).item()
-        assert mx.array_equal(stored[f"{path}.biases"], b).item()
-    assert mx.array_equal(stored["norm.weight"], original["norm.weight"]).item()
+        name = to_mlx_audio_name(path)
+        assert mx.array_equal(stored[f"{name}.weight"], w).item()
+        assert mx.array_equal(stored[f"{name}.scales"], s).item()
+        assert mx.array_equal(stored[f"{name}.biases"], b).item()
+    norm = stored["language_model.model.model.norm.weight"]
+    assert mx.array_equal(norm, original["norm.weight"]).item()
 
 
 def test_non_multiple_widths_stay_unquantized(tmp_path: Path) -> None:
@@ -600,7 +627,8 @@ def test_missing_scales_are_named(converted, tmp_path: Path) -> None:
     out = Path(shutil.copytree(converted["q4"], tmp_path / "m"))
     index = out / "model.safetensors.index.json"
     index.unlink()  # the index would (rightly) complain first
-    _rewrite(out / "model.safetensors", lambda t: t.pop("layers.1.attention.wv.scales"))
+    scales = to_mlx_audio_name("layers.1.attention.wv.scales")
+    _rewrite(out / "model.safetensors", lambda t: t.pop(scales))
     with pytest.raises(CheckpointMismatch) as exc:
         load_model_dir(out)
     assert exc.value.missing == ["layers.1.attention.wv.scales"]
@@ -611,8 +639,10 @@ def test_unpacked_weight_beside_scales_is_the_wrong_dtype(converted, tmp_path: P
     out = Path(shutil.copytree(converted["q8"], tmp_path / "m"))
     (out / "model.safetensors.index.json").unlink()
 
+    name = to_mlx_audio_name("layers.0.attention.wq.weight")
+
     def edit(t: dict) -> None:
-        t["layers.0.attention.wq.weight"] = t["layers.0.attention.wq.weight"].view(mx.float32)
+        t[name] = t[name].view(mx.float32)
 
     _rewrite(out / "model.safetensors", edit)
     with pytest.raises(CheckpointMismatch) as exc:

@@ -185,6 +185,40 @@ def test_same_codes_and_audio_as_mlx_audio(community, name: str) -> None:
     assert err < 1e-4, err
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"q_bits": 8}, {"q_bits": 4}, {"q_bits": 6, "q_group_size": 32}]
+)
+def test_mlx_audio_loads_voxtral_mlx_conversions(source, tmp_path, options) -> None:
+    """What `voxtral-mlx convert` writes is also an mlx-community directory: mlx-audio's own
+    loader reads it (its names, config.json, the per-layer bits of the flow head) and speaks
+    exactly like voxtral_mlx on it."""
+    from voxtral_mlx.convert import convert_model
+
+    path = convert_model(source, tmp_path / "out", **options).path
+    noise = np.random.default_rng(1).standard_normal((FRAMES, 36)).astype(np.float32)
+    loaded = load_model_dir(path, "float32")
+    assert loaded.layout == "voxtral-mlx"
+    tts = voxtral_mlx.load(path, dtype="float32")
+    try:
+        speech = tts.synthesize(TEXT, VOICE, noise=noise, max_frames=FRAMES)
+    finally:
+        tts.close()
+    model = load_mlx_audio(path)
+    theirs = {
+        p: (m.bits, m.group_size)
+        for p, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
+    ours = {to_mlx_audio_name(p): (q.bits, q.group_size) for p, q in loaded.quantized.items()}
+    assert theirs == ours and bool(ours) == bool(options)
+    if options.get("q_bits") == 4:  # the flow head keeps 8 bits (SPEC §8)
+        assert theirs["acoustic_transformer.semantic_codebook_output"] == (8, 64)
+    codes, audio = reference_run(model, noise, FRAMES)
+    np.testing.assert_array_equal(speech.codes, codes)
+    err = float(np.max(np.abs(speech.audio - audio)) / np.max(np.abs(audio)))
+    assert err < 1e-4, err
+
+
 # --------------------------------------------------------------------------- broken copies
 
 

@@ -8,10 +8,15 @@ Output (``voxtral-mlx`` layout, see :mod:`voxtral_mlx.mlx_layout`)::
     model.safetensors.index.json     tensor -> file (always written)
     voice_embedding/<name>.safetensors   one tensor, key ``embedding``
 
-Tensor names stay Mistral's. The codec keeps its weight-norm parametrization
-(``original0``/``original1``) and the EMA codebook (``cluster_usage``/``embedding_sum``):
-they are folded at load in float32, so an unquantized conversion loads bit-identically to
-its source. Precision per component:
+The directory is also an mlx-community-style one that mlx-audio loads: tensor names follow
+mlx-audio's module tree (:func:`~voxtral_mlx.mlx_layout.to_mlx_audio_name`), and
+``config.json`` holds params.json's keys, how it was converted (``format``, ``source``, ...)
+and mlx-lm's quantization section (``group_size``, ``bits``, ``mode`` and an entry per
+quantized layer, keyed by its mlx-audio module path). The codec keeps its weight-norm
+parametrization (``original0``/``original1``) and the EMA codebook
+(``cluster_usage``/``embedding_sum``) as Mistral stores them: they are folded at load in
+float32, so an unquantized conversion loads bit-identically to its source. Precision per
+component:
 
 * backbone Linear layers (``layers.*``): ``q_bits``;
 * flow head Linear layers (``acoustic_transformer.*`` incl. the semantic and acoustic
@@ -60,7 +65,14 @@ from .loader import (
     parse_dtype,
     read_model_config,
 )
-from .mlx_layout import FORMAT, FORMAT_VERSION, INDEX_NAME, SHARD_NAME, SINGLE_NAME
+from .mlx_layout import (
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX_NAME,
+    SHARD_NAME,
+    SINGLE_NAME,
+    to_mlx_audio_name,
+)
 from .output_dir import check_output_dir, staged_dir
 from .synthetic.safetensors_writer import TensorSpec, write_safetensors
 from .tokenizer import TekkenTokenizer
@@ -201,18 +213,26 @@ def _plan(weights: WeightSet, options: QuantOptions, dtype: str) -> list[_Job]:
         shape = ref.info.shape
         spec = options.spec(name[: -len(".weight")], shape) if name.endswith(".weight") else None
         job = _Job(name, ref, starts[ref.path], spec)
+        out_name = _output_name(name)
         if spec is None:
-            job.outputs = [TensorSpec(name, st_dtype, shape)]
+            job.outputs = [TensorSpec(out_name, st_dtype, shape)]
         else:
             packed, groups = quantized_shapes(shape, spec)  # type: ignore[misc]
-            path = name[: -len(".weight")]
+            path = out_name[: -len(".weight")]
             job.outputs = [
-                TensorSpec(name, "U32", packed),
+                TensorSpec(out_name, "U32", packed),
                 TensorSpec(f"{path}.scales", st_dtype, groups),
                 TensorSpec(f"{path}.biases", st_dtype, groups),
             ]
         jobs.append(job)
     return jobs
+
+
+def _output_name(name: str) -> str:
+    renamed = to_mlx_audio_name(name)
+    if renamed is None:  # pragma: no cover - every verified tensor has a rule
+        raise InputError(f"no mlx-audio name for tensor '{name}'; please report this")
+    return renamed
 
 
 def _check_backbone_quantized(jobs: list[_Job], options: QuantOptions) -> None:
@@ -371,33 +391,43 @@ def _write_shard(
 
 
 def _config_json(
-    source: str, weights: WeightSet, options: QuantOptions, dtype: str, jobs: list[_Job]
+    params: dict,
+    source: str,
+    weights: WeightSet,
+    options: QuantOptions,
+    dtype: str,
+    jobs: list[_Job],
 ) -> dict:
     config: dict = {
+        **{k: v for k, v in params.items() if k not in ("quantization", "quantization_config")},
+        "model_type": "voxtral_tts",
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "model_type": "voxtral_tts",
         "source": source,
         "source_layout": weights.layout,
         "dtype": dtype,
-        "weight_names": "mistral",
+        "weight_names": "mlx-audio",
         "codec_weight_norm": "unfolded",
     }
     layers = {
-        job.name[: -len(".weight")]: job.spec.as_dict() for job in jobs if job.spec is not None
+        job.outputs[0].name[: -len(".weight")]: job.spec.as_dict()
+        for job in jobs
+        if job.spec is not None
     }
     if layers:
+        # mlx-lm's form, which mlx-audio reads: defaults, then one entry per quantized layer
+        # (the flow head's bits differ from the backbone's).
         config["quantization"] = {
-            "mode": "affine",
             "group_size": options.group_size,
             "bits": options.bits,
+            "mode": "affine",
             "components": {
                 "backbone": options.bits,
                 "flow_head": options.flow_bits,
                 "codec": None,
                 "embeddings": None,
             },
-            "layers": layers,
+            **layers,
         }
     return config
 
@@ -486,7 +516,7 @@ def convert_model(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         atomic_write_text(tmp / INDEX_NAME, json.dumps(index, indent=4) + "\n")
         source = model if isinstance(model, str) and not Path(model).exists() else src.name
-        config_json = _config_json(str(source), weights, options, dtype, jobs)
+        config_json = _config_json(config.raw, str(source), weights, options, dtype, jobs)
         atomic_write_text(tmp / "config.json", json.dumps(config_json, indent=4) + "\n")
         if (src / "params.json").is_file():
             shutil.copyfile(src / "params.json", tmp / "params.json")

@@ -3,8 +3,9 @@
 Three layouts load (see :mod:`voxtral_mlx.mlx_layout`):
 
 * ``mistral``: Mistral's release, ``params.json`` + ``consolidated.safetensors``;
-* ``voxtral-mlx``: what :mod:`voxtral_mlx.convert` writes, Mistral's tensor names in
-  ``model*.safetensors``, optionally quantized;
+* ``voxtral-mlx``: what :mod:`voxtral_mlx.convert` writes (``config.json`` says so),
+  mlx-audio's tensor names in ``model*.safetensors`` (Mistral's in format version 1),
+  optionally quantized;
 * ``mlx-community``: mlx-audio's conversions, mlx-audio's tensor names, optionally quantized.
 
 Weights are read lazily (memory-mapped by MLX) from every layout. Names are mapped to
@@ -43,6 +44,7 @@ from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, ModelNotFoundError
 from .fileio import one_line
 from .mlx_layout import (
+    FORMAT,
     INDEX_NAME,
     QuantConfig,
     params_from_config,
@@ -316,9 +318,11 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
         layout, tensors, qconfig = "mistral", refs, None
     else:
         mlx_audio = uses_mlx_audio_names(refs)
-        layout = "mlx-community" if mlx_audio else "voxtral-mlx"
+        config_json = read_config(model_dir)
+        ours = not mlx_audio or (config_json or {}).get("format") == FORMAT
+        layout = "voxtral-mlx" if ours else "mlx-community"
         tensors = _rename_refs(refs) if mlx_audio else refs
-        qconfig = read_quantization(read_config(model_dir), rename=mlx_audio)
+        qconfig = read_quantization(config_json, rename=mlx_audio)
     base = expected_tensors(config)
     quantized = _quantized_layers(tensors, qconfig, base, source)
     expected = expected_tensors(config, quantized)

@@ -9,9 +9,10 @@ Two MLX layouts exist, told apart by their tensor names (never by the repo name)
   ``voice_embedding/<name>.safetensors``. Weight names follow mlx-audio's module tree
   (``language_model.model.model.layers.N.self_attn.q_proj.weight``, ...); the flow head and
   the codec keep Mistral's names. Quantized layers carry ``.scales``/``.biases``.
-* voxtral_mlx's own conversions (:mod:`voxtral_mlx.convert`): the same files, but weight
-  names are Mistral's (the codec keeps its weight-norm parametrization, folded at load) and
-  ``config.json`` records how it was converted (:data:`FORMAT`).
+* voxtral_mlx's own conversions (:mod:`voxtral_mlx.convert`): the same files and names
+  (so mlx-audio loads them too), with ``config.json`` also recording how it was converted
+  (:data:`FORMAT`) and an entry per quantized layer (the flow head keeps more bits than the
+  backbone). Format version 1 used Mistral's names and a ``layers`` map; it still loads.
 
 Everything is renamed to Mistral's names before verification, so errors name tensors the
 way ``consolidated.safetensors`` does.
@@ -30,7 +31,7 @@ from .errors import CheckpointError, ConfigError, ModelNotFoundError
 from .fileio import one_line
 
 FORMAT = "voxtral-mlx"  # config.json "format" of the directories voxtral_mlx.convert writes
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: Mistral's tensor names and a `layers` map (still read)
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
