@@ -237,7 +237,10 @@ def test_snapshot_download_receives_the_layout_patterns(
     assert (args[0] if args else kwargs["repo_id"]) == repo
     assert sorted(kwargs["allow_patterns"]) == sorted(expected)
     # no forced download / token / revision games: the cache and HF_HUB_OFFLINE decide
-    assert not {"force_download", "local_files_only", "token", "revision"} & set(kwargs)
+    assert not {"force_download", "token", "revision"} & set(kwargs)
+    # ...except that a repo the Hub could not even list (no network here) is not asked again
+    listed = repo.split("/")[0] not in ("mistralai", "mlx-community")
+    assert kwargs.get("local_files_only", False) is listed
 
 
 MLX_FILES = [
@@ -288,6 +291,45 @@ def test_other_repos_are_fetched_by_what_they_hold(
     resolve_model_dir(repo)
     assert listed == [repo]
     assert sorted(fake_hub[0][1]["allow_patterns"]) == sorted(expected)
+
+
+def _connect_error() -> Exception:
+    httpx = pytest.importorskip("httpx2")  # huggingface_hub's HTTP client in 2.x
+    return httpx.ConnectError("[Errno -2] Name or service not known")
+
+
+def _server_error() -> Exception:
+    httpx = pytest.importorskip("httpx2")
+    request = httpx.Request("GET", "https://huggingface.co/api/models/someone/x/tree/main")
+    response = httpx.Response(500, request=request)
+    return huggingface_hub.errors.HfHubHTTPError("500 Server Error", response=response)
+
+
+@pytest.mark.parametrize(
+    ("make_error", "cache_only"),
+    [
+        (_connect_error, True),
+        (lambda: ConnectionError("reset"), True),
+        (lambda: TimeoutError("timed out"), False),  # not a network class: try downloading
+        (_server_error, False),  # the Hub answered: the download may still work
+    ],
+    ids=["connect", "connection", "other-os-error", "http-500"],
+)
+def test_a_hub_that_cannot_be_reached_is_not_asked_twice(
+    make_error, cache_only: bool, fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Listing has already waited through huggingface_hub's retries when the network is down:
+    the download then only looks in the cache instead of retrying as long again."""
+    error = make_error()
+
+    def list_repo_files(repo_id, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    monkeypatch.chdir(tmp_path)
+    resolve_model_dir("someone/voxtral-tts")
+    ((_, kwargs),) = fake_hub
+    assert kwargs.get("local_files_only", False) is cache_only
 
 
 @pytest.mark.parametrize("repo", [DEFAULT_REPO, "mlx-community/Voxtral-4B-TTS-2603-mlx-4bit"])

@@ -64,9 +64,20 @@ def allow_patterns(repo_id: str, files: Iterable[str] | None = None) -> list[str
     return list(MISTRAL_PATTERNS)
 
 
-def _repo_files(repo_id: str) -> list[str] | None:
-    """What a repo holds, for choosing its layout; None when its owner's layout is known or
-    neither the local cache nor the Hub can say.
+# Exception classes (by name, across huggingface_hub's HTTP clients: requests, httpx, httpx2)
+# that mean the Hub could not be reached at all, as opposed to an HTTP error it answered.
+_UNREACHABLE = frozenset(
+    {"ConnectionError", "ConnectError", "ConnectTimeout", "Timeout", "TransportError"}
+)
+
+
+def _unreachable(e: Exception) -> bool:
+    return any(cls.__name__ in _UNREACHABLE for cls in type(e).__mro__)
+
+
+def _repo_files(repo_id: str) -> tuple[list[str] | None, bool]:
+    """What a repo holds, for choosing its layout (None when its owner's layout is known or
+    neither the local cache nor the Hub can say), and whether the Hub is reachable.
 
     Mistral's and mlx-community's repos are known by their owner (no extra Hub call on every
     load); any other repo is looked up in the cache, then listed on the Hub. A repo that does
@@ -76,20 +87,20 @@ def _repo_files(repo_id: str) -> list[str] | None:
     from huggingface_hub.errors import RepositoryNotFoundError
 
     if repo_id.split("/", 1)[0].lower() in KNOWN_OWNERS:
-        return None
+        return None, True
     cached = [
         name
         for name in _LAYOUT_FILES
         if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name), str)
     ]
     if layout_patterns(cached) is not None:
-        return cached
+        return cached, True
     try:
-        return list(huggingface_hub.list_repo_files(repo_id))
+        return list(huggingface_hub.list_repo_files(repo_id)), True
     except RepositoryNotFoundError:  # gated repos too (a subclass)
         raise
-    except Exception:  # offline, no network, Hub down: the download reports it (or the cache)
-        return None
+    except Exception as e:  # offline, no network, Hub down: the download reports it
+        return None, not _unreachable(e)
 
 
 def looks_like_repo_id(spec: str) -> bool:
@@ -137,7 +148,12 @@ def _download(repo_id: str) -> Path:
             "(pip install huggingface_hub)"
         ) from None
     try:
-        patterns = allow_patterns(repo_id, _repo_files(repo_id))
+        files, reachable = _repo_files(repo_id)
+        patterns = allow_patterns(repo_id, files)
+        if not reachable:  # the listing has waited through its retries: only the cache is left
+            return Path(
+                snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
+            )
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except HFValidationError:
         raise ModelNotFoundError(
