@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -451,6 +452,52 @@ def test_failure_midway_keeps_the_old_output(converted, source, tmp_path, monkey
         convert_model(source, out, q_bits=4, force=True)
     assert tree_bytes(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_output_filled_meanwhile_is_not_replaced_without_force(
+    converted, source, tmp_path, monkeypatch
+) -> None:
+    """Two conversions started into the same new directory: the second to finish fails
+    instead of silently replacing the first one's model."""
+    out = tmp_path / "out"
+    real_copy = convert_mod._copy_voices
+
+    def other_process_finishes_first(src, dst):
+        real_copy(src, dst)
+        shutil.copytree(converted["bf16"], out)
+
+    monkeypatch.setattr(convert_mod, "_copy_voices", other_process_finishes_first)
+    with pytest.raises(InputError) as exc:
+        convert_model(source, out, q_bits=4)
+    assert "--force" in one_line(exc.value) and "filled" in one_line(exc.value)
+    assert tree_bytes(out) == tree_bytes(converted["bf16"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_interrupt_while_swapping_in_is_delivered_after_it(
+    converted, source, tmp_path, monkeypatch
+) -> None:
+    """Ctrl-C while the replaced model is being removed: the swap completes (new model in
+    place, nothing of the old one left), then the interrupt is raised."""
+    import voxtral_mlx.output_dir as output_dir
+
+    out = Path(shutil.copytree(converted["bf16"], tmp_path / "out"))
+    real_rmtree = shutil.rmtree
+    removed: list[str] = []
+
+    def interrupted_rmtree(path, *args, **kwargs):
+        if Path(path).name.startswith(".out.old-"):
+            signal.raise_signal(signal.SIGINT)  # held back until the swap is done
+            removed.append(Path(path).name)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(output_dir.shutil, "rmtree", interrupted_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        convert_model(source, out, q_bits=4, force=True)
+    assert removed  # the interrupt came during the removal of the old model
+    assert tree_bytes(out) == tree_bytes(converted["q4"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_failure_removes_the_parent_directories_it_made(source, tmp_path, monkeypatch) -> None:

@@ -506,7 +506,7 @@ def convert_model(
     )
     total = sum(o.nbytes for job in jobs for o in job.outputs)
 
-    with staged_dir(out) as tmp:
+    with staged_dir(out, force) as tmp:
         done = [0]
         for name, shard in zip(names, shards, strict=True):
             _write_shard(tmp / name, shard, dtype, chunk_bytes, progress, done, total)

@@ -5,10 +5,13 @@ nothing behind."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,11 +83,13 @@ def remove_dirs(dirs: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def staged_dir(out: Path) -> Iterator[Path]:
+def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
     """Yield a hidden directory beside ``out`` to fill; on success it replaces ``out``.
 
     On any failure or interrupt the staging directory and the parents made for it are
-    removed, and ``out`` is untouched. ``OSError`` becomes a one-line :class:`InputError`.
+    removed, and ``out`` is untouched. Without ``force``, an ``out`` that another process
+    filled meanwhile is not replaced (an :class:`InputError`). ``OSError`` becomes a
+    one-line :class:`InputError`.
     """
     created: list[Path] = []
     try:
@@ -98,10 +103,16 @@ def staged_dir(out: Path) -> Iterator[Path]:
         ) from None
     try:
         yield tmp
-        _swap_into_place(tmp, out)
+        with _signals_deferred():
+            _swap_into_place(tmp, out, force)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         remove_dirs(created)
+        if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise InputError(
+                f"output {one_line(str(out))} was filled by something else while this was "
+                "being written; pass --force to replace it, or choose another directory"
+            ) from None
         if isinstance(e, OSError):
             raise InputError(
                 f"cannot write {one_line(str(out))}: {one_line(e.strerror or str(e))}; check "
@@ -110,9 +121,32 @@ def staged_dir(out: Path) -> Iterator[Path]:
         raise
 
 
-def _swap_into_place(tmp: Path, out: Path) -> None:
+_DEFERRED = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM back while the output is swapped in (two renames and the
+    removal of what was replaced), then deliver them: an interrupt never leaves the old
+    model half-deleted beside the new one. Only the main thread can do this (elsewhere
+    Python delivers no signals anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    saved = {sig: signal.signal(sig, lambda n, _f: received.append(n)) for sig in _DEFERRED}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(received):
+            signal.raise_signal(sig)
+
+
+def _swap_into_place(tmp: Path, out: Path, force: bool) -> None:
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is as readable as its files
-    if out.exists() and any(out.iterdir()):
+    if force and out.exists() and any(out.iterdir()):
         old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
         os.rename(out, old)
         try:
@@ -122,6 +156,6 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
             raise
         shutil.rmtree(old, ignore_errors=True)
     else:
-        if out.exists():
-            out.rmdir()
+        # rename() replaces only a missing or empty directory: an `out` another process
+        # filled since it was checked fails here (ENOTEMPTY or EEXIST) instead of being lost.
         os.rename(tmp, out)

@@ -276,7 +276,7 @@ def build_random_checkpoint(
     tekken["audio"].update(sampling_rate=config.sampling_rate, frame_rate=config.frame_rate)
 
     out = check_output_dir(Path(out_dir).expanduser().absolute(), force)
-    with staged_dir(out) as tmp:
+    with staged_dir(out, force) as tmp:
         _write_checkpoint(
             tmp, params, config, tekken, voices, seed, st_dtype, voice_format, suppress_end
         )
