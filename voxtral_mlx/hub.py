@@ -151,9 +151,7 @@ def _download(repo_id: str) -> Path:
         files, reachable = _repo_files(repo_id)
         patterns = allow_patterns(repo_id, files)
         if not reachable:  # the listing has waited through its retries: only the cache is left
-            return Path(
-                snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
-            )
+            return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except HFValidationError:
         raise ModelNotFoundError(
