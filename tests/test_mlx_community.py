@@ -227,6 +227,19 @@ def broken(community, tmp_path: Path) -> Path:
     return Path(shutil.copytree(community["4bit"], tmp_path / "m"))
 
 
+def test_params_json_and_config_json_must_agree(broken: Path) -> None:
+    """mlx-audio reads config.json, voxtral_mlx params.json: a directory where they differ
+    would speak differently in each, so it is refused, naming the key."""
+    params = json.loads((broken / "params.json").read_text())
+    params["rope_theta"] = 10.0
+    (broken / "params.json").write_text(json.dumps(params))
+    with pytest.raises(ConfigError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert "params.json and config.json disagree on 'rope_theta'" in message
+    assert "10.0 vs 1000000.0" in message
+
+
 def test_missing_shard_is_an_incomplete_download(broken: Path) -> None:
     shard = sorted(broken.glob("model-*.safetensors"))[-1]
     shard.unlink()

@@ -337,16 +337,35 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
-    """The model config: ``params.json``, else the params ``config.json`` holds."""
+    """The model config: ``params.json``, else the params ``config.json`` holds. When both
+    hold them they must agree (mlx-audio reads ``config.json``, so a disagreement would make
+    the two speak differently from the same directory)."""
     params_path = model_dir / "params.json"
     if params_path.is_file():
-        return ModelConfig.from_file(params_path)
+        config = ModelConfig.from_file(params_path)
+        try:
+            in_config = params_from_config(read_config(model_dir))
+        except ConfigError:  # reported where config.json is needed (not by Mistral's layout)
+            in_config = None
+        if in_config is not None:
+            _check_agreement(config.raw, in_config, model_dir)
+        return config
     params = params_from_config(read_config(model_dir))
     if params is None:
         raise ModelNotFoundError(
             f"{model_dir} has no params.json: it is not a Voxtral TTS model directory"
         )
     return ModelConfig.from_params(params)
+
+
+def _check_agreement(params: Mapping[str, Any], in_config: Mapping[str, Any], where: Path) -> None:
+    for key, value in params.items():
+        if key in in_config and in_config[key] != value:
+            raise ConfigError(
+                f"{where}: params.json and config.json disagree on '{one_line(key, 60)}' "
+                f"({one_line(repr(value), 60)} vs {one_line(repr(in_config[key]), 60)}); "
+                "re-download or re-convert the model (or make them agree)"
+            )
 
 
 def _quantize_model(
