@@ -29,7 +29,7 @@ from voxtral_mlx.checkpoint import CheckpointMismatch, Expected, QuantSpec, expe
 from voxtral_mlx.cli import main as cli_main
 from voxtral_mlx.config import ModelConfig
 from voxtral_mlx.convert import convert_model
-from voxtral_mlx.errors import InputError, ModelNotFoundError, VoxtralError
+from voxtral_mlx.errors import ConfigError, InputError, ModelNotFoundError, VoxtralError
 from voxtral_mlx.loader import LoadedModel, load_model_dir
 from voxtral_mlx.mlx_layout import to_mistral_name, to_mlx_audio_name
 from voxtral_mlx.model.layers import Float32QuantizedLinear
@@ -172,6 +172,21 @@ def test_format_version_1_still_loads(converted, loaded, tmp_path: Path) -> None
     a = dict(tree_flatten(old.model.parameters()))
     b = dict(tree_flatten(loaded["q4"].model.parameters()))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+@pytest.mark.parametrize(
+    ("version", "words"),
+    [(3, "converted by a newer voxtral_mlx (format version 3"), ("2", "positive integer")],
+)
+def test_a_format_version_this_release_does_not_know_is_refused(
+    converted, tmp_path: Path, version, words: str
+) -> None:
+    out = Path(shutil.copytree(converted["q4"], tmp_path / "m"))
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "format_version": version}))
+    with pytest.raises(ConfigError) as exc:
+        load_model_dir(out)
+    assert words in one_line(exc.value)
 
 
 def test_voices_are_converted_from_pt(converted: dict[str, Path], source: Path) -> None:

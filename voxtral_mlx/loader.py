@@ -47,6 +47,7 @@ from .mlx_layout import (
     FORMAT,
     INDEX_NAME,
     QuantConfig,
+    check_format,
     params_from_config,
     read_config,
     read_quantization,
@@ -319,6 +320,7 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
     else:
         mlx_audio = uses_mlx_audio_names(refs)
         config_json = read_config(model_dir)
+        check_format(config_json, model_dir)
         ours = not mlx_audio or (config_json or {}).get("format") == FORMAT
         layout = "voxtral-mlx" if ours else "mlx-community"
         tensors = _rename_refs(refs) if mlx_audio else refs

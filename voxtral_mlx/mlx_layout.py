@@ -197,6 +197,24 @@ def read_config(model_dir: Path) -> dict[str, Any] | None:
     return data
 
 
+def check_format(config: Mapping[str, Any] | None, where: Path) -> None:
+    """A directory written by a later voxtral_mlx (a ``format_version`` this one does not
+    know) is refused rather than misread."""
+    if not config or config.get("format") != FORMAT:
+        return
+    version = config.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ConfigError(
+            f"{where}/config.json key 'format_version' must be a positive integer, got "
+            f"{one_line(repr(version), 40)}: re-convert the model"
+        )
+    if version > FORMAT_VERSION:
+        raise ConfigError(
+            f"{where} was converted by a newer voxtral_mlx (format version {version}; this one "
+            f"reads up to {FORMAT_VERSION}): upgrade voxtral-mlx, or re-convert the model"
+        )
+
+
 def params_from_config(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """Mistral's params held by ``config.json`` (under ``params``, or at its top level)."""
     if not config:
