@@ -147,6 +147,27 @@ def test_a_name_at_the_file_system_limit_is_writable(tmp_path, stem):
 
 
 @pytest.mark.parametrize("free", [0, 10 << 30])
+def test_a_failed_open_says_when_the_disk_is_full(tmp_path, monkeypatch, free):
+    """A WAV header written into a full disk fails in the open, also as "System error."."""
+    import voxtral_mlx.audio.io as audio_io
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("Error opening 4: System error.")
+
+    monkeypatch.setattr(audio_io.sf, "SoundFile", failing)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda d: usage._replace(free=free))
+    with pytest.raises(AudioOutputError) as exc:
+        AudioFileWriter(tmp_path / "full.wav", SR)
+    message = str(exc.value)
+    assert "\n" not in message and not list(tmp_path.iterdir())
+    if free:
+        assert "System error." in message and "choose another format" in message
+    else:
+        assert "no space left on the device" in message
+
+
+@pytest.mark.parametrize("free", [0, 10 << 30])
 def test_a_failed_write_says_when_the_disk_is_full(tmp_path, monkeypatch, free):
     """libsndfile says "System error." when the disk is full: the message says what it is."""
     path = tmp_path / "full.wav"

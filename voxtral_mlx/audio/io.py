@@ -207,13 +207,20 @@ NAME_MAX = 255  # bytes in a file name (APFS, HFS+, ext4)
 LOW_SPACE_BYTES = 1 << 20
 
 
+_NO_SPACE = "no space left on the device; free some space or write elsewhere"
+
+
+def _disk_full(directory: Path) -> bool:
+    try:
+        return shutil.disk_usage(directory).free < LOW_SPACE_BYTES
+    except OSError:
+        return False
+
+
 def _failure(error: Exception, directory: Path) -> str:
     """Why a write failed, in words: libsndfile reports a full disk as "System error."."""
-    try:
-        if shutil.disk_usage(directory).free < LOW_SPACE_BYTES:
-            return "no space left on the device; free some space or write elsewhere"
-    except OSError:
-        pass
+    if _disk_full(directory):
+        return _NO_SPACE
     return f"{one_line(str(error), 200) or type(error).__name__}; check free space and permissions"
 
 
@@ -282,9 +289,11 @@ class AudioFileWriter:
             with contextlib.suppress(OSError):  # libsndfile may have closed it already
                 os.close(fd)
             _discard(None, self._tmp)
+            if _disk_full(self.path.parent):  # writing the header failed: "System error."
+                raise AudioOutputError(f"cannot write {str(self.path)!r}: {_NO_SPACE}") from e
             raise AudioOutputError(
                 f"cannot open {str(self.path)!r} for {fmt}/{subtype} at {self.sample_rate} Hz: "
-                f"{e}; choose another format"
+                f"{one_line(str(e), 200)}; choose another format"
             ) from e
         # Deletes the temp file if the writer is dropped without close() (or at exit).
         self._finalizer = weakref.finalize(self, _discard, self._sf, self._tmp)
