@@ -236,8 +236,18 @@ def test_params_json_and_config_json_must_agree(broken: Path) -> None:
     with pytest.raises(ConfigError) as exc:
         load_model_dir(broken)
     message = one_line(exc.value)
-    assert "params.json and config.json disagree on 'rope_theta'" in message
+    assert "params.json and config.json disagree on backbone.rope_theta" in message
     assert "10.0 vs 1000000.0" in message
+
+
+def test_config_json_params_may_differ_in_what_does_not_shape_the_model(broken: Path) -> None:
+    """Keys the model does not read, and the voice list (the voice files decide), may differ:
+    only a disagreement about the model itself is refused."""
+    config = json.loads((broken / "config.json").read_text())
+    config["max_seq_len"] = 1234
+    config["multimodal"]["audio_tokenizer_args"]["voice"] = {}
+    (broken / "config.json").write_text(json.dumps(config))
+    assert load_model_dir(broken).config == ModelConfig.from_file(broken / "params.json")
 
 
 def test_missing_shard_is_an_incomplete_download(broken: Path) -> None:

@@ -16,6 +16,7 @@ the files, and the model is loaded with ``strict=True``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -340,17 +341,23 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
 
 def read_model_config(model_dir: Path) -> ModelConfig:
     """The model config: ``params.json``, else the params ``config.json`` holds. When both
-    hold them they must agree (mlx-audio reads ``config.json``, so a disagreement would make
-    the two speak differently from the same directory)."""
+    hold a complete model config they must describe the same model (mlx-audio reads
+    ``config.json``: a disagreement would make the two speak differently from one directory)."""
     params_path = model_dir / "params.json"
     if params_path.is_file():
         config = ModelConfig.from_file(params_path)
         try:
             in_config = params_from_config(read_config(model_dir))
-        except ConfigError:  # reported where config.json is needed (not by Mistral's layout)
-            in_config = None
-        if in_config is not None:
-            _check_agreement(config.raw, in_config, model_dir)
+            other = None if in_config is None else ModelConfig.from_params(in_config)
+        except ConfigError:  # not a model config to compare with; reported where it is needed
+            other = None
+        if other is not None and (diff := _first_difference(config, other)) is not None:
+            name, mine, theirs = diff
+            raise ConfigError(
+                f"{model_dir}: params.json and config.json disagree on {name} "
+                f"({one_line(repr(mine), 60)} vs {one_line(repr(theirs), 60)}); re-download "
+                "or re-convert the model (or make the two files agree)"
+            )
         return config
     params = params_from_config(read_config(model_dir))
     if params is None:
@@ -360,14 +367,18 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_params(params)
 
 
-def _check_agreement(params: Mapping[str, Any], in_config: Mapping[str, Any], where: Path) -> None:
-    for key, value in params.items():
-        if key in in_config and in_config[key] != value:
-            raise ConfigError(
-                f"{where}: params.json and config.json disagree on '{one_line(key, 60)}' "
-                f"({one_line(repr(value), 60)} vs {one_line(repr(in_config[key]), 60)}); "
-                "re-download or re-convert the model (or make them agree)"
-            )
+def _first_difference(a: Any, b: Any, name: str = "") -> tuple[str, Any, Any] | None:
+    """The first field (dotted name) where two configs differ; voice names are left out
+    (the voice files decide which voices exist)."""
+    if not dataclasses.is_dataclass(a):
+        return None if a == b else (name, a, b)
+    for f in dataclasses.fields(a):
+        if not f.compare or f.name == "voice_index":
+            continue
+        found = _first_difference(getattr(a, f.name), getattr(b, f.name), f"{name}{f.name}.")
+        if found is not None:
+            return found[0].rstrip("."), found[1], found[2]
+    return None
 
 
 def _quantize_model(
