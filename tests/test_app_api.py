@@ -287,4 +287,4 @@ def test_say_stops_generating_when_the_player_fails(tts):
     deadline = time.monotonic() + 5
     while tts.engine.stats()["active"] and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert tts.engine.stats() == {"active": 0, "waiting": 0, "max_batch": 4}
+    assert tts.engine.stats() == {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}

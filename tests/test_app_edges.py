@@ -284,6 +284,53 @@ def test_another_texts_first_segment_waits_less_than_segments_generated_ahead(
     assert done == ["a0", "b0", "a1", "a2"]
 
 
+CHAPTER = "First part of it. Second part of it. Third part of it. Fourth one. Fifth one."
+
+
+def _wait_for(condition, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_new_request_takes_the_slot_of_a_segment_generated_ahead(tts):
+    """A long text's segments fill the batch (lookahead = max_batch): a new request does not
+    wait for one of them to finish; the segment generated furthest ahead is set aside and
+    resumes later, and both outputs equal their solo runs."""
+    long_kwargs = dict(seed=1, split=True, max_chars=20, max_frames=60)
+    solo_long = tts.synthesize(CHAPTER, VOICE, **long_kwargs)
+    solo_short = tts.synthesize("Quick one.", VOICE, seed=2, max_frames=6)
+    assert tts.engine.max_batch == 4 and len(solo_long.codes) == 5 * 60
+
+    with tts.stream(CHAPTER, VOICE, chunk_frames=4, **long_kwargs) as chapter:
+        chunks = [next(chapter)]
+        _wait_for(lambda: tts.engine.stats()["active"] == 4 and not tts.engine.stats()["waiting"])
+        short = list(tts.stream("Quick one.", VOICE, seed=2, max_frames=6))
+        head = chapter.jobs[0][1]
+        assert not head.seq.finished and head.seq.frames < 60  # it never waited for one
+        chunks += list(chapter)
+    assert not tts.engine.busy and tts.engine.stats()["parked"] == 0
+    np.testing.assert_array_equal(np.concatenate([c.codes for c in short]), solo_short.codes)
+    np.testing.assert_array_equal(np.concatenate([c.codes for c in chunks]), solo_long.codes)
+    np.testing.assert_array_equal(np.concatenate([c.audio for c in chunks]), solo_long.audio)
+
+
+def test_a_set_aside_segment_that_is_cancelled_ends(tts):
+    """Cancelling a text while one of its segments is set aside ends every segment."""
+    long_kwargs = dict(seed=1, split=True, max_chars=20, max_frames=200)
+    chapter = tts.stream(CHAPTER, VOICE, **long_kwargs)
+    next(chapter)
+    _wait_for(lambda: tts.engine.stats()["active"] == 4 and not tts.engine.stats()["waiting"])
+    short = tts.stream("Quick one.", VOICE, seed=2, max_frames=200)
+    next(short)
+    _wait_for(lambda: tts.engine.stats()["parked"] == 1)
+    chapter.cancel()
+    short.cancel()
+    _wait_for(lambda: not tts.engine.busy)
+    assert tts.engine.stats() == {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}
+
+
 def test_an_async_stream_made_off_the_event_loop_iterates_on_it(tts):
     """The README's advice for a chapter: create the stream with asyncio.to_thread."""
     text = "First sentence here. Second sentence there. A third one to finish."
@@ -368,7 +415,12 @@ def test_cancel_during_a_long_prefill_stops_after_one_part(tts, monkeypatch):
     assert list(stream) == []
     tts.worker.call(lambda: None)
     assert calls == ["part"]
-    assert tts.engine.stats() == {"active": 0, "waiting": 0, "max_batch": tts.engine.max_batch}
+    assert tts.engine.stats() == {
+        "active": 0,
+        "waiting": 0,
+        "parked": 0,
+        "max_batch": tts.engine.max_batch,
+    }
 
 
 def test_running_streams_get_frames_between_the_parts_of_a_long_prefill(tts, monkeypatch):

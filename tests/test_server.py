@@ -636,7 +636,9 @@ def test_server_errors_are_json_without_details():
         default_voice="casual_male",
         sample_rate=SR,
         worker=SimpleNamespace(submit=failing_submit),
-        engine=SimpleNamespace(stats=lambda: {"active": 0, "waiting": 0, "max_batch": 4}),
+        engine=SimpleNamespace(
+            stats=lambda: {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}
+        ),
     )
     app = create_app(fake, ServerConfig())
     with TestClient(app, raise_server_exceptions=False) as tc:

@@ -96,6 +96,9 @@ class Job:
     done: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
     segment: int = 0  # its index in a split text: earlier segments of any text wait less
+    # Generated ahead of the segment its text's consumer is waiting for: such a job gives
+    # up its batch slot (set aside, resumed later) to a job someone is waiting for.
+    ahead: bool = False
     _codes: list[mx.array] = field(default_factory=list, repr=False)
     _next_index: int = 0  # frames handed to the codec
     _delivered_frames: int = 0
@@ -140,6 +143,12 @@ class _Prefill:
     hit: bool  # the voice prefix came from the cache
 
 
+def _priority(job: Job) -> tuple[bool, int]:
+    """Admission order: jobs someone waits for, then earlier segments (stable: first come
+    first served among equals)."""
+    return (job.ahead, job.segment)
+
+
 class Engine:
     """Runs jobs in one :class:`FrameBatch` of up to ``max_batch`` sequences."""
 
@@ -164,7 +173,8 @@ class Engine:
         self._inflight: list[tuple[Job, mx.array, mx.array, bool]] = []
         self._waiting: list[Job] = []
         self._prefilling: _Prefill | None = None
-        self._jobs: dict[int, Job] = {}
+        self._parked: list[Job] = []  # set aside from the batch, their state in their seq
+        self._jobs: dict[int, Job] = {}  # by id(seq): in the batch, or parked
         self._prefixes: OrderedDict[tuple[str, str], list[KVCache]] = OrderedDict()
         self.prefix_cache_voices = PREFIX_CACHE_VOICES
 
@@ -234,6 +244,7 @@ class Engine:
         return {
             "active": len(self._jobs) + (self._prefilling is not None),
             "waiting": len(self._waiting),
+            "parked": len(self._parked),
             "max_batch": self.max_batch,
         }
 
@@ -249,7 +260,10 @@ class Engine:
 
     def _admit(self) -> None:
         """Take one waiting job (if the batch has room) towards the batch, one prefill part
-        per call: the earliest segment of any text, first come first served among equals."""
+        per call: jobs someone waits for before segments generated ahead, then the earliest
+        segment of any text, first come first served among equals. Set-aside jobs rejoin
+        without a prefill. A job someone waits for that finds the batch full takes the slot
+        of a segment generated ahead (set aside until there is room again)."""
         # A cancelled job leaves the queue at the next frame even while the batch is full.
         if any(job.seq.cancelled for job in self._waiting):
             waiting, self._waiting = self._waiting, []
@@ -258,13 +272,25 @@ class Engine:
                     self._finish(job)
                 else:
                     self._waiting.append(job)
+        if any(job.seq.cancelled for job in self._parked):
+            parked, self._parked = self._parked, []
+            for job in parked:
+                if job.seq.cancelled:  # its last chunk (and DONE) come from _decode
+                    job.seq.finished, job.seq.stop_reason = True, "cancelled"
+                    job.seq._h = job.seq._cache = None
+                else:
+                    self._parked.append(job)
         if self._prefilling is not None:
             self._prefill_next()
             return
-        while self._waiting and len(self._batch) < self.max_batch:
-            # Another text's first segment goes before one text's segments generated ahead.
-            k = min(range(len(self._waiting)), key=lambda k: self._waiting[k].segment)
-            job = self._waiting.pop(k)
+        self._make_room()
+        while len(self._batch) < self.max_batch and (self._waiting or self._parked):
+            queue = [*self._parked, *self._waiting]  # set-aside jobs first among equals
+            k = min(range(len(queue)), key=lambda k: _priority(queue[k]))
+            if k < len(self._parked):
+                self._batch.add(self._parked.pop(k).seq)
+                continue
+            job = self._waiting.pop(k - len(self._parked))
             if job.seq.cancelled:
                 self._finish(job)
                 continue
@@ -281,6 +307,21 @@ class Engine:
             # others, which join at the following frames.
             self._prefill_next()
             break
+
+    def _make_room(self) -> None:
+        """With the batch full and a job someone waits for outside it, set aside the running
+        job generated furthest ahead (it leaves at the next frame)."""
+        if len(self._batch) < self.max_batch:
+            return
+        if all(job.ahead for job in [*self._waiting, *self._parked]):
+            return
+        ahead = [
+            self._jobs[id(seq)]
+            for seq in self._batch.running()
+            if not seq.finished and self._jobs[id(seq)].ahead
+        ]
+        if ahead:
+            self._batch.set_aside(max(ahead, key=lambda j: j.segment).seq)
 
     def _prefill_next(self) -> None:
         """Run the next part of the prefilling job's prompt; the last part adds it to the
@@ -333,6 +374,7 @@ class Engine:
         """End every job, running or waiting, with ``error`` (a failed frame, or the model
         being closed): their consumers get it instead of waiting forever."""
         failed = {id(j): j for j in [*self._jobs.values(), *self._waiting]}
+        self._parked.clear()
         if self._prefilling is not None:
             failed[id(self._prefilling.job)] = self._prefilling.job
             self._prefilling = None
@@ -361,7 +403,8 @@ class Engine:
             mx.eval([r[2] for r in first if r[2] is not None])
             self._deliver(first)
         self._admit()  # after the first chunks: they never wait for a newcomer's prefill
-        self._batch.advance()
+        for seq in self._batch.advance():
+            self._parked.append(self._jobs[id(seq)])
         while self._pending_saves:  # file writes overlap the frame just queued
             self.prefix_store.save(*self._pending_saves.pop())
         self._deliver(self._inflight)

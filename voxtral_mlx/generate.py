@@ -145,6 +145,10 @@ class FrameBatch:
     :meth:`poll` waits for the semantic codes of the queued frame (the one host sync per
     frame) and returns the frames produced; :meth:`advance` queues the next frame for the
     sequences still running (and those that joined).
+
+    A running sequence can be set aside (:meth:`set_aside`) to make room: at the next
+    :meth:`advance` it leaves with its state (as after :func:`prefill`), to be :meth:`add`-ed
+    again later; its output is the same as if it had never left.
     """
 
     def __init__(self, model: VoxtralModel):
@@ -155,6 +159,7 @@ class FrameBatch:
         self._queued: tuple[mx.array, mx.array] | None = None
         self._polled = False
         self._continuing: list[int] = []
+        self._aside: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         """Add a prefilled sequence; it produces its first frame at the next step."""
@@ -166,7 +171,20 @@ class FrameBatch:
         self._joining.append(seq)
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self._joining)
+        """Sequences in the batch from the next step on (set-aside ones not counted)."""
+        return len(self.rows) + len(self._joining) - len(self._aside)
+
+    def running(self) -> list[Sequence]:
+        """The rows that generate the next frame (not set aside)."""
+        leaving = {id(s) for s in self._aside}
+        return [s for s in self.rows if id(s) not in leaving]
+
+    def set_aside(self, seq: Sequence) -> None:
+        """Take running ``seq`` out at the next :meth:`advance`, keeping its state in it
+        (``advance`` returns it); unless it finishes at this frame."""
+        if not any(s is seq for s in self.rows) or any(s is seq for s in self._aside):
+            raise ValueError("only a running sequence can be set aside, once")
+        self._aside.append(seq)
 
     def _frame(self, h: mx.array, rows: list[Sequence]) -> tuple[mx.array, mx.array]:
         noise = mx.concatenate([s.noise.row(s.frames) for s in rows])
@@ -175,9 +193,12 @@ class FrameBatch:
         mx.async_eval(*out)
         return out
 
-    def advance(self) -> None:
-        """Queue the next frame of every continuing and joining sequence (after :meth:`poll`)."""
+    def advance(self) -> list[Sequence]:
+        """Queue the next frame of every continuing and joining sequence (after :meth:`poll`).
+        Returns the sequences set aside (still running, their state kept in them)."""
         h = None
+        aside, self._aside = self._aside, []
+        parked: list[Sequence] = []
         if self._queued is not None:
             if not self._polled:
                 raise RuntimeError("FrameBatch.poll() must come before advance()")
@@ -193,13 +214,18 @@ class FrameBatch:
                     self._cache = None
             if self.rows:
                 h = self.model.step(codes, self._cache)
+                running = {id(s) for s in self.rows}
+                h, parked = self._park(h, [s for s in aside if id(s) in running])
             self._queued = None
         joining, self._joining = self._joining, []
         for seq in joining:
             if seq.cancelled:
                 seq.finished, seq.stop_reason = True, "cancelled"
                 continue
-            single = [BatchKVCache.from_single(c) for c in seq._cache]
+            single = [
+                c if isinstance(c, BatchKVCache) else BatchKVCache.from_single(c)
+                for c in seq._cache
+            ]
             if self._cache is None:
                 self._cache = single
             else:
@@ -211,6 +237,27 @@ class FrameBatch:
         if self.rows:
             self._queued = self._frame(h, self.rows)
             self._polled = False
+        return parked
+
+    def _park(self, h: mx.array, aside: list[Sequence]) -> tuple[mx.array, list[Sequence]]:
+        """Move ``aside`` rows out of the batch: each keeps its hidden state and KV rows."""
+        if not aside:
+            return h, []
+        leaving = {id(s) for s in aside}
+        rest = [i for i, s in enumerate(self.rows) if id(s) not in leaving]
+        for i, seq in enumerate(self.rows):
+            if id(seq) in leaving:
+                seq._h = h[i : i + 1]
+                seq._cache = [c.extract(i) for c in self._cache]
+                mx.async_eval(seq._h, *[a for c in seq._cache for a in (c.keys, c.values)])
+        self.rows = [self.rows[i] for i in rest]
+        if rest:
+            for c in self._cache:
+                c.filter(rest)
+            h = h[mx.array(rest)]
+        else:
+            self._cache, h = None, None
+        return h, aside
 
     def poll(self) -> list[tuple[Sequence, mx.array]]:
         """Wait for the queued frame's END check; return ``(sequence, codes [37])`` for every

@@ -66,6 +66,7 @@ class _Reader:
             i = self._next
             self._next += 1
             job = self._make_job(i, self.segments[i])
+            job.ahead = bool(self.jobs)  # the consumer waits for the first job in flight only
             self.jobs.append((i, job))
             if self._finished:  # cancel() ran while the job was being made: it missed it
                 job.cancel()
@@ -84,6 +85,8 @@ class _Reader:
             raise item
         if item is DONE:
             self.jobs.popleft()
+            if self.jobs:  # now the consumer waits for it: it keeps its batch slot
+                self.jobs[0][1].ahead = False
             if last or self._finished:  # no pause after the end or after cancel()
                 self._finished = True
                 return []

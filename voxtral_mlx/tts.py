@@ -367,9 +367,10 @@ class VoxtralTTS:
         ``max_frames`` applies per segment; chunks carry ``segment`` and ``segments``; memory
         stays bounded whatever the length.
         ``lookahead``: segments generated ahead of the one being consumed (default: the
-        batch size with ``split``; lower it to leave room in the batch for other requests).
-        Waiting segments join the batch in segment order across requests, so another
-        request's first segment is not queued behind this one's segments generated ahead.
+        batch size with ``split``). A segment generated ahead gives up its batch slot to
+        another request's segment that someone is waiting for (it is set aside and resumes
+        later, its output unchanged), so a new request starts at once even while a long
+        text fills the batch; waiting segments join in segment order across requests.
         """
         return self._reader(
             TextStream,

@@ -130,6 +130,17 @@ class BatchKVCache:
         self.length -= trim
         self._offset = self._offset[idx]
 
+    def extract(self, row: int) -> BatchKVCache:
+        """Row ``row`` alone, without its padding (for a sequence leaving the batch for a
+        while, to :meth:`merge` back later)."""
+        pad = self.left_padding[row]
+        return BatchKVCache(
+            self.keys[row : row + 1, :, pad : self.length, :],
+            self.values[row : row + 1, :, pad : self.length, :],
+            [0],
+            self.length - pad,
+        )
+
     def merge(self, other: BatchKVCache) -> None:
         """Append ``other``'s rows, padding whichever side is shorter on the left."""
         n = max(self.length, other.length)

@@ -20,8 +20,9 @@ Endpoints
     ``GET /v1/audio/voices``  the voices with their languages, and the OpenAI aliases.
     ``GET /v1/models``  the loaded model (id: the directory name or repo given with -m).
     ``GET /health``  ``{"status": "ok", "requests": speech requests in progress,
-    "active": text segments generating in the engine's batch, "waiting": segments waiting
-    to join it, "max_batch", "max_queue", and counts since start: "completed",
+    "active": text segments generating in the engine's batch (or set aside), "waiting":
+    segments waiting to join it, "parked": read-ahead segments set aside for a newcomer,
+    "max_batch", "max_queue", and counts since start: "completed",
     "cancelled" (client went away), "failed", "rejected" (429), "frames" (sent, counted as
     they go)}``. Never needs the API key.
 

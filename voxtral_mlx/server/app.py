@@ -222,7 +222,7 @@ class SpeechAPI:
         """Segments a request may generate at once: more than one only while that leaves
         the batch room for every request in progress plus one more, so that a new request
         joins the running batch at the next frame instead of waiting for another request's
-        read-ahead segment to finish (a job in the batch cannot be preempted)."""
+        read-ahead segment to be set aside (which copies its KV state out and back)."""
         room = self.tts.engine.max_batch - 1
         return SERVER_LOOKAHEAD if SERVER_LOOKAHEAD * self.counters.in_progress <= room else 1
 
