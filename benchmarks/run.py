@@ -52,6 +52,7 @@ FULL = [
     ["frame_speed.py", "--configs", "full", "--repeats", "3", "--no-reference"],
     ["weight_bound.py", "--config", "full", "--repeats", "3"],
     ["long_prompt.py", "--configs", "tiny", "--tokens", "1000,2000"],
+    ["newcomer.py", "--configs", "tiny"],
 ]
 
 
