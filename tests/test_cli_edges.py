@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -211,6 +212,18 @@ def test_random_checkpoint_output_checks(model_dir, tmp_path):
         one_line_error(proc)
         assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
+    # A model file among a user's own files does not make them replaceable.
+    (mine / "params.json").write_text("{}")
+    (mine / "photos").mkdir()
+    proc = run("random-checkpoint", str(mine), "--force")
+    assert "(notes.txt, photos)" in one_line_error(proc)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "params.json", "photos"]
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert "symbolic link that loops" in one_line_error(run("random-checkpoint", str(loop)))
+    loop.unlink()
+
     old = tmp_path / "old"
     proc = run("random-checkpoint", str(old), "--layers", "1", "--flow-layers", "1")
     assert proc.returncode == 0, proc.stderr.decode()
@@ -219,6 +232,40 @@ def test_random_checkpoint_output_checks(model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()
     assert not list((old / "voice_embedding").glob("*.pt"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine", "old"]
+
+
+@pytest.mark.parametrize(
+    "make_args",
+    [
+        lambda m, t, long: ["speak", "-m", str(m), "Hi", "-o", str(t / f"{long}.wav")],
+        lambda m, t, long: ["speak", "-m", str(m), "Hi", "-o", str(t / long / "x.wav")],
+        lambda m, t, long: ["voices", "-m", str(t / long)],
+        lambda m, t, long: ["convert-voices", str(m / "voice_embedding"), "-o", str(t / long)],
+        lambda m, t, long: ["random-checkpoint", str(t / long)],
+    ],
+    ids=["output", "output-dir", "model", "convert-voices", "random-checkpoint"],
+)
+def test_a_file_name_too_long_is_one_line(model_dir, tmp_path, make_args):
+    proc = run(*make_args(model_dir, tmp_path, "a" * 300))
+    err = one_line_error(proc)
+    assert "File name too long" in err or "too long" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_voice_file_that_is_a_broken_link_is_named(model_dir, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(model_dir, model)
+    voice = model / "voice_embedding" / "ar_male.pt"
+    voice.unlink()
+    voice.symlink_to(voice.name)  # a loop
+    proc = run("voices", "-m", str(model))
+    assert proc.returncode == 0 and "ar_male" not in proc.stdout.decode()
+    assert "note: voice 'ar_male' is unusable" in proc.stderr.decode()
+    proc = run("speak", "-m", str(model), "-v", "ar_male", "Hi", "-o", str(tmp_path / "x.wav"))
+    assert "is not a readable file" in one_line_error(proc) and "restore it" in proc.stderr.decode()
+    proc = run("convert-voices", str(model / "voice_embedding"), "-o", str(tmp_path / "out"))
+    assert "ar_male.pt is not a readable file" in one_line_error(proc)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
 # --------------------------------------------------------------------------- termination

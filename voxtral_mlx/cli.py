@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import AudioOutputError, InputError, VoxtralError
+from .fileio import one_line
 
 PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
@@ -287,7 +288,12 @@ def _print_voices(tts) -> None:
     for name in sorted(tts.voices):
         voice = tts.voices[name]
         lang = voice.language or "?"
-        _out(f"{name:<20} {lang:<3} {LANGUAGE_NAMES.get(lang, 'unknown')}")
+        _out(f"{one_line(name, 80):<20} {lang:<3} {LANGUAGE_NAMES.get(lang, 'unknown')}")
+    for name, path in sorted(tts.voices.broken.items()):
+        _info(
+            f"note: voice {one_line(repr(name))} is unusable: {one_line(str(path))} is not a "
+            "readable file (a broken symbolic link, or a directory)"
+        )
 
 
 def cmd_voices(args: argparse.Namespace) -> int:
@@ -859,6 +865,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader of stdout went away (e.g. `| head`): not an error of ours.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         return 141
+    except OSError as e:  # a path no check foresaw (a name too long, a link loop, ...)
+        _release_stdout()
+        where = f" {one_line(str(e.filename), 200)!r}" if e.filename else ""
+        _err(f"cannot use{where}: {e.strerror or e}; check the path")
+        return 1
     error = _release_stdout()
     if isinstance(error, BrokenPipeError):
         return 141

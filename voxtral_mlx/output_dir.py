@@ -19,6 +19,15 @@ from .errors import InputError
 from .fileio import one_line
 
 _MODEL_FILES = {"config.json", "params.json", "tekken.json", "model.safetensors.index.json"}
+# What --force may delete with a model directory: its files, and what a Hub download or a
+# conversion puts beside them. Anything else (a user's own files) makes --force refuse.
+_REPLACEABLE = _MODEL_FILES | {
+    "voice_embedding",
+    "README.md",
+    ".gitattributes",
+    ".cache",
+    ".DS_Store",
+}
 
 
 def looks_like_model_dir(path: Path) -> bool:
@@ -26,12 +35,27 @@ def looks_like_model_dir(path: Path) -> bool:
     return bool(names & _MODEL_FILES or any(n.endswith(".safetensors") for n in names))
 
 
+def _foreign(path: Path) -> list[str]:
+    """Entries of ``path`` that are not part of a model directory."""
+    return sorted(
+        p.name
+        for p in path.iterdir()
+        if p.name not in _REPLACEABLE and not p.name.endswith(".safetensors")
+    )
+
+
 def check_output_dir(out: Path, force: bool) -> Path:
     """The directory to write: ``out``, or the directory a symbolic link ``out`` points to
     (the link stays; what it points to is replaced). Raises :class:`InputError` unless it is
     new, empty, or (with ``force``) a model directory."""
     if out.is_symlink():
-        target = out.resolve()
+        try:
+            target = out.resolve()
+        except (RuntimeError, OSError):  # a loop (RuntimeError before Python 3.13)
+            raise InputError(
+                f"output {one_line(str(out))} is a symbolic link that loops; remove it or "
+                "choose another output directory"
+            ) from None
         if not target.is_dir():
             raise InputError(
                 f"output {one_line(str(out))} is a symbolic link to {one_line(str(target))}, "
@@ -50,10 +74,12 @@ def check_output_dir(out: Path, force: bool) -> Path:
                 f"output {one_line(str(out))} exists and is not empty: pass --force to replace "
                 "it, or choose another directory"
             )
-        if not empty and not looks_like_model_dir(out):
+        foreign = [] if empty else _foreign(out)
+        if not empty and (foreign or not looks_like_model_dir(out)):
+            named = f" ({one_line(', '.join(foreign[:3]), 80)})" if foreign else ""
             raise InputError(
-                f"output {one_line(str(out))} holds files that are not a model; refusing to "
-                "replace it even with --force: choose another directory"
+                f"output {one_line(str(out))} holds files that are not a model{named}; "
+                "refusing to replace it even with --force: choose another directory"
             )
     return out
 

@@ -62,10 +62,19 @@ class Voice:
 class VoiceRegistry(Mapping[str, Voice]):
     """The voices found in a directory, by name; embeddings are read lazily and cached."""
 
-    def __init__(self, voices: Mapping[str, Voice], dim: int, voice_dir: Path | None = None):
+    def __init__(
+        self,
+        voices: Mapping[str, Voice],
+        dim: int,
+        voice_dir: Path | None = None,
+        broken: Mapping[str, Path] | None = None,
+    ):
         self._voices = dict(sorted(voices.items()))
         self.dim = dim
         self.voice_dir = voice_dir
+        # Voice files that are not readable files (a dangling or looping link, a directory):
+        # asked for by name, they are reported as such rather than as unknown voices.
+        self.broken = dict(broken or {})
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, mx.Dtype | None], mx.array] = {}
 
@@ -79,6 +88,7 @@ class VoiceRegistry(Mapping[str, Voice]):
         directory (or None) gives an empty registry: the checkpoint simply has no voices.
         """
         found: dict[str, Path] = {}
+        broken: dict[str, Path] = {}
         if voice_dir is not None:
             voice_dir = Path(voice_dir)
             if voice_dir.exists() and not voice_dir.is_dir():
@@ -97,7 +107,12 @@ class VoiceRegistry(Mapping[str, Voice]):
                 path = Path(entry.path)
                 if path.name.startswith(".") or path.suffix not in _SUFFIXES:
                     continue
-                if not entry.is_file():
+                try:
+                    is_file = entry.is_file()
+                except OSError:  # a symbolic link loop
+                    is_file = False
+                if not is_file:
+                    broken.setdefault(path.stem, path)
                     continue
                 known = found.get(path.stem)
                 if known is None or _SUFFIXES.index(path.suffix) < _SUFFIXES.index(known.suffix):
@@ -106,7 +121,8 @@ class VoiceRegistry(Mapping[str, Voice]):
             name: Voice(name, path, voice_language(name), expected_tokens.get(name))
             for name, path in found.items()
         }
-        return cls(voices, dim, voice_dir)
+        broken = {n: p for n, p in broken.items() if n not in found}
+        return cls(voices, dim, voice_dir, broken)
 
     # Mapping protocol: KeyError for unknown names, as Mapping.get / `in` expect.
     def __getitem__(self, name: str) -> Voice:
@@ -128,6 +144,12 @@ class VoiceRegistry(Mapping[str, Voice]):
             folded = [v for n, v in self._voices.items() if n.casefold() == name.casefold()]
             if len(folded) == 1:
                 return folded[0]
+            bad = self.broken.get(name)
+            if bad is not None:
+                raise VoiceError(
+                    f"voice {one_line(repr(name))}: {one_line(str(bad))} is not a readable file "
+                    "(a broken symbolic link, or a directory); restore it from the checkpoint"
+                )
         if not self._voices:
             where = f" in {one_line(str(self.voice_dir))}" if self.voice_dir is not None else ""
             raise VoiceError(
@@ -271,9 +293,17 @@ def _voice_sources(sources: list[Path]) -> list[Path]:
     for source in sources:
         source = Path(source)
         if source.is_dir():
-            found = sorted(
-                p for p in source.glob("*.pt") if p.is_file() and not p.name.startswith(".")
-            )
+            found = sorted(p for p in source.glob("*.pt") if not p.name.startswith("."))
+            for path in found:
+                try:
+                    ok = path.is_file()
+                except OSError:  # a symbolic link loop
+                    ok = False
+                if not ok:
+                    raise VoiceError(
+                        f"{one_line(str(path))} is not a readable file (a broken symbolic link, "
+                        "or a directory); restore it, or convert the other files one by one"
+                    )
             if not found:
                 raise VoiceError(f"{one_line(str(source))} holds no .pt voice files")
             files.extend(found)
