@@ -235,6 +235,24 @@ def test_random_checkpoint_output_checks(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["speak", "--seed", "nan", "Hi"], "argument --seed: invalid int value: 'nan'"),
+        (["speak", "--max-frames", "1e9", "Hi"], "argument --max-frames: invalid int value"),
+        (["speak", "--bogus", "Hi"], "unrecognized arguments: --bogus"),
+        (["random-checkpoint", "x", "--size", "huge"], "invalid choice: 'huge'"),
+        (["serve", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
+        (["serve", "--max-batch", "65"], "--max-batch must be at most 64, got 65"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
+def test_a_mistyped_command_line_is_one_line_with_status_1(args, words):
+    """Not argparse's usage block and status 2: the README promises one line and 1."""
+    err = one_line_error(run(*args))
+    assert words in err, err
+
+
+@pytest.mark.parametrize(
     "make_args",
     [
         lambda m, t, long: ["speak", "-m", str(m), "Hi", "-o", str(t / f"{long}.wav")],

@@ -110,9 +110,11 @@ def test_close_frees_the_model(tiny_checkpoint_noend):
     assert refs[0]() is None and refs[1]() is None
 
 
-def test_max_batch_must_be_at_least_one(tiny_checkpoint_noend, tts):
+def test_max_batch_must_be_from_one_to_64(tiny_checkpoint_noend, tts):
     with pytest.raises(InputError, match="max_batch"):
         voxtral_mlx.load(tiny_checkpoint_noend, max_batch=0)
+    with pytest.raises(InputError, match="max_batch must be at most 64, got 65"):
+        voxtral_mlx.load(tiny_checkpoint_noend, max_batch=65)
     with pytest.raises(InputError, match="max_batch"):
         tts.engine.max_batch = 0
     assert tts.engine.max_batch == 4

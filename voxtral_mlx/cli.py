@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from .errors import AudioOutputError, InputError, VoxtralError
 from .fileio import one_line
@@ -598,11 +598,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import contextlib
 
+    from .engine import check_max_batch
     from .server import API_KEY_ENV, ServerConfig, bind, create_app, serve
 
     for name in ("max_batch", "max_queue", "max_input_chars", "max_frames"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1")
+    check_max_batch(args.max_batch, "--max-batch")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} is not a TCP port: use 1 to 65535 (0: any free port)")
     for name in ("body_timeout", "send_timeout"):
@@ -659,8 +661,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line, exit status 1 (argparse prints
+    the usage block and exits with 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        _err(f"{one_line(message, 300)}; see `{self.prog} --help`")
+        sys.exit(1)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Mistral's Voxtral-4B-TTS on Apple Silicon with MLX.",
     )
@@ -790,7 +801,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VOXTRAL_MLX_API_KEY)",
     )
     srv.add_argument(
-        "--max-batch", type=int, default=4, help="text segments generated as one batch (4)"
+        "--max-batch",
+        type=int,
+        default=4,
+        help="text segments generated as one batch (4; at most 64)",
     )
     srv.add_argument(
         "--max-queue",

@@ -128,9 +128,17 @@ def check_whole(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def check_max_batch(value: object) -> int:
+# Beyond this a batch only adds memory (a KV cache per sequence) and warm-up time (one
+# compiled step per batch size); the weights are already read once per frame for all.
+MAX_BATCH = 64
+
+
+def check_max_batch(value: object, name: str = "max_batch") -> int:
     """``value`` if it is a valid batch size, else a one-line :class:`InputError`."""
-    return check_whole("max_batch", value, 1)
+    value = check_whole(name, value, 1)
+    if value > MAX_BATCH:
+        raise InputError(f"{name} must be at most {MAX_BATCH}, got {value}")
+    return value
 
 
 @dataclass
