@@ -146,6 +146,39 @@ def test_a_name_at_the_file_system_limit_is_writable(tmp_path, stem):
     assert sf.info(str(path)).frames == FRAME
 
 
+def test_an_output_that_is_a_symbolic_link_is_written_through(tmp_path):
+    """As a shell's `>` does: the file the link points to gets the audio, the link stays."""
+    audio = np.zeros(FRAME, np.float32)
+    (tmp_path / "audio").mkdir()
+    target = tmp_path / "audio" / "today.wav"
+    target.write_bytes(b"old")
+    link = tmp_path / "latest.wav"
+    link.symlink_to(target)
+    with AudioFileWriter(link, SR) as w:
+        w.write(audio)
+    assert link.is_symlink() and sf.info(str(target)).frames == FRAME
+    assert sorted(p.name for p in (tmp_path / "audio").iterdir()) == ["today.wav"]
+
+    dangling = tmp_path / "new.wav"
+    dangling.symlink_to(tmp_path / "audio" / "created.wav")
+    with AudioFileWriter(dangling, SR) as w:
+        w.write(audio)
+    assert sf.info(str(tmp_path / "audio" / "created.wav")).frames == FRAME
+
+
+def test_a_looping_link_or_a_device_is_refused(tmp_path):
+    loop = tmp_path / "loop.wav"
+    loop.symlink_to(loop)
+    with pytest.raises(AudioOutputError, match="symbolic link that loops"):
+        check_output_path(loop)
+    device = tmp_path / "dev.wav"
+    device.symlink_to(os.devnull)
+    for path in (device, Path(os.devnull)):
+        with pytest.raises(AudioOutputError, match="not a regular file") as exc:
+            check_output_path(path)
+        assert "-o -" in str(exc.value) and "\n" not in str(exc.value)
+
+
 @pytest.mark.parametrize("free", [0, 10 << 30])
 def test_a_failed_open_says_when_the_disk_is_full(tmp_path, monkeypatch, free):
     """A WAV header written into a full disk fails in the open, also as "System error."."""

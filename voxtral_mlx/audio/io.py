@@ -82,6 +82,25 @@ def _extension(path: Path) -> str:
     return path.suffix.lower()
 
 
+def output_target(path: str | os.PathLike[str]) -> Path:
+    """The file to write for ``path``: ``path`` itself, or what a symbolic link ``path``
+    points to (written through, as a shell's ``>`` does; the link stays a link)."""
+    p = Path(path)
+    if not p.is_symlink():
+        return p
+    try:
+        target = p.resolve()
+        target.stat()
+    except FileNotFoundError:  # a dangling link: the file it names is created
+        return target
+    except (RuntimeError, OSError):  # a loop (RuntimeError before Python 3.13)
+        raise AudioOutputError(
+            f"output path {str(p)!r} is a symbolic link that loops; remove it or choose "
+            "another path"
+        ) from None
+    return target
+
+
 def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = None) -> None:
     """Fail early, before any generation, if audio cannot be written to ``path``.
 
@@ -90,7 +109,7 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
     cannot hold, a path that is a directory, or a missing or unwritable parent directory.
     An existing file at ``path`` is fine: it is replaced only when writing succeeds.
     """
-    p = Path(path)
+    p = output_target(path)
     if str(path).endswith(("/", os.sep)):  # Path() drops the slash that names a directory
         raise AudioOutputError(
             f"output path {str(path)!r} ends with a slash, so it names a directory; "
@@ -101,7 +120,12 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
             f"output path {str(p)!r} is a directory; give a file name such as "
             f"{str(p / 'speech.wav')!r}"
         )
-    ext = _extension(p)
+    if p.exists() and not p.is_file():
+        raise AudioOutputError(
+            f"output path {str(p)!r} is not a regular file (a device, pipe or socket); "
+            "write to a file, or to stdout with -o -"
+        )
+    ext = _extension(Path(path))  # the name given says the format, even through a link
     supported = ", ".join(FORMATS)
     if ext not in FORMATS:
         what = f"extension {ext!r}" if ext else "no extension"
@@ -258,6 +282,7 @@ class AudioFileWriter:
         self.sample_rate = int(sample_rate)
         self.channels = int(channels)
         check_output_path(self.path, self.sample_rate)
+        self._target = output_target(self.path)  # through a symbolic link
         ext = _extension(self.path)
         fmt, subtype = FORMATS[ext]
         self._format = fmt
@@ -266,13 +291,13 @@ class AudioFileWriter:
         self._pending = 0  # frames of the chunk being written, until they are counted
         self._closed = False
         self._kept = False
-        self._tmp = self.path.parent / _temp_name(self.path.stem, ext)
+        self._tmp = self._target.parent / _temp_name(self._target.stem, ext)
         try:
             # O_EXCL: never reuse someone else's file; mode 0o666 lets the umask decide.
             fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         except OSError as e:
             raise AudioOutputError(
-                f"cannot create a file in {str(self.path.parent)!r}: {e.strerror}; "
+                f"cannot create a file in {str(self._target.parent)!r}: {e.strerror}; "
                 "choose another location"
             ) from e
         try:
@@ -289,7 +314,7 @@ class AudioFileWriter:
             with contextlib.suppress(OSError):  # libsndfile may have closed it already
                 os.close(fd)
             _discard(None, self._tmp)
-            if _disk_full(self.path.parent):  # writing the header failed: "System error."
+            if _disk_full(self._target.parent):  # writing the header failed: "System error."
                 raise AudioOutputError(f"cannot write {str(self.path)!r}: {_NO_SPACE}") from e
             raise AudioOutputError(
                 f"cannot open {str(self.path)!r} for {fmt}/{subtype} at {self.sample_rate} Hz: "
@@ -326,7 +351,7 @@ class AudioFileWriter:
         except Exception as e:
             self.abort()
             raise AudioOutputError(
-                f"writing {str(self.path)!r} failed: {_failure(e, self.path.parent)}"
+                f"writing {str(self.path)!r} failed: {_failure(e, self._target.parent)}"
             ) from e
         self.frames_written += a.shape[0]
         self._pending = 0
@@ -357,14 +382,14 @@ class AudioFileWriter:
                 os.fsync(fd)  # the rename must not land before the data after a crash
             finally:
                 os.close(fd)
-            os.replace(self._tmp, self.path)  # a symlink at the target is replaced, not followed
+            os.replace(self._tmp, self._target)
         except AudioOutputError:
             _discard(None, self._tmp)
             raise
         except Exception as e:
             _discard(None, self._tmp)
             raise AudioOutputError(
-                f"finishing {str(self.path)!r} failed: {_failure(e, self.path.parent)}"
+                f"finishing {str(self.path)!r} failed: {_failure(e, self._target.parent)}"
             ) from e
         except BaseException:  # a second Ctrl-C while finishing: no temp file stays behind
             _discard(handle, self._tmp)
