@@ -24,6 +24,7 @@ import soundfile as sf
 
 import voxtral_mlx
 from voxtral_mlx.audio.io import float_to_int16
+from voxtral_mlx.server.errors import APIError
 from voxtral_mlx.server.speed import TimeStretcher, time_stretch
 from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
 
@@ -601,10 +602,24 @@ def test_transport_level_mistakes(server, http):
     assert basic_error["code"] == "invalid_api_key" and "'Basic'" in basic_error["message"]
     assert _assert_openai_error(http.get("/v1/nothing"), 404)["code"] == "not_found"
     assert _assert_openai_error(http.get("/nothing"), 404)["code"] == "not_found"
+    slash = http.post("/v1/audio/speech/", json={"input": "Hi."}, headers={"host": "evil.example"})
+    assert _assert_openai_error(slash, 404)["code"] == "not_found"
+    assert "location" not in slash.headers
     not_allowed = http.get("/v1/audio/speech")
     _assert_openai_error(not_allowed, 405)
     assert not_allowed.headers["allow"] == "POST"
     _assert_openai_error(http.delete("/v1/models"), 405)
+
+
+def test_voice_names_ignore_case_when_unambiguous():
+    from voxtral_mlx.server.request import resolve_voice
+
+    voices = {"casual_male": 1, "neutral_female": 2}
+    assert resolve_voice("CASUAL_MALE", voices, "casual_male") == "casual_male"
+    assert resolve_voice("Alloy", voices, "casual_male") == "neutral_female"
+    both = {"a_voice": 1, "A_Voice": 2}
+    with pytest.raises(APIError, match="unknown voice"):
+        resolve_voice("A_VOICE", both, "a_voice")
 
 
 def test_the_openai_client_sees_its_own_exceptions(server, client):

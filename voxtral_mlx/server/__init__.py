@@ -9,7 +9,8 @@ OpenAI client::
 Endpoints
     ``POST /v1/audio/speech``  OpenAI's body: ``input`` (required; at most
     ``--max-input-chars``, default 4096 as OpenAI), ``voice`` (a voice of the model or an
-    OpenAI name, below; a string or ``{"id": name}``; default ``casual_male``),
+    OpenAI name, below, case ignored when unambiguous; a string or ``{"id": name}``; default
+    ``casual_male``),
     ``response_format`` (``mp3`` default, ``opus``, ``wav``, ``pcm``, ``flac``; ``aac`` is
     refused with 400), ``speed`` (0.25 to 4.0), ``stream_format`` (``audio`` default, or
     ``sse``). ``model`` is accepted and ignored (any string: the loaded model speaks; nothing

@@ -86,6 +86,9 @@ def create_app(tts: VoxtralTTS, config: ServerConfig) -> Starlette:
         Exception: _server_error,
     }
     app = Starlette(routes=routes, exception_handlers=handlers)
+    # A trailing slash is a wrong URL (404 in OpenAI's shape), not a redirect built from the
+    # client's own Host header.
+    app.router.redirect_slashes = False
     app.state.api = api
     if config.api_key:
         app.add_middleware(BearerAuth, api_key=config.api_key)

@@ -81,6 +81,14 @@ def resolve_voice(value: Any, voices: Mapping[str, Any], default: str) -> str:
     aliases = voice_aliases(voices)
     if value in aliases:
         return aliases[value]
+    # As the CLI's -v: a name equal to exactly one voice or alias but for case is that one.
+    folded = {
+        target
+        for name, target in [*((v, v) for v in voices), *aliases.items()]
+        if name.casefold() == value.casefold()
+    }
+    if len(folded) == 1:
+        return folded.pop()
     names = ", ".join([*voices, *aliases])
     raise bad_request(
         f"unknown voice {shown(value)}; available voices: {names} "
