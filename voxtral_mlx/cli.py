@@ -412,7 +412,8 @@ def cmd_speak(args: argparse.Namespace) -> int:
             player.stop()
         raise
     progress = chunks = None
-    ok = interrupted = False
+    ok = False
+    interrupted: KeyboardInterrupt | None = None
     try:
         progress = Progress(len(stream.segments)) if _show_progress(args, stream) else None
         chunks = _Chunks(stream)
@@ -435,8 +436,8 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if player is not None:
             player.finish()
         ok = True
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt as e:
+        interrupted = e
         raise
     finally:
         with _signals_held():  # a second Ctrl-C must not leave the temp file behind
@@ -450,9 +451,12 @@ def cmd_speak(args: argparse.Namespace) -> int:
             if file_writer is not None:
                 if ok:
                     file_writer.close()
-                elif interrupted and file_writer.commit_partial():
+                elif interrupted is not None and file_writer.commit_partial():
                     kept = file_writer.duration_s
-                    _info(f"interrupted: kept {kept:.1f} s of audio in {args.output}")
+                    # The one error line main() prints says what was kept.
+                    interrupted.detail = (
+                        f"interrupted: kept {kept:.1f} s of audio in {one_line(str(args.output))}"
+                    )
                 else:
                     file_writer.abort()
             if wav is not None:
@@ -870,7 +874,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err(str(e))
         return 1
     except KeyboardInterrupt as e:
-        _err("interrupted")
+        _err(getattr(e, "detail", "interrupted"))
         code = 128 + e.signum if isinstance(e, Terminated) else 130
         if argv is None:
             _exit_now(code)
