@@ -270,6 +270,25 @@ def test_a_file_name_too_long_is_one_line(model_dir, tmp_path, make_args):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_text_that_is_not_utf8_and_an_empty_model_are_one_line(model_dir, tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("Café crème.".encode("latin-1"))
+    err = one_line_error(run("speak", "-m", str(model_dir), "-f", str(bad), "-o", "x.wav"))
+    assert "is not UTF-8 text; convert it first" in err
+    env = {"LC_ALL": "C.UTF-8", "PYTHONUTF8": "1"}
+    latin1 = os.fsdecode(b"Caf\xe9")  # a byte UTF-8 cannot decode, as a shell passes it
+    proc = subprocess.run(
+        [sys.executable, "-m", "voxtral_mlx", "speak", "-m", str(model_dir), "-o", "x.wav", latin1],
+        env=env_with_repo(env),
+        capture_output=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert "arguments is not UTF-8" in one_line_error(proc)
+    assert "empty name" in one_line_error(run("voices", "-m", ""))
+    assert list(tmp_path.iterdir()) == [bad]
+
+
 def test_a_voice_file_that_is_a_broken_link_is_named(model_dir, tmp_path):
     model = tmp_path / "m"
     shutil.copytree(model_dir, model)

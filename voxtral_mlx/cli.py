@@ -243,11 +243,21 @@ def _read_text(args: argparse.Namespace) -> str:
         except FileNotFoundError:
             raise InputError(f"text file {args.file} not found") from None
         except UnicodeDecodeError:
-            raise InputError(f"text file {args.file} is not UTF-8 text") from None
+            raise InputError(
+                f"text file {one_line(args.file)} is not UTF-8 text; convert it first (e.g. "
+                "with iconv)"
+            ) from None
         except OSError as e:
             raise InputError(f"cannot read {args.file}: {e.strerror}") from None
     if args.text:
-        return " ".join(args.text)
+        text = " ".join(args.text)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the locale could not decode (surrogate escapes)
+            raise InputError(
+                "the text given as arguments is not UTF-8; convert it first (e.g. with iconv)"
+            ) from None
+        return text
     if sys.stdin is not None and not sys.stdin.isatty():
         return _read_stdin()
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")

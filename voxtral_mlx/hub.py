@@ -118,6 +118,11 @@ def resolve_model_dir(path_or_repo: str | os.PathLike[str] | None = None) -> Pat
     local cache). Anything else that does not exist is an error, never a Hub lookup.
     """
     spec = DEFAULT_REPO if path_or_repo is None else os.fspath(path_or_repo)
+    if isinstance(spec, str) and not spec.strip():  # Path("") would be the current directory
+        raise ModelNotFoundError(
+            f"the model is an empty name; pass a directory or a Hugging Face repo id such as "
+            f"{DEFAULT_REPO}"
+        )
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
