@@ -144,8 +144,10 @@ def test_missing_path_like_string_never_calls_the_hub(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    if spec == "":  # "" is the current directory: an existing directory without a model
-        assert resolve_model_dir(spec) == tmp_path.resolve()
+    if spec == "":  # not the current directory (Path("")): `-m "$UNSET"` is a mistake
+        with pytest.raises(ModelNotFoundError, match="empty name"):
+            resolve_model_dir(spec)
+        assert not no_hub
         return
     assert not looks_like_repo_id(spec)
     with pytest.raises(ModelNotFoundError) as exc:
