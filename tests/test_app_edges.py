@@ -272,7 +272,7 @@ def test_another_texts_first_segment_waits_less_than_segments_generated_ahead(
         jobs = []
         for name, segment in (("a0", 0), ("a1", 1), ("a2", 2), ("b0", 0)):
             job = tts.job("Words to say.", VOICE, seed=1, max_frames=2, chunk_frames=2)
-            job.segment = segment
+            job.segment, job.ahead = segment, segment > 0
             job.on_output = lambda item, name=name: done.append(name) if item is DONE else None
             jobs.append(job)
         tts.worker.call(lambda: [tts.engine.submit(job) for job in jobs])  # one hand-over
@@ -282,6 +282,43 @@ def test_another_texts_first_segment_waits_less_than_segments_generated_ahead(
     finally:
         tts.close()
     assert done == ["a0", "b0", "a1", "a2"]
+
+
+def test_a_segment_its_consumer_reached_is_not_overtaken_by_every_new_request(
+    tiny_checkpoint_noend,
+):
+    """Once text A's consumer waits for segment a1, a1 is served first come, first served
+    with new requests: d0, submitted after a1 became needed, goes after it (new requests
+    arriving non-stop used to keep a1 waiting for as long as they came)."""
+    from voxtral_mlx.engine import DONE
+
+    tts = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None, max_batch=1)
+    done: list[str] = []
+    jobs: dict[str, object] = {}
+
+    def on_output(name: str, item) -> None:  # on the worker thread
+        if item is DONE:
+            done.append(name)
+            if name == "a0":
+                jobs["a1"].needed()  # A's consumer reached a1
+        elif name == "b0" and "d0" not in jobs:
+            jobs["d0"] = make("d0", 0)
+            tts.engine.submit(jobs["d0"])
+
+    def make(name: str, segment: int):
+        job = tts.job("Words to say.", VOICE, seed=1, max_frames=2, chunk_frames=1)
+        job.segment, job.ahead = segment, segment > 0
+        job.on_output = lambda item: on_output(name, item)
+        return job
+
+    try:
+        for name, segment in (("a0", 0), ("a1", 1), ("b0", 0)):
+            jobs[name] = make(name, segment)
+        tts.worker.call(lambda: [tts.engine.submit(jobs[n]) for n in ("a0", "a1", "b0")])
+        _wait_for(lambda: len(done) == 4)
+    finally:
+        tts.close()
+    assert done == ["a0", "b0", "a1", "d0"]
 
 
 CHAPTER = "First part of it. Second part of it. Third part of it. Fourth one. Fifth one."
@@ -314,6 +351,55 @@ def test_a_new_request_takes_the_slot_of_a_segment_generated_ahead(tts):
     np.testing.assert_array_equal(np.concatenate([c.codes for c in short]), solo_short.codes)
     np.testing.assert_array_equal(np.concatenate([c.codes for c in chunks]), solo_long.codes)
     np.testing.assert_array_equal(np.concatenate([c.audio for c in chunks]), solo_long.audio)
+
+
+def test_a_new_request_does_not_wait_for_the_prefill_of_a_segment_generated_ahead(tts, monkeypatch):
+    """A segment generated ahead is prefilled in parts; a request someone waits for that
+    arrives meanwhile is prefilled first (the other resumes where it stopped), and both
+    outputs equal their solo runs."""
+    sentence = " ".join(f"word{i}" for i in range(40)) + "."
+    text = f"{sentence} {sentence}"
+    kwargs = dict(seed=3, split=True, max_chars=len(sentence) + 10, max_frames=8)
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 4)
+    solo_long = tts.synthesize(text, VOICE, **kwargs)
+    solo_short = tts.synthesize("Quick one.", VOICE, seed=2, max_frames=6)
+
+    events: list[tuple[str, int]] = []
+    watched: dict[str, object] = {}
+    started = threading.Event()
+    prefill_part, prefill = engine_mod.prefill_part, engine_mod.prefill
+
+    def part(model, text_embeds, cache):
+        job = tts.engine._prefilling.job
+        events.append(("part", id(job)))
+        if job is watched.get("job"):
+            started.set()
+        time.sleep(0.01)  # the newcomer arrives during these parts
+        return prefill_part(model, text_embeds, cache)
+
+    def last(model, seq, text_embeds, cache):
+        events.append(("last", id(tts.engine._prefilling.job)))
+        return prefill(model, seq, text_embeds, cache)
+
+    monkeypatch.setattr(engine_mod, "prefill_part", part)
+    monkeypatch.setattr(engine_mod, "prefill", last)
+    with tts.stream(text, VOICE, lookahead=2, **kwargs) as chapter:
+        assert len(chapter.segments) >= 2
+        watched["job"] = long_job = chapter.jobs[1][1]
+        first = next(chapter)
+        assert started.wait(30)
+        short_stream = tts.stream("Quick one.", VOICE, seed=2, max_frames=6)
+        short_job = short_stream.jobs[0][1]
+        short = list(short_stream)
+        rest = list(chapter)
+    long_events = [i for i, (_, j) in enumerate(events) if j == id(long_job)]
+    short_last = events.index(("last", id(short_job)))
+    assert long_events[0] < short_last < long_events[-1]  # it came in between the parts
+    assert events[long_events[-1]] == ("last", id(long_job))
+    np.testing.assert_array_equal(np.concatenate([c.codes for c in short]), solo_short.codes)
+    got = np.concatenate([c.codes for c in [first, *rest]])
+    np.testing.assert_array_equal(got, solo_long.codes)
+    _wait_for(lambda: not tts.engine.busy)
 
 
 def test_a_set_aside_segment_that_is_cancelled_ends(tts):

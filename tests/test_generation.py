@@ -342,3 +342,25 @@ def test_nan_in_the_flow_head_gives_codes_in_range(tiny_checkpoint):
         assert acoustic.min() >= 2 and acoustic.max() <= tts.config.flow.acoustic_codebook_size + 1
     finally:
         tts.close()
+
+
+def test_a_row_taken_out_of_a_batch_cache_owns_its_memory():
+    """A set-aside sequence keeps only its own rows: its copy must not pin the buffer of
+    the whole (padded) batch while it waits to rejoin."""
+    from voxtral_mlx.model.cache import BatchKVCache
+
+    def cache(rows: int, length: int) -> BatchKVCache:
+        k = mx.random.normal((rows, 2, length, 16))
+        return BatchKVCache(k, k + 1, [0] * rows, length)
+
+    batch = cache(1, 40)
+    batch.merge(cache(7, 512))  # row 0 is left-padded to the others' length
+    mx.eval(batch.keys, batch.values)
+    row = batch.extract(0)
+    mx.eval(row.keys, row.values)
+    assert row.length == 40 and row.left_padding == [0]
+    np.testing.assert_array_equal(np.array(row.keys[0, :, :, :]), np.array(batch.keys[0, :, -40:]))
+    before = mx.get_active_memory()
+    freed = batch.keys.nbytes + batch.values.nbytes
+    del batch
+    assert before - mx.get_active_memory() >= freed  # nothing of the batch is kept alive

@@ -141,6 +141,10 @@ class FakeJob:
         self.output: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled = False
         self.on_cancel = on_cancel
+        self.ahead = False
+
+    def needed(self) -> None:
+        self.ahead = False
 
     def put_chunk(self, final: bool) -> None:
         audio = np.full(1920, self.i + 1, np.float32)
@@ -326,3 +330,21 @@ def test_an_error_before_stop_is_still_reported_by_wait():
     playback.stop()
     with pytest.raises(RuntimeError, match="device went away"):
         playback.wait(10)
+
+
+def test_jobs_generated_ahead_are_marked_until_the_consumer_reaches_them():
+    """The engine lets a job generated ahead give way to one someone waits for: the stream
+    says which is which, and a job stops being ahead when the one before it is done."""
+    made: list[FakeJob] = []
+
+    def make_job(i, seg):
+        made.append(FakeJob(i))
+        return made[-1]
+
+    stream = TextStream(_answer, make_job, _segments(4), 24000, 3, None)
+    first = next(stream)
+    assert first.segment == 0 and [j.ahead for j in made] == [False, True, True]
+    pause = next(stream)  # segment 0's DONE: the pause after it, and segment 1 is needed
+    assert pause.segment == 0 and not pause.frames
+    assert [j.ahead for j in made] == [False, False, True]
+    assert len(list(stream)) > 0 and not any(j.ahead for j in made)

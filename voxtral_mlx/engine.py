@@ -97,16 +97,26 @@ class Job:
     submitted_at: float = field(default_factory=time.perf_counter)
     segment: int = 0  # its index in a split text: earlier segments of any text wait less
     # Generated ahead of the segment its text's consumer is waiting for: such a job gives
-    # up its batch slot (set aside, resumed later) to a job someone is waiting for.
+    # up its batch slot or its prefill (set aside, resumed later) to a job someone is
+    # waiting for. Jobs someone waits for are served first come, first served, from
+    # ``waited_since`` (when it was submitted, or stopped being ahead: see :meth:`needed`).
     ahead: bool = False
+    waited_since: float = field(default_factory=time.perf_counter)
     _codes: list[mx.array] = field(default_factory=list, repr=False)
     _next_index: int = 0  # frames handed to the codec
     _delivered_frames: int = 0
     _codec_state: object = field(default=None, repr=False)
+    _suspended: _Prefill | None = field(default=None, repr=False)  # a prefill set aside
 
     def cancel(self) -> None:
         """Stop generating (any thread); takes effect at the next frame boundary."""
         self.seq.cancel()
+
+    def needed(self) -> None:
+        """Its text's consumer now waits for it (any thread): no longer generated ahead."""
+        if self.ahead:
+            self.waited_since = time.perf_counter()
+            self.ahead = False
 
     def _emit(self, item: AudioChunk | _Done | BaseException) -> None:
         if self.on_output is None:
@@ -151,10 +161,11 @@ class _Prefill:
     hit: bool  # the voice prefix came from the cache
 
 
-def _priority(job: Job) -> tuple[bool, int]:
-    """Admission order: jobs someone waits for, then earlier segments (stable: first come
-    first served among equals)."""
-    return (job.ahead, job.segment)
+def _priority(job: Job) -> tuple[int, int, float]:
+    """Admission order: jobs someone waits for, first come first served (a text's later
+    segment, once its consumer reaches it, is not overtaken by every new request); then
+    segments generated ahead, earliest segment first (stable among equals)."""
+    return (1, job.segment, 0.0) if job.ahead else (0, 0, job.waited_since)
 
 
 class Engine:
@@ -244,11 +255,14 @@ class Engine:
 
     def submit(self, job: Job) -> Job:
         job.submitted_at = time.perf_counter()
+        if not job.ahead:
+            job.waited_since = job.submitted_at
         self._waiting.append(job)
         return job
 
     def stats(self) -> dict[str, int]:
-        """Jobs generating in the batch and waiting to join it (safe from any thread)."""
+        """Jobs generating in the batch (``active``, set-aside ones included), waiting to join
+        it, and set aside (``parked``; safe from any thread)."""
         return {
             "active": len(self._jobs) + (self._prefilling is not None),
             "waiting": len(self._waiting),
@@ -289,8 +303,14 @@ class Engine:
                 else:
                     self._parked.append(job)
         if self._prefilling is not None:
-            self._prefill_next()
-            return
+            if not (self._prefilling.job.ahead and self._someone_waits()):
+                self._prefill_next()
+                return
+            # A long prompt generated ahead must not hold up a job someone waits for: its
+            # prefill goes back to the queue, to resume where it stopped.
+            job = self._prefilling.job
+            job._suspended, self._prefilling = self._prefilling, None
+            self._waiting.append(job)
         self._make_room()
         while len(self._batch) < self.max_batch and (self._waiting or self._parked):
             queue = [*self._parked, *self._waiting]  # set-aside jobs first among equals
@@ -302,6 +322,10 @@ class Engine:
             if job.seq.cancelled:
                 self._finish(job)
                 continue
+            if job._suspended is not None:
+                job._suspended, self._prefilling = None, job._suspended
+                self._prefill_next()
+                break
             try:
                 cache, hit = self._prefix_cache(job)
                 text = self.model.mm_audio_embeddings.tok_embeddings(mx.array(job.text_ids))
@@ -316,12 +340,14 @@ class Engine:
             self._prefill_next()
             break
 
+    def _someone_waits(self) -> bool:
+        """A job someone waits for is outside the batch (waiting, or set aside)."""
+        return any(not job.ahead for job in [*self._waiting, *self._parked])
+
     def _make_room(self) -> None:
         """With the batch full and a job someone waits for outside it, set aside the running
         job generated furthest ahead (it leaves at the next frame)."""
-        if len(self._batch) < self.max_batch:
-            return
-        if all(job.ahead for job in [*self._waiting, *self._parked]):
+        if len(self._batch) < self.max_batch or not self._someone_waits():
             return
         ahead = [
             self._jobs[id(seq)]
@@ -491,6 +517,7 @@ class Engine:
 
     def _finish(self, job: Job) -> None:
         """End a job that never joined the batch (cancelled, or zero frames allowed)."""
+        job._suspended = None  # a prefill set aside: its cache is not needed any more
         job.seq.finished = job.done = True
         job.timings.total_s = time.perf_counter() - job.submitted_at
         empty = np.zeros((0, self.model.config.num_codebooks), np.int32)

@@ -86,7 +86,7 @@ class _Reader:
         if item is DONE:
             self.jobs.popleft()
             if self.jobs:  # now the consumer waits for it: it keeps its batch slot
-                self.jobs[0][1].ahead = False
+                self.jobs[0][1].needed()
             if last or self._finished:  # no pause after the end or after cancel()
                 self._finished = True
                 return []

@@ -369,8 +369,9 @@ class VoxtralTTS:
         ``lookahead``: segments generated ahead of the one being consumed (default: the
         batch size with ``split``). A segment generated ahead gives up its batch slot to
         another request's segment that someone is waiting for (it is set aside and resumes
-        later, its output unchanged), so a new request starts at once even while a long
-        text fills the batch; waiting segments join in segment order across requests.
+        later, its output unchanged; so does its prompt's prefill), so a new request starts
+        at once even while a long text fills the batch. Segments someone waits for join
+        first come, first served; segments generated ahead follow, earliest first.
         """
         return self._reader(
             TextStream,

@@ -134,9 +134,10 @@ class BatchKVCache:
         """Row ``row`` alone, without its padding (for a sequence leaving the batch for a
         while, to :meth:`merge` back later)."""
         pad = self.left_padding[row]
+        # Copies: a slice would keep the whole batch's buffer alive while the row is away.
         return BatchKVCache(
-            self.keys[row : row + 1, :, pad : self.length, :],
-            self.values[row : row + 1, :, pad : self.length, :],
+            mx.contiguous(self.keys[row : row + 1, :, pad : self.length, :]),
+            mx.contiguous(self.values[row : row + 1, :, pad : self.length, :]),
             [0],
             self.length - pad,
         )
