@@ -507,12 +507,78 @@ def test_an_interrupt_while_swapping_in_is_delivered_after_it(
         real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(output_dir.shutil, "rmtree", interrupted_rmtree)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as exc:
         convert_model(source, out, q_bits=4, force=True)
+    assert "was written (it is complete)" in exc.value.detail  # the CLI's one error line
     assert removed  # the interrupt came during the removal of the old model
     assert tree_bytes(out) == tree_bytes(converted["q4"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_interrupt_during_the_cleanup_leaves_nothing(source, tmp_path, monkeypatch):
+    """Ctrl-C twice: the second comes while the staging directory is being removed; it is
+    held back until the removal is done, so no hidden .partial directory stays."""
+    import voxtral_mlx.output_dir as output_dir
+
+    real_rmtree = shutil.rmtree
+
+    def interrupted_rmtree(path, *args, **kwargs):
+        signal.raise_signal(signal.SIGINT)  # the second Ctrl-C
+        real_rmtree(path, *args, **kwargs)
+
+    def first_interrupt(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_mod, "_copy_voices", first_interrupt)
+    monkeypatch.setattr(output_dir.shutil, "rmtree", interrupted_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        convert_model(source, tmp_path / "out", q_bits=4)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_refuses_foreign_files_inside_voice_embedding(converted, source, tmp_path):
+    out = Path(shutil.copytree(converted["bf16"], tmp_path / "out"))
+    (out / "voice_embedding" / "sub").mkdir()
+    (out / "voice_embedding" / "sub" / "notes.txt").write_text("precious")
+    with pytest.raises(InputError) as exc:
+        convert_model(source, out, force=True)
+    assert "voice_embedding/sub" in one_line(exc.value)
+    assert (out / "voice_embedding" / "sub" / "notes.txt").read_text() == "precious"
+
+
+def test_a_long_but_legal_output_name_converts(source, tmp_path):
+    """The hidden staging directory beside it is shortened to fit the file system."""
+    out = convert_model(source, tmp_path / ("k" * 250)).path
+    assert out.name == "k" * 250 and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k" * 250]
+    again = convert_model(source, out, q_bits=8, force=True).path  # and the .old- name
+    assert again == out and sorted(p.name for p in tmp_path.iterdir()) == ["k" * 250]
+
+
+@pytest.mark.parametrize("broken", ["dangling", "directory", "loop"])
+def test_a_source_voice_that_is_not_a_file_is_named(source, tmp_path, broken):
+    src = Path(shutil.copytree(source, tmp_path / "src"))
+    voice = src / "voice_embedding" / "ghost.safetensors"
+    if broken == "dangling":
+        voice.symlink_to(tmp_path / "nowhere")
+    elif broken == "directory":
+        voice.mkdir()
+    else:
+        voice.symlink_to(voice.name)
+    with pytest.raises(VoxtralError) as exc:
+        convert_model(src, tmp_path / "out")
+    assert "ghost.safetensors is not a readable file" in one_line(exc.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_an_output_that_is_a_looping_link_is_one_line(source, tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for out in (tmp_path / "a", tmp_path / "a" / "sub"):
+        with pytest.raises(InputError) as exc:
+            convert_model(source, out)
+        assert "symbolic link that loops" in one_line(exc.value)
 
 
 def test_failure_removes_the_parent_directories_it_made(source, tmp_path, monkeypatch) -> None:

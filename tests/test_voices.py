@@ -136,7 +136,7 @@ def test_voice_names_ignore_case_when_unambiguous(tmp_path: Path) -> None:
     reg = VoiceRegistry.from_dir(vdir, {}, DIM)
     assert reg.get_voice("Neutral_Male").name == "neutral_male"
     assert reg.get_voice("mixed").name == "mixed" and reg.get_voice("Mixed").name == "Mixed"
-    with pytest.raises(VoiceError, match="unknown voice 'MIXED'"):
+    with pytest.raises(VoiceError, match="voice 'MIXED' is ambiguous: it matches Mixed, mixed"):
         reg.get_voice("MIXED")
 
 

@@ -595,7 +595,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         progress=progress,
     )
     what = f"{len(result.quantized)} quantized layers" if result.quantized else "unquantized"
-    voices = f"{len(result.voices)} voices" if result.voices else "no voices"
+    n = len(result.voices)
+    voices = f"{n} voice{'s' if n != 1 else ''}" if n else "no voices"
     _info(
         f"wrote {result.total_bytes / 2**30:.2f} GiB ({what}, {voices}) to {result.path} in "
         f"{time.perf_counter() - t0:.1f} s"
@@ -603,7 +604,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if not result.voices:
         _info(
             f"note: {args.model} has no voices in voice_embedding/; to speak with the "
-            f"converted model, copy voice files into {result.path / 'voice_embedding'}"
+            f"converted model, put voice files (.pt or .safetensors) in "
+            f"{result.path / 'voice_embedding'}/ (create it)"
         )
     _out(str(result.path))
     return 0

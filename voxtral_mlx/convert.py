@@ -54,7 +54,7 @@ from .checkpoint import (
     quantized_shapes,
     safetensors_data_start,
 )
-from .errors import CheckpointError, ConfigError, InputError
+from .errors import CheckpointError, ConfigError, InputError, VoiceError
 from .fileio import atomic_write_text, one_line
 from .hub import resolve_model_dir
 from .loader import (
@@ -174,7 +174,13 @@ class ConvertResult:
 
 
 def _check_output(out: Path, src: Path, force: bool) -> Path:
-    real = out.resolve()
+    try:
+        real = out.resolve()
+    except (RuntimeError, OSError):  # a loop (RuntimeError before Python 3.13)
+        raise InputError(
+            f"output {one_line(str(out))} is (or is inside) a symbolic link that loops; "
+            "remove it or choose another output directory"
+        ) from None
     if real == src or src in real.parents or real in src.parents:
         raise InputError(
             f"output {one_line(str(out))} overlaps the source model {one_line(str(src))}: "
@@ -439,6 +445,11 @@ def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> list[str]:
     registry = VoiceRegistry.from_dir(
         src / "voice_embedding", tokenizer.voice_num_audio_tokens, dim
     )
+    for path in registry.broken.values():
+        raise VoiceError(
+            f"voice file {one_line(str(path))} is not a readable file (a broken symbolic link, "
+            "or a directory); restore or remove it, then convert again"
+        )
     for name in registry:
         registry.embedding(name)
     return list(registry)

@@ -36,6 +36,16 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
         raise
 
 
+NAME_MAX = 255  # bytes in a file name (APFS, HFS+, ext4)
+
+
+def hidden_name(stem: str, tail: str) -> str:
+    """``.<stem><tail>``, the stem shortened (never inside a character) so that the name
+    fits the file system: a legal long target name must still get its hidden sibling."""
+    room = NAME_MAX - 1 - len(tail.encode())
+    return f".{stem.encode()[:room].decode(errors='ignore')}{tail}"
+
+
 def temp_pattern(name_pattern: str) -> str:
     """A glob for :func:`atomic_write`'s temp files of targets matching ``name_pattern``
     (left behind only by a process killed while writing)."""

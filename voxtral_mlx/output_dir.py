@@ -10,13 +10,12 @@ import os
 import secrets
 import shutil
 import signal
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import InputError
-from .fileio import one_line
+from .fileio import hidden_name, one_line
 
 _MODEL_FILES = {"config.json", "params.json", "tekken.json", "model.safetensors.index.json"}
 # What --force may delete with a model directory: its files, and what a Hub download or a
@@ -35,13 +34,25 @@ def looks_like_model_dir(path: Path) -> bool:
     return bool(names & _MODEL_FILES or any(n.endswith(".safetensors") for n in names))
 
 
+_VOICE_FILES = (".pt", ".safetensors")
+
+
 def _foreign(path: Path) -> list[str]:
-    """Entries of ``path`` that are not part of a model directory."""
-    return sorted(
+    """Entries of ``path`` that are not part of a model directory (in ``voice_embedding/``:
+    anything but voice files)."""
+    found = sorted(
         p.name
         for p in path.iterdir()
         if p.name not in _REPLACEABLE and not p.name.endswith(".safetensors")
     )
+    voices = path / "voice_embedding"
+    if voices.is_dir() and not voices.is_symlink():
+        found += sorted(
+            f"voice_embedding/{p.name}"
+            for p in voices.iterdir()
+            if p.name != ".DS_Store" and not (p.is_file() and p.name.endswith(_VOICE_FILES))
+        )
+    return found
 
 
 def check_output_dir(out: Path, force: bool) -> Path:
@@ -120,7 +131,8 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
     created: list[Path] = []
     try:
         created = make_parents(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        tmp = out.parent / hidden_name(out.name, f".{secrets.token_hex(4)}.partial")
+        tmp.mkdir(mode=0o700)
     except OSError as e:
         remove_dirs(created)
         raise InputError(
@@ -129,11 +141,13 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
         ) from None
     try:
         yield tmp
-        with _signals_deferred():
+        with _signals_deferred() as received:
             _swap_into_place(tmp, out, force)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        remove_dirs(created)
+        with _signals_deferred() as again:  # a second Ctrl-C must not leave half of tmp
+            shutil.rmtree(tmp, ignore_errors=True)
+            remove_dirs(created)
+        _deliver(again, None)
         if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise InputError(
                 f"output {one_line(str(out))} was filled by something else while this was "
@@ -145,35 +159,46 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
                 "the free disk space and permissions"
             ) from None
         raise
+    _deliver(received, f"interrupted after {one_line(str(out))} was written (it is complete)")
 
 
 _DEFERRED = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM back while the output is swapped in (two renames and the
-    removal of what was replaced), then deliver them: an interrupt never leaves the old
-    model half-deleted beside the new one. Only the main thread can do this (elsewhere
-    Python delivers no signals anyway)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _signals_deferred() -> Iterator[list[int]]:
+    """Hold Ctrl-C and SIGTERM back (collected in the list it yields, for :func:`_deliver`)
+    while the output is swapped in or the staging directory removed: an interrupt never
+    leaves the old model half-deleted beside the new one, or half a staging directory.
+    Only the main thread can do this (elsewhere Python delivers no signals anyway)."""
     received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
     saved = {sig: signal.signal(sig, lambda n, _f: received.append(n)) for sig in _DEFERRED}
     try:
-        yield
+        yield received
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def _deliver(received: list[int], detail: str | None) -> None:
+    """Raise the signals held back, through their own handlers; ``detail`` (for the one
+    error line the CLI prints) goes onto the interrupt they raise."""
+    try:
         for sig in dict.fromkeys(received):
             signal.raise_signal(sig)
+    except KeyboardInterrupt as e:
+        if detail is not None:
+            e.detail = detail
+        raise
 
 
 def _swap_into_place(tmp: Path, out: Path, force: bool) -> None:
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is as readable as its files
+    os.chmod(tmp, 0o755)  # made private while written; the model is as readable as its files
     if force and out.exists() and any(out.iterdir()):
-        old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
+        old = out.with_name(hidden_name(out.name, f".old-{secrets.token_hex(4)}"))
         os.rename(out, old)
         try:
             os.rename(tmp, out)

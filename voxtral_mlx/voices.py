@@ -144,7 +144,15 @@ class VoiceRegistry(Mapping[str, Voice]):
             folded = [v for n, v in self._voices.items() if n.casefold() == name.casefold()]
             if len(folded) == 1:
                 return folded[0]
-            bad = self.broken.get(name)
+            if folded:
+                raise VoiceError(
+                    f"voice {one_line(repr(name))} is ambiguous: it matches "
+                    f"{one_line(', '.join(v.name for v in folded), 400)} but for case; give "
+                    "the exact name"
+                )
+            bad = self.broken.get(name) or next(
+                (p for n, p in self.broken.items() if n.casefold() == name.casefold()), None
+            )
             if bad is not None:
                 raise VoiceError(
                     f"voice {one_line(repr(name))}: {one_line(str(bad))} is not a readable file "

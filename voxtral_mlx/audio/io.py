@@ -27,7 +27,7 @@ import numpy as np
 import soundfile as sf
 
 from ..errors import AudioOutputError
-from ..fileio import one_line
+from ..fileio import hidden_name, one_line
 
 # extension -> (libsndfile major format, subtype)
 FORMATS: dict[str, tuple[str, str]] = {
@@ -227,7 +227,6 @@ def _check_complete(path: Path, tmp: Path, fmt: str, frames: int, pending: int =
         )
 
 
-NAME_MAX = 255  # bytes in a file name (APFS, HFS+, ext4)
 LOW_SPACE_BYTES = 1 << 20
 
 
@@ -249,12 +248,8 @@ def _failure(error: Exception, directory: Path) -> str:
 
 
 def _temp_name(stem: str, ext: str) -> str:
-    """``.<stem>.partial-<random><ext>``, the stem shortened if the name would be too long
-    for the file system (a legal 250-byte target name must still be writable)."""
-    tail = f".partial-{secrets.token_hex(4)}{ext}"
-    room = NAME_MAX - 1 - len(tail.encode())
-    stem = stem.encode()[:room].decode(errors="ignore")  # never half a character
-    return f".{stem}{tail}"
+    """``.<stem>.partial-<random><ext>`` (the stem shortened to fit the file system)."""
+    return hidden_name(stem, f".partial-{secrets.token_hex(4)}{ext}")
 
 
 class AudioFileWriter:
