@@ -618,7 +618,7 @@ def test_voice_names_ignore_case_when_unambiguous():
     assert resolve_voice("CASUAL_MALE", voices, "casual_male") == "casual_male"
     assert resolve_voice("Alloy", voices, "casual_male") == "neutral_female"
     both = {"a_voice": 1, "A_Voice": 2}
-    with pytest.raises(APIError, match="unknown voice"):
+    with pytest.raises(APIError, match="is ambiguous: it matches A_Voice, a_voice"):
         resolve_voice("A_VOICE", both, "a_voice")
 
 

@@ -89,6 +89,12 @@ def resolve_voice(value: Any, voices: Mapping[str, Any], default: str) -> str:
     }
     if len(folded) == 1:
         return folded.pop()
+    if folded:
+        raise bad_request(
+            f"voice {shown(value)} is ambiguous: it matches {', '.join(sorted(folded))} but "
+            "for case; give the exact name",
+            "voice",
+        )
     names = ", ".join([*voices, *aliases])
     raise bad_request(
         f"unknown voice {shown(value)}; available voices: {names} "
