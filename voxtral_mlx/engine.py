@@ -282,10 +282,9 @@ class Engine:
 
     def _admit(self) -> None:
         """Take one waiting job (if the batch has room) towards the batch, one prefill part
-        per call: jobs someone waits for before segments generated ahead, then the earliest
-        segment of any text, first come first served among equals. Set-aside jobs rejoin
-        without a prefill. A job someone waits for that finds the batch full takes the slot
-        of a segment generated ahead (set aside until there is room again)."""
+        per call, in :func:`_priority` order. Set-aside jobs rejoin without a prefill. A job
+        someone waits for takes the place of a segment generated ahead: of its prefill (set
+        aside, to resume where it stopped), or of its batch slot when the batch is full."""
         # A cancelled job leaves the queue at the next frame even while the batch is full.
         if any(job.seq.cancelled for job in self._waiting):
             waiting, self._waiting = self._waiting, []
