@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from common import SENTENCES, label, pick_voice, record, resolve, suppress_end
+from common import SENTENCES, command_line, label, pick_voice, record, resolve, suppress_end
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3), "full": ("full", None, None)}
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             record(
                 f"Batched throughput, 20 sentences ({label(args.config)}, {args.dtype})",
-                "python benchmarks/batch_throughput.py " + " ".join(argv or sys.argv[1:]),
+                command_line(__file__, argv or sys.argv[1:]),
                 rows,
             )
         )

@@ -16,7 +16,7 @@ import time
 import mlx.core as mx
 import numpy as np
 from codec_bench import build, random_codes
-from common import record
+from common import command_line, record
 
 import voxtral_mlx.model.codec as codec_module
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_record:
         record(
             "Codec hot path, before/after (ms per frame, streaming)",
-            "python benchmarks/codec_ablation.py " + " ".join(argv or sys.argv[1:]),
+            command_line(__file__, argv or sys.argv[1:]),
             rows,
             "Each variant streams the same codes in chunks of the given size; medians of "
             "interleaved rounds. Chunk 1 is live streaming; 16 is synthesize(); 64 is decode().",

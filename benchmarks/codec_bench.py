@@ -267,12 +267,12 @@ def main() -> None:
         cells = (cfg, method, str(n), f"{ms:.2f}", f"{audio_ms / ms:.2f}")
         print("  ".join(c.ljust(w) for c, w in zip(cells, width)))
     if args.record:
-        from common import record
+        from common import command_line, record
 
         table = [head] + [(c, m, str(n), f"{ms:.2f}", f"{a / ms:.2f}") for c, m, n, ms, a in rows]
         record(
             "Codec cost per frame (streaming vs one-shot vs mlx-audio)",
-            "python benchmarks/codec_bench.py " + " ".join(sys.argv[1:]),
+            command_line(__file__, sys.argv[1:]),
             table,
         )
 

@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -251,6 +251,12 @@ def git_rev() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "uncommitted"
+
+
+def command_line(script: str, args: Sequence[str]) -> str:
+    """The command that reproduces a run of ``script`` (a benchmark's ``__file__``) with
+    ``args``, for RESULTS.md."""
+    return " ".join(["python", f"benchmarks/{Path(script).name}", *args])
 
 
 def record(title: str, command: str, table: list[tuple[str, ...]], notes: str = "") -> str:

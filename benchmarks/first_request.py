@@ -27,7 +27,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import TEXT, label, load_reference, pick_voice, record, reference_voice, resolve
+from common import (
+    TEXT,
+    command_line,
+    label,
+    load_reference,
+    pick_voice,
+    record,
+    reference_voice,
+    resolve,
+)
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
 
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             record(
                 "First request after start-up",
-                "python benchmarks/first_request.py " + " ".join(args_in),
+                command_line(__file__, args_in),
                 rows,
                 notes,
             )

@@ -21,6 +21,7 @@ import time
 
 from common import (
     TEXT,
+    command_line,
     frame_ms,
     injected_noise,
     is_model_dir,
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             record(
                 "Frame speed" + ("" if args.dtype == "bfloat16" else f" ({args.dtype})"),
-                "python benchmarks/frame_speed.py " + " ".join(argv or sys.argv[1:]),
+                command_line(__file__, argv or sys.argv[1:]),
                 rows,
                 notes,
             )

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from common import label, pick_voice, record, resolve, suppress_end
+from common import command_line, label, pick_voice, record, resolve, suppress_end
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
 ONE_PASS = 10**9
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             record(
                 "Long prompt without split: prefill in parts vs one pass",
-                "python benchmarks/long_prompt.py " + " ".join(argv or sys.argv[1:]),
+                command_line(__file__, argv or sys.argv[1:]),
                 rows,
                 "Medians. The running stream's gap is the longest time between two of its "
                 "chunks while the long request is prefilled; cancel is sent a third of the "

@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from common import label, pick_voice, record, resolve, suppress_end
+from common import command_line, label, pick_voice, record, resolve, suppress_end
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
 CHAPTER = " ".join(f"Sentence number {i} of a long chapter, read aloud." for i in range(40))
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((label(name), *(f"{1000 * m[k]:.0f} ms" for k in ("idle", "beside", "worst"))))
         print(" | ".join(rows[-1]), flush=True)
     if not args.no_record:
-        command = "python benchmarks/newcomer.py " + " ".join(argv or sys.argv[1:])
-        print(record("A new request beside a long text", command.strip(), rows))
+        command = command_line(__file__, argv or sys.argv[1:])
+        print(record("A new request beside a long text", command, rows))
     return 0
 
 

@@ -91,9 +91,9 @@ def selected_variants(source: Path, only: list[str] | None) -> Iterator[tuple[st
 
 
 def record_table(title: str, argv: list[str] | None, table: list, notes: str) -> None:
-    from benchmarks.common import record
+    from benchmarks.common import command_line, record
 
-    command = "python benchmarks/quant_agreement.py " + " ".join(argv or sys.argv[1:])
+    command = command_line(__file__, argv or sys.argv[1:])
     record(title, command, table, notes)
 
 

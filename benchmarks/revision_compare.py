@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 
-from common import TEXT, VOICE, checkpoint, record
+from common import TEXT, VOICE, checkpoint, command_line, record
 
 CHILD = """
 import json, sys, time
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             record(
                 f"Lean frame step, before/after ({args.config}"
                 + (f", {args.streams} concurrent streams)" if args.streams else ")"),
-                "python benchmarks/revision_compare.py " + " ".join(argv or sys.argv[1:]),
+                command_line(__file__, argv or sys.argv[1:]),
                 rows,
             )
         )

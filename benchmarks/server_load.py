@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from common import checkpoint
+from common import checkpoint, command_line
 
 TEXTS = [
     "Hello there! How are you today?",
@@ -220,7 +220,7 @@ def main() -> int:
 
         record(
             f"HTTP server under load ({args.clients} clients, {wall:.0f} s, loopback)",
-            "python benchmarks/server_load.py " + " ".join(sys.argv[1:]),
+            command_line(__file__, sys.argv[1:]),
             [
                 ("quantity", "value"),
                 ("requests sent", str(total)),

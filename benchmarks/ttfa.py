@@ -23,6 +23,7 @@ import time
 from common import (
     SENTENCES,
     TEXT,
+    command_line,
     injected_noise,
     label,
     load_reference,
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             record(
                 "Time to first audio",
-                "python benchmarks/ttfa.py " + " ".join(argv or sys.argv[1:]),
+                command_line(__file__, argv or sys.argv[1:]),
                 rows,
                 "From the call to the first playable sample, medians. mlx-audio's streaming "
                 f"mode by default yields its first chunk after {DEFAULT_CHUNK} frames "

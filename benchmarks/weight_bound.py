@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 from common import (
     TEXT,
+    command_line,
     is_narrow,
     label,
     median_time,
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             record(
                 f"Weight-bound frame ({label(args.config)})",
-                "python benchmarks/weight_bound.py " + " ".join(argv or sys.argv[1:]),
+                command_line(__file__, argv or sys.argv[1:]),
                 rows,
             )
         )
