@@ -73,7 +73,7 @@ from .mlx_layout import (
     SINGLE_NAME,
     to_mlx_audio_name,
 )
-from .output_dir import check_output_dir, staged_dir
+from .output_dir import check_output_dir, resolve_output, staged_dir
 from .synthetic.safetensors_writer import TensorSpec, write_safetensors
 from .tokenizer import TekkenTokenizer
 from .voices import VoiceRegistry, convert_voice_files
@@ -174,13 +174,7 @@ class ConvertResult:
 
 
 def _check_output(out: Path, src: Path, force: bool) -> Path:
-    try:
-        real = out.resolve()
-    except (RuntimeError, OSError):  # a loop (RuntimeError before Python 3.13)
-        raise InputError(
-            f"output {one_line(str(out))} is (or is inside) a symbolic link that loops; "
-            "remove it or choose another output directory"
-        ) from None
+    real = resolve_output(out)
     if real == src or src in real.parents or real in src.parents:
         raise InputError(
             f"output {one_line(str(out))} overlaps the source model {one_line(str(src))}: "

@@ -55,18 +55,24 @@ def _foreign(path: Path) -> list[str]:
     return found
 
 
+def resolve_output(out: Path) -> Path:
+    """``out`` with its symbolic links resolved; a one-line :class:`InputError` for a loop
+    (Python raises RuntimeError for one before 3.13, OSError from 3.13)."""
+    try:
+        return out.resolve()
+    except (RuntimeError, OSError):
+        raise InputError(
+            f"output {one_line(str(out))} is (or is inside) a symbolic link that loops; "
+            "remove it or choose another output directory"
+        ) from None
+
+
 def check_output_dir(out: Path, force: bool) -> Path:
     """The directory to write: ``out``, or the directory a symbolic link ``out`` points to
     (the link stays; what it points to is replaced). Raises :class:`InputError` unless it is
     new, empty, or (with ``force``) a model directory."""
     if out.is_symlink():
-        try:
-            target = out.resolve()
-        except (RuntimeError, OSError):  # a loop (RuntimeError before Python 3.13)
-            raise InputError(
-                f"output {one_line(str(out))} is a symbolic link that loops; remove it or "
-                "choose another output directory"
-            ) from None
+        target = resolve_output(out)
         if not target.is_dir():
             raise InputError(
                 f"output {one_line(str(out))} is a symbolic link to {one_line(str(target))}, "
