@@ -179,6 +179,22 @@ def test_a_looping_link_or_a_device_is_refused(tmp_path):
         assert "-o -" in str(exc.value) and "\n" not in str(exc.value)
 
 
+def _pretend_free(monkeypatch, path: Path, free: int) -> None:
+    usage = shutil.disk_usage(path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda d: usage._replace(free=free))
+
+
+def _assert_says_what_failed(error: Exception, directory: Path, free: int, fix: str) -> None:
+    """One line, nothing left behind; libsndfile's "System error." is named for what it is
+    when the disk is full, and passed on with ``fix`` otherwise."""
+    message = str(error)
+    assert "\n" not in message and not list(directory.iterdir())
+    if free:
+        assert "System error." in message and fix in message
+    else:
+        assert "no space left on the device" in message
+
+
 @pytest.mark.parametrize("free", [0, 10 << 30])
 def test_a_failed_open_says_when_the_disk_is_full(tmp_path, monkeypatch, free):
     """A WAV header written into a full disk fails in the open, also as "System error."."""
@@ -188,16 +204,10 @@ def test_a_failed_open_says_when_the_disk_is_full(tmp_path, monkeypatch, free):
         raise RuntimeError("Error opening 4: System error.")
 
     monkeypatch.setattr(audio_io.sf, "SoundFile", failing)
-    usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(shutil, "disk_usage", lambda d: usage._replace(free=free))
+    _pretend_free(monkeypatch, tmp_path, free)
     with pytest.raises(AudioOutputError) as exc:
         AudioFileWriter(tmp_path / "full.wav", SR)
-    message = str(exc.value)
-    assert "\n" not in message and not list(tmp_path.iterdir())
-    if free:
-        assert "System error." in message and "choose another format" in message
-    else:
-        assert "no space left on the device" in message
+    _assert_says_what_failed(exc.value, tmp_path, free, "choose another format")
 
 
 @pytest.mark.parametrize("free", [0, 10 << 30])
@@ -210,16 +220,10 @@ def test_a_failed_write_says_when_the_disk_is_full(tmp_path, monkeypatch, free):
             raise RuntimeError("Internal psf_fwrite error.\nSystem error.")
 
         monkeypatch.setattr(w._sf, "write", failing)
-        usage = shutil.disk_usage(tmp_path)
-        monkeypatch.setattr(shutil, "disk_usage", lambda d: usage._replace(free=free))
+        _pretend_free(monkeypatch, tmp_path, free)
         with pytest.raises(AudioOutputError) as exc:
             w.write(np.zeros(FRAME, np.float32))
-    message = str(exc.value)
-    assert "\n" not in message and not list(tmp_path.iterdir())
-    if free:
-        assert "System error." in message and "check free space and permissions" in message
-    else:
-        assert "no space left on the device" in message
+    _assert_says_what_failed(exc.value, tmp_path, free, "check free space and permissions")
 
 
 def test_writer_accepts_column_vectors_and_empty_chunks(tmp_path):
