@@ -292,7 +292,7 @@ def _load(args: argparse.Namespace):
 
 
 def _print_voices(tts) -> None:
-    from .voices import LANGUAGE_NAMES
+    from .voices import LANGUAGE_NAMES, unreadable
 
     tts.default_voice  # noqa: B018 - raises the one-line "no voices" error for an empty list
     for name in sorted(tts.voices):
@@ -300,10 +300,7 @@ def _print_voices(tts) -> None:
         lang = voice.language or "?"
         _out(f"{one_line(name, 80):<20} {lang:<3} {LANGUAGE_NAMES.get(lang, 'unknown')}")
     for name, path in sorted(tts.voices.broken.items()):
-        _info(
-            f"note: voice {one_line(repr(name))} is unusable: {one_line(str(path))} is not a "
-            "readable file (a broken symbolic link, or a directory)"
-        )
+        _info(f"note: voice {one_line(repr(name))} is unusable: {unreadable(path)}")
 
 
 def cmd_voices(args: argparse.Namespace) -> int:

@@ -76,7 +76,7 @@ from .mlx_layout import (
 from .output_dir import check_output_dir, resolve_output, staged_dir
 from .synthetic.safetensors_writer import TensorSpec, write_safetensors
 from .tokenizer import TekkenTokenizer
-from .voices import VoiceRegistry, convert_voice_files
+from .voices import VoiceRegistry, convert_voice_files, unreadable
 
 SUPPORTED_BITS = (4, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -440,10 +440,7 @@ def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> list[str]:
         src / "voice_embedding", tokenizer.voice_num_audio_tokens, dim
     )
     for path in registry.broken.values():
-        raise VoiceError(
-            f"voice file {one_line(str(path))} is not a readable file (a broken symbolic link, "
-            "or a directory); restore or remove it, then convert again"
-        )
+        raise VoiceError(f"voice file {unreadable(path)}; restore or remove it, then convert again")
     for name in registry:
         registry.embedding(name)
     return list(registry)

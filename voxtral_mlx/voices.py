@@ -59,6 +59,19 @@ class Voice:
     num_tokens: int | None  # rows tekken.json expects; None when tekken does not list the voice
 
 
+def _is_file(entry: Path | os.DirEntry) -> bool:
+    """A regular file (through links); a dangling or looping link or a directory is not."""
+    try:
+        return entry.is_file()
+    except OSError:  # a symbolic link loop
+        return False
+
+
+def unreadable(path: Path) -> str:
+    """The words for a voice file that is not a regular file."""
+    return f"{one_line(str(path))} is not a readable file (a broken symbolic link, or a directory)"
+
+
 class VoiceRegistry(Mapping[str, Voice]):
     """The voices found in a directory, by name; embeddings are read lazily and cached."""
 
@@ -107,11 +120,7 @@ class VoiceRegistry(Mapping[str, Voice]):
                 path = Path(entry.path)
                 if path.name.startswith(".") or path.suffix not in _SUFFIXES:
                     continue
-                try:
-                    is_file = entry.is_file()
-                except OSError:  # a symbolic link loop
-                    is_file = False
-                if not is_file:
+                if not _is_file(entry):
                     broken.setdefault(path.stem, path)
                     continue
                 known = found.get(path.stem)
@@ -155,8 +164,8 @@ class VoiceRegistry(Mapping[str, Voice]):
             )
             if bad is not None:
                 raise VoiceError(
-                    f"voice {one_line(repr(name))}: {one_line(str(bad))} is not a readable file "
-                    "(a broken symbolic link, or a directory); restore it from the checkpoint"
+                    f"voice {one_line(repr(name))}: {unreadable(bad)}; restore it from the "
+                    "checkpoint"
                 )
         if not self._voices:
             where = f" in {one_line(str(self.voice_dir))}" if self.voice_dir is not None else ""
@@ -303,14 +312,9 @@ def _voice_sources(sources: list[Path]) -> list[Path]:
         if source.is_dir():
             found = sorted(p for p in source.glob("*.pt") if not p.name.startswith("."))
             for path in found:
-                try:
-                    ok = path.is_file()
-                except OSError:  # a symbolic link loop
-                    ok = False
-                if not ok:
+                if not _is_file(path):
                     raise VoiceError(
-                        f"{one_line(str(path))} is not a readable file (a broken symbolic link, "
-                        "or a directory); restore it, or convert the other files one by one"
+                        f"{unreadable(path)}; restore it, or convert the other files one by one"
                     )
             if not found:
                 raise VoiceError(f"{one_line(str(source))} holds no .pt voice files")
