@@ -214,8 +214,7 @@ class FrameBatch:
                     self._cache = None
             if self.rows:
                 h = self.model.step(codes, self._cache)
-                running = {id(s) for s in self.rows}
-                h, parked = self._park(h, [s for s in aside if id(s) in running])
+                h, parked = self._park(h, aside)
             self._queued = None
         joining, self._joining = self._joining, []
         for seq in joining:
@@ -240,10 +239,13 @@ class FrameBatch:
         return parked
 
     def _park(self, h: mx.array, aside: list[Sequence]) -> tuple[mx.array, list[Sequence]]:
-        """Move ``aside`` rows out of the batch: each keeps its hidden state and KV rows."""
+        """Move the ``aside`` sequences still running (not finished at this frame) out of the
+        batch: each keeps its hidden state and KV rows."""
         if not aside:
             return h, []
-        leaving = {id(s) for s in aside}
+        leaving = {id(s) for s in aside} & {id(s) for s in self.rows}
+        if not leaving:
+            return h, []
         rest = [i for i, s in enumerate(self.rows) if id(s) not in leaving]
         for i, seq in enumerate(self.rows):
             if id(seq) in leaving:
@@ -257,7 +259,7 @@ class FrameBatch:
             h = h[mx.array(rest)]
         else:
             self._cache, h = None, None
-        return h, aside
+        return h, [s for s in aside if id(s) in leaving]
 
     def poll(self) -> list[tuple[Sequence, mx.array]]:
         """Wait for the queued frame's END check; return ``(sequence, codes [37])`` for every
