@@ -173,6 +173,22 @@ def test_typo_under_an_existing_local_folder_is_a_path(
     assert "does not exist" in one_line(exc.value)
 
 
+@pytest.mark.parametrize("spec", ["loop", "loop/sub", "dangling", "dangling/name", "./loop"])
+def test_a_link_to_nothing_is_named_and_never_a_repo(
+    spec: str, no_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop").symlink_to("other")
+    (tmp_path / "other").symlink_to("loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(spec)
+    message = one_line(exc.value)
+    link = spec.removeprefix("./").split("/")[0]
+    assert f"{link} is a symbolic link to nothing" in message and "fix the link" in message
+    assert not no_hub
+
+
 def test_load_of_a_missing_path_never_calls_the_hub(no_hub, tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError):
         voxtral_mlx.load(str(tmp_path / "nope"))

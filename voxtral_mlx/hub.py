@@ -106,8 +106,18 @@ def _repo_files(repo_id: str) -> tuple[list[str] | None, bool]:
 def looks_like_repo_id(spec: str) -> bool:
     if not _REPO_ID.match(spec) or ".." in spec or "--" in spec or spec.endswith(".git"):
         return False
-    # "models/tiny" with an existing local "models/" is a path typo, not a repo.
-    return not Path(spec.split("/", 1)[0]).expanduser().is_dir()
+    # "models/tiny" with an existing local "models/" (or a link by that name, even a broken
+    # one) is a path typo, not a repo.
+    first = Path(spec.split("/", 1)[0]).expanduser()
+    return not (first.is_dir() or first.is_symlink())
+
+
+def _broken_link(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that is a link leading nowhere (or in a loop)."""
+    for p in (path, *path.parents):
+        if p.is_symlink() and not p.exists():
+            return p
+    return None
 
 
 def resolve_model_dir(path_or_repo: str | os.PathLike[str] | None = None) -> Path:
@@ -130,6 +140,12 @@ def resolve_model_dir(path_or_repo: str | os.PathLike[str] | None = None) -> Pat
                 f"{spec} is a file; pass the model directory that holds params.json"
             )
         return path.resolve()
+    link = _broken_link(path)
+    if link is not None:
+        raise ModelNotFoundError(
+            f"model directory {spec} cannot be reached: {link} is a symbolic link to nothing "
+            "(its target is missing, or links loop); fix the link or pass an existing directory"
+        )
     if isinstance(path_or_repo, Path) or not looks_like_repo_id(spec):
         raise ModelNotFoundError(
             f"model directory {spec} does not exist: pass an existing directory or a Hugging "
