@@ -7,6 +7,8 @@ import io
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import threading
 import wave
 from pathlib import Path
@@ -144,6 +146,26 @@ def test_a_name_at_the_file_system_limit_is_writable(tmp_path, stem):
         w.write(audio)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     assert sf.info(str(path)).frames == FRAME
+
+
+def test_a_killed_writers_temp_file_is_removed_by_the_next_writer(tmp_path):
+    """Only files named for this target and format by a process that no longer runs go."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = f".x.partial-{dead.pid}-0123abcd.wav"
+    kept = [
+        f".x.partial-{os.getpid()}-0123abcd.wav",  # this process: perhaps another writer's
+        ".x.partial-1-0123abcd.wav",  # a running process (init)
+        f".y.partial-{dead.pid}-0123abcd.wav",  # another target
+        f".x.partial-{dead.pid}-0123abcd.flac",  # another format
+        f".x.partial-{dead.pid}-notmine.wav",
+        f"x.partial-{dead.pid}-0123abcd.wav",  # not hidden
+    ]
+    for name in [orphan, *kept]:
+        (tmp_path / name).write_bytes(b"RIFF")
+    with AudioFileWriter(tmp_path / "x.wav", SR) as w:
+        w.write(np.zeros(FRAME, np.float32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "x.wav"])
 
 
 def test_an_output_that_is_a_symbolic_link_is_written_through(tmp_path):

@@ -172,7 +172,18 @@ def test_missing_model_and_unwritable_output(model_dir, tmp_path):
 def test_convert_voices_cli(model_dir, tmp_path):
     proc = run("convert-voices", str(model_dir / "voice_embedding"), "-o", str(tmp_path / "v"))
     assert proc.returncode == 0, proc.stderr.decode()
-    assert len(list((tmp_path / "v").glob("*.safetensors"))) == 20
+    written = sorted((tmp_path / "v").glob("*.safetensors"))
+    assert len(written) == 20
+    written[0].write_bytes(b"mine")
+    proc = run("convert-voices", str(model_dir / "voice_embedding"), "-o", str(tmp_path / "v"))
+    error = one_line_error(proc)
+    assert written[0].name in error and "--force" in error
+    assert written[0].read_bytes() == b"mine"
+    proc = run(
+        "convert-voices", str(model_dir / "voice_embedding"), "-o", str(tmp_path / "v"), "--force"
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert written[0].read_bytes()[:8] != b"mine"
 
 
 def _alsa_env(tmp_path: Path) -> tuple[dict, Path]:

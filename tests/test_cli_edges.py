@@ -244,6 +244,9 @@ def test_random_checkpoint_output_checks(model_dir, tmp_path):
         (["serve", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
         (["serve", "--max-batch", "65"], "--max-batch must be at most 64, got 65"),
         ([], "the following arguments are required: COMMAND"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--bogus", "voices"], "unrecognized arguments: --bogus"),
+        (["bogus"], "invalid choice: 'bogus'"),
     ],
 )
 def test_a_mistyped_command_line_is_one_line_with_status_1(args, words):
@@ -373,6 +376,26 @@ def test_termination_while_writing_leaves_nothing(model_dir, tmp_path, command, 
     assert code == 128 + signum, err
     assert err.endswith("voxtral-mlx: error: interrupted\n"), err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_what_a_killed_run_left_is_removed_by_the_next(model_dir, tmp_path, command):
+    """SIGKILL leaves no chance to clean up: the hidden staging (a conversion's can hold
+    gigabytes) names its process, and the next run for the same output removes it."""
+    slow, args = COMMANDS[command](model_dir, tmp_path / "new" / "out")
+    if command == "convert-voices":
+        (tmp_path / "new" / "out").mkdir(parents=True)  # its staging is inside OUT_DIR
+    code, _ = run_until_ready_then(signal.SIGKILL, slow, args)
+    assert code == -signal.SIGKILL
+
+    def hidden() -> list[str]:
+        return sorted(p.name for p in tmp_path.rglob(".*"))
+
+    left = hidden()
+    assert left and all(".partial-" in name for name in left), left
+    proc = run(*args, "--force")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert hidden() == []
 
 
 def test_stdout_redirected_to_a_file_gets_real_sizes(model_dir, tmp_path):

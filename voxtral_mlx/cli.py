@@ -530,7 +530,8 @@ def _report(t, player, started: float) -> None:
 def cmd_convert_voices(args: argparse.Namespace) -> int:
     from .voices import convert_voice_files
 
-    for path in convert_voice_files([Path(s) for s in args.sources], Path(args.output)):
+    sources = [Path(s) for s in args.sources]
+    for path in convert_voice_files(sources, Path(args.output), overwrite=args.force):
         _out(str(path))
     return 0
 
@@ -682,6 +683,16 @@ class _Parser(argparse.ArgumentParser):
         _err(f"{one_line(message, 300)}; see `{self.prog} --help`")
         sys.exit(1)
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        # The command is checked here, not by argparse: it would report a missing COMMAND
+        # for `voxtral-mlx --bogus`, hiding the option it did not know.
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if getattr(parsed, "command", "") is None:
+            self.error("the following arguments are required: COMMAND")
+        return parsed
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -689,7 +700,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Mistral's Voxtral-4B-TTS on Apple Silicon with MLX.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -757,6 +767,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert-voices", help="convert voice .pt files to .safetensors")
     conv.add_argument("sources", nargs="+", metavar="SRC", help=".pt files or directories")
     conv.add_argument("-o", "--output", required=True, metavar="OUT_DIR")
+    conv.add_argument(
+        "--force", action="store_true", help="overwrite voice files already in OUT_DIR"
+    )
     conv.set_defaults(func=cmd_convert_voices)
 
     rnd = sub.add_parser(

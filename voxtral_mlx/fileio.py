@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -44,6 +47,51 @@ def hidden_name(stem: str, tail: str) -> str:
     fits the file system: a legal long target name must still get its hidden sibling."""
     room = NAME_MAX - 1 - len(tail.encode())
     return f".{stem.encode()[:room].decode(errors='ignore')}{tail}"
+
+
+def owned_name(stem: str, kind: str, ext: str = "") -> str:
+    """``.<stem>.<kind>-<pid>-<random><ext>``: a hidden working name beside a target that
+    says which process writes it, so that a later run can remove it once that process is
+    gone (killed before it could clean up; see :func:`remove_orphans`)."""
+    return hidden_name(stem, f".{kind}-{os.getpid()}-{secrets.token_hex(4)}{ext}")
+
+
+def remove_orphans(directory: Path, stem: str, kind: str, ext: str = "") -> list[Path]:
+    """Remove what :func:`owned_name` named for ``stem`` in ``directory`` whose process no
+    longer runs: a killed conversion's hidden staging directory can hold gigabytes. Returns
+    what was removed; errors are ignored (this is tidying up, never the job)."""
+    tail = re.compile(rf"\.{re.escape(kind)}-(\d{{1,10}})-[0-9a-f]{{8}}{re.escape(ext)}$")
+    removed: list[Path] = []
+    try:
+        with os.scandir(directory) as it:
+            entries = [e for e in it if e.name.startswith(".")]
+    except OSError:
+        return removed
+    for entry in entries:
+        match = tail.search(entry.name)
+        if match is None or entry.name != hidden_name(stem, match.group(0)):
+            continue
+        if _process_exists(int(match.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+            removed.append(Path(entry.path))
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    if os.name != "posix" or pid <= 0 or pid == os.getpid():
+        return True  # (elsewhere signal 0 is not a probe; 0 and below are groups)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # EPERM: it exists, as another user's
+        return True
+    return True
 
 
 def temp_pattern(name_pattern: str) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import InputError
-from .fileio import hidden_name, one_line
+from .fileio import hidden_name, one_line, owned_name, remove_orphans
 
 _MODEL_FILES = {"config.json", "params.json", "tekken.json", "model.safetensors.index.json"}
 # What --force may delete with a model directory: its files, and what a Hub download or a
@@ -137,7 +137,8 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
     created: list[Path] = []
     try:
         created = make_parents(out)
-        tmp = out.parent / hidden_name(out.name, f".{secrets.token_hex(4)}.partial")
+        remove_orphans(out.parent, out.name, "partial")  # a killed run's staging directory
+        tmp = out.parent / owned_name(out.name, "partial")
         tmp.mkdir(mode=0o700)
     except OSError as e:
         remove_dirs(created)

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import VoiceError
-from .fileio import atomic_write, one_line
+from .fileio import atomic_write, one_line, owned_name, remove_orphans
 from .output_dir import make_dirs, remove_dirs
 from .torch_pickle import PtTensor, read_pt, to_mlx
 
@@ -373,7 +372,9 @@ def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = Tr
             )
         seen[dst] = src
         if not overwrite and (dst.exists() or dst.is_symlink()):
-            raise VoiceError(f"{one_line(str(dst))} already exists; remove it or allow overwriting")
+            raise VoiceError(
+                f"{one_line(str(dst))} already exists; remove it or pass --force to overwrite it"
+            )
         if dst.is_dir() or (dst.exists() and not dst.is_file()):
             raise VoiceError(
                 f"{one_line(str(dst))} exists and is not a file; remove it or choose another "
@@ -392,7 +393,9 @@ def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = Tr
     written: list[Path] = []
     try:
         created = make_dirs(out_dir)
-        stage = Path(tempfile.mkdtemp(prefix=".voices-", suffix=".partial", dir=out_dir))
+        remove_orphans(out_dir, "voices", "partial")
+        stage = out_dir / owned_name("voices", "partial")
+        stage.mkdir(mode=0o700)
         for tensor, dst in zip(tensors, targets, strict=True):
             _write_safetensors(stage / dst.name, tensor)
         for dst in targets:

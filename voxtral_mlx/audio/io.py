@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import struct
 import time
@@ -27,7 +26,7 @@ import numpy as np
 import soundfile as sf
 
 from ..errors import AudioOutputError
-from ..fileio import hidden_name, one_line
+from ..fileio import one_line, owned_name, remove_orphans
 
 # extension -> (libsndfile major format, subtype)
 FORMATS: dict[str, tuple[str, str]] = {
@@ -247,16 +246,12 @@ def _failure(error: Exception, directory: Path) -> str:
     return f"{one_line(str(error), 200) or type(error).__name__}; check free space and permissions"
 
 
-def _temp_name(stem: str, ext: str) -> str:
-    """``.<stem>.partial-<random><ext>`` (the stem shortened to fit the file system)."""
-    return hidden_name(stem, f".partial-{secrets.token_hex(4)}{ext}")
-
-
 class AudioFileWriter:
     """Streams audio chunks into a file that appears atomically when finished.
 
     Chunks go straight to libsndfile (memory does not grow with length) in a hidden
-    temp file in the target's directory (``.<stem>.partial-<random><ext>``). Then:
+    temp file in the target's directory (``.<stem>.partial-<pid>-<random><ext>``; one
+    that a killed process left is removed by the next writer of that target). Then:
 
     * ``close()`` / leaving the ``with`` block normally: the temp file is finalised and
       renamed onto the target with :func:`os.replace` (atomic on POSIX).
@@ -286,7 +281,8 @@ class AudioFileWriter:
         self._pending = 0  # frames of the chunk being written, until they are counted
         self._closed = False
         self._kept = False
-        self._tmp = self._target.parent / _temp_name(self._target.stem, ext)
+        remove_orphans(self._target.parent, self._target.stem, "partial", ext)
+        self._tmp = self._target.parent / owned_name(self._target.stem, "partial", ext)
         try:
             # O_EXCL: never reuse someone else's file; mode 0o666 lets the umask decide.
             fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
