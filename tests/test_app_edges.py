@@ -17,7 +17,7 @@ import pytest
 import voxtral_mlx
 import voxtral_mlx.engine as engine_mod
 from voxtral_mlx.errors import InputError
-from voxtral_mlx.segment import PARAGRAPH, PAUSE_AFTER
+from voxtral_mlx.segment import PARAGRAPH, PAUSE_AFTER, split_text
 
 VOICE = "neutral_male"
 TEXT = "A stream that is cancelled before its first chunk is due. " * 4
@@ -68,6 +68,25 @@ def test_text_with_nothing_visible_is_empty(tts, text, split):
         with pytest.raises(InputError, match="text is empty"):
             call(text, VOICE, seed=0, split=split, max_frames=2)
     assert tts.engine.stats()["waiting"] == 0
+
+
+@pytest.mark.parametrize("text", ["...", " !? ", "«—»", "\u200b."])
+@pytest.mark.parametrize("split", [False, True])
+def test_punctuation_alone_is_no_text(tts, text, split):
+    for call in (tts.synthesize, tts.stream, tts.astream):
+        with pytest.raises(InputError, match="punctuation only: give some words"):
+            call(text, VOICE, seed=0, split=split, max_frames=2)
+    assert tts.engine.stats()["waiting"] == 0
+
+
+def test_a_period_cut_off_from_a_long_url_is_only_a_pause(tts):
+    """A URL of exactly max_chars before its period leaves the period alone (a URL is never
+    cut): it is a pause, not an utterance of "." (the model would babble)."""
+    text = "https://example.com/" + "a" * 30 + ".\n\nThen stop."
+    chunks = list(tts.stream(text, VOICE, seed=1, split=True, max_chars=50, max_frames=3))
+    segments = split_text(text, target_chars=25, max_chars=50)
+    assert [s.text for s in segments][1] == "."
+    assert [c.segment for c in chunks if c.frames] == [0, 0, 0, 2, 2, 2]
 
 
 def test_invisible_characters_next_to_words_are_spoken(tts):

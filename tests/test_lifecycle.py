@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 import weakref
 
 import numpy as np
 import pytest
 
 import voxtral_mlx
+from voxtral_mlx.engine import DONE
 from voxtral_mlx.errors import InputError, VoxtralError
 from voxtral_mlx.worker import Worker
 
@@ -108,6 +110,50 @@ def test_close_frees_the_model(tiny_checkpoint_noend):
     del model
     gc.collect()
     assert refs[0]() is None and refs[1]() is None
+
+
+def test_a_dropped_model_is_freed_without_close(tiny_checkpoint_noend):
+    """An app that forgets close() must not keep a copy of the weights per load."""
+
+    def use_once() -> tuple[weakref.ref, weakref.ref, object]:
+        model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+        model.synthesize("Hi.", VOICE, seed=1, max_frames=2)
+        return weakref.ref(model.model), weakref.ref(model.engine), model.worker
+
+    model_ref, engine_ref, worker = use_once()
+    deadline = time.monotonic() + 10
+    while (model_ref() is not None or engine_ref() is not None) and time.monotonic() < deadline:
+        gc.collect()  # the worker lets go on its own thread, after the finalizer asks it
+        time.sleep(0.01)
+    assert model_ref() is None and engine_ref() is None
+    with pytest.raises(VoxtralError, match="closed"):
+        worker.submit(lambda: 1).result(timeout=10)
+
+
+def test_a_model_held_only_by_its_stream_keeps_serving(tiny_checkpoint_noend):
+    """The stream holds the model: dropping the name of the model must not close it."""
+    reference = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    want = reference.synthesize("Hi there.", VOICE, seed=3, max_frames=6).codes
+    reference.close()
+    stream = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None).stream(
+        "Hi there.", VOICE, seed=3, max_frames=6
+    )
+    gc.collect()
+    got = np.concatenate([chunk.codes for chunk in stream if len(chunk.codes)])
+    assert np.array_equal(got, want)
+
+
+def test_a_job_is_submitted_once(tts):
+    """A second submission would interleave two generations in one output queue."""
+    want = tts.synthesize("Once only.", VOICE, seed=1, max_frames=5).codes
+    job = tts.job("Once only.", VOICE, seed=1, max_frames=5)
+    assert tts.submit(job) is job
+    with pytest.raises(InputError, match="already submitted"):
+        tts.submit(job)
+    chunks = []
+    while (item := job.output.get(timeout=30)) is not DONE:
+        chunks.append(item.codes)
+    assert np.array_equal(np.concatenate(chunks), want)
 
 
 def test_max_batch_must_be_from_one_to_64(tiny_checkpoint_noend, tts):

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from voxtral_mlx.errors import InputError
-from voxtral_mlx.segment import PAUSE_AFTER, TERMINALS, Segment, split_text
+from voxtral_mlx.segment import PAUSE_AFTER, TERMINALS, Segment, is_silent, split_text
 
 CLOSERS = "\"'”’»›)]}」』）】〕〉》〗〙〛＂＇"
 
@@ -244,6 +244,24 @@ def test_single_long_word_is_hard_cut() -> None:
     assert "".join(texts(segs)) == text
     assert [len(s.text) for s in segs] == [400] * 12 + [200]
     assert all(s.pause_after == 0.0 for s in segs)
+
+
+@pytest.mark.parametrize("end", ["!", ".", "。", "?»", ","])
+@pytest.mark.parametrize("char", ["x", "你"])
+def test_a_hard_cut_keeps_final_punctuation_with_its_word(char: str, end: str) -> None:
+    """An unbreakable run of exactly max_chars followed by its punctuation: the cut moves one
+    character back rather than leave the punctuation as a segment of its own."""
+    text = char * 400 + end
+    segs = split_text(text, max_chars=400)
+    check_invariants(text, segs, 400)
+    assert [s.text for s in segs] == [char * 399, char + end]
+
+
+def test_is_silent() -> None:
+    for text in [".", "!?", " … ", "»", "—", "。", "\u200b.", "- -"]:
+        assert is_silent(text), text
+    for text in ["a.", "1", "😀", "%", "&", "#", "Hi"]:
+        assert not is_silent(text), text
 
 
 @pytest.mark.parametrize(

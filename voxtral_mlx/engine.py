@@ -9,6 +9,7 @@ corrupt each other. Chunks go back through each job's thread-safe queue (or a ca
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -76,6 +77,7 @@ class _Done:
 
 
 DONE = _Done()
+_CLAIM_LOCK = threading.Lock()
 
 
 @dataclass
@@ -107,10 +109,22 @@ class Job:
     _delivered_frames: int = 0
     _codec_state: object = field(default=None, repr=False)
     _suspended: _Prefill | None = field(default=None, repr=False)  # a prefill set aside
+    _claimed: bool = field(default=False, repr=False)  # handed to an engine (see claim())
 
     def cancel(self) -> None:
         """Stop generating (any thread); takes effect at the next frame boundary."""
         self.seq.cancel()
+
+    def claim(self) -> None:
+        """Mark it handed to an engine (any thread): a job runs once, a second submission
+        would interleave two generations in one output."""
+        with _CLAIM_LOCK:
+            if self._claimed:
+                raise InputError(
+                    "this job was already submitted: make a new one (tts.job(...)) for each "
+                    "submission"
+                )
+            self._claimed = True
 
     def needed(self) -> None:
         """Its text's consumer now waits for it (any thread): no longer generated ahead."""

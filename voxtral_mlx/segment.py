@@ -43,6 +43,8 @@ _DASHES = frozenset("—–―")
 _CLOSERS = frozenset("\"'”’»›)]}」』）】〕〉》〗〙〛＂＇")
 _OPENERS = frozenset("\"'“‘„«‹([{「『（【〔〈《〖〘〚¿¡")
 _LINE_ENDS = frozenset("\n\r\x0b\x0c\x85\u2028\u2029")
+_ATTACHED = TERMINALS | _MID | _CLOSERS  # belong to the word before them
+_MARKS = _ATTACHED | _OPENERS | _DASHES | frozenset("-")
 
 # A period after these never ends a sentence: they precede what they qualify.
 _TITLES_BY_LANGUAGE = {
@@ -114,6 +116,14 @@ def is_blank(text: str) -> bool:
     """Whether ``text`` has nothing to speak: only spaces, control and format characters
     (zero-width spaces and joiners, byte order marks, direction marks)."""
     return not any(_visible(ch) for ch in text)
+
+
+def is_silent(text: str) -> bool:
+    """Whether ``text`` has nothing to speak even though it is not blank: sentence punctuation
+    alone (".", "!?", "»", "—"). A segment can be that when an unbreakable run of
+    ``max_chars`` characters (a URL) ends just before its period; sent to the model it
+    would babble, so it is kept as a pause."""
+    return all(ch in _MARKS or not _visible(ch) for ch in text)
 
 
 def _visible(ch: str) -> bool:
@@ -299,7 +309,8 @@ def _length_cost(length: int, target: int, max_chars: int) -> float:
 
 
 def _hard_cut(text: str, cur: int, limit: int, forbid: bytearray) -> tuple[int, int, str]:
-    """Cut near ``limit``; prefer outside grapheme clusters, then outside protected spans."""
+    """Cut near ``limit``; prefer outside grapheme clusters, then outside protected spans,
+    then not before punctuation that belongs to the word before it (a lone "." next)."""
     best, best_rank = None, (-1,)
     for i in range(limit, cur, -1):
         e, s = i, i
@@ -307,10 +318,15 @@ def _hard_cut(text: str, cur: int, limit: int, forbid: bytearray) -> tuple[int, 
             e -= 1
         while text[s].isspace():
             s += 1
-        rank = (_cuttable(text, e, cur) and _cuttable(text, s, cur), not forbid[e], e != s)
+        rank = (
+            _cuttable(text, e, cur) and _cuttable(text, s, cur),
+            not forbid[e],
+            text[s] not in _ATTACHED,
+            e != s,
+        )
         if rank > best_rank:
             best, best_rank = (e, s, CUT), rank
-            if rank[:2] == (True, True):
+            if rank[:3] == (True, True, True):
                 break
     assert best is not None
     return best

@@ -8,6 +8,7 @@ import numbers
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -20,12 +21,13 @@ import numpy as np
 from .config import ModelConfig
 from .engine import DONE, AudioChunk, Engine, Job, Timings, check_whole
 from .errors import InputError, VoxtralError
+from .fileio import one_line
 from .generate import NoiseSource, Sequence, check_seed
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA
 from .prefix_store import PrefixStore
 from .residency import Residency
-from .segment import Segment, is_blank, split_text
+from .segment import Segment, is_blank, is_silent, split_text
 from .textstream import AsyncTextStream, TextStream
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
 from .voices import Voice, VoiceRegistry
@@ -101,6 +103,12 @@ class VoxtralTTS:
                 release()
 
         worker.on_close = on_close
+        # An app that drops the object without close() must get the memory back: the worker
+        # thread (which holds the engine, so the model) is told to let go once this object
+        # is collected. Streams, handles and pending calls hold the object, so it outlives
+        # them. At exit the worker module parks every worker itself, waiting for it.
+        self._finalizer = weakref.finalize(self, worker.close, False)
+        self._finalizer.atexit = False
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the model's worker thread and return its result.
@@ -184,7 +192,9 @@ class VoxtralTTS:
         self.worker.call(self.engine.clear_prefix_cache)
 
     def close(self) -> None:
-        """Stop the worker thread (pending requests fail). The object is unusable after."""
+        """Stop the worker thread (pending requests fail) and free the model. The object is
+        unusable after. Dropping the last reference to the object does the same, later."""
+        self._finalizer.detach()
         self.worker.close()
 
     @property
@@ -288,6 +298,10 @@ class VoxtralTTS:
             )
         if is_blank(text):
             raise InputError("text is empty: give some words to speak")
+        if is_silent(text):
+            raise InputError(
+                f"text {one_line(text.strip(), 40)!r} is punctuation only: give some words to speak"
+            )
         check_seed(seed)
         voice = self._voice(voice).name
         if lookahead is not None:
@@ -321,9 +335,10 @@ class VoxtralTTS:
                 voice,
                 seed=None if base is None else (int(base) + i) % 2**64,
                 noise=noise,
-                # A paragraph of zero-width or format characters alone has nothing to say
-                # (sent as ".", the model would babble): it keeps its place, as a pause.
-                max_frames=0 if is_blank(seg.text) else max_frames,
+                # A paragraph of zero-width or format characters alone, or a lone "." cut
+                # off by a hard cut, has nothing to say (sent as ".", the model would
+                # babble): it keeps its place, as a pause.
+                max_frames=0 if is_silent(seg.text) else max_frames,
                 cfg_alpha=cfg_alpha,
                 chunk_frames=chunk_frames,
             )
@@ -436,7 +451,8 @@ class VoxtralTTS:
 
     def submit(self, job: Job) -> Job:
         """Hand ``job`` to the engine (from any thread); its output arrives in ``job.output``
-        (or its ``on_output`` callback)."""
+        (or its ``on_output`` callback). A job runs once: submitting it again is an
+        :class:`InputError`."""
         self._submit_all([job])
         return job
 
@@ -451,6 +467,8 @@ class VoxtralTTS:
         self.worker.submit(lambda: self._enqueue(jobs)).result()
 
     def _enqueue(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            job.claim()
         for job in jobs:
             self.engine.submit(job)
 

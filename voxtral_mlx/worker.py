@@ -72,19 +72,19 @@ class Worker:
             return fn(*args, **kwargs)
         return self.submit(lambda: fn(*args, **kwargs)).result()
 
-    def close(self) -> None:
-        """Stop taking work and drop the model's references (in-flight calls finish first).
+    def close(self, wait: bool = True) -> None:
+        """Stop taking work and drop the model's references (in-flight calls finish first);
+        ``wait`` for that to be done.
 
         The thread itself is parked, never ended: MLX keeps per-thread stream state whose
         teardown at thread exit aborts the process ("terminate called without an active
         exception"), while a parked daemon thread is simply dropped at interpreter exit.
         """
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._tasks.put(None)
-        if not self.in_worker:
+            if not self._closed:
+                self._closed = True
+                self._tasks.put(None)
+        if wait and not self.in_worker:
             self._parked.wait(timeout=10)
 
     def _run(self) -> None:
