@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from voxtral_mlx.config import ModelConfig
+from voxtral_mlx.config import MAX_DECODING_STEPS, MAX_WINDOW, ModelConfig
 from voxtral_mlx.errors import ConfigError
 from voxtral_mlx.synthetic.checkpoint import REAL_PARAMS, make_params
 
@@ -302,6 +302,34 @@ def test_wrong_type_names_the_key(path: str, value: Any) -> None:
 def test_integral_float_is_accepted_for_an_int() -> None:
     """JSON writers may emit 3072.0; it means 3072."""
     assert ModelConfig.from_params(with_value("dim", 3072.0)).backbone.dim == 3072
+
+
+@pytest.mark.parametrize(
+    ("path", "limit"),
+    [
+        (f"{AT}.n_decoding_steps", MAX_DECODING_STEPS),
+        (f"{TOK}.attn_sliding_window_size", MAX_WINDOW),
+    ],
+)
+def test_sizes_of_buffers_built_from_the_config_are_bounded(path: str, limit: int) -> None:
+    """No tensor's shape checks these: a huge value allocated its buffer and crashed."""
+    assert ModelConfig.from_params(with_value(path, limit)) is not None
+    for value in (limit + 1, 10**9):
+        message = config_error(with_value(path, value))
+        assert f"key '{path}' must be between 1 and {limit}" in message
+
+
+def test_messages_name_the_file_the_keys_came_from() -> None:
+    for params, words in [
+        (with_value("dim", "64"), "config.json key 'dim' must be an integer"),
+        (without("dim"), "config.json is missing required key 'dim'"),
+        (with_value(f"{AT}.n_kv_heads", 3), f"config.json key '{AT}.n_kv_heads' is inconsistent"),
+        (with_value(AT, 5), f"config.json key '{AT}' must be a JSON object"),
+        ([], "config.json must be a JSON object"),
+    ]:
+        with pytest.raises(ConfigError) as exc:
+            ModelConfig.from_params(params, "config.json")
+        assert words in one_line(exc.value) and "params.json" not in one_line(exc.value)
 
 
 @pytest.mark.parametrize("params", [[], "params", 5, None], ids=["list", "str", "int", "null"])

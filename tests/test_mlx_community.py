@@ -372,6 +372,23 @@ def test_converting_the_bf16_conversion_equals_converting_the_original(
     assert json.loads((a / "config.json").read_text())["source_layout"] == "mlx-community"
 
 
+def test_without_params_json_errors_name_config_json(community, tmp_path: Path) -> None:
+    mc = Path(shutil.copytree(community["4bit"], tmp_path / "mc"))
+    (mc / "params.json").unlink()
+    config = json.loads((mc / "config.json").read_text())
+    config["dim"] = "64"
+    (mc / "config.json").write_text(json.dumps(config))
+    with pytest.raises(VoxtralError) as exc:
+        load_model_dir(mc)
+    assert "config.json key 'dim' must be an integer" in one_line(exc.value)
+    del config["multimodal"]
+    (mc / "config.json").write_text(json.dumps(config))
+    with pytest.raises(VoxtralError) as exc:
+        load_model_dir(mc)
+    message = one_line(exc.value)
+    assert "no params.json and its config.json holds no Voxtral parameters" in message
+
+
 def test_quantized_community_models_are_not_a_conversion_source(community, tmp_path) -> None:
     from voxtral_mlx.convert import convert_model
 

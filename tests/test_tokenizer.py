@@ -519,6 +519,12 @@ def test_error_bad_vocab_entries(tmp_path):
     data["vocab"].append({"rank": 256, "token_bytes": "QQ==", "token_str": "A"})
     data["config"]["default_vocab_size"] += 1
     assert "repeats" in _load_error(_write_json(tmp_path / "c.json", data), tmp_path)
+    for b64, words in [("@@@", "token_bytes '@@@' that are not base64"), ("", "empty")]:
+        data = _byte_tekken()
+        data["vocab"].append({"rank": 256, "token_bytes": b64, "token_str": "?"})
+        data["config"]["default_vocab_size"] += 1
+        message = _load_error(_write_json(tmp_path / "d.json", data), tmp_path)
+        assert f"vocab[256] has {words}" in message and "re-download" in message
 
 
 def test_legacy_file_without_special_tokens_gets_mistral_common_defaults(tmp_path):

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import voxtral_mlx.voices as voices_mod
 from voxtral_mlx.errors import UnsafePickleError, VoiceError, VoxtralError
@@ -213,7 +213,7 @@ def test_validation_errors(tmp_path: Path) -> None:
     (vdir / "nl_male.pt").write_bytes(b"garbage")
     reg = VoiceRegistry.from_dir(vdir, {"casual_male": 6, "fr_male": 6, "es_male": 1}, DIM)
     checks = {
-        "casual_male": ("5 rows", "expects 6"),
+        "casual_male": ("5 rows", "expects 6", "re-download it from the checkpoint"),
         "fr_male": (f"{DIM + 1} wide", str(DIM)),
         "es_male": ("2-D",),
         "x_empty": ("no rows",),
@@ -227,6 +227,12 @@ def test_validation_errors(tmp_path: Path) -> None:
         for needle in needles:
             assert needle in text, (name, text)
     assert tuple(reg.embedding("my_clone").shape) == (9, DIM)
+    save_file(
+        {"embedding": torch.zeros(5, DIM, dtype=torch.bfloat16)}, str(vdir / "de_male.safetensors")
+    )
+    reg = VoiceRegistry.from_dir(vdir, {"de_male": 6}, DIM)
+    with pytest.raises(VoiceError, match=r"expects 6; re-convert it from the checkpoint's \.pt"):
+        reg.embedding("de_male")
 
 
 def test_float64_voice_is_served_as_float32(tmp_path: Path) -> None:

@@ -28,6 +28,10 @@ MAX_INT = 2**31 - 1
 MAX_LAYERS = 1024
 MAX_CODEC_STAGES = 32
 MAX_CODEBOOKS = 1024
+# These size buffers made at load or per stream (the release has 7 and 16), not tensors a
+# shape check would catch: a huge value must be an error, not a crash allocating it.
+MAX_DECODING_STEPS = 1024
+MAX_WINDOW = 4096
 
 
 def pad_to(n: int, multiple: int) -> int:
@@ -37,21 +41,21 @@ def pad_to(n: int, multiple: int) -> int:
 class _Reader:
     """Reads typed values out of one JSON object, naming the full key path in errors."""
 
-    def __init__(self, data: Any, path: str):
+    def __init__(self, data: Any, path: str, source: str):
         if not isinstance(data, Mapping):
-            raise ConfigError(
-                f"{path or 'params.json'} must be a JSON object, got {type(data).__name__}"
-            )
+            where = f"{source} key '{path}'" if path else source
+            raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
         self.data = data
         self.path = path
+        self.source = source  # the file, for messages
 
     def _name(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
 
     def section(self, key: str) -> _Reader:
         if key not in self.data:
-            raise ConfigError(f"params.json is missing required key '{self._name(key)}'")
-        return _Reader(self.data[key], self._name(key))
+            raise ConfigError(f"{self.source} is missing required key '{self._name(key)}'")
+        return _Reader(self.data[key], self._name(key), self.source)
 
     def get(
         self,
@@ -64,62 +68,55 @@ class _Reader:
     ) -> Any:
         if key not in self.data:
             if default is ...:
-                raise ConfigError(f"params.json is missing required key '{self._name(key)}'")
+                raise ConfigError(f"{self.source} is missing required key '{self._name(key)}'")
             return default
         value = self.data[key]
-        name = self._name(key)
+        where = f"{self.source} key '{self._name(key)}'"
         if kind is bool:
             if not isinstance(value, bool):
-                raise ConfigError(f"params.json key '{name}' must be true or false, got {value!r}")
+                raise ConfigError(f"{where} must be true or false, got {value!r}")
         elif kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 if isinstance(value, float) and value.is_integer():
                     value = int(value)
                 else:
-                    raise ConfigError(f"params.json key '{name}' must be an integer, got {value!r}")
+                    raise ConfigError(f"{where} must be an integer, got {value!r}")
             lowest = 1 if positive else -MAX_INT
             if not lowest <= value <= maximum:
                 raise ConfigError(
-                    f"params.json key '{name}' must be between {lowest} and {maximum}, "
-                    f"got {_short(value)}"
+                    f"{where} must be between {lowest} and {maximum}, got {_short(value)}"
                 )
         elif kind is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"params.json key '{name}' must be a number, got {value!r}")
+                raise ConfigError(f"{where} must be a number, got {value!r}")
             value = float(value)
             if not math.isfinite(value):
-                raise ConfigError(f"params.json key '{name}' must be finite, got {value!r}")
+                raise ConfigError(f"{where} must be finite, got {value!r}")
         elif kind is str and not isinstance(value, str):
-            raise ConfigError(f"params.json key '{name}' must be a string, got {value!r}")
+            raise ConfigError(f"{where} must be a string, got {value!r}")
         if positive and not value > 0:
-            raise ConfigError(f"params.json key '{name}' must be positive, got {value!r}")
+            raise ConfigError(f"{where} must be positive, got {value!r}")
         return value
 
     def int_list(self, key: str, maximum: int = MAX_INT) -> tuple[int, ...]:
         """A comma-separated list of positive integers stored as a string ("2,2,2,2")."""
         raw = self.get(key, str)
-        name = self._name(key)
+        where = f"{self.source} key '{self._name(key)}'"
         parts = raw.split(",")
         if len(parts) > MAX_CODEC_STAGES:
             raise ConfigError(
-                f"params.json key '{name}' lists {len(parts)} values; at most "
-                f"{MAX_CODEC_STAGES} are supported"
+                f"{where} lists {len(parts)} values; at most {MAX_CODEC_STAGES} are supported"
             )
         try:
             values = tuple(int(part) for part in parts)
         except ValueError:
             raise ConfigError(
-                f"params.json key '{name}' must be comma-separated integers like \"2,2,2,2\", "
-                f"got {_short(raw)}"
+                f'{where} must be comma-separated integers like "2,2,2,2", got {_short(raw)}'
             ) from None
         if not values or any(v <= 0 for v in values):
-            raise ConfigError(
-                f"params.json key '{name}' must list positive integers, got {_short(raw)}"
-            )
+            raise ConfigError(f"{where} must list positive integers, got {_short(raw)}")
         if any(v > maximum for v in values):
-            raise ConfigError(
-                f"params.json key '{name}' is out of range: every value must be at most {maximum}"
-            )
+            raise ConfigError(f"{where} is out of range: every value must be at most {maximum}")
         return values
 
 
@@ -128,9 +125,14 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+class _Inconsistent(Exception):
+    def __init__(self, key: str, message: str):
+        self.key, self.message = key, message
+
+
 def _require(condition: bool, key: str, message: str) -> None:
     if not condition:
-        raise ConfigError(f"params.json key '{key}' is inconsistent: {message}")
+        raise _Inconsistent(key, message)
 
 
 @dataclass(frozen=True)
@@ -276,9 +278,10 @@ class ModelConfig:
         return (0, *(sem + k * ac for k in range(f.n_acoustic_codebook)))
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> ModelConfig:
-        """Build the config from a parsed ``params.json`` (Mistral layout)."""
-        top = _Reader(params, "")
+    def from_params(cls, params: Mapping[str, Any], source: str = "params.json") -> ModelConfig:
+        """Build the config from a parsed ``params.json`` (Mistral layout); ``source`` names
+        the file in error messages (``config.json`` holds the same keys in MLX layouts)."""
+        top = _Reader(params, "", source)
         backbone = BackboneArgs(
             dim=top.get("dim", int, positive=True),
             n_layers=top.get("n_layers", int, positive=True, maximum=MAX_LAYERS),
@@ -291,7 +294,7 @@ class ModelConfig:
             vocab_size=top.get("vocab_size", int, positive=True),
         )
         if top.get("use_biases", bool, False):
-            raise ConfigError("params.json key 'use_biases' is true: Voxtral TTS has no biases")
+            raise ConfigError(f"{source} key 'use_biases' is true: Voxtral TTS has no biases")
 
         mm = top.section("multimodal")
         audio = mm.section("audio_model_args")
@@ -309,7 +312,9 @@ class ModelConfig:
             n_kv_heads=at.get("n_kv_heads", int, positive=True),
             norm_eps=at.get("norm_eps", float, backbone.norm_eps, positive=True),
             sigma_max=at.get("sigma_max", float, 1.0, positive=True),
-            n_decoding_steps=at.get("n_decoding_steps", int, 7, positive=True),
+            n_decoding_steps=at.get(
+                "n_decoding_steps", int, 7, positive=True, maximum=MAX_DECODING_STEPS
+            ),
             semantic_codebook_size=audio.get("semantic_codebook_size", int, positive=True),
             acoustic_codebook_size=audio.get("acoustic_codebook_size", int, positive=True),
             n_acoustic_codebook=audio.get(
@@ -318,7 +323,7 @@ class ModelConfig:
         )
         if at.get("use_biases", bool, False):
             raise ConfigError(
-                "params.json key "
+                f"{source} key "
                 "'multimodal.audio_model_args.acoustic_transformer_args.use_biases' "
                 "is true: Voxtral TTS has no biases"
             )
@@ -333,7 +338,9 @@ class ModelConfig:
             qk_norm_eps=codec_r.get("qk_norm_eps", float, 1e-6, positive=True),
             qk_norm=codec_r.get("qk_norm", bool, True),
             layer_scale=codec_r.get("layer_scale", bool, True),
-            attn_sliding_window_size=codec_r.get("attn_sliding_window_size", int, positive=True),
+            attn_sliding_window_size=codec_r.get(
+                "attn_sliding_window_size", int, positive=True, maximum=MAX_WINDOW
+            ),
             half_attn_window_upon_downsampling=codec_r.get(
                 "half_attn_window_upon_downsampling", bool, True
             ),
@@ -352,13 +359,11 @@ class ModelConfig:
         )
         if codec_r.get("use_biases", bool, False):
             raise ConfigError(
-                "params.json key 'multimodal.audio_tokenizer_args.use_biases' is true: "
+                f"{source} key 'multimodal.audio_tokenizer_args.use_biases' is true: "
                 "Voxtral TTS has no biases"
             )
         if codec_r.get("channels", int, 1) != 1:
-            raise ConfigError(
-                "params.json key 'multimodal.audio_tokenizer_args.channels' must be 1"
-            )
+            raise ConfigError(f"{source} key 'multimodal.audio_tokenizer_args.channels' must be 1")
 
         voice_index = {}
         raw_voice = codec_r.data.get("voice", {})
@@ -378,7 +383,10 @@ class ModelConfig:
             voice_index=voice_index,
             raw=dict(params),
         )
-        config._check()
+        try:
+            config._check()
+        except _Inconsistent as e:
+            raise ConfigError(f"{source} key '{e.key}' is inconsistent: {e.message}") from None
         return config
 
     def _check(self) -> None:

@@ -348,7 +348,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
         config = ModelConfig.from_file(params_path)
         try:
             in_config = params_from_config(read_config(model_dir))
-            other = None if in_config is None else ModelConfig.from_params(in_config)
+            other = None if in_config is None else ModelConfig.from_params(in_config, "config.json")
         except ConfigError:  # not a model config to compare with; reported where it is needed
             other = None
         if other is not None and (diff := _first_difference(config, other)) is not None:
@@ -359,12 +359,19 @@ def read_model_config(model_dir: Path) -> ModelConfig:
                 "or re-convert the model (or make the two files agree)"
             )
         return config
-    params = params_from_config(read_config(model_dir))
+    config_json = read_config(model_dir)
+    params = params_from_config(config_json)
+    if params is None and config_json is not None:
+        raise ConfigError(
+            f"{model_dir} has no params.json and its config.json holds no Voxtral parameters "
+            "(no 'multimodal' section): re-download the model, or copy params.json from "
+            "Mistral's checkpoint beside it"
+        )
     if params is None:
         raise ModelNotFoundError(
             f"{model_dir} has no params.json: it is not a Voxtral TTS model directory"
         )
-    return ModelConfig.from_params(params)
+    return ModelConfig.from_params(params, "config.json")
 
 
 def _first_difference(a: Any, b: Any, name: str = "") -> tuple[str, Any, Any] | None:

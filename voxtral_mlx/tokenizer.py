@@ -380,8 +380,11 @@ def _vocab_strings(vocab: list[Any], path: Path) -> list[str]:
             raise TokenizerError(f"{path}: vocab[{i}] has rank {rank!r}, expected {i}")
         if i < 256 and token != bytes([i]):
             raise TokenizerError(f"{path}: vocab[{i}] must be the single byte {i}, got {token!r}")
-        if not token:
-            raise TokenizerError(f"{path}: vocab[{i}] has empty token_bytes")
+        if not token:  # a2b_base64 skips what is not base64: "@@@" decodes to nothing
+            what = (
+                "empty token_bytes" if not b64 else f"token_bytes {b64!r:.40} that are not base64"
+            )
+            raise TokenizerError(f"{path}: vocab[{i}] has {what}; re-download tekken.json")
         out.append(token.decode("latin-1").translate(_LATIN1_TO_ALPHABET))
     return out
 

@@ -212,7 +212,10 @@ class VoiceRegistry(Mapping[str, Voice]):
         else:
             array = _load_safetensors(voice.path, src)
         shape = tuple(array.shape)
-        fix = "re-convert it from the checkpoint's .pt with `voxtral-mlx convert-voices`"
+        if voice.path.suffix == ".pt":
+            fix = "re-download it from the checkpoint"
+        else:
+            fix = "re-convert it from the checkpoint's .pt with `voxtral-mlx convert-voices`"
         if len(shape) != 2:
             raise VoiceError(
                 f"voice {voice.name!r} ({src}) has shape {list(shape)}, expected a 2-D "
