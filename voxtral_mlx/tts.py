@@ -21,7 +21,6 @@ import numpy as np
 from .config import ModelConfig
 from .engine import DONE, AudioChunk, Engine, Job, Timings, check_whole
 from .errors import InputError, VoxtralError
-from .fileio import one_line
 from .generate import NoiseSource, Sequence, check_seed
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA
@@ -298,10 +297,6 @@ class VoxtralTTS:
             )
         if is_blank(text):
             raise InputError("text is empty: give some words to speak")
-        if is_silent(text):
-            raise InputError(
-                f"text {one_line(text.strip(), 40)!r} is punctuation only: give some words to speak"
-            )
         check_seed(seed)
         voice = self._voice(voice).name
         if lookahead is not None:
@@ -328,6 +323,7 @@ class VoxtralTTS:
         else:
             segments = [Segment(text, 0, len(text), 0.0, text)]
         base = secrets.randbits(62) if seed is None and noise is None else seed
+        quiet = (lambda _: False) if is_silent(text) else is_silent
 
         def make_job(i: int, seg: Segment) -> Job:
             job = self.job(
@@ -337,8 +333,9 @@ class VoxtralTTS:
                 noise=noise,
                 # A paragraph of zero-width or format characters alone, or a lone "." cut
                 # off by a hard cut, has nothing to say (sent as ".", the model would
-                # babble): it keeps its place, as a pause.
-                max_frames=0 if is_silent(seg.text) else max_frames,
+                # babble): it keeps its place, as a pause. Text that is punctuation alone
+                # ("...") is what its writer asked for: it is spoken.
+                max_frames=0 if is_blank(seg.text) or quiet(seg.text) else max_frames,
                 cfg_alpha=cfg_alpha,
                 chunk_frames=chunk_frames,
             )
