@@ -527,6 +527,37 @@ def test_cancel_during_a_long_prefill_stops_after_one_part(tts, monkeypatch):
     }
 
 
+def test_a_short_request_goes_before_the_rest_of_a_long_prefill(tts, monkeypatch):
+    """An app's "speak now" while a long unsplit prompt is prefilled part by part: the short
+    prompt is prefilled first and speaks at once; both outputs are as on their own."""
+    solo_long = tts.synthesize(LONG_PROMPT, VOICE, seed=2, max_frames=3)
+    solo_short = tts.synthesize("Speak now.", VOICE, seed=5, max_frames=3)
+    parts: list[int] = []
+    prefill_part = engine_mod.prefill_part
+
+    def slow_part(model, text, cache):
+        parts.append(text.shape[1])
+        time.sleep(0.02)  # a long prompt on a big model: the newcomer comes mid-prefill
+        return prefill_part(model, text, cache)
+
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 16)
+    monkeypatch.setattr(engine_mod, "prefill_part", slow_part)
+    total = (len(tts.job(LONG_PROMPT, VOICE).text_ids) - 1) // 16
+    long_job = tts.submit(tts.job(LONG_PROMPT, VOICE, seed=2, max_frames=3))
+    deadline = time.monotonic() + 30
+    while not parts and time.monotonic() < deadline:
+        time.sleep(0.001)
+    short = tts.synthesize("Speak now.", VOICE, seed=5, max_frames=3)
+    parts_before_short_ended = len(parts)
+    codes = []
+    while (item := long_job.output.get(timeout=60)) is not engine_mod.DONE:
+        codes.append(item.codes)
+    assert total >= 10 and parts_before_short_ended < total, (parts_before_short_ended, total)
+    np.testing.assert_array_equal(short.codes, solo_short.codes)
+    np.testing.assert_array_equal(np.concatenate(codes), solo_long.codes)
+    assert len(parts) == total  # resumed where it stopped, nothing run twice
+
+
 def test_running_streams_get_frames_between_the_parts_of_a_long_prefill(tts, monkeypatch):
     events: list[str] = []
     prefill_part, deliver = engine_mod.prefill_part, tts.engine._deliver

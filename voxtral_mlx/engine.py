@@ -29,6 +29,8 @@ PREFIX_CACHE_VOICES = 8
 # A longer prompt text is prefilled this many tokens per frame step: a cancel() takes effect
 # and the sequences already running get their next frame after at most one part.
 PREFILL_PART_TOKENS = 256
+# Short prompts one long prompt's prefill lets go first, at most (bounds its delay).
+MAX_OVERTAKES = 8
 
 
 @dataclass
@@ -173,6 +175,7 @@ class _Prefill:
     cache: list[KVCache]
     text: mx.array  # [1, tokens, dim]: the embeddings not yet run
     hit: bool  # the voice prefix came from the cache
+    overtaken: int = 0  # short prompts let through meanwhile (see Engine._admit)
 
 
 def _priority(job: Job) -> tuple[int, int, float]:
@@ -316,14 +319,22 @@ class Engine:
                 else:
                     self._parked.append(job)
         if self._prefilling is not None:
+            short = self._short_newcomer()
+            if short is not None:
+                # A long prompt takes a frame per part: a short request that came meanwhile
+                # (an app's "speak now") is prefilled first, in one part, while the batch
+                # has room for both; a few at most, so the long one is delayed boundedly.
+                self._prefilling.overtaken += 1
+                self._suspend_prefill()
+                self._waiting.remove(short)
+                self._start(short)
+                return
             if not (self._prefilling.job.ahead and self._someone_waits()):
                 self._prefill_next()
                 return
             # A long prompt generated ahead must not hold up a job someone waits for: its
             # prefill goes back to the queue, to resume where it stopped.
-            job = self._prefilling.job
-            job._suspended, self._prefilling = self._prefilling, None
-            self._waiting.append(job)
+            self._suspend_prefill()
         self._make_room()
         while len(self._batch) < self.max_batch and (self._waiting or self._parked):
             queue = [*self._parked, *self._waiting]  # set-aside jobs first among equals
@@ -335,23 +346,57 @@ class Engine:
             if job.seq.cancelled:
                 self._finish(job)
                 continue
-            if job._suspended is not None:
-                job._suspended, self._prefilling = None, job._suspended
-                self._prefill_next()
-                break
-            try:
-                cache, hit = self._prefix_cache(job)
-                text = self.model.mm_audio_embeddings.tok_embeddings(mx.array(job.text_ids))
-            except Exception as e:  # handed to the job's consumer
-                job.seq.finished = job.done = True
-                job._emit(e)
-                continue
-            self._prefilling = _Prefill(job, cache, text[None], hit)
             # One prefill (part) per frame: the first job in the queue (the first segment of
             # a text) reaches its first audio without waiting for the prefills of the
             # others, which join at the following frames.
+            if self._start(job):
+                break
+
+    def _start(self, job: Job) -> bool:
+        """Begin (or resume) ``job``'s prefill and run its first part; False if it failed
+        before starting (the error went to its consumer)."""
+        if job._suspended is not None:
+            job._suspended, self._prefilling = None, job._suspended
             self._prefill_next()
-            break
+            return True
+        try:
+            cache, hit = self._prefix_cache(job)
+            text = self.model.mm_audio_embeddings.tok_embeddings(mx.array(job.text_ids))
+        except Exception as e:  # handed to the job's consumer
+            job.seq.finished = job.done = True
+            job._emit(e)
+            return False
+        self._prefilling = _Prefill(job, cache, text[None], hit)
+        self._prefill_next()
+        return True
+
+    def _suspend_prefill(self) -> None:
+        """The prefilling job goes back to the queue, to resume where it stopped."""
+        p, self._prefilling = self._prefilling, None
+        assert p is not None
+        p.job._suspended = p
+        self._waiting.append(p.job)
+
+    def _short_newcomer(self) -> Job | None:
+        """A waiting job someone waits for whose prompt is one part, to go before the long
+        prompt being prefilled (see :meth:`_admit`), if it may."""
+        p = self._prefilling
+        if (
+            p is None
+            or p.overtaken >= MAX_OVERTAKES
+            or p.text.shape[1] <= PREFILL_PART_TOKENS  # its last part: let it finish
+            or len(self._batch) + 2 > self.max_batch  # room for the newcomer and for it
+        ):
+            return None
+        short = [
+            job
+            for job in self._waiting
+            if not job.ahead
+            and job._suspended is None
+            and not job.seq.cancelled
+            and len(job.text_ids) <= PREFILL_PART_TOKENS
+        ]
+        return min(short, key=_priority) if short else None
 
     def _someone_waits(self) -> bool:
         """A job someone waits for is outside the batch (waiting, or set aside)."""
