@@ -7,7 +7,9 @@ parts. This measures what that costs and what it buys, on the same model in one 
 * time to first audio of the long request alone (parts vs one pass);
 * the longest wait between two chunks of a stream that is already running while the long
   request is prefilled (the stall a listener would hear without pre-roll);
-* how long ``cancel()`` takes to end the long request when it comes during its prefill.
+* how long ``cancel()`` takes to end the long request when it comes during its prefill;
+* the first audio of a short request made during the long prefill: it goes first
+  (``MAX_OVERTAKES``), against waiting its turn (overtaking off) and against one pass.
 
     python benchmarks/long_prompt.py [--configs tiny,CHECKPOINT_DIR] [--tokens 1000,2000]
 """
@@ -80,6 +82,17 @@ def cancel_latency(tts, text: str, voice: str, part_s: float) -> float:
     return ended[0] - t0
 
 
+def short_first_audio(tts, text: str, voice: str, part_s: float) -> float:
+    """First audio of a short request made a third of the way into the long prefill."""
+    long = tts.stream(text, voice, seed=0, max_frames=1)
+    consumer = threading.Thread(target=lambda: list(long))
+    consumer.start()
+    time.sleep(part_s)
+    dt = ttfa(tts, "Speak now.", voice)
+    consumer.join()
+    return dt
+
+
 def measure(name: str, tokens: int, repeats: int) -> dict[str, float]:
     import voxtral_mlx
     import voxtral_mlx.engine as engine
@@ -100,7 +113,16 @@ def measure(name: str, tokens: int, repeats: int) -> dict[str, float]:
         out[f"cancel_{key}"] = statistics.median(
             cancel_latency(tts, text, voice, third) for _ in range(repeats)
         )
+        out[f"short_{key}"] = statistics.median(
+            short_first_audio(tts, text, voice, third) for _ in range(repeats)
+        )
     engine.PREFILL_PART_TOKENS = default
+    overtakes, engine.MAX_OVERTAKES = engine.MAX_OVERTAKES, 0
+    third = out["ttfa_parts"] / 3
+    out["short_waits"] = statistics.median(
+        short_first_audio(tts, text, voice, third) for _ in range(repeats)
+    )
+    engine.MAX_OVERTAKES = overtakes
     tts.close()
     return out
 
@@ -124,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             "same, one pass",
             "cancel during prefill, parts",
             "same, one pass",
+            "short request during it: first audio, parts",
+            "same, waiting its turn",
+            "same, one pass",
         )
     ]
     for name in args.configs.split(","):
@@ -142,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                             "stall_one",
                             "cancel_parts",
                             "cancel_one",
+                            "short_parts",
+                            "short_waits",
+                            "short_one",
                         )
                     ),
                 )
@@ -155,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows,
                 "Medians. The running stream's gap is the longest time between two of its "
                 "chunks while the long request is prefilled; cancel is sent a third of the "
-                "way into the prefill and timed until the stream ends.",
+                "way into the prefill and timed until the stream ends; the short request "
+                "too is made a third of the way in ('waiting its turn': with overtaking "
+                "off, as before it existed).",
             )
         )
     return 0

@@ -384,7 +384,6 @@ class Engine:
         if (
             p is None
             or p.overtaken >= MAX_OVERTAKES
-            or p.text.shape[1] <= PREFILL_PART_TOKENS  # its last part: let it finish
             or len(self._batch) + 2 > self.max_batch  # room for the newcomer and for it
         ):
             return None
