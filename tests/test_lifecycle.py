@@ -77,6 +77,34 @@ def test_say_reports_the_close(tts):
     assert playback.done
 
 
+def test_loading_again_and_again_reuses_the_closed_models_threads(tiny_checkpoint_noend, tmp_path):
+    """Threads are never ended (MLX would abort): a closed model's thread serves the next
+    one, so repeated loads, and failed ones, do not pile up threads."""
+
+    def threads() -> int:
+        return sum(t.name == "voxtral-mlx" for t in threading.enumerate())
+
+    first = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    want = first.synthesize("Hi.", VOICE, seed=1, max_frames=2).codes
+    first.close()
+    before = threads()
+    for _ in range(5):
+        model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+        assert np.array_equal(model.synthesize("Hi.", VOICE, seed=1, max_frames=2).codes, want)
+        model.close()
+        with pytest.raises(VoxtralError):
+            voxtral_mlx.load(tiny_checkpoint_noend, dtype="int8")  # fails on its thread
+    assert threads() == before
+    closed = Worker()
+    closed.close()
+    again = Worker()  # on the thread `closed` had: which must not take work for it now
+    assert again.call(lambda: threading.current_thread()) is closed._thread
+    assert not closed.in_worker and again.call(lambda: closed.in_worker) is False
+    with pytest.raises(VoxtralError, match="closed"):
+        again.call(lambda: closed.call(lambda: 1))
+    again.close()
+
+
 def test_submissions_racing_close_all_resolve():
     for _ in range(20):
         worker = Worker()

@@ -4,6 +4,10 @@ MLX binds unevaluated arrays to the stream of the thread that built them (a lazi
 weight cannot be evaluated from another thread), so each loaded model gets one worker
 thread that loads it, generates, decodes and batches every request. Callers in any thread
 (UI code, asyncio, server handlers) hand it work and wait for results.
+
+Threads are never ended (see :meth:`Worker.close`): a closed model's thread waits in a pool
+and serves the next model loaded, so an app that loads and closes models (or retries a
+failed load) keeps one thread per model open at a time, not one per load.
 """
 
 from __future__ import annotations
@@ -22,6 +26,39 @@ from .errors import VoxtralError
 T = TypeVar("T")
 
 _WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
+_IDLE: list[_Runner] = []  # threads whose worker was closed, ready for the next one
+_IDLE_LOCK = threading.Lock()
+
+
+class _Runner:
+    """A daemon thread serving one :class:`Worker` at a time, idle in between."""
+
+    def __init__(self, name: str) -> None:
+        self._assigned: queue.SimpleQueue[Worker] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def serve(cls, worker: Worker, name: str) -> _Runner:
+        with _IDLE_LOCK:
+            runner = _IDLE.pop() if _IDLE else None
+        if runner is None:
+            runner = cls(name)
+        runner._assigned.put(worker)
+        return runner
+
+    def _main(self) -> None:
+        while True:
+            worker: Worker | None = self._assigned.get()
+            assert worker is not None
+            worker._run()
+            worker = None  # the idle frame must not keep the closed worker alive
+
+    def idle(self) -> None:
+        """Called by the worker it served, once done: the next worker may have it (its
+        assignment waits in the queue until the current one has returned)."""
+        with _IDLE_LOCK:
+            _IDLE.append(self)
 
 
 @atexit.register
@@ -44,17 +81,18 @@ class Worker:
         )
         self.pump: Callable[[], bool] = lambda: False
         self.on_close: Callable[[], None] = lambda: None  # run on the thread before it parks
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._busy = False
         self._closed = False
+        self._serving = True  # until closed: its thread then serves other workers
         self._lock = threading.Lock()  # a task is never queued behind the closing marker
         self._parked = threading.Event()
-        self._thread.start()
+        self._runner = _Runner.serve(self, name)
+        self._thread = self._runner.thread
         _WORKERS.add(self)
 
     @property
     def in_worker(self) -> bool:
-        return threading.current_thread() is self._thread
+        return self._serving and threading.current_thread() is self._thread
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn()`` on the worker; the future holds its result or exception."""
@@ -76,9 +114,10 @@ class Worker:
         """Stop taking work and drop the model's references (in-flight calls finish first);
         ``wait`` for that to be done.
 
-        The thread itself is parked, never ended: MLX keeps per-thread stream state whose
-        teardown at thread exit aborts the process ("terminate called without an active
-        exception"), while a parked daemon thread is simply dropped at interpreter exit.
+        The thread itself is never ended: MLX keeps per-thread stream state whose teardown
+        at thread exit aborts the process ("terminate called without an active
+        exception"). It waits to serve the next worker made; an idle daemon thread is
+        simply dropped at interpreter exit.
         """
         with self._lock:
             if not self._closed:
@@ -97,14 +136,15 @@ class Worker:
                 break
             if item is not ...:
                 _run_task(*item)
-            item = None  # the parked frame must not keep the last task's objects alive
+            item = None  # the waiting frame must not keep the last task's objects alive
             self._busy = self.pump()
         with contextlib.suppress(Exception):  # the thread must park regardless
             self.on_close()
         self.pump = lambda: False
         self.on_close = lambda: None
+        self._serving = False
+        self._runner.idle()
         self._parked.set()
-        threading.Event().wait()
 
 
 def _run_task(fn: Callable[[], Any], future: Future) -> None:
