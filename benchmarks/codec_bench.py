@@ -247,6 +247,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4, help="concurrent streams")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="the default")
     args = parser.parse_args()
     dtype = getattr(mx, args.dtype)
     rows = []
@@ -266,7 +267,7 @@ def main() -> None:
     for cfg, method, n, ms, audio_ms in rows:
         cells = (cfg, method, str(n), f"{ms:.2f}", f"{audio_ms / ms:.2f}")
         print("  ".join(c.ljust(w) for c, w in zip(cells, width)))
-    if args.record:
+    if args.record and not args.no_record:
         from common import command_line, record
 
         table = [head] + [(c, m, str(n), f"{ms:.2f}", f"{a / ms:.2f}") for c, m, n, ms, a in rows]

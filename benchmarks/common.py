@@ -155,9 +155,27 @@ def injected_noise(rows: np.ndarray):
     return inject(rows)
 
 
+def _tekken_voices(model_dir: Path) -> set[str]:
+    """The voices tekken.json lists (mlx-audio's tokenizer knows only those)."""
+    import json
+
+    try:
+        audio = json.loads((Path(model_dir) / "tekken.json").read_text()).get("audio") or {}
+        return set(audio.get("voice_num_audio_tokens") or {})
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
 def reference_voice(ref, model_dir: Path, voice: str, dtype) -> None:
     """Give mlx-audio the voice from our reader (it only reads .safetensors voices)."""
     import voxtral_mlx.torch_pickle as tp
+
+    if voice not in _tekken_voices(model_dir):
+        raise SystemExit(
+            f"{model_dir}: voice {voice!r} is not in tekken.json's voice list, which is all "
+            "mlx-audio's tokenizer accepts (voxtral_mlx takes any voice file): list it there "
+            "to compare, or time voxtral_mlx alone (frame_speed.py --no-reference)"
+        )
 
     folder = Path(model_dir) / "voice_embedding"
     if (folder / f"{voice}.pt").is_file():
@@ -175,8 +193,9 @@ def model_config(model_dir: Path):
 
 
 def pick_voice(model_dir: Path) -> str:
-    """:data:`VOICE` if the checkpoint has it, else its first voice by name (a checkpoint
-    built with other voices than the release's still runs)."""
+    """:data:`VOICE` if the checkpoint has it, else its first voice by name that tekken.json
+    lists (so that mlx-audio can use it too), else its first (a checkpoint built with other
+    voices than the release's still runs)."""
     folder = Path(model_dir) / "voice_embedding"
     names = sorted(
         {p.stem for p in folder.glob("*") if p.suffix in (".pt", ".safetensors")}
@@ -185,7 +204,10 @@ def pick_voice(model_dir: Path) -> str:
     )
     if not names:
         raise SystemExit(f"{model_dir}: no voices in voice_embedding/ (*.pt or *.safetensors)")
-    return VOICE if VOICE in names else names[0]
+    if VOICE in names:
+        return VOICE
+    listed = _tekken_voices(model_dir)
+    return next((n for n in names if n in listed), names[0])
 
 
 def start_noise(model_dir: Path, frames: int, seed: int = 0) -> np.ndarray:

@@ -45,14 +45,20 @@ CONFIGS = {
 
 
 def measure(
-    name: str, repeats: int, reference: bool = True, dtype: str = "bfloat16"
+    name: str, repeats: int, reference: bool = True, dtype: str | None = None
 ) -> dict[str, float]:
     """Marginal ms per frame of both implementations, runs interleaved (ours n1, ours n2,
     theirs n1, theirs n2, repeated) so that drift in the machine's speed hits both alike;
     the median over repetitions of each one's per-frame estimate."""
     import voxtral_mlx
 
-    path = resolve(name, CONFIGS, dtype)
+    if dtype is not None and is_model_dir(name):
+        raise SystemExit(
+            f"{name}: --dtype applies to the built-in configs; a checkpoint directory is "
+            "measured in its own dtype (make a float32 one with `voxtral-mlx random-checkpoint "
+            "DIR --dtype float32`)"
+        )
+    path = resolve(name, CONFIGS, dtype or "bfloat16")
     if is_model_dir(name):
         n1, n2 = (8, 40) if is_narrow(path) else (1, 3)
     else:
@@ -104,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="tiny,wide")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-record", action="store_true")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="of the built-in configs (default bfloat16); a directory runs in its own",
+    )
     parser.add_argument(
         "--no-reference",
         action="store_true",
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             record(
-                "Frame speed" + ("" if args.dtype == "bfloat16" else f" ({args.dtype})"),
+                "Frame speed" + ("" if args.dtype in (None, "bfloat16") else f" ({args.dtype})"),
                 command_line(__file__, argv or sys.argv[1:]),
                 rows,
                 notes,

@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="the default")
     args = parser.parse_args(argv)
     table = [("variant", "same history", "free-running", "semantic same for", "all codes same for")]
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             (name, f"{forced:.1%}", f"{free:.1%}", f"{first} frames", f"{first_any} frames")
         )
     print(f"({time.perf_counter() - t0:.0f} s)")
-    if args.record:
+    if args.record and not args.no_record:
         record_table(
             f"Quantized semantic-code agreement ({source.name}, {args.frames} frames, "
             f"{args.dtype})",
@@ -234,7 +235,7 @@ def no_flow(args: argparse.Namespace, source: Path, base: Path, argv: list[str] 
         forced = float(np.mean(teacher_forced(path, history, args.dtype) == own))
         print(f"{name:<16} {forced:>12.1%}", flush=True)
         table.append((name, f"{forced:.1%}"))
-    if args.record:
+    if args.record and not args.no_record:
         record_table(
             f"Quantized semantic-code agreement ({source.name}, {args.frames} frames, no flow, "
             f"{args.dtype})",

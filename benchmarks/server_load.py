@@ -36,6 +36,8 @@ TEXTS = [
     "Numbers, dates and names: 12 May 2024, Dr. Smith, 3.5 kilograms.",
     " ".join(f"Sentence number {i} of a longer paragraph goes here." for i in range(8)),
 ]
+# OpenAI aliases and real names, as clients send them; a --model without some of them uses
+# what its server lists (GET /v1/audio/voices).
 VOICES = ["alloy", "nova", "casual_male", "fr_female"]
 
 
@@ -75,10 +77,22 @@ def start_server(model: Path, args: argparse.Namespace, log: Path) -> tuple[subp
     return proc, match.group(1)
 
 
-async def one_request(client: httpx.AsyncClient, tally: Tally, cancel: bool, timeout: float):
+def server_voices(url: str) -> list[str]:
+    """Those of :data:`VOICES` the server knows (names or aliases), else its first four."""
+    listing = httpx.get(f"{url}/v1/audio/voices", timeout=30).json()
+    known = {v["id"].casefold() for v in listing["data"]} | {
+        a.casefold() for a in listing.get("aliases", {})
+    }
+    usable = [v for v in VOICES if v.casefold() in known]
+    return usable or [v["id"] for v in listing["data"]][:4]
+
+
+async def one_request(
+    client: httpx.AsyncClient, tally: Tally, cancel: bool, timeout: float, voices: list[str]
+):
     body = {
         "input": random.choice(TEXTS),
-        "voice": random.choice(VOICES),
+        "voice": random.choice(voices),
         "response_format": "pcm",
     }
     t0 = time.perf_counter()
@@ -114,7 +128,7 @@ async def one_request(client: httpx.AsyncClient, tally: Tally, cancel: bool, tim
         tally.errors.append(f"{type(e).__name__}: {e}")
 
 
-async def run_clients(url: str, args: argparse.Namespace) -> tuple[Tally, float]:
+async def run_clients(url: str, args: argparse.Namespace, voices: list[str]) -> tuple[Tally, float]:
     tally = Tally()
     limits = httpx.Limits(max_connections=args.clients + 4)
     async with httpx.AsyncClient(base_url=url, limits=limits) as client:
@@ -125,7 +139,7 @@ async def run_clients(url: str, args: argparse.Namespace) -> tuple[Tally, float]
             rng = random.Random(seed)
             while time.perf_counter() < deadline:
                 cancel = rng.random() < args.cancel_fraction
-                await one_request(client, tally, cancel, args.request_timeout)
+                await one_request(client, tally, cancel, args.request_timeout, voices)
 
         await asyncio.gather(*(client_loop(i) for i in range(args.clients)))
         return tally, time.perf_counter() - start
@@ -162,6 +176,7 @@ def main() -> int:
     parser.add_argument("--max-frames", type=int, default=40, help="per text segment")
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="the default")
     args = parser.parse_args()
 
     model = args.model or checkpoint("tiny")
@@ -176,7 +191,8 @@ def main() -> int:
             )
             warm.raise_for_status()
             rss_start = rss_mib(proc.pid)
-            tally, wall = asyncio.run(run_clients(url, args))
+            voices = server_voices(url)
+            tally, wall = asyncio.run(run_clients(url, args, voices))
             health = wait_idle(url)
             rss_end = rss_mib(proc.pid)
         finally:
@@ -215,7 +231,7 @@ def main() -> int:
     for error in tally.errors[:5]:
         print(f"error: {error}")
     lost = client != server
-    if args.record:
+    if args.record and not args.no_record:
         from common import record
 
         record(
@@ -240,8 +256,14 @@ def main() -> int:
                 ("server RSS after warm-up / at the end", f"{rss_start:.0f} / {rss_end:.0f} MiB"),
                 ("server exit code after Ctrl-C", str(code)),
             ],
-            f"Model: {model.name} (tiny random checkpoint, END suppressed: every segment runs "
-            f"{args.max_frames} frames); max_batch {args.max_batch}; "
+            (
+                f"Model: {model} (END as that checkpoint has it; segments run at most "
+                f"{args.max_frames} frames)"
+                if args.model
+                else f"Model: {model.name} (tiny random checkpoint, END suppressed: every "
+                f"segment runs {args.max_frames} frames)"
+            )
+            + f"; voices {', '.join(voices)}; max_batch {args.max_batch}; "
             f"{args.cancel_fraction:.0%} of requests abandoned after their first audio.",
         )
     if lost:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from voxtral_mlx.errors import VoxtralError
 from voxtral_mlx.synthetic.tekken import build_tekken, mistral_common_tekken_path, write_tekken
 from voxtral_mlx.tokenizer import TekkenTokenizer
 
@@ -40,9 +41,13 @@ def report(name: str, walls: list[float], cpus: list[float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("tekken", nargs="?", type=Path)
+    parser.add_argument("tekken", nargs="?", type=Path, help="a tekken.json or a model directory")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
+    if args.tekken is not None and args.tekken.is_dir():
+        args.tekken = args.tekken / "tekken.json"
+    if args.tekken is not None and not args.tekken.is_file():
+        raise SystemExit(f"{args.tekken}: no such file; pass a tekken.json or a model directory")
 
     with tempfile.TemporaryDirectory(prefix="tok-bench-") as tmp:
         tmp_path = Path(tmp)
@@ -90,4 +95,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except VoxtralError as e:  # a tekken.json the tokenizer refuses: its one-line reason
+        raise SystemExit(f"{e}") from None

@@ -20,6 +20,7 @@ import sys
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from common import (
     TEXT,
@@ -139,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     else:  # a directory: as frame_speed.py chooses
         n1, n2 = (8, 40) if is_narrow(path) else (1, 3)
     tts = voxtral_mlx.load(path)
+    if any(isinstance(m, nn.QuantizedLinear) for _, m in tts.model.named_modules()):
+        raise SystemExit(
+            f"{args.config} is quantized: this compares a frame with dense products at its "
+            "shapes; run it on the unquantized checkpoint (time a quantized frame with "
+            "frame_speed.py --no-reference)"
+        )
     suppress_end(tts)
     noise = start_noise(path, n2)
     voice = pick_voice(path)

@@ -3,6 +3,8 @@ with END suppressed) runs the requested number of frames, in both implementation
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -67,3 +69,54 @@ def test_zero_end_row_of_a_quantized_head():
     assert float(mx.abs(after[:, END_AUDIO]).max()) == 0.0
     keep = [i for i in range(16) if i != END_AUDIO]
     np.testing.assert_array_equal(np.array(after[:, keep]), np.array(before[:, keep]))
+
+
+def test_a_voice_mlx_audio_cannot_use_is_refused_in_one_line(tiny_checkpoint, tmp_path):
+    """mlx-audio's tokenizer knows only the voices tekken.json lists; voxtral_mlx takes any
+    voice file. The comparison picks a listed voice, or says why there is none."""
+    import json
+    import shutil
+
+    from benchmarks.common import pick_voice
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint, model)
+    for f in (model / "voice_embedding").iterdir():
+        f.unlink()
+    source = tiny_checkpoint / "voice_embedding"
+    shutil.copy(source / "fr_male.pt", model / "voice_embedding" / "alpha_voice.pt")
+    shutil.copy(source / "fr_male.pt", model / "voice_embedding" / "fr_male.pt")
+    assert pick_voice(model) == "fr_male"  # listed, though "alpha_voice" sorts first
+    (model / "voice_embedding" / "fr_male.pt").unlink()
+    assert pick_voice(model) == "alpha_voice"
+    with pytest.raises(SystemExit) as exc:
+        reference_voice(None, model, "alpha_voice", mx.float32)
+    message = str(exc.value)
+    assert "'alpha_voice' is not in tekken.json's voice list" in message and "\n" not in message
+    assert (
+        "fr_male"
+        in json.loads((model / "tekken.json").read_text())["audio"]["voice_num_audio_tokens"]
+    )
+
+
+@pytest.fixture
+def scripts(monkeypatch):
+    """The scripts import ``common`` from their own folder, as when run."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def test_frame_speed_refuses_a_dtype_for_a_directory(tiny_checkpoint, scripts):
+    from frame_speed import measure
+
+    with pytest.raises(SystemExit, match="--dtype applies to the built-in configs"):
+        measure(str(tiny_checkpoint), 1, reference=False, dtype="float32")
+
+
+def test_weight_bound_refuses_a_quantized_checkpoint(tiny_checkpoint, tmp_path, scripts):
+    from weight_bound import main
+
+    from voxtral_mlx.convert import convert_model
+
+    out = convert_model(tiny_checkpoint, tmp_path / "q8", q_bits=8).path
+    with pytest.raises(SystemExit, match="is quantized: this compares a frame with dense"):
+        main(["--config", str(out), "--repeats", "1", "--no-record"])
