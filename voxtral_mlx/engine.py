@@ -82,7 +82,7 @@ DONE = _Done()
 _CLAIM_LOCK = threading.Lock()
 
 
-@dataclass
+@dataclass(eq=False)  # a job is an identity: comparing two would compare their arrays
 class Job:
     """One utterance to generate. Its chunks, then :data:`DONE` (or the exception that
     stopped it), arrive in ``output`` or, when ``on_output`` is set, through that callback
@@ -326,7 +326,7 @@ class Engine:
                 # has room for both; a few at most, so the long one is delayed boundedly.
                 self._prefilling.overtaken += 1
                 self._suspend_prefill()
-                self._waiting.remove(short)
+                self._waiting = [job for job in self._waiting if job is not short]
                 self._start(short)
                 return
             if not (self._prefilling.job.ahead and self._someone_waits()):

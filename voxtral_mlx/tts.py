@@ -323,7 +323,11 @@ class VoxtralTTS:
         else:
             segments = [Segment(text, 0, len(text), 0.0, text)]
         base = secrets.randbits(62) if seed is None and noise is None else seed
-        quiet = (lambda _: False) if is_silent(text) else is_silent
+        # A segment of zero-width or format characters alone, or a lone "." cut off by a
+        # hard cut, has nothing to say (sent as ".", the model would babble): it keeps its
+        # place, as a pause. Text that is punctuation alone ("...") is what its writer
+        # asked for: it is spoken.
+        pause_only = is_blank if is_silent(text) else is_silent
 
         def make_job(i: int, seg: Segment) -> Job:
             job = self.job(
@@ -331,11 +335,7 @@ class VoxtralTTS:
                 voice,
                 seed=None if base is None else (int(base) + i) % 2**64,
                 noise=noise,
-                # A paragraph of zero-width or format characters alone, or a lone "." cut
-                # off by a hard cut, has nothing to say (sent as ".", the model would
-                # babble): it keeps its place, as a pause. Text that is punctuation alone
-                # ("...") is what its writer asked for: it is spoken.
-                max_frames=0 if is_blank(seg.text) or quiet(seg.text) else max_frames,
+                max_frames=0 if pause_only(seg.text) else max_frames,
                 cfg_alpha=cfg_alpha,
                 chunk_frames=chunk_frames,
             )
