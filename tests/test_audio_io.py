@@ -168,6 +168,38 @@ def test_a_killed_writers_temp_file_is_removed_by_the_next_writer(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "x.wav"])
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_link_to_a_pipe_is_refused_in_one_line(tmp_path):
+    """/dev/stdout piped elsewhere: /proc/self/fd/1 leads to "pipe:[N]", which no path
+    names; it read as a missing file with no extension."""
+    read, write = os.pipe()
+    try:
+        link = tmp_path / "out.wav"
+        link.symlink_to(f"/proc/self/fd/{write}")
+        with pytest.raises(AudioOutputError) as exc:
+            check_output_path(link, SR)
+        message = str(exc.value)
+        assert "leads to a pipe, socket or deleted file" in message and "-o -" in message
+    finally:
+        os.close(read)
+        os.close(write)
+    assert [p.name for p in tmp_path.iterdir()] == ["out.wav"]
+
+
+def test_a_name_without_extension_takes_the_one_of_the_file_it_leads_to(tmp_path):
+    """`-o /dev/stdout > speech.wav`: the format comes from the file the link leads to."""
+    target = tmp_path / "speech.wav"
+    target.write_bytes(b"")
+    link = tmp_path / "stdout"
+    link.symlink_to(target)
+    with AudioFileWriter(link, SR) as w:
+        w.write(np.zeros(FRAME, np.float32))
+    assert link.is_symlink() and sf.info(str(target)).format == "WAV"
+    bare = tmp_path / "noext"
+    with pytest.raises(AudioOutputError, match=r"'.*noext': no extension is not supported"):
+        check_output_path(bare, SR)
+
+
 def test_an_output_that_is_a_symbolic_link_is_written_through(tmp_path):
     """As a shell's `>` does: the file the link points to gets the audio, the link stays."""
     audio = np.zeros(FRAME, np.float32)

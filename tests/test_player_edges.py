@@ -206,6 +206,32 @@ def test_signal_during_a_blocked_frame_wait_is_handled_promptly(
     assert [p.name for p in tmp_path.iterdir()] == ["out.wav"]
 
 
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX only")
+def test_a_second_ctrl_c_while_keeping_the_file_still_says_what_was_kept(
+    tmp_path, monkeypatch, capsys, main_thread_sigint
+):
+    """An impatient user presses Ctrl-C twice: the second one lands while the first one's
+    file is being finalised. The file is kept, and the message says so."""
+    from voxtral_mlx.audio.io import AudioFileWriter
+
+    stream = _HangingStream(hang_s=4.0)
+    monkeypatch.setattr(cli, "_load", lambda args: _FakeTTS(stream))
+    real_commit = AudioFileWriter.commit_partial
+
+    def commit_after_a_second_ctrl_c(self):
+        signal.raise_signal(signal.SIGINT)  # held back: the commit must not be cut
+        return real_commit(self)
+
+    monkeypatch.setattr(AudioFileWriter, "commit_partial", commit_after_a_second_ctrl_c)
+    out = tmp_path / "out.wav"
+    _signal_from_elsewhere(signal.SIGINT, after_s=0.3)
+    assert cli.main(["speak", "-m", "fake", "-o", str(out), "Hello."]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("voxtral-mlx: error: interrupted: kept 0.1 s") and err.count("\n") == 1
+    assert sf.info(out).frames == 1920
+    assert [p.name for p in tmp_path.iterdir()] == ["out.wav"]
+
+
 def test_ctrl_c_inside_a_file_write_keeps_the_whole_chunk(
     tmp_path, monkeypatch, capsys, main_thread_sigint
 ):

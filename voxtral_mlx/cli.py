@@ -88,6 +88,19 @@ def _signals_held() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _held_after(first: BaseException | None) -> Iterator[None]:
+    """:func:`_signals_held` for the clean-up after ``first`` (an interrupt, if any): a
+    second Ctrl-C during it is dropped, so that ``first``, which says what was kept, is the
+    one reported."""
+    try:
+        with _signals_held():
+            yield
+    except KeyboardInterrupt:
+        if first is None:
+            raise
+
+
+@contextlib.contextmanager
 def _catching_termination() -> Iterator[None]:
     """Turn SIGTERM/SIGHUP (``timeout``, ``kill``, a closed terminal) into :class:`Terminated`,
     so they too keep what was finished and leave no temp file (unless ignored already);
@@ -447,7 +460,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
         interrupted = e
         raise
     finally:
-        with _signals_held():  # a second Ctrl-C must not leave the temp file behind
+        with _held_after(interrupted):  # a second Ctrl-C must not leave the temp file behind
             stream.cancel()
             if chunks is not None:
                 chunks.close()

@@ -90,14 +90,28 @@ def output_target(path: str | os.PathLike[str]) -> Path:
     try:
         target = p.resolve()
         target.stat()
-    except FileNotFoundError:  # a dangling link: the file it names is created
-        return target
+    except FileNotFoundError:  # a dangling link: the file it names is created...
+        if not _opens(p):
+            return target
+        # ...but this one leads somewhere no path names: /dev/stdout to a pipe
+        raise AudioOutputError(
+            f"output path {str(p)!r} leads to a pipe, socket or deleted file, not a file "
+            "with a name; write to a file, or to stdout with -o -"
+        ) from None
     except (RuntimeError, OSError):  # a loop (RuntimeError before Python 3.13)
         raise AudioOutputError(
             f"output path {str(p)!r} is a symbolic link that loops; remove it or choose "
             "another path"
         ) from None
     return target
+
+
+def _opens(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError:
+        return False
+    return True
 
 
 def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = None) -> None:
@@ -124,12 +138,14 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
             f"output path {str(p)!r} is not a regular file (a device, pipe or socket); "
             "write to a file, or to stdout with -o -"
         )
-    ext = _extension(Path(path))  # the name given says the format, even through a link
+    # The name given says the format, even through a link; a name without an extension
+    # (/dev/stdout redirected to a file) takes the one of the file it leads to.
+    ext = _extension(Path(path)) or _extension(p)
     supported = ", ".join(FORMATS)
     if ext not in FORMATS:
         what = f"extension {ext!r}" if ext else "no extension"
         raise AudioOutputError(
-            f"cannot write audio to {str(p)!r}: {what} is not supported; "
+            f"cannot write audio to {str(path)!r}: {what} is not supported; "
             f"end the file name with one of {supported}"
         )
     fmt, subtype = FORMATS[ext]
@@ -273,7 +289,7 @@ class AudioFileWriter:
         self.channels = int(channels)
         check_output_path(self.path, self.sample_rate)
         self._target = output_target(self.path)  # through a symbolic link
-        ext = _extension(self.path)
+        ext = _extension(self.path) or _extension(self._target)  # as check_output_path
         fmt, subtype = FORMATS[ext]
         self._format = fmt
         self._pcm16 = subtype == "PCM_16"
