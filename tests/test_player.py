@@ -269,6 +269,8 @@ def test_resolve_device():
     [
         ("headphones", "no audio output device matches 'headphones'"),
         ("usb", "ambiguous"),
+        ("²", "no audio output device matches '²'"),  # a digit to str.isdigit, not to int()
+        ("--2", "no audio output device matches '--2'"),
         (0, "index 0"),  # an input-only device
         (9, "index 9"),
     ],

@@ -89,6 +89,8 @@ def load(
                 f"prefix_cache_dir must be a directory path, 'auto' or None, got "
                 f"{type(prefix_cache_dir).__name__}"
             )
+        if not os.fspath(prefix_cache_dir):  # Path("") is the current directory
+            raise InputError("prefix_cache_dir is an empty path: give a directory, 'auto', or None")
         auto = isinstance(prefix_cache_dir, str) and prefix_cache_dir == "auto"
         directory = default_cache_dir() / "prefixes" if auto else Path(prefix_cache_dir)
     model_dir = resolve_model_dir(path_or_repo)

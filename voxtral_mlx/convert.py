@@ -54,6 +54,7 @@ from .checkpoint import (
     quantized_shapes,
     safetensors_data_start,
 )
+from .engine import check_whole
 from .errors import CheckpointError, ConfigError, InputError, VoiceError
 from .fileio import atomic_write_text, one_line
 from .hub import resolve_model_dir
@@ -109,6 +110,7 @@ class QuantOptions:
         cls, bits: int | None, group_size: int | None = None, flow_bits: int | None = None
     ) -> QuantOptions:
         """Checked options; ``flow_bits`` defaults to ``max(8, bits)``."""
+        bits, group_size, flow_bits = (_whole_or_none(v) for v in (bits, group_size, flow_bits))
         if bits is None:
             for flag, value in (("--q-flow-bits", flow_bits), ("--q-group-size", group_size)):
                 if value is not None:
@@ -116,12 +118,12 @@ class QuantOptions:
             return cls(None, None, DEFAULT_GROUP_SIZE)
         group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
         for flag, value in (("--q-bits", bits), ("--q-flow-bits", flow_bits)):
-            if value is not None and (isinstance(value, bool) or value not in SUPPORTED_BITS):
+            if value is not None and not _one_of(value, SUPPORTED_BITS):
                 raise InputError(
                     f"{flag} {value!r} is not supported: use "
                     f"{', '.join(map(str, SUPPORTED_BITS[:-1]))} or {SUPPORTED_BITS[-1]}"
                 )
-        if isinstance(group_size, bool) or group_size not in SUPPORTED_GROUP_SIZES:
+        if not _one_of(group_size, SUPPORTED_GROUP_SIZES):
             raise InputError(f"--q-group-size {group_size!r} is not supported: use 32, 64 or 128")
         flow = max(MIN_FLOW_BITS, bits) if flow_bits is None else flow_bits
         return cls(bits, flow, group_size)
@@ -137,6 +139,16 @@ class QuantOptions:
             return None
         spec = QuantSpec(bits=bits, group_size=self.group_size)
         return spec if quantized_shapes(shape, spec) is not None else None
+
+
+def _one_of(value: object, allowed: tuple[int, ...]) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value in allowed
+
+
+def _whole_or_none(value: object) -> object:
+    """A numpy integer as a Python int (JSON and MLX take only those); anything else as it
+    is, for the checks to name."""
+    return int(value) if isinstance(value, np.integer) else value
 
 
 def component(name: str) -> str:
@@ -485,6 +497,12 @@ def convert_model(
     with one-line messages; on any failure ``out_dir`` is left as it was."""
     options = QuantOptions.make(q_bits, q_group_size, q_flow_bits)
     dtype = output_dtype(dtype)
+    max_shard_bytes = check_whole("max_shard_bytes", max_shard_bytes, 1)
+    chunk_bytes = check_whole("chunk_bytes", chunk_bytes, 1)
+    if progress is not None and not callable(progress):
+        raise InputError(f"progress must be a function or None, got {type(progress).__name__}")
+    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
+        raise InputError(f"out_dir must be a directory path, got {out_dir!r}")
     src = resolve_model_dir(model)
     out = _check_output(Path(out_dir).expanduser().absolute(), src, force)
 

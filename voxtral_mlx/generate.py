@@ -32,6 +32,21 @@ def check_seed(seed: object) -> None:
         raise InputError(f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
 
 
+def to_numpy(value: object, what: str) -> np.ndarray:
+    """``value`` (numpy, MLX, nested lists) as a numpy array, MLX bfloat16 (which numpy cannot
+    hold) as float32; a ragged list or an object that is no array is an :class:`InputError`
+    naming ``what``."""
+    if isinstance(value, mx.array) and value.dtype == mx.bfloat16:
+        value = value.astype(mx.float32)
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError):
+        raise InputError(
+            f"{what} must be a rectangular array, got a {type(value).__name__} numpy cannot "
+            "make one of (rows of different lengths?)"
+        ) from None
+
+
 class NoiseSource:
     """Start noise of the flow-matching ODE, one row of 36 per frame.
 
@@ -43,7 +58,7 @@ class NoiseSource:
     def __init__(self, width: int, seed: int | None = None, noise: np.ndarray | None = None):
         self.width = width
         if noise is not None:
-            arr = np.asarray(noise)
+            arr = to_numpy(noise, "noise")
             if arr.ndim != 2 or arr.shape[1] != width or not np.issubdtype(arr.dtype, np.floating):
                 raise InputError(
                     f"noise must be a float array of shape [frames, {width}], got "

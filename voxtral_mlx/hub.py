@@ -127,7 +127,14 @@ def resolve_model_dir(path_or_repo: str | os.PathLike[str] | None = None) -> Pat
     fetched with ``snapshot_download`` (honouring ``HF_HUB_OFFLINE``, ``HF_HOME`` and the
     local cache). Anything else that does not exist is an error, never a Hub lookup.
     """
+    if path_or_repo is not None and not isinstance(path_or_repo, (str, os.PathLike)):
+        raise ModelNotFoundError(
+            f"the model must be a directory path or a Hugging Face repo id (a string), got "
+            f"{type(path_or_repo).__name__}"
+        )
     spec = DEFAULT_REPO if path_or_repo is None else os.fspath(path_or_repo)
+    if isinstance(spec, bytes):
+        spec = os.fsdecode(spec)
     if isinstance(spec, str) and not spec.strip():  # Path("") would be the current directory
         raise ModelNotFoundError(
             f"the model is an empty name; pass a directory or a Hugging Face repo id such as "

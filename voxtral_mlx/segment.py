@@ -18,6 +18,7 @@ next word is not lowercase: "etc. and" continues, "Apple Inc. The" ends.
 
 from __future__ import annotations
 
+import numbers
 import re
 import unicodedata
 from bisect import bisect_right
@@ -144,6 +145,10 @@ def split_text(
     """
     if not isinstance(text, str):
         raise InputError(f"text must be a str, got {type(text).__name__}: pass the text itself")
+    for name, value in (("target_chars", target_chars), ("max_chars", max_chars)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise InputError(f"{name} must be a whole number of characters, got {value!r}")
+    target_chars, max_chars = int(target_chars), int(max_chars)
     if not 1 <= target_chars <= max_chars:
         raise InputError(
             f"need 1 <= target_chars <= max_chars, got {target_chars} and {max_chars}: fix them"

@@ -21,7 +21,7 @@ import numpy as np
 from .config import ModelConfig
 from .engine import DONE, AudioChunk, Engine, Job, Timings, check_whole
 from .errors import InputError, VoxtralError
-from .generate import NoiseSource, Sequence, check_seed
+from .generate import NoiseSource, Sequence, check_seed, to_numpy
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA
 from .prefix_store import PrefixStore
@@ -143,7 +143,7 @@ class VoxtralTTS:
             names = [self.default_voice]
         elif isinstance(voices, str):
             names = [voices]
-        elif isinstance(voices, Iterable):
+        elif isinstance(voices, Iterable) and not isinstance(voices, (bytes, bytearray)):
             names = list(voices)
             if not names:
                 raise InputError("warmup() was given no voices: name one, or pass None")
@@ -261,6 +261,7 @@ class VoxtralTTS:
             or not math.isfinite(cfg_alpha)
         ):
             raise InputError(f"cfg_alpha must be a finite number, got {cfg_alpha!r}")
+        cfg_alpha = float(cfg_alpha)  # numpy scalars, Fractions: MLX takes Python floats
         v = self._voice(voice)
         text_ids = self.tokenizer.encode(text)
         if len(text_ids) > MAX_TEXT_TOKENS:
@@ -450,6 +451,8 @@ class VoxtralTTS:
         """Hand ``job`` to the engine (from any thread); its output arrives in ``job.output``
         (or its ``on_output`` callback). A job runs once: submitting it again is an
         :class:`InputError`."""
+        if not isinstance(job, Job):
+            raise InputError(f"submit() takes a Job made by tts.job(...), got {type(job).__name__}")
         self._submit_all([job])
         return job
 
@@ -556,6 +559,14 @@ class VoxtralTTS:
         :class:`Playback` handle (``stop()``, ``wait()``, ``done``). Needs PortAudio, unless
         ``player`` supplies another sink with ``feed(audio)``, ``finish()`` and ``stop()``.
         """
+        if player is not None:
+            needed = ("feed", "finish", "stop")
+            missing = [m for m in needed if not callable(getattr(player, m, None))]
+            if missing:
+                raise InputError(
+                    f"player must have feed(audio), finish() and stop(); a "
+                    f"{type(player).__name__} lacks {', '.join(missing)}"
+                )
         # The request is checked before the audio output is opened: bad input opens nothing.
         stream = self.stream(text, voice, seed=seed, split=True, pause=pause, max_frames=max_frames)
         if player is None:
@@ -572,8 +583,9 @@ class VoxtralTTS:
         return playback
 
     def decode(self, codes: np.ndarray | mx.array) -> np.ndarray:
-        """Waveform (float32, 24 kHz) of a ``[frames, 37]`` array of +2-offset codes."""
-        arr = np.asarray(codes)
+        """Waveform (float32, 24 kHz) of a ``[frames, 37]`` array of +2-offset codes. For a
+        split text's ``Speech.codes``, that is its segments' audio without the pauses."""
+        arr = to_numpy(codes, "codes")
         n = self.config.num_codebooks
         if arr.ndim != 2 or arr.shape[1] != n or not np.issubdtype(arr.dtype, np.integer):
             raise InputError(

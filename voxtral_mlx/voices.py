@@ -13,7 +13,7 @@ import os
 import shutil
 import struct
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -145,27 +145,28 @@ class VoiceRegistry(Mapping[str, Voice]):
     def get_voice(self, name: str) -> Voice:
         """The voice called ``name`` (or, as ``say -v`` does, the one name equal to it but
         for case); :class:`VoiceError` listing the valid names otherwise."""
+        if not isinstance(name, str):
+            what = f"{type(name).__name__} {one_line(repr(name), 60)}"
+            raise VoiceError(f"a voice is one name (a string), got {what}")
         voice = self._voices.get(name)
         if voice is not None:
             return voice
-        if isinstance(name, str):
-            folded = [v for n, v in self._voices.items() if n.casefold() == name.casefold()]
-            if len(folded) == 1:
-                return folded[0]
-            if folded:
-                raise VoiceError(
-                    f"voice {one_line(repr(name))} is ambiguous: it matches "
-                    f"{one_line(', '.join(v.name for v in folded), 400)} but for case; give "
-                    "the exact name"
-                )
-            bad = self.broken.get(name) or next(
-                (p for n, p in self.broken.items() if n.casefold() == name.casefold()), None
+        folded = [v for n, v in self._voices.items() if n.casefold() == name.casefold()]
+        if len(folded) == 1:
+            return folded[0]
+        if folded:
+            raise VoiceError(
+                f"voice {one_line(repr(name))} is ambiguous: it matches "
+                f"{one_line(', '.join(v.name for v in folded), 400)} but for case; give "
+                "the exact name"
             )
-            if bad is not None:
-                raise VoiceError(
-                    f"voice {one_line(repr(name))}: {unreadable(bad)}; restore it from the "
-                    "checkpoint"
-                )
+        bad = self.broken.get(name) or next(
+            (p for n, p in self.broken.items() if n.casefold() == name.casefold()), None
+        )
+        if bad is not None:
+            raise VoiceError(
+                f"voice {one_line(repr(name))}: {unreadable(bad)}; restore it from the checkpoint"
+            )
         if not self._voices:
             where = f" in {one_line(str(self.voice_dir))}" if self.voice_dir is not None else ""
             raise VoiceError(
@@ -307,9 +308,23 @@ def _write_safetensors(path: Path, t: PtTensor) -> None:
     atomic_write(path, write)
 
 
-def _voice_sources(sources: list[Path]) -> list[Path]:
+def _voice_sources(sources: object) -> list[Path]:
+    if isinstance(sources, (str, os.PathLike)):  # one file or directory, not its letters
+        sources = [sources]
+    if not isinstance(sources, Iterable) or isinstance(sources, (bytes, bytearray)):
+        raise VoiceError(
+            f"voice sources are paths (a string or a list of them), got {type(sources).__name__}"
+        )
+    sources = list(sources)
+    if not sources:
+        raise VoiceError("no voice sources given: name .pt files or directories holding them")
     files: list[Path] = []
     for source in sources:
+        if not isinstance(source, (str, os.PathLike)):
+            raise VoiceError(
+                f"a voice source is a path (a string), got {type(source).__name__}: name .pt "
+                "files or directories"
+            )
         source = Path(source)
         if source.is_dir():
             found = sorted(p for p in source.glob("*.pt") if not p.name.startswith("."))
@@ -353,7 +368,11 @@ def _check_voice_tensor(src: Path, tensor) -> None:
         )
 
 
-def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = True) -> list[Path]:
+def convert_voice_files(
+    sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    overwrite: bool = True,
+) -> list[Path]:
     """Convert ``.pt`` voices (files, or directories of them) to ``out_dir/<stem>.safetensors``.
 
     Each output holds one tensor under key ``embedding`` with the source's dtype and shape,
@@ -364,6 +383,8 @@ def convert_voice_files(sources: list[Path], out_dir: Path, overwrite: bool = Tr
     for a tensor no model could load (not ``[rows, dim]``, empty, not floats, not finite).
     """
     files = _voice_sources(sources)
+    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
+        raise VoiceError(f"the output directory must be a path, got {out_dir!r}")
     out_dir = Path(out_dir)
     targets = [out_dir / f"{src.stem}.safetensors" for src in files]
     seen: dict[Path, Path] = {}

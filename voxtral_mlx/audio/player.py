@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import threading
 import time
 from collections import deque
@@ -134,7 +135,7 @@ def resolve_device(spec: str | int | None, sd: Any = None) -> int | None:
             )
         return None
     text = str(spec).strip()
-    if isinstance(spec, int) or text.lstrip("-").isdigit():
+    if isinstance(spec, int) or re.fullmatch(r"-?[0-9]+", text):  # not "²", nor "--2"
         idx = int(text)
         if any(d["index"] == idx for d in devices):
             return idx

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -257,17 +258,29 @@ def build_random_checkpoint(
     """
     from .tekken import build_tekken
 
+    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
+        raise InputError(f"out_dir must be a directory path, got {out_dir!r}")
     if isinstance(params, str):
+        if params not in ("tiny", "wide", "full"):
+            raise InputError(f"unknown size {params!r}: use tiny, wide or full, or a params dict")
         params = make_params(params)
+    if not isinstance(params, Mapping):
+        raise InputError(
+            f"params must be a size name or a params.json dict, got {type(params).__name__}"
+        )
     params = copy.deepcopy(dict(params))
-    st_dtype = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}.get(dtype)
+    if not isinstance(params.get("vocab_size"), int):
+        ModelConfig.from_params(params)  # names what is missing or wrong
+    st_dtype = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}.get(
+        dtype if isinstance(dtype, str) else ""
+    )
     if st_dtype is None:
         raise InputError(f"unsupported dtype {dtype!r}: use bfloat16, float16 or float32")
     if voice_format not in ("pt", "safetensors"):
         raise InputError(f"unknown voice format {voice_format!r}: use pt or safetensors")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise InputError(f"seed must be a whole number >= 0, got {seed!r}: pass e.g. 0")
-    voices = dict(REAL_VOICES if voices is None else voices)
+    voices = _checked_voices(REAL_VOICES if voices is None else voices)
     tekken = build_tekken(voices, vocab_source=vocab_source)
     n_text = tekken["config"]["default_vocab_size"]
     if params["vocab_size"] < n_text:
@@ -281,6 +294,29 @@ def build_random_checkpoint(
             tmp, params, config, tekken, voices, seed, st_dtype, voice_format, suppress_end
         )
     return out
+
+
+MAX_VOICE_ROWS = 4096  # the real voices have 67-218 rows
+
+
+def _checked_voices(voices: object) -> dict[str, int]:
+    """``voices`` if it maps plain file names to row counts a model can load."""
+    if not isinstance(voices, Mapping) or not voices:
+        raise InputError(f"voices must map voice names to row counts, got {voices!r:.80}")
+    for name, rows in voices.items():
+        if (
+            not isinstance(name, str)
+            or not name
+            or name.startswith(".")
+            or any(sep in name for sep in ("/", "\\", "\0"))
+        ):
+            raise InputError(
+                f"voice name {name!r:.60} cannot be a file name in voice_embedding/: use "
+                "letters, digits and _"
+            )
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= MAX_VOICE_ROWS:
+            raise InputError(f"voice {name!r} needs 1 to {MAX_VOICE_ROWS} rows, got {rows!r:.40}")
+    return dict(voices)
 
 
 def _write_checkpoint(

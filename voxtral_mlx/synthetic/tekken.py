@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,10 @@ def build_tekken(
         voices[name] = count
 
     source: str | Path | None = vocab_source
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        raise InputError(
+            f"vocab_source must be a tekken.json path, 'auto' or None, got {type(source).__name__}"
+        )
     if isinstance(source, str) and source == "auto":
         source = mistral_common_tekken_path()
     if source is None:

@@ -1,0 +1,157 @@
+"""Arguments an app may pass wrongly or unusually to the less-used public functions: each
+is either taken as meant or refused with a one-line error from voxtral_mlx.errors."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import voxtral_mlx
+from voxtral_mlx.convert import convert_model
+from voxtral_mlx.errors import InputError, ModelNotFoundError, VoiceError, VoxtralError
+from voxtral_mlx.segment import split_text
+from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+from voxtral_mlx.voices import convert_voice_files
+
+VOICE = "neutral_male"
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoint_noend):
+    model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    yield model
+    model.close()
+
+
+@pytest.mark.parametrize("alpha", [np.float64(1.5), np.float32(1.5), Fraction(3, 2)])
+def test_cfg_alpha_of_any_real_type_is_taken_as_its_value(tts, alpha):
+    """A numpy scalar passed the check, then failed the whole batch inside MLX."""
+    want = tts.synthesize("Hi there.", VOICE, seed=1, max_frames=3, cfg_alpha=1.5).codes
+    got = tts.synthesize("Hi there.", VOICE, seed=1, max_frames=3, cfg_alpha=alpha).codes
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("voice", [["ar_male"], {"ar_male"}, {"ar_male": 1}, 3, b"ar_male"])
+def test_a_voice_is_one_name(tts, voice):
+    with pytest.raises(VoiceError, match="a voice is one name"):
+        tts.synthesize("Hi.", voice, max_frames=1)
+    with pytest.raises(VoiceError, match="a voice is one name"):
+        tts.prompt_ids("Hi.", voice)
+
+
+def test_wrong_objects_for_warmup_and_submit(tts):
+    with pytest.raises(InputError, match="voices must be a voice name or several, got bytes"):
+        tts.warmup(b"ar_male")
+    for job in (None, "Hi."):
+        with pytest.raises(InputError, match=r"submit\(\) takes a Job made by tts\.job"):
+            tts.submit(job)
+
+
+def test_codes_and_noise_numpy_cannot_hold_as_given(tts):
+    with pytest.raises(InputError, match="codes must be a rectangular array"):
+        tts.decode([[2] * 37, [2] * 36])
+    with pytest.raises(InputError, match="codes must be an integer array"):
+        tts.decode(mx.full((2, 37), 2).astype(mx.bfloat16))
+    with pytest.raises(InputError, match="noise must be a rectangular array"):
+        tts.synthesize("Hi.", VOICE, noise=[[0.0] * 36, [0.0] * 35])
+    noise = mx.random.normal((3, 36), key=mx.random.key(0)).astype(mx.bfloat16)
+    got = tts.synthesize("Hi.", VOICE, noise=noise).codes
+    want = tts.synthesize("Hi.", VOICE, noise=np.array(noise.astype(mx.float32))).codes
+    assert np.array_equal(got, want)
+
+
+def test_say_checks_its_player_before_anything_runs(tts):
+    for player in (object(), "default"):
+        with pytest.raises(InputError, match="player must have feed"):
+            tts.say("Hi.", VOICE, player=player, wait=False)
+    assert tts.engine.stats()["waiting"] == 0 and not tts.engine.busy
+
+
+def test_load_arguments(tiny_checkpoint_noend, tmp_path, monkeypatch):
+    for path in (b"/some/dir", 5):
+        with pytest.raises(ModelNotFoundError, match="directory path or a Hugging Face repo id"):
+            voxtral_mlx.load(path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match="prefix_cache_dir is an empty path"):
+        voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir="")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"q_bits": 4.0}, "--q-bits 4.0 is not supported"),
+        ({"q_bits": np.array([4, 6])}, "is not supported"),
+        ({"q_bits": 8, "q_group_size": 64.0}, "--q-group-size 64.0 is not supported"),
+        ({"chunk_bytes": 0}, "chunk_bytes must be a whole number >= 1"),
+        ({"max_shard_bytes": 0}, "max_shard_bytes must be a whole number >= 1"),
+        ({"progress": 5}, "progress must be a function"),
+    ],
+)
+def test_convert_model_refuses_odd_numbers_at_once(tiny_checkpoint, tmp_path, kwargs, words):
+    with pytest.raises(InputError, match=words):
+        convert_model(tiny_checkpoint, tmp_path / "out", **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_model_takes_numpy_integers(tiny_checkpoint, tmp_path):
+    out = convert_model(tiny_checkpoint, tmp_path / "out", q_bits=np.int64(4)).path
+    quantization = json.loads((out / "config.json").read_text())["quantization"]
+    assert quantization["bits"] == 4 and type(quantization["bits"]) is int
+
+
+def test_convert_voice_files_takes_one_path_or_a_list(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint / "voice_embedding"
+    assert len(convert_voice_files(str(folder), tmp_path / "a")) == 20
+    assert len(convert_voice_files(folder, tmp_path / "b")) == 20
+    for sources, words in [([], "no voice sources given"), ([None], "a voice source is a path")]:
+        with pytest.raises(VoiceError, match=words):
+            convert_voice_files(sources, tmp_path / "c")
+    with pytest.raises(VoiceError, match="the output directory must be a path"):
+        convert_voice_files(folder, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"target_chars": None},
+        {"target_chars": "10"},
+        {"target_chars": 2.5, "max_chars": 5.5},
+        {"target_chars": True, "max_chars": True},
+    ],
+)
+def test_split_text_sizes_are_whole_numbers(kwargs):
+    with pytest.raises(InputError, match="must be a whole number of characters"):
+        split_text("Hi there. Yes, indeed.", **kwargs)
+    assert len(split_text("Hi there. Yes, indeed.", target_chars=np.int32(5), max_chars=10)) > 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"voices": {"../../escaped": 3}}, "cannot be a file name"),
+        ({"voices": {"": 3}}, "cannot be a file name"),
+        ({"voices": {}}, "voices must map voice names to row counts"),
+        ({"voices": {"a": 0}}, "needs 1 to 4096 rows"),
+        ({"voices": {"a": 10**12}}, "needs 1 to 4096 rows"),
+        ({"params": "huge"}, "unknown size 'huge'"),
+        ({"params": None}, "params must be a size name or a params.json dict"),
+        ({"dtype": ["bfloat16"]}, "unsupported dtype"),
+        ({"vocab_source": 5}, "vocab_source must be a tekken.json path"),
+    ],
+)
+def test_build_random_checkpoint_checks_its_arguments(tmp_path, kwargs, words):
+    with pytest.raises(VoxtralError, match=words):
+        build_random_checkpoint(tmp_path / "m" / "out", **kwargs)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == []
+
+
+def test_build_random_checkpoint_needs_a_path():
+    for out in (None, b"/tmp/x", ""):
+        with pytest.raises(InputError, match="out_dir must be a directory path"):
+            build_random_checkpoint(out)
