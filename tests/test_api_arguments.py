@@ -35,6 +35,12 @@ def test_cfg_alpha_of_any_real_type_is_taken_as_its_value(tts, alpha):
     assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("alpha", [10**400, Fraction(10**400), float("nan"), "1.5", True, None])
+def test_cfg_alpha_that_is_no_finite_number_is_refused(tts, alpha):
+    with pytest.raises(InputError, match="cfg_alpha must be a finite number"):
+        tts.synthesize("Hi.", VOICE, max_frames=1, cfg_alpha=alpha)
+
+
 @pytest.mark.parametrize("voice", [["ar_male"], {"ar_male"}, {"ar_male": 1}, 3, b"ar_male"])
 def test_a_voice_is_one_name(tts, voice):
     with pytest.raises(VoiceError, match="a voice is one name"):

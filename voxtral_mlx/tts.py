@@ -21,6 +21,7 @@ import numpy as np
 from .config import ModelConfig
 from .engine import DONE, AudioChunk, Engine, Job, Timings, check_whole
 from .errors import InputError, VoxtralError
+from .fileio import one_line
 from .generate import NoiseSource, Sequence, check_seed, to_numpy
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA
@@ -42,6 +43,18 @@ MAX_TEXT_TOKENS = 8192
 SYNTH_CHUNK_FRAMES = 16
 DEFAULT_MAX_CHARS = 400  # longest segment when splitting text (target: half of it)
 WARMUP_TEXT = "Hello."
+
+
+def _finite_float(name: str, value: object) -> float:
+    """``value`` as a Python float if it is a finite real number, else an InputError."""
+    try:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            number = float(value)
+            if math.isfinite(number):
+                return number
+    except OverflowError:  # 10**400
+        pass
+    raise InputError(f"{name} must be a finite number, got {one_line(repr(value), 60)}")
 
 
 @dataclass
@@ -255,13 +268,7 @@ class VoxtralTTS:
             raise InputError("text is empty: give some words to speak")
         max_frames = check_whole("max_frames", max_frames, 0)
         chunk_frames = check_whole("chunk_frames", chunk_frames, 1)
-        if (
-            isinstance(cfg_alpha, bool)
-            or not isinstance(cfg_alpha, numbers.Real)
-            or not math.isfinite(cfg_alpha)
-        ):
-            raise InputError(f"cfg_alpha must be a finite number, got {cfg_alpha!r}")
-        cfg_alpha = float(cfg_alpha)  # numpy scalars, Fractions: MLX takes Python floats
+        cfg_alpha = _finite_float("cfg_alpha", cfg_alpha)  # numpy scalars too: MLX takes floats
         v = self._voice(voice)
         text_ids = self.tokenizer.encode(text)
         if len(text_ids) > MAX_TEXT_TOKENS:
