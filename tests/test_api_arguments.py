@@ -117,7 +117,7 @@ def test_convert_voice_files_takes_one_path_or_a_list(tiny_checkpoint, tmp_path)
     for sources, words in [([], "no voice sources given"), ([None], "a voice source is a path")]:
         with pytest.raises(VoiceError, match=words):
             convert_voice_files(sources, tmp_path / "c")
-    with pytest.raises(VoiceError, match="the output directory must be a path"):
+    with pytest.raises(VoiceError, match="out_dir must be a directory path"):
         convert_voice_files(folder, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 

@@ -74,7 +74,7 @@ from .mlx_layout import (
     SINGLE_NAME,
     to_mlx_audio_name,
 )
-from .output_dir import check_output_dir, resolve_output, staged_dir
+from .output_dir import check_output_dir, directory_path, resolve_output, staged_dir
 from .synthetic.safetensors_writer import TensorSpec, write_safetensors
 from .tokenizer import TekkenTokenizer
 from .voices import VoiceRegistry, convert_voice_files, unreadable
@@ -501,10 +501,9 @@ def convert_model(
     chunk_bytes = check_whole("chunk_bytes", chunk_bytes, 1)
     if progress is not None and not callable(progress):
         raise InputError(f"progress must be a function or None, got {type(progress).__name__}")
-    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
-        raise InputError(f"out_dir must be a directory path, got {out_dir!r}")
+    out_path = directory_path(out_dir)
     src = resolve_model_dir(model)
-    out = _check_output(Path(out_dir).expanduser().absolute(), src, force)
+    out = _check_output(out_path.expanduser().absolute(), src, force)
 
     config = read_model_config(src)
     tokenizer = TekkenTokenizer.from_file(src / "tekken.json")

@@ -8,6 +8,8 @@ corrupt each other. Chunks go back through each job's thread-safe queue (or a ca
 
 from __future__ import annotations
 
+import math
+import numbers
 import queue
 import threading
 import time
@@ -152,6 +154,18 @@ def check_whole(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise InputError(f"{name} must be a whole number >= {minimum}, got {value!r}")
     return int(value)
+
+
+def finite_float(value: object) -> float | None:
+    """``value`` as a Python float if it is a finite real number (numpy scalars and
+    Fractions too, which MLX does not take as they are), else None."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # 10**400
+        return None
+    return number if math.isfinite(number) else None
 
 
 # Beyond this a batch only adds memory (a KV cache per sequence) and warm-up time (one

@@ -55,6 +55,14 @@ def _foreign(path: Path) -> list[str]:
     return found
 
 
+def directory_path(value: object, name: str = "out_dir", error: type = InputError) -> Path:
+    """``value`` as a Path if it is a path (a ``str`` or ``os.PathLike``, not empty: Path("")
+    is the current directory), else a one-line ``error`` naming ``name``."""
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise error(f"{name} must be a directory path, got {value!r}")
+    return Path(value)
+
+
 def resolve_output(out: Path) -> Path:
     """``out`` with its symbolic links resolved; a one-line :class:`InputError` for a loop
     (Python raises RuntimeError for one before 3.13, OSError from 3.13)."""

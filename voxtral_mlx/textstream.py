@@ -8,15 +8,13 @@ text is. The same logic serves blocking iteration and ``async for``.
 from __future__ import annotations
 
 import asyncio
-import math
-import numbers
 import time
 from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 
-from .engine import DONE, AudioChunk, Job, Timings
+from .engine import DONE, AudioChunk, Job, Timings, finite_float
 from .errors import InputError
 from .segment import Segment
 
@@ -44,9 +42,8 @@ class _Reader:
         self._codes_width = 0  # codes per frame, as the segments' own chunks have them
         self._t0 = time.perf_counter()
         self.timings = Timings()  # the whole text's figures
-        if pause is not None and not (
-            isinstance(pause, numbers.Real) and math.isfinite(pause) and 0 <= pause <= MAX_PAUSE_S
-        ):
+        seconds = None if pause is None else finite_float(pause)
+        if pause is not None and (seconds is None or not 0 <= seconds <= MAX_PAUSE_S):
             raise InputError(
                 f"pause must be a number of seconds from 0 to {MAX_PAUSE_S:g}, got {pause!r}"
             )

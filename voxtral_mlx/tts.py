@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
-import numbers
 import secrets
 import threading
 import time
@@ -19,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .config import ModelConfig
-from .engine import DONE, AudioChunk, Engine, Job, Timings, check_whole
+from .engine import DONE, AudioChunk, Engine, Job, Timings, check_whole, finite_float
 from .errors import InputError, VoxtralError
 from .fileio import one_line
 from .generate import NoiseSource, Sequence, check_seed, to_numpy
@@ -43,18 +41,6 @@ MAX_TEXT_TOKENS = 8192
 SYNTH_CHUNK_FRAMES = 16
 DEFAULT_MAX_CHARS = 400  # longest segment when splitting text (target: half of it)
 WARMUP_TEXT = "Hello."
-
-
-def _finite_float(name: str, value: object) -> float:
-    """``value`` as a Python float if it is a finite real number, else an InputError."""
-    try:
-        if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            number = float(value)
-            if math.isfinite(number):
-                return number
-    except OverflowError:  # 10**400
-        pass
-    raise InputError(f"{name} must be a finite number, got {one_line(repr(value), 60)}")
 
 
 @dataclass
@@ -268,7 +254,10 @@ class VoxtralTTS:
             raise InputError("text is empty: give some words to speak")
         max_frames = check_whole("max_frames", max_frames, 0)
         chunk_frames = check_whole("chunk_frames", chunk_frames, 1)
-        cfg_alpha = _finite_float("cfg_alpha", cfg_alpha)  # numpy scalars too: MLX takes floats
+        alpha = finite_float(cfg_alpha)
+        if alpha is None:
+            shown = one_line(repr(cfg_alpha), 60)
+            raise InputError(f"cfg_alpha must be a finite number, got {shown}")
         v = self._voice(voice)
         text_ids = self.tokenizer.encode(text)
         if len(text_ids) > MAX_TEXT_TOKENS:
@@ -279,7 +268,7 @@ class VoxtralTTS:
         tail = speech_prompt_ids(self.tokenizer, "", 0)[-2:]  # [REPEAT_AUDIO_TEXT, BEGIN_AUDIO]
         rows = self.voices.embedding(v.name, self.dtype)
         source = NoiseSource(self.config.flow.n_acoustic_codebook, seed=seed, noise=noise)
-        seq = Sequence(source, max_frames, cfg_alpha)
+        seq = Sequence(source, max_frames, alpha)
         return Job(v.name, rows, text_ids + tail, seq, chunk_frames, self.sample_rate)
 
     def _reader(

@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import VoiceError
 from .fileio import atomic_write, one_line, owned_name, remove_orphans
-from .output_dir import make_dirs, remove_dirs
+from .output_dir import directory_path, make_dirs, remove_dirs
 from .torch_pickle import PtTensor, read_pt, to_mlx
 
 LANGUAGE_NAMES: dict[str, str] = {
@@ -383,9 +383,7 @@ def convert_voice_files(
     for a tensor no model could load (not ``[rows, dim]``, empty, not floats, not finite).
     """
     files = _voice_sources(sources)
-    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
-        raise VoiceError(f"the output directory must be a path, got {out_dir!r}")
-    out_dir = Path(out_dir)
+    out_dir = directory_path(out_dir, error=VoiceError)
     targets = [out_dir / f"{src.stem}.safetensors" for src in files]
     seen: dict[Path, Path] = {}
     for src, dst in zip(files, targets, strict=True):

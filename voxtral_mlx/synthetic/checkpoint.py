@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -23,7 +22,7 @@ from ..checkpoint import expected_tensors
 from ..config import END_AUDIO, ModelConfig
 from ..errors import InputError
 from ..fileio import atomic_write_text
-from ..output_dir import check_output_dir, staged_dir
+from ..output_dir import check_output_dir, directory_path, staged_dir
 from .safetensors_writer import TensorSpec, encode, float32_to_bf16_bits, write_safetensors
 
 # The 20 preset voices of the real checkpoint and their row counts (tekken.json).
@@ -258,8 +257,7 @@ def build_random_checkpoint(
     """
     from .tekken import build_tekken
 
-    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
-        raise InputError(f"out_dir must be a directory path, got {out_dir!r}")
+    out_path = directory_path(out_dir)
     if isinstance(params, str):
         if params not in ("tiny", "wide", "full"):
             raise InputError(f"unknown size {params!r}: use tiny, wide or full, or a params dict")
@@ -288,7 +286,7 @@ def build_random_checkpoint(
     config = ModelConfig.from_params(params)
     tekken["audio"].update(sampling_rate=config.sampling_rate, frame_rate=config.frame_rate)
 
-    out = check_output_dir(Path(out_dir).expanduser().absolute(), force)
+    out = check_output_dir(out_path.expanduser().absolute(), force)
     with staged_dir(out, force) as tmp:
         _write_checkpoint(
             tmp, params, config, tekken, voices, seed, st_dtype, voice_format, suppress_end
