@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .errors import InputError
+from .config import N_SPECIAL_AUDIO_CODES
+from .errors import InputError, NonFiniteError, VoxtralError
 from .generate import FrameBatch, Sequence, prefill, prefill_part
 from .model.cache import KVCache
 from .model.voxtral import VoxtralModel
@@ -114,6 +115,7 @@ class Job:
     _codec_state: object = field(default=None, repr=False)
     _suspended: _Prefill | None = field(default=None, repr=False)  # a prefill set aside
     _claimed: bool = field(default=False, repr=False)  # handed to an engine (see claim())
+    _error: VoxtralError | None = field(default=None, repr=False)  # ends it, once it leaves
 
     def cancel(self) -> None:
         """Stop generating (any thread); takes effect at the next frame boundary."""
@@ -171,6 +173,16 @@ def finite_float(value: object) -> float | None:
 # Beyond this a batch only adds memory (a KV cache per sequence) and warm-up time (one
 # compiled step per batch size); the weights are already read once per frame for all.
 MAX_BATCH = 64
+
+
+def not_finite_error(dtype: mx.Dtype, where: str, frame: int) -> NonFiniteError:
+    """The error that stops a request whose ``where`` produced NaN or inf at ``frame``
+    (counted from 1) in a model computing in ``dtype``."""
+    overflow = " or float16 overflowed (load it in bfloat16)" if dtype == mx.float16 else ""
+    return NonFiniteError(
+        f"the model produced NaN or infinite values in {where} at frame {frame}: the "
+        f"checkpoint's weights hold NaN/inf (re-download or re-convert it){overflow}"
+    )
 
 
 def check_max_batch(value: object, name: str = "max_batch") -> int:
@@ -532,9 +544,14 @@ class Engine:
             if first_chunks and job._next_index:
                 continue
             n, final = len(job._codes), job.seq.finished
-            if job.seq.stop_reason == "cancelled":  # nobody wants its audio: no decoding
-                job._codes = []
-                ready.append((job, None, None, True))
+            if job.seq.stop_reason == "not_finite" and job._error is None:
+                job._error = not_finite_error(
+                    job.voice_rows.dtype, "its hidden state", job.seq.frames + 1
+                )
+            if job.seq.stop_reason == "cancelled" or job._error is not None:
+                job._codes = []  # nobody wants its audio, or it is unusable: no decoding
+                if final:
+                    ready.append((job, None, None, True))
             elif n and (n >= self._chunk_due(job) or final):
                 due.append(len(ready))
                 ready.append((job, mx.stack(job._codes), None, final))
@@ -559,10 +576,16 @@ class Engine:
         peak = mx.get_peak_memory()
         for job, codes, audio, final in ready:
             t = job.timings
-            if audio is not None:
+            if audio is not None and job._error is None:
                 codes_np = np.array(codes)
                 audio_np = np.array(audio)
-            else:
+                self._check_finite(job, codes_np, audio_np)
+            if job._error is not None:  # it ends with the error once it has left the batch
+                if final:
+                    job.done = True
+                    job._emit(job._error)
+                continue
+            if audio is None:
                 codes_np = np.zeros((0, self.model.config.num_codebooks), np.int32)
                 audio_np = np.zeros(0, np.float32)
             t.total_s = now - job.submitted_at
@@ -585,6 +608,22 @@ class Engine:
             if final:
                 job.done = True
                 job._emit(DONE)
+
+    def _check_finite(self, job: Job, codes: np.ndarray, audio: np.ndarray) -> None:
+        """Stop ``job`` with an error if its flow-matching head or the codec produced NaN or
+        inf (acoustic codes of :data:`~voxtral_mlx.model.flow.NOT_FINITE`, audio)."""
+        bad_codes = np.flatnonzero((codes[:, 1:] < N_SPECIAL_AUDIO_CODES).any(axis=1))
+        if len(bad_codes):
+            where, row = "its flow-matching head", bad_codes[0]
+        elif not np.isfinite(audio).all():
+            spf = len(audio) // max(len(codes), 1)
+            where, row = "the codec", np.flatnonzero(~np.isfinite(audio))[0] // max(spf, 1)
+        else:
+            return
+        job._error = not_finite_error(
+            job.voice_rows.dtype, where, job._delivered_frames + int(row) + 1
+        )
+        job.cancel()
 
     def _finish(self, job: Job) -> None:
         """End a job that never joined the batch (cancelled, or zero frames allowed)."""

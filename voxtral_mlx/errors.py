@@ -41,3 +41,8 @@ class InputError(VoxtralError, ValueError):
 
 class AudioOutputError(VoxtralError):
     """No audio device, no PortAudio library, or an output file that cannot be written."""
+
+
+class NonFiniteError(VoxtralError, ArithmeticError):
+    """The model produced NaN or infinite values while generating (damaged weights, or an
+    overflow in float16): the request stops instead of speaking noise."""

@@ -18,7 +18,7 @@ import numpy as np
 from .config import END_AUDIO
 from .errors import InputError
 from .model.cache import BatchKVCache, KVCache
-from .model.flow import cfg_weights
+from .model.flow import NOT_FINITE, cfg_weights
 from .model.voxtral import VoxtralModel
 
 NOISE_BLOCK = 64  # frames of start noise drawn per key; independent of max_frames
@@ -109,7 +109,7 @@ class Sequence:
     cfg_alpha: float
     frames: int = 0
     finished: bool = False
-    stop_reason: str | None = None  # "end", "max_frames" or "cancelled"
+    stop_reason: str | None = None  # "end", "max_frames", "cancelled" or "not_finite"
     prompt_tokens: int = 0
     prefill_s: float = 0.0
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -292,6 +292,9 @@ class FrameBatch:
                 continue
             if sem[i] == END_AUDIO:
                 seq.finished, seq.stop_reason = True, "end"
+                continue
+            if sem[i] == NOT_FINITE:
+                seq.finished, seq.stop_reason = True, "not_finite"
                 continue
             seq.frames += 1
             produced.append((seq, codes[i]))

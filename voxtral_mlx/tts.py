@@ -17,7 +17,16 @@ import mlx.core as mx
 import numpy as np
 
 from .config import ModelConfig
-from .engine import DONE, AudioChunk, Engine, Job, Timings, check_whole, finite_float
+from .engine import (
+    DONE,
+    AudioChunk,
+    Engine,
+    Job,
+    Timings,
+    check_whole,
+    finite_float,
+    not_finite_error,
+)
 from .errors import InputError, VoxtralError
 from .fileio import one_line
 from .generate import NoiseSource, Sequence, check_seed, to_numpy
@@ -606,7 +615,12 @@ class VoxtralTTS:
             audio = self.model.audio_tokenizer.decode(mx.array(arr.astype(np.int32)))
             return np.array(audio.astype(mx.float32))
 
-        return self.worker.call(run)
+        audio = self.worker.call(run)
+        bad = np.flatnonzero(~np.isfinite(audio))
+        if len(bad):
+            frame = bad[0] * len(arr) // len(audio) + 1
+            raise not_finite_error(self.dtype, "the codec", int(frame))
+        return audio
 
 
 def speech_from_chunks(chunks: list[AudioChunk], stream, voice: str) -> Speech:

@@ -11,6 +11,9 @@ from ..config import N_SPECIAL_AUDIO_CODES, FlowArgs
 from .layers import TransformerBlock
 
 DEFAULT_CFG_ALPHA = 1.2
+# What :meth:`FlowHead.frame` returns as the semantic code of a hidden state holding NaN or
+# inf, and (+ the code offset) as an acoustic code whose ODE state became NaN.
+NOT_FINITE = -1
 
 
 def time_embedding(t: mx.array, dim: int) -> mx.array:
@@ -112,20 +115,23 @@ class FlowHead(nn.Module):
             v = self.velocity(x, self.time_tokens[i], llm)
             x = x + (cfg[:, :1] * v[:b] + cfg[:, 1:] * v[b:]) * (1.0 / n)
         levels = args.acoustic_codebook_size - 1
-        # NaN (from damaged weights) must not become an out-of-range code: it reads as 0.
-        x = mx.where(mx.isnan(x), 0.0, x)
         q = mx.round((mx.clip(x, -1.0, 1.0) + 1.0) / 2.0 * levels)
+        # NaN (damaged weights, float16 overflow) becomes code 1: never generated, yet a
+        # row of the code embedding, so the next step stays in range until it is seen.
+        q = mx.where(mx.isnan(x), NOT_FINITE, q)
         return q.astype(mx.int32) + N_SPECIAL_AUDIO_CODES
 
     def frame(self, h: mx.array, noise: mx.array, cfg: mx.array) -> tuple[mx.array, mx.array]:
         """One frame: the semantic codes ``[B]`` and all codes ``[B, 37]`` (semantic first).
 
         The semantic code is returned on its own so that END can be checked as soon as the
-        semantic head is done, while the flow-matching steps are still running.
+        semantic head is done, while the flow-matching steps are still running; there it is
+        :data:`NOT_FINITE` for a row of ``h`` holding NaN or inf (the codes stay in range).
         """
         semantic = self.semantic_code(h).astype(mx.int32)
         codes = mx.concatenate([semantic[:, None], self.acoustic_codes(h, noise, cfg)], -1)
-        return semantic, codes
+        finite = mx.all(mx.isfinite(h), axis=-1)
+        return mx.where(finite, semantic, NOT_FINITE), codes
 
     def __call__(self, h: mx.array, noise: mx.array, cfg: mx.array) -> tuple[mx.array, mx.array]:
         """:meth:`frame`, compiled when :meth:`prepare` compiled it."""

@@ -51,12 +51,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def server_error() -> APIError:
-    return APIError(
-        500,
-        "the server failed to process the request; its log has the details",
-        type="server_error",
-    )
+def server_error(
+    message: str = "the server failed to process the request; its log has the details",
+) -> APIError:
+    return APIError(500, message, type="server_error")
 
 
 def shutting_down() -> APIError:

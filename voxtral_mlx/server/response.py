@@ -19,7 +19,7 @@ import anyio
 import anyio.lowlevel
 from starlette.types import Message, Receive, Scope, Send
 
-from ..errors import VoxtralError
+from ..errors import NonFiniteError, VoxtralError
 from .errors import APIError, bad_request, server_error, shutting_down
 
 log = logging.getLogger("uvicorn.error")
@@ -112,6 +112,10 @@ class BodyResponse:
                 except APIError as e:
                     outcome = "failed"
                     await self._fail(send, e)
+                except NonFiniteError as e:  # the model's fault, not the request's
+                    outcome = "failed"
+                    log.error("speech generation failed: %s", e)
+                    await self._fail(send, server_error(str(e)))
                 except VoxtralError as e:  # bad input found late (a later text segment)
                     outcome = "failed"
                     await self._fail(send, bad_request(str(e)))
