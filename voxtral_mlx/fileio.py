@@ -25,7 +25,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
     A failure (including in ``write``) leaves no partial file behind. Raises ``OSError``.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")  # see temp_pattern
+    tmp = path.with_name(owned_name(path.name, TEMP_KIND))
     # os.open with mode 0o666 lets the umask decide the final permissions, like open() does.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
@@ -39,6 +39,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
         raise
 
 
+TEMP_KIND = "tmp"  # :func:`atomic_write`'s temp files: ``remove_orphans(dir, None, TEMP_KIND)``
 NAME_MAX = 255  # bytes in a file name (APFS, HFS+, ext4)
 
 
@@ -56,10 +57,11 @@ def owned_name(stem: str, kind: str, ext: str = "") -> str:
     return hidden_name(stem, f".{kind}-{os.getpid()}-{secrets.token_hex(4)}{ext}")
 
 
-def remove_orphans(directory: Path, stem: str, kind: str, ext: str = "") -> list[Path]:
-    """Remove what :func:`owned_name` named for ``stem`` in ``directory`` whose process no
-    longer runs: a killed conversion's hidden staging directory can hold gigabytes. Returns
-    what was removed; errors are ignored (this is tidying up, never the job)."""
+def remove_orphans(directory: Path, stem: str | None, kind: str, ext: str = "") -> list[Path]:
+    """Remove what :func:`owned_name` named for ``stem`` (None: for any target) in
+    ``directory`` whose process no longer runs: a killed conversion's hidden staging
+    directory can hold gigabytes. Returns what was removed; errors are ignored (this is
+    tidying up, never the job)."""
     tail = re.compile(rf"\.{re.escape(kind)}-(\d{{1,10}})-[0-9a-f]{{8}}{re.escape(ext)}$")
     removed: list[Path] = []
     try:
@@ -69,7 +71,7 @@ def remove_orphans(directory: Path, stem: str, kind: str, ext: str = "") -> list
         return removed
     for entry in entries:
         match = tail.search(entry.name)
-        if match is None or entry.name != hidden_name(stem, match.group(0)):
+        if match is None or (stem is not None and entry.name != hidden_name(stem, match[0])):
             continue
         if _process_exists(int(match.group(1))):
             continue
@@ -92,12 +94,6 @@ def _process_exists(pid: int) -> bool:
     except (OSError, OverflowError):  # EPERM: it exists, as another user's
         return True
     return True
-
-
-def temp_pattern(name_pattern: str) -> str:
-    """A glob for :func:`atomic_write`'s temp files of targets matching ``name_pattern``
-    (left behind only by a process killed while writing)."""
-    return f".{name_pattern}.*.tmp"
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -18,21 +18,17 @@ import hashlib
 import json
 import os
 import struct
-import time
 import warnings
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from .fileio import atomic_write, one_line, temp_pattern
+from .fileio import TEMP_KIND, atomic_write, one_line, remove_orphans
 from .model.cache import KVCache
 
 FORMAT = "voxtral_mlx.prefix/2"
 MAX_FILES = 32  # least recently used files beyond this are deleted
-# A temp file this old was left by a process that was killed while writing (the CLI exits
-# without waiting after Ctrl-C); a younger one may be another process's write in progress.
-STALE_TEMP_S = 3600
 _MODEL_FILES = (".safetensors", ".json")
 _HEADER_LIMIT = 64 << 20  # a safetensors header larger than this is not one
 _SAMPLE = 64  # bytes of each tensor read at its start, middle and end
@@ -182,17 +178,6 @@ class PrefixStore:
                     stacklevel=2,
                 )
 
-    def _remove_stale_temps(self) -> None:
-        cutoff = time.time() - STALE_TEMP_S
-        try:
-            temps = list(self.directory.glob(temp_pattern("*.safetensors")))
-        except OSError:
-            return
-        for path in temps:
-            with contextlib.suppress(OSError):
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
-
     def clear(self) -> None:
         """Delete this model's files (other models' are left alone)."""
         for path in self._files():
@@ -210,7 +195,9 @@ class PrefixStore:
             return []
 
     def _prune(self) -> None:
-        self._remove_stale_temps()
+        # Temp files of processes killed while writing (the CLI exits without waiting
+        # after Ctrl-C); a running process's may be a write in progress and stays.
+        remove_orphans(self.directory, None, TEMP_KIND)
         files = []
         for p in self._files():
             try:
