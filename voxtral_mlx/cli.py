@@ -628,10 +628,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .engine import check_max_batch
     from .server import API_KEY_ENV, ServerConfig, bind, create_app, serve
 
-    for name in ("max_batch", "max_queue", "max_input_chars", "max_frames"):
+    check_max_batch(args.max_batch, "--max-batch")
+    for name in ("max_queue", "max_input_chars", "max_frames"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1")
-    check_max_batch(args.max_batch, "--max-batch")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} is not a TCP port: use 1 to 65535 (0: any free port)")
     for name in ("body_timeout", "send_timeout"):

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +25,15 @@ from .errors import VoiceError
 from .fileio import atomic_write, one_line, owned_name, remove_orphans
 from .output_dir import directory_path, make_dirs, remove_dirs
 from .torch_pickle import PtTensor, read_pt, to_mlx
+
+T = TypeVar("T")
+
+
+def case_matches(name: str, named: Iterable[tuple[str, T]]) -> list[T]:
+    """The values whose name equals ``name`` but for case (how ``say -v`` takes a voice)."""
+    folded = name.casefold()
+    return [value for n, value in named if n.casefold() == folded]
+
 
 LANGUAGE_NAMES: dict[str, str] = {
     "en": "English",
@@ -151,7 +160,7 @@ class VoiceRegistry(Mapping[str, Voice]):
         voice = self._voices.get(name)
         if voice is not None:
             return voice
-        folded = [v for n, v in self._voices.items() if n.casefold() == name.casefold()]
+        folded = case_matches(name, self._voices.items())
         if len(folded) == 1:
             return folded[0]
         if folded:
@@ -160,9 +169,7 @@ class VoiceRegistry(Mapping[str, Voice]):
                 f"{one_line(', '.join(v.name for v in folded), 400)} but for case; give "
                 "the exact name"
             )
-        bad = self.broken.get(name) or next(
-            (p for n, p in self.broken.items() if n.casefold() == name.casefold()), None
-        )
+        bad = self.broken.get(name) or next(iter(case_matches(name, self.broken.items())), None)
         if bad is not None:
             raise VoiceError(
                 f"voice {one_line(repr(name))}: {unreadable(bad)}; restore it from the checkpoint"

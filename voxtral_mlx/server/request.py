@@ -14,6 +14,7 @@ from typing import Any
 
 from ..fileio import one_line
 from ..segment import is_blank
+from ..voices import case_matches
 from .errors import bad_request, shown
 from .formats import FORMATS, UNSUPPORTED_FORMATS
 from .speed import MAX_SPEED, MIN_SPEED
@@ -82,11 +83,7 @@ def resolve_voice(value: Any, voices: Mapping[str, Any], default: str) -> str:
     if value in aliases:
         return aliases[value]
     # As the CLI's -v: a name equal to exactly one voice or alias but for case is that one.
-    folded = {
-        target
-        for name, target in [*((v, v) for v in voices), *aliases.items()]
-        if name.casefold() == value.casefold()
-    }
+    folded = set(case_matches(value, [*((v, v) for v in voices), *aliases.items()]))
     if len(folded) == 1:
         return folded.pop()
     if folded:
