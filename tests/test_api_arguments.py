@@ -35,10 +35,18 @@ def test_cfg_alpha_of_any_real_type_is_taken_as_its_value(tts, alpha):
     assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("alpha", [10**400, Fraction(10**400), float("nan"), "1.5", True, None])
+@pytest.mark.parametrize(
+    "alpha", [10**400, Fraction(10**400), float("nan"), "1.5", True, None, 1e308, -100.5]
+)
 def test_cfg_alpha_that_is_no_finite_number_is_refused(tts, alpha):
-    with pytest.raises(InputError, match="cfg_alpha must be a finite number"):
+    """1e308 is finite, but its guidance overflowed the ODE: the request then failed as if
+    the weights were damaged."""
+    with pytest.raises(InputError, match="cfg_alpha must be a finite number from -100 to 100"):
         tts.synthesize("Hi.", VOICE, max_frames=1, cfg_alpha=alpha)
+
+
+def test_cfg_alpha_at_the_limit_is_taken(tts):
+    assert tts.synthesize("Hi.", VOICE, seed=0, max_frames=2, cfg_alpha=-100).codes.shape[0] == 2
 
 
 @pytest.mark.parametrize("voice", [["ar_male"], {"ar_male"}, {"ar_male": 1}, 3, b"ar_male"])

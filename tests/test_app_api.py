@@ -233,12 +233,17 @@ def test_cancelling_an_async_task_stops_generation(tts):
 class RecordingPlayer:
     def __init__(self):
         self.fed, self.finished, self.stopped = [], False, False
+        self.after_stop: list[str] = []
 
     def feed(self, audio, **_):
+        if self.stopped:
+            self.after_stop.append("feed")
         self.fed.append(np.array(audio))
         time.sleep(0.002)
 
     def finish(self):
+        if self.stopped:
+            self.after_stop.append("finish")
         self.finished = True
 
     def stop(self):
@@ -260,7 +265,8 @@ def test_say_plays_everything_and_can_be_stopped(tts):
     time.sleep(0.2)
     playback.stop()
     assert playback.wait(timeout=10)
-    assert player2.stopped
+    # A stopped player is not asked to play out the rest (a custom sink would drain).
+    assert player2.stopped and player2.after_stop == [] and not player2.finished
 
 
 def test_say_stops_generating_when_the_player_fails(tts):

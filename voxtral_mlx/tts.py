@@ -31,7 +31,7 @@ from .errors import InputError, VoxtralError
 from .fileio import one_line
 from .generate import NoiseSource, Sequence, check_seed, to_numpy
 from .loader import LoadedModel
-from .model.flow import DEFAULT_CFG_ALPHA
+from .model.flow import DEFAULT_CFG_ALPHA, MAX_CFG_ALPHA
 from .prefix_store import PrefixStore
 from .residency import Residency
 from .segment import Segment, is_blank, is_silent, split_text
@@ -264,9 +264,12 @@ class VoxtralTTS:
         max_frames = check_whole("max_frames", max_frames, 0)
         chunk_frames = check_whole("chunk_frames", chunk_frames, 1)
         alpha = finite_float(cfg_alpha)
-        if alpha is None:
+        if alpha is None or abs(alpha) > MAX_CFG_ALPHA:
             shown = one_line(repr(cfg_alpha), 60)
-            raise InputError(f"cfg_alpha must be a finite number, got {shown}")
+            raise InputError(
+                f"cfg_alpha must be a finite number from -{MAX_CFG_ALPHA:g} to "
+                f"{MAX_CFG_ALPHA:g} (default {DEFAULT_CFG_ALPHA}), got {shown}"
+            )
         v = self._voice(voice)
         text_ids = self.tokenizer.encode(text)
         if len(text_ids) > MAX_TEXT_TOKENS:
@@ -647,9 +650,12 @@ class Playback:
     def _run(self) -> None:
         try:
             for chunk in self.stream:
+                if self._stopped:
+                    break
                 if len(chunk.audio):
                     self.player.feed(chunk.audio)
-            self.player.finish()
+            if not self._stopped:  # a stopped player has nothing left to play out
+                self.player.finish()
         except BaseException as e:  # handed to wait()
             if not self._stopped:  # what stop() itself causes is not an error
                 self.error = e

@@ -11,6 +11,8 @@ from ..config import N_SPECIAL_AUDIO_CODES, FlowArgs
 from .layers import TransformerBlock
 
 DEFAULT_CFG_ALPHA = 1.2
+# Guidance weights beyond this are no use, and near float32's range they overflow the ODE.
+MAX_CFG_ALPHA = 100.0
 # What :meth:`FlowHead.frame` returns as the semantic code of a hidden state holding NaN or
 # inf, and (+ the code offset) as an acoustic code whose ODE state became NaN.
 NOT_FINITE = -1
