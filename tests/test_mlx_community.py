@@ -259,6 +259,22 @@ def test_missing_shard_is_an_incomplete_download(broken: Path) -> None:
     assert shard.name in message and "fetch it again" in message
 
 
+def test_weight_files_of_any_name_load_without_an_index(broken: Path) -> None:
+    """mlx-audio reads every top-level *.safetensors; such a directory was called an
+    incomplete download."""
+    want = load_model_dir(broken)
+    for i, shard in enumerate(sorted(broken.glob("model-*.safetensors"))):
+        shard.rename(broken / f"weights.{i:02d}.safetensors")
+    (broken / "model.safetensors.index.json").unlink()
+    got = load_model_dir(broken)
+    assert got.quantized == want.quantized and got.layout == want.layout == "mlx-community"
+    theirs = dict(tree_flatten(want.model.parameters()))
+    ours = dict(tree_flatten(got.model.parameters()))
+    assert set(ours) == set(theirs)
+    for name, value in theirs.items():
+        assert mx.array_equal(ours[name], value), name
+
+
 def test_wrong_bits_in_config_are_reported_by_name(broken: Path) -> None:
     config = json.loads((broken / "config.json").read_text())
     config["quantization"]["bits"] = 8

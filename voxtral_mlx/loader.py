@@ -192,7 +192,7 @@ def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] 
     if files:
         return "mlx", files, index
     raise ModelNotFoundError(
-        f"{model_dir} has no {CONSOLIDATED} (Mistral's layout) and no model*.safetensors "
+        f"{model_dir} has no {CONSOLIDATED} (Mistral's layout) and no *.safetensors weights "
         "(an MLX conversion): the download is incomplete; fetch it again"
     )
 

@@ -116,8 +116,10 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The ``model*.safetensors`` files of an MLX directory and the index's weight map.
 
     With ``model.safetensors.index.json`` the files are the ones it names (each must exist);
-    without it, ``model.safetensors`` or a complete ``model-0000N-of-0000M`` series.
-    Raises :class:`ModelNotFoundError` for a missing piece (an incomplete download).
+    without it, ``model.safetensors`` or a complete ``model-0000N-of-0000M`` series; with
+    neither, every ``*.safetensors`` at the top (as mlx-audio reads a directory: weight files
+    of any name, e.g. ``weights.00.safetensors``). Raises :class:`ModelNotFoundError` for a
+    missing piece (an incomplete download).
     """
     index_path = model_dir / INDEX_NAME
     if index_path.is_file():
@@ -135,7 +137,8 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     if single.is_file():
         return [single, *shards], None
     if not shards:
-        return [], None
+        others = model_dir.glob("*.safetensors")
+        return sorted(p for p in others if not p.name.startswith(".") and p.is_file()), None
     totals = {int(m.group(2)) for p in shards if (m := _SHARD_RE.match(p.name))}
     if len(totals) == 1:
         total = totals.pop()
