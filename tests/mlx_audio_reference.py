@@ -125,13 +125,15 @@ def build_mlx_community(
     bits: int | None,
     shard_bytes: int | None = None,
     *,
-    group: int = 64,
+    group: int | None = 64,
     dtype: mx.Dtype = mx.bfloat16,
+    mode: str = "affine",
 ) -> Path:
     """What ``python -m mlx_audio.convert --hf-path SRC [-q --q-bits B]`` writes from a
     Mistral-layout ``src``, step by step with mlx-audio's own functions (its CLI needs a
     config.json the source does not have); ``shard_bytes`` forces small shards, as > 5 GB
-    does on the real model."""
+    does on the real model. ``mode``: mlx-audio's ``--q-mode`` (with ``group`` and ``bits``
+    None, that mode's own)."""
     from mlx.utils import tree_flatten
     from mlx_audio.convert import build_quant_predicate, copy_model_files
     from mlx_audio.lm import convert as lm_convert
@@ -141,9 +143,9 @@ def build_mlx_community(
     model = Model(ModelConfig.from_dict(config))
     model.load_weights(list(model.sanitize(mx.load(str(src / "consolidated.safetensors"))).items()))
     model.load_weights([(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())])
-    if bits is not None:
+    if bits is not None or mode != "affine":
         model, config = lm_convert.quantize_model(
-            model, config, group, bits, mode="affine", quant_predicate=build_quant_predicate(model)
+            model, config, group, bits, mode=mode, quant_predicate=build_quant_predicate(model)
         )
     staging = out.parent / f"{out.name}-staging"  # the Hub snapshot mlx-audio would copy from
     shutil.copytree(src, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.pt"))

@@ -340,12 +340,79 @@ def test_config_leaving_a_stored_quantized_layer_unquantized_names_config_json(
     assert "config.json" in message and "unquantized" in message and "re-convert" in message
 
 
-def test_another_quantization_mode_says_to_convert_the_original(broken: Path) -> None:
-    _edit_quantization(broken, lambda q: q.update(mode="mxfp4"))
+def test_an_unknown_quantization_mode_says_to_convert_the_original(broken: Path) -> None:
+    _edit_quantization(broken, lambda q: q.update(mode="fp3"))
     with pytest.raises(CheckpointError) as exc:
         load_model_dir(broken)
     message = one_line(exc.value)
-    assert "'mxfp4'" in message and "original (unquantized)" in message
+    assert "'fp3'" in message and "mxfp4" in message and "original (unquantized)" in message
+
+
+def test_a_float_mode_that_does_not_fit_the_stored_shapes_is_named(broken: Path) -> None:
+    _edit_quantization(broken, lambda q: q.update(mode="mxfp4"))  # the weights are affine g64
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    assert "mode mxfp4 with 4 bits and group size 64, but mxfp4 has 4 bits and group size 32" in (
+        one_line(exc.value)
+    )
+
+
+FLOAT_MODES = ["mxfp4", "mxfp8", "nvfp4"]
+
+
+@pytest.fixture(scope="module")
+def float_modes(source: Path, tmp_path_factory) -> dict[str, Path]:
+    """What ``mlx_audio.convert -q --q-mode MODE`` writes."""
+    root = tmp_path_factory.mktemp("mc-float")
+    return {
+        m: build_mlx_community(source, root / m, None, None, group=None, mode=m)
+        for m in FLOAT_MODES
+    }
+
+
+def _float32_text_table(model) -> None:
+    """mlx-audio's text table quantized to a float format dequantizes to bfloat16, into
+    which it writes the float32 voice rows (rounding them) even when it computes in
+    float32: the reference's table is made to return float32, as voxtral_mlx's does."""
+    table = model.language_model.model.model.embed_tokens
+
+    class Float32Rows(type(table)):
+        def __call__(self, x):
+            return super().__call__(x).astype(mx.float32)
+
+    table.__class__ = Float32Rows
+
+
+@pytest.mark.parametrize("mode", FLOAT_MODES)
+def test_float_quantization_modes_load_and_match_mlx_audio(float_modes, mode: str) -> None:
+    path = float_modes[mode]
+    loaded = load_model_dir(path, "float32")
+    modes = {m.mode for _, m in loaded.model.named_modules() if hasattr(m, "scales")}
+    assert modes == {mode} and {s.mode for s in loaded.quantized.values()} == {mode}
+    noise = np.random.default_rng(0).standard_normal((FRAMES, 36)).astype(np.float32)
+    tts = voxtral_mlx.load(path, dtype="float32", prefix_cache_dir=None)
+    try:
+        speech = tts.synthesize(TEXT, VOICE, noise=noise, max_frames=FRAMES)
+    finally:
+        tts.close()
+    reference = load_mlx_audio(path)
+    _float32_text_table(reference)
+    codes, audio = reference_run(reference, noise, FRAMES)
+    np.testing.assert_array_equal(speech.codes, codes)
+    err = float(np.max(np.abs(speech.audio - audio)) / np.max(np.abs(audio)))
+    assert err < 1e-4, err
+
+
+def test_float_modes_are_read_off_the_shapes_without_config(float_modes, tmp_path) -> None:
+    """Without a quantization section, 8-bit scales and no biases name the format."""
+    for mode in FLOAT_MODES:
+        path = Path(shutil.copytree(float_modes[mode], tmp_path / mode))
+        config = json.loads((path / "config.json").read_text())
+        del config["quantization"], config["quantization_config"]
+        (path / "config.json").write_text(json.dumps(config))
+        loaded = load_model_dir(path, "float32")
+        assert {s.mode for s in loaded.quantized.values()} == {mode}
+        assert loaded.quantized == load_model_dir(float_modes[mode], "float32").quantized
 
 
 def test_scales_without_config_are_read_off_the_shapes(broken: Path) -> None:

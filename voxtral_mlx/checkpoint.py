@@ -95,7 +95,9 @@ class Expected:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """Affine quantization of one Linear/Embedding layer, as ``mx.quantize`` makes it."""
+    """Quantization of one Linear/Embedding layer, as ``mx.quantize`` makes it: ``affine``
+    (float scales and biases), or a microscaling float format (``mxfp4``, ``mxfp8``,
+    ``nvfp4``: 8-bit scales, no biases) as ``mlx_audio.convert --q-mode`` writes it."""
 
     bits: int
     group_size: int
@@ -108,6 +110,8 @@ class QuantSpec:
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize's affine mode supports
 QUANT_GROUP_SIZES = (32, 64, 128)
+# mx.quantize's float modes: mode -> (bits, group size), both fixed by the format.
+FLOAT_QUANT_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
 
 
 def quantized_shapes(
@@ -142,8 +146,11 @@ def apply_quantization(
             )
         packed, groups = shapes
         out[f"{path}.weight"] = Expected(packed, base.min_rows, dtype="U32")
-        out[f"{path}.scales"] = Expected(groups, base.min_rows)
-        out[f"{path}.biases"] = Expected(groups, base.min_rows)
+        if spec.mode == "affine":
+            out[f"{path}.scales"] = Expected(groups, base.min_rows)
+            out[f"{path}.biases"] = Expected(groups, base.min_rows)
+        else:
+            out[f"{path}.scales"] = Expected(groups, base.min_rows, dtype="U8")
     return out
 
 

@@ -387,7 +387,7 @@ class Engine:
             return True
         try:
             cache, hit = self._prefix_cache(job)
-            text = self.model.mm_audio_embeddings.tok_embeddings(mx.array(job.text_ids))
+            text = self.model.embed_text(job.text_ids)
         except Exception as e:  # handed to the job's consumer
             job.seq.finished = job.done = True
             job._emit(e)

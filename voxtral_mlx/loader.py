@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .checkpoint import (
+    FLOAT_QUANT_MODES,
     IGNORED_TENSORS,
     QUANT_BITS,
     QUANT_GROUP_SIZES,
@@ -248,7 +249,11 @@ def _infer_spec(
     packed, groups = weight.info.shape[-1], scales.info.shape[-1]
     if not groups or width % groups or (packed * 32) % width:
         return None
-    return QuantSpec(bits=packed * 32 // width, group_size=width // groups)
+    bits, group = packed * 32 // width, width // groups
+    if scales.info.dtype == "U8":  # a float format: its bits and group size name it
+        modes = [m for m, shape in FLOAT_QUANT_MODES.items() if shape == (bits, group)]
+        return QuantSpec(bits, group, modes[0]) if modes else None
+    return QuantSpec(bits=bits, group_size=group)
 
 
 def _quantized_layers(
@@ -282,25 +287,36 @@ def _quantized_layers(
         layer = qconfig.layers.get(path) if qconfig is not None else None
         bits = (layer.bits if layer else None) or (qconfig.bits if qconfig else None)
         group = (layer.group_size if layer else None) or (qconfig.group_size if qconfig else None)
-        mode = layer.mode if layer else (qconfig.mode if qconfig else "affine")
-        if mode != "affine":
+        mode = layer.mode if layer else (qconfig.mode if qconfig else None)
+        if mode is not None and mode != "affine" and mode not in FLOAT_QUANT_MODES:
             raise CheckpointError(
                 f"{source}: layer '{one_line(path, 80)}' uses quantization mode "
-                f"{one_line(str(mode), 40)!r}; only 'affine' is supported: convert the "
-                "original (unquantized) checkpoint with `voxtral-mlx convert --q-bits N`"
+                f"{one_line(str(mode), 40)!r}, which MLX does not know (affine, "
+                f"{', '.join(FLOAT_QUANT_MODES)}): convert the original (unquantized) "
+                "checkpoint with `voxtral-mlx convert --q-bits N`"
             )
-        if bits is None or group is None:
+        if mode in FLOAT_QUANT_MODES:
+            bits, group = bits or FLOAT_QUANT_MODES[mode][0], group or FLOAT_QUANT_MODES[mode][1]
+        if bits is None or group is None or mode is None:
             inferred = _infer_spec(path, tensors, base)
             if inferred is None:
                 continue  # its tensors are reported by verification
             bits, group = bits or inferred.bits, group or inferred.group_size
-        if bits not in QUANT_BITS or group not in QUANT_GROUP_SIZES:
+            mode = mode or inferred.mode
+        if mode in FLOAT_QUANT_MODES and (bits, group) != FLOAT_QUANT_MODES[mode]:
+            want_bits, want_group = FLOAT_QUANT_MODES[mode]
+            raise CheckpointError(
+                f"{source}: layer '{one_line(path, 80)}' is quantized in mode {mode} with "
+                f"{bits} bits and group size {group}, but {mode} has {want_bits} bits and "
+                f"group size {want_group}: re-convert it"
+            )
+        if mode == "affine" and (bits not in QUANT_BITS or group not in QUANT_GROUP_SIZES):
             raise CheckpointError(
                 f"{source}: layer '{one_line(path, 80)}' is quantized with {bits} bits and group "
                 f"size {group}, which MLX's affine quantization does not support (bits "
                 f"{', '.join(map(str, QUANT_BITS))}; group size 32, 64 or 128): re-convert it"
             )
-        out[path] = QuantSpec(bits=bits, group_size=group)
+        out[path] = QuantSpec(bits=bits, group_size=group, mode=mode)
     return out
 
 

@@ -67,9 +67,7 @@ class FlowHead(nn.Module):
         frame: semantic head + all Euler steps, fixed shapes per batch size."""
         n = self.args.n_decoding_steps
         t = mx.arange(n, dtype=mx.float32) / n
-        dtype = self.llm_projection.weight.dtype
-        if dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized: use the scales'
-            dtype = self.llm_projection.scales.dtype
+        dtype = self.norm.weight.dtype  # the compute dtype, whatever is quantized
         emb = time_embedding(t, self.args.dim).astype(dtype)
         self._time_tokens = self.time_projection(emb)
         mx.eval(self._time_tokens, self._semantic_mask)

@@ -132,7 +132,12 @@ class Float32QuantizedLinear(nn.QuantizedLinear):
         """The same weights, scales and biases (shared, not copied)."""
         out_dims, packed = layer.weight.shape
         out = cls(
-            packed * 32 // layer.bits, out_dims, "bias" in layer, layer.group_size, layer.bits
+            packed * 32 // layer.bits,
+            out_dims,
+            "bias" in layer,
+            layer.group_size,
+            layer.bits,
+            mode=layer.mode,
         )
         out.update(dict(layer.parameters()))
         return out

@@ -32,12 +32,22 @@ class VoxtralModel(Backbone):
         self.audio_tokenizer = CodecDecoder(config.codec)
         self._code_offsets = mx.array(config.codebook_offsets, dtype=mx.int32)
 
+    @property
+    def compute_dtype(self) -> mx.Dtype:
+        """The dtype activations are computed in (that of the unquantized weights)."""
+        return self.norm.weight.dtype
+
+    def embed_text(self, ids: list[int]) -> mx.array:
+        """Token embeddings ``[T, dim]`` in the compute dtype (a table quantized to a float
+        format, mxfp4 and the like, dequantizes to bfloat16 whatever that is)."""
+        table = self.mm_audio_embeddings.tok_embeddings
+        return table(mx.array(ids)).astype(self.compute_dtype)
+
     def embed_prompt(self, ids: list[int], voice: mx.array, voice_start: int) -> mx.array:
         """Token embeddings ``[1, T, dim]`` with the ``[AUDIO]`` rows replaced by the voice."""
-        table = self.mm_audio_embeddings.tok_embeddings
         n = voice.shape[0]
-        before = table(mx.array(ids[:voice_start]))
-        after = table(mx.array(ids[voice_start + n :]))
+        before = self.embed_text(ids[:voice_start])
+        after = self.embed_text(ids[voice_start + n :])
         return mx.concatenate([before, voice.astype(before.dtype), after], axis=0)[None]
 
     def embed_codes(self, codes: mx.array) -> mx.array:
@@ -45,6 +55,8 @@ class VoxtralModel(Backbone):
         rows = self.mm_audio_embeddings.audio_codebook_embeddings.embeddings(
             codes + self._code_offsets
         )
+        if rows.dtype != self.compute_dtype:  # a table quantized to a float format
+            rows = rows.astype(self.compute_dtype)
         return rows.sum(axis=-2)[:, None, :]
 
     def frame(self, h: mx.array, noise: mx.array, cfg: mx.array) -> tuple[mx.array, mx.array]:
