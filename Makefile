@@ -38,7 +38,7 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix voxtral_mlx tests benchmarks convert
 
 bench: $(STAMP)
-	$(PY) benchmarks/run.py $(if $(MODEL),--model "$(MODEL)",--quick)
+	$(PY) benchmarks/run.py $(if $(MODEL),--model "$(MODEL)",--quick) $(if $(NO_RECORD),--no-record)
 
 bench-full: $(STAMP)
 	$(PY) benchmarks/run.py --full

@@ -14,7 +14,16 @@ import argparse
 import sys
 import time
 
-from common import SENTENCES, command_line, label, pick_voice, record, resolve, suppress_end
+from common import (
+    SENTENCES,
+    command_line,
+    label,
+    pick_voice,
+    record,
+    resolve,
+    run_script,
+    suppress_end,
+)
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3), "full": ("full", None, None)}
 
@@ -70,4 +79,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

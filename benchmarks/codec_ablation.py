@@ -16,7 +16,7 @@ import time
 import mlx.core as mx
 import numpy as np
 from codec_bench import build, random_codes
-from common import command_line, record
+from common import command_line, record, run_script
 
 import voxtral_mlx.model.codec as codec_module
 
@@ -92,4 +92,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

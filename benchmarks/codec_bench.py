@@ -279,4 +279,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from common import run_script
+
+    run_script(main)

@@ -51,9 +51,14 @@ def checkpoint(
     return out
 
 
+BUILT_IN = ("tiny", "wide", "full")  # the configs' names (each script has its own subset)
+
+
 def is_model_dir(config: str) -> bool:
-    """A ``--config`` value naming a checkpoint directory rather than a built-in config."""
-    return os.sep in config or Path(config).is_dir()
+    """A ``--config`` value naming a checkpoint directory rather than a built-in config. A
+    built-in name means the built-in config even beside a directory of that name (which
+    ``./tiny`` names)."""
+    return os.sep in config or (config not in BUILT_IN and Path(config).is_dir())
 
 
 def resolve(config: str, configs: dict[str, tuple], dtype: str = "bfloat16") -> Path:
@@ -89,35 +94,74 @@ def label(config: str) -> str:
     return Path(config).name if is_model_dir(config) else config
 
 
-def zero_end_row(head) -> None:
-    """Make END_AUDIO's semantic logit 0 (plain or quantized head): with random weights it
-    is then never the argmax, as in a checkpoint built with END suppressed."""
-    from voxtral_mlx.config import END_AUDIO
+class EndMasked(nn.Module):
+    """A semantic head whose END_AUDIO logit is pushed to -1e9, so END can never win.
 
-    if isinstance(head, nn.QuantizedLinear):
-        head.scales[END_AUDIO] = 0
-        if getattr(head, "biases", None) is not None:
-            head.biases[END_AUDIO] = 0
-        mx.eval(head.scales, head.biases)
-    else:
-        head.weight[END_AUDIO] = 0
-        mx.eval(head.weight)
+    Zeroing END's row is not enough: where every other logit is negative (a random head
+    can be so), a logit of 0 still wins at the first frame. One add per frame, the same
+    for both implementations."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        from voxtral_mlx.config import END_AUDIO
+
+        self.head = head
+        rows = head.weight.shape[0]
+        self._mask = mx.where(mx.arange(rows) == END_AUDIO, -1e9, 0.0)
+
+    @property
+    def weight(self) -> mx.array:
+        """The wrapped head's weight (what is read per frame)."""
+        return self.head.weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.head(x)
+        return y + self._mask.astype(y.dtype)
+
+
+def mask_end(flow) -> None:
+    """Wrap ``flow.semantic_codebook_output`` (voxtral_mlx's or mlx-audio's flow head, plain
+    or quantized) in :class:`EndMasked`, once."""
+    if not isinstance(flow.semantic_codebook_output, EndMasked):
+        flow.semantic_codebook_output = EndMasked(flow.semantic_codebook_output)
+        mx.eval(flow.semantic_codebook_output._mask)
 
 
 def suppress_end(tts, ref=None) -> None:
     """Benchmarks need a fixed number of frames, but a random checkpoint's END can win early
-    (3 of 8 tiny seeds end within 40 frames). For a checkpoint directory not built with END
-    suppressed, both implementations get the same in-memory patch of the semantic head,
-    before anything is generated (our compiled frame is rebuilt to see it)."""
+    (3 of 8 tiny seeds end within 40 frames, some at the first). Both implementations get
+    the same in-memory patch of the semantic head before anything is generated (our
+    compiled frame is rebuilt to see it)."""
 
     def ours() -> None:
         flow = tts.model.acoustic_transformer
-        zero_end_row(flow.semantic_codebook_output)
+        mask_end(flow)
         flow.prepare(compile=flow._compiled is not None)
 
     tts.call(ours)
     if ref is not None:
-        zero_end_row(ref.acoustic_transformer.semantic_codebook_output)
+        mask_end(ref.acoustic_transformer)
+
+
+def require_audio(audio, what: str) -> None:
+    """Stop in one line if the first chunk holds no audio: there is nothing to time."""
+    if not np.asarray(audio).size:
+        raise SystemExit(
+            f"{what}: the first chunk holds no audio (END at the first frame, or max_frames "
+            "0), so there is no first audio to time"
+        )
+
+
+def run_script(main: Callable[[], int | None]) -> None:
+    """Run a script's ``main``: an error voxtral_mlx raises on purpose (a voice file that
+    does not fit, a checkpoint it refuses) is its one line, as the CLI prints it."""
+    from voxtral_mlx.errors import VoxtralError
+
+    try:
+        code = main()
+    except VoxtralError as e:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {e}") from None
+    sys.exit(code)
 
 
 def load_reference(model_dir: Path):

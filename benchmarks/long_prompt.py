@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from common import command_line, label, pick_voice, record, resolve, suppress_end
+from common import command_line, label, pick_voice, record, resolve, run_script, suppress_end
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
 ONE_PASS = 10**9
@@ -192,4 +192,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

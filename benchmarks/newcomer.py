@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from common import command_line, label, pick_voice, record, resolve, suppress_end
+from common import command_line, label, pick_voice, record, resolve, run_script, suppress_end
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
 CHAPTER = " ".join(f"Sentence number {i} of a long chapter, read aloud." for i in range(40))
@@ -78,4 +78,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

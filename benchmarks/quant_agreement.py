@@ -43,11 +43,12 @@ from benchmarks.common import (  # noqa: E402
     CACHE,
     TEXT,
     checkpoint,
+    mask_end,
     model_config,
     pick_voice,
+    run_script,
     start_noise,
     suppress_end,
-    zero_end_row,
 )
 
 VARIANTS: dict[str, dict] = {
@@ -121,7 +122,7 @@ def teacher_forced(
 
     loaded = load_model_dir(path, dtype)
     model = loaded.model
-    zero_end_row(model.acoustic_transformer.semantic_codebook_output)
+    mask_end(model.acoustic_transformer)
     name = pick_voice(path)
     voice = loaded.voices.get_voice(name)
     rows = loaded.voices.embedding(name, loaded.dtype)
@@ -249,4 +250,4 @@ def no_flow(args: argparse.Namespace, source: Path, base: Path, argv: list[str] 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 
-from common import TEXT, VOICE, checkpoint, command_line, record
+from common import TEXT, VOICE, checkpoint, command_line, record, run_script
 
 CHILD = """
 import json, sys, time
@@ -111,4 +111,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -97,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument(
         "--model", type=Path, help="run the quick comparisons on this checkpoint directory"
     )
+    parser.add_argument(
+        "--no-record", action="store_true", help="print the results only (RESULTS.md untouched)"
+    )
     args = parser.parse_args(argv)
     env = openblas_env() if args.openblas else None
     if args.model is not None:
         args.model = args.model.expanduser()
+        if not args.model.is_dir():
+            raise SystemExit(f"{args.model}: no such checkpoint directory")
         if not (args.model / "consolidated.safetensors").is_file():
             raise SystemExit(
                 f"{args.model}: not a checkpoint in Mistral's layout (consolidated.safetensors), "
@@ -109,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         suite = model_suite(str(args.model.expanduser().resolve()))
     else:
         suite = OPENBLAS if args.openblas else FULL if args.full else QUICK
+    if args.no_record:
+        suite = [[a for a in cmd if a != "--record"] + ["--no-record"] for cmd in suite]
     failed = []
     for cmd in suite:
         print(f"== {' '.join(cmd)}", flush=True)

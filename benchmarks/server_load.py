@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from common import checkpoint, command_line
+from common import checkpoint, command_line, run_script
 
 TEXTS = [
     "Hello there! How are you today?",
@@ -118,7 +118,8 @@ async def one_request(
                 size += len(part)
             if size == 0 or size % 2:
                 tally.failed += 1
-                tally.errors.append(f"bad PCM body of {size} bytes")
+                why = " (the model ended at its first frame?)" if size == 0 else ""
+                tally.errors.append(f"bad PCM body of {size} bytes{why}")
                 return
             tally.completed += 1
             tally.audio_bytes += size
@@ -190,6 +191,12 @@ def main() -> int:
                 timeout=args.request_timeout,
             )
             warm.raise_for_status()
+            if not warm.content:
+                raise SystemExit(
+                    f"{model}: the model ended the warm-up request at its first frame (END) and "
+                    "sent no audio, so there is nothing to load-test: use a checkpoint that "
+                    "speaks (voxtral-mlx random-checkpoint DIR --suppress-end)"
+                )
             rss_start = rss_mib(proc.pid)
             voices = server_voices(url)
             tally, wall = asyncio.run(run_clients(url, args, voices))
@@ -274,4 +281,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

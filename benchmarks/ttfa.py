@@ -30,7 +30,9 @@ from common import (
     pick_voice,
     record,
     reference_voice,
+    require_audio,
     resolve,
+    run_script,
     start_noise,
     suppress_end,
 )
@@ -44,8 +46,9 @@ DEFAULT_CHUNK = int(DEFAULT_INTERVAL_S / ONE_FRAME_S)  # frames in its default f
 def first_chunk_s(make_iter) -> float:
     t0 = time.perf_counter()
     it = make_iter()
-    next(iter(it))
+    first = next(iter(it))
     dt = time.perf_counter() - t0
+    require_audio(first.audio, "time to first audio")
     close = getattr(it, "close", None)
     if close:
         close()
@@ -181,4 +184,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

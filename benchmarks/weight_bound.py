@@ -31,6 +31,7 @@ from common import (
     pick_voice,
     record,
     resolve,
+    run_script,
     start_noise,
     suppress_end,
 )
@@ -189,4 +190,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

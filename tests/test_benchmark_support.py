@@ -13,10 +13,11 @@ import pytest
 from benchmarks.common import (
     TEXT,
     VOICE,
+    EndMasked,
     load_reference,
+    mask_end,
     reference_voice,
     suppress_end,
-    zero_end_row,
 )
 from tests.mlx_audio_reference import injected_noise, recorded_frames, spec_codebook_floor
 from voxtral_mlx.config import END_AUDIO
@@ -26,14 +27,24 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 FRAMES = 12
 
 
-@pytest.fixture(scope="module")
-def early_end_checkpoint(tmp_path_factory):
-    """A float32 tiny checkpoint whose END wins at once (seed 3, the benchmarks' text)."""
+@pytest.fixture(scope="module", params=["seed-3", "zero-head"])
+def early_end_checkpoint(tmp_path_factory, request):
+    """A float32 tiny checkpoint whose END wins at once: seed 3 with the benchmarks' text,
+    or a semantic head of zeros, where every logit ties at 0 and END comes first (so a
+    zeroed END row does not stop it)."""
+    from safetensors.numpy import load_file, save_file
+
     from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
 
-    return build_random_checkpoint(
+    path = build_random_checkpoint(
         tmp_path_factory.mktemp("early-end"), "tiny", seed=3, dtype="float32"
     )
+    if request.param == "zero-head":
+        weights = load_file(path / "consolidated.safetensors")
+        name = "acoustic_transformer.semantic_codebook_output.weight"
+        weights[name] = np.zeros_like(weights[name])
+        save_file(weights, path / "consolidated.safetensors")
+    return path
 
 
 def test_both_implementations_run_every_frame_and_agree(early_end_checkpoint):
@@ -59,14 +70,28 @@ def test_both_implementations_run_every_frame_and_agree(early_end_checkpoint):
     np.testing.assert_array_equal(ours.codes, np.stack(recorded))
 
 
-def test_zero_end_row_of_a_quantized_head():
-    head = nn.QuantizedLinear(64, 16, bias=False, group_size=64, bits=4)
-    x = mx.random.normal((3, 64), key=mx.random.key(0))
+@pytest.mark.parametrize("quantized", [False, True])
+def test_end_is_masked_even_where_every_other_logit_is_negative(quantized):
+    """Zeroing END's row left it a logit of 0, which won where all others were negative
+    (an outside random checkpoint ended at frame 1 and the benchmarks timed nothing)."""
+    from types import SimpleNamespace
+
+    head = nn.Linear(64, 16, bias=False)
+    head.weight = mx.zeros((16, 64))
+    head.weight[:, 0] = -1.0  # every logit negative for positive inputs...
+    head.weight[END_AUDIO] = 0.0  # ...but END's
+    if quantized:
+        head = nn.QuantizedLinear.from_linear(head, group_size=64, bits=8)
+    x = mx.ones((3, 64))
+    assert (mx.argmax(head(x), axis=-1) == END_AUDIO).all()
     before = head(x)
-    assert float(mx.abs(before[:, END_AUDIO]).max()) > 0
-    zero_end_row(head)
-    after = head(x)
-    assert float(mx.abs(after[:, END_AUDIO]).max()) == 0.0
+    flow = SimpleNamespace(semantic_codebook_output=head)
+    mask_end(flow)
+    mask_end(flow)  # once only
+    wrapped = flow.semantic_codebook_output
+    assert isinstance(wrapped, EndMasked) and wrapped.head is head
+    after = wrapped(x)
+    assert not (mx.argmax(after, axis=-1) == END_AUDIO).any()
     keep = [i for i in range(16) if i != END_AUDIO]
     np.testing.assert_array_equal(np.array(after[:, keep]), np.array(before[:, keep]))
 
@@ -120,3 +145,31 @@ def test_weight_bound_refuses_a_quantized_checkpoint(tiny_checkpoint, tmp_path, 
     out = convert_model(tiny_checkpoint, tmp_path / "q8", q_bits=8).path
     with pytest.raises(SystemExit, match="is quantized: this compares a frame with dense"):
         main(["--config", str(out), "--repeats", "1", "--no-record"])
+
+
+def test_a_built_in_name_is_the_built_in_config_beside_a_directory_of_that_name(
+    tmp_path, monkeypatch
+):
+    from benchmarks.common import is_model_dir
+
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "mine").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert not is_model_dir("tiny")
+    assert is_model_dir("./tiny") and is_model_dir("mine")
+
+
+def test_a_voxtral_error_in_a_script_is_one_line(monkeypatch):
+    from benchmarks.common import run_script
+    from voxtral_mlx.errors import VoiceError
+
+    def main():
+        raise VoiceError("voice 'x' has 218 rows but tekken.json expects 150")
+
+    monkeypatch.setattr("sys.argv", ["frame_speed.py"])
+    with pytest.raises(SystemExit) as exc:
+        run_script(main)
+    assert exc.value.code == "frame_speed.py: voice 'x' has 218 rows but tekken.json expects 150"
+    with pytest.raises(SystemExit) as exc:
+        run_script(lambda: 3)
+    assert exc.value.code == 3
