@@ -186,6 +186,8 @@ def load_reference(model_dir: Path):
         return load(model_dir)
     except (ValueError, KeyError, TypeError) as e:  # a shape mlx-audio's model cannot hold
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if isinstance(e, KeyError) and e.args:
+            first = f"it found no key {e.args[0]!r}"
         raise SystemExit(
             f"{model_dir}: mlx-audio cannot load this checkpoint ({first}), so there is "
             "nothing to compare with (frame_speed.py can time voxtral_mlx alone with "
