@@ -109,6 +109,12 @@ class _Reader:
         item.is_final = item.is_final and last
         return [item]
 
+    @property
+    def ahead_s(self) -> float:
+        """Seconds of audio already generated for the segments after the one being read:
+        they arrive at once when it ends (a player's pre-roll may count on them)."""
+        return sum(job.timings.audio_s for _, job in list(self.jobs)[1:])
+
     def _add_audio(self, audio: np.ndarray) -> None:
         self.timings.audio_s += len(audio) / self.sample_rate
         self.timings.total_s = time.perf_counter() - self._t0

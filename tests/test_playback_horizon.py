@@ -1,0 +1,106 @@
+"""`speak`'s pre-roll for a split text: the player must start once the segment being heard
+can play through, not wait for the whole text at that segment's rate (the segments after
+it are generated beside it and arrive in a burst when it ends)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from test_player import FRAME, FRAME_S, SR, FakeClock, frame, make_player
+
+from voxtral_mlx.cli import _PlaybackHorizon
+
+SEGMENTS = 3
+FRAMES = 25  # per segment (2 s): --max-frames 25
+STEP_S = FRAME_S / 0.6  # one engine step: a frame for every segment, 0.6x real time each
+
+
+def fake_tts() -> SimpleNamespace:
+    # Plenty of words: each segment's guess is capped by max_frames (2 s).
+    return SimpleNamespace(
+        sample_rate=SR,
+        samples_per_frame=FRAME,
+        tokenizer=SimpleNamespace(encode=lambda text: text.split()),
+    )
+
+
+def fake_stream(pause: float = 0.0) -> SimpleNamespace:
+    segments = [SimpleNamespace(spoken="word " * 40, pause_after=pause) for _ in range(SEGMENTS)]
+    return SimpleNamespace(segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0)
+
+
+def simulate(horizon_for) -> tuple[float, float, int, float]:
+    """Three segments generated side by side, delivered in order, played by a device that
+    takes one block every 80 ms. Returns (start time, end of generation, underruns,
+    seconds played)."""
+    clock = FakeClock(0.0)
+    player, sd = make_player(clock)
+    device = sd.streams[0]
+    stream = fake_stream()
+    horizon = horizon_for(stream, clock)
+    generated = [0] * SEGMENTS  # frames made per segment
+    delivered = [0] * SEGMENTS
+    head = 0
+    next_step, next_block, end_of_generation, played = STEP_S, FRAME_S, None, 0
+    for _ in range(100_000):  # bounded: a bug here must fail, not hang
+        t = min(next_step, next_block)
+        clock.advance(t - clock.t)
+        step_due, block_due = t == next_step, t == next_block
+        if step_due:
+            next_step += STEP_S
+        if step_due and head < SEGMENTS:
+            for i in range(head, SEGMENTS):
+                generated[i] = min(FRAMES, generated[i] + 1)
+            if all(g == FRAMES for g in generated) and end_of_generation is None:
+                end_of_generation = t
+            stream.ahead_s = sum(generated[head + 1 :]) * FRAME_S
+            while head < SEGMENTS and delivered[head] < generated[head]:
+                chunk = SimpleNamespace(audio=frame(delivered[head]), segment=head)
+                delivered[head] += 1
+                stream.timings.audio_s += FRAME_S
+                player.feed(chunk.audio, expected_total_s=horizon(chunk, now=t))
+                if delivered[head] == FRAMES:  # the next segment is now the one heard
+                    head += 1
+                    stream.ahead_s = sum(generated[head + 1 :]) * FRAME_S
+            if head == SEGMENTS:
+                player._start(t)  # as finish() does, without its blocking drain
+        if block_due:
+            next_block += FRAME_S
+            if device.active:
+                device.pump()
+                played += 1
+                if played * FRAME >= SEGMENTS * FRAMES * FRAME:
+                    break
+    else:
+        pytest.fail("the simulation did not play everything")
+    return player.stats.started_at, end_of_generation, player.stats.underruns, played
+
+
+def test_a_split_text_starts_once_its_first_segment_can_play_through():
+    def ours(stream, clock):
+        return _PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=clock.t)
+
+    def whole_text(stream, clock):  # what speak did before: the whole text at the head's rate
+        return lambda chunk, now=None: SEGMENTS * FRAMES * FRAME_S
+
+    start, end, underruns, _ = simulate(ours)
+    old_start, _, old_underruns, _ = simulate(whole_text)
+    # The first segment alone: 0.16 + 1.1 * (1 - 0.6) * 2 s = 1.04 s buffered, 1.73 s in.
+    assert start == pytest.approx(1.04 / 0.6 + STEP_S, abs=2 * STEP_S)
+    assert start < end - 1.0 and underruns == 0
+    assert old_start >= end - STEP_S and old_underruns == 0
+
+
+def test_slower_than_real_time_overall_plans_for_the_whole_text():
+    """When all segments together are generated slower than real time, the ones ahead do
+    not keep up either: the whole text's length is the horizon, as for one utterance."""
+    stream = fake_stream(pause=0.5)
+    horizon = _PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=0.0)
+    assert horizon.total_s == pytest.approx(3 * 2.0 + 2 * 0.5)
+    chunk = SimpleNamespace(audio=frame(0), segment=0)
+    stream.timings.audio_s, stream.ahead_s = FRAME_S, 2 * FRAME_S
+    assert horizon(chunk, now=1.0) == pytest.approx(horizon.total_s)  # 0.24 s in 1 s
+    assert horizon(chunk, now=0.1) == pytest.approx(2.0)  # 2.4x: fed + the rest of segment 0
+    single = SimpleNamespace(segments=stream.segments[:1], timings=stream.timings, ahead_s=0.0)
+    assert _PlaybackHorizon(fake_tts(), single, FRAMES, None, 0.0)(chunk, now=0.1) == 2.0
