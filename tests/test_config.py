@@ -612,3 +612,20 @@ def test_byte_order_mark_is_accepted(tmp_path: Path) -> None:
 def test_absurdly_large_values_name_the_key(path: str, value: Any) -> None:
     message = config_error(with_value(path, value))
     assert f"'{path}'" in message and len(message) < 300
+
+
+def test_a_params_json_larger_than_any_is_refused_before_reading(tmp_path: Path) -> None:
+    """An 8 GiB params.json (or /dev/zero behind a link) was read whole into memory."""
+    from voxtral_mlx.fileio import MAX_JSON_BYTES
+
+    path = tmp_path / "params.json"
+    with path.open("wb") as f:
+        f.truncate(MAX_JSON_BYTES + 1)  # sparse
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_file(path)
+    message = str(info.value)
+    assert "larger than 64 MiB" in message and "\n" not in message
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        ModelConfig.from_file(zero)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -538,3 +539,47 @@ def test_legacy_file_without_special_tokens_gets_mistral_common_defaults(tmp_pat
         assert ours.special_id(name) == ref.get_special_token(name)
     with pytest.raises(TokenizerError, match=r"\[AUDIO\]"):
         ours.special_id("[AUDIO]")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_tekken_json_that_is_no_regular_file_or_too_big_is_one_line(tmp_path):
+    """A FIFO hung the loader and /dev/zero was read until memory ran out."""
+    fifo = tmp_path / "fifo" / "tekken.json"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    assert "not a regular file (a pipe or a device?)" in _load_error(fifo, tmp_path)
+    zero = tmp_path / "zero" / "tekken.json"
+    zero.parent.mkdir()
+    zero.symlink_to("/dev/zero")
+    assert "not a regular file" in _load_error(zero, tmp_path)
+    huge = tmp_path / "huge" / "tekken.json"
+    huge.parent.mkdir()
+    with huge.open("wb") as f:
+        f.truncate(tokenizer_mod.MAX_TEKKEN_BYTES + 1)  # sparse: no disk used
+    message = _load_error(huge, tmp_path)
+    assert "larger than 256 MiB" in message and "restore it from the model's download" in message
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_cache_entry_that_is_no_regular_file_is_rebuilt(tmp_path):
+    path = _write_json(tmp_path / "tekken.json", _byte_tekken())
+    cache = tmp_path / "cache"
+    first = TekkenTokenizer.from_file(path, cache_dir=cache)
+    (entry,) = (cache / "tokenizers").glob("tekken-*.json")
+    entry.unlink()
+    os.mkfifo(entry)  # hung every later load
+    again = TekkenTokenizer.from_file(path, cache_dir=cache)
+    assert again.encode("Hello there") == first.encode("Hello there")
+    assert entry.is_file()  # replaced by a good entry
+
+
+def test_a_pattern_that_backtracks_without_end_fails_in_one_line(tmp_path):
+    """A Rust panic (not even an Exception) came out of encode() as pyo3's PanicException."""
+    data = _byte_tekken()
+    data["config"]["pattern"] = "(a+)+$"
+    tok = TekkenTokenizer.from_file(_write_json(tmp_path / "tekken.json", data), tmp_path / "c")
+    with pytest.raises(TokenizerError) as info:
+        tok.encode("a" * 40 + "!")
+    message = str(info.value)
+    assert "\n" not in message and "the tokenizer failed on this text" in message
+    assert "restore tekken.json from the model's download" in message

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .fileio import MAX_JSON_BYTES, read_limited
 
 N_SPECIAL_AUDIO_CODES = 2  # 0 = EMPTY_AUDIO, 1 = END_AUDIO; real codes start at 2
 END_AUDIO = 1
@@ -491,13 +492,15 @@ class ModelConfig:
         path = Path(path)
         try:
             # utf-8-sig: a byte-order mark left by a Windows editor is not an error.
-            text = path.read_text(encoding="utf-8-sig")
+            text = read_limited(path, MAX_JSON_BYTES).decode("utf-8-sig")
         except FileNotFoundError:
             raise ConfigError(f"{path} not found: the model directory needs params.json") from None
         except UnicodeDecodeError:
             raise ConfigError(f"{path} is not UTF-8 text: re-download the model") from None
         except OSError as e:
-            raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+            raise ConfigError(
+                f"cannot read {path}: {e.strerror}; restore it from the model's download"
+            ) from None
         try:
             params = json.loads(text)
         except json.JSONDecodeError as e:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -17,6 +19,31 @@ def one_line(text: str, limit: int = 160) -> str:
     if not text.isprintable():
         text = text.encode("unicode_escape").decode("ascii")
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+MAX_JSON_BYTES = 64 << 20  # params.json, config.json, an index: kilobytes in any release
+
+
+def read_limited(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes.
+
+    A FIFO would block the reader and ``/dev/zero`` never end, so anything else is an
+    ``OSError`` whose ``strerror`` says so (as are FileNotFoundError, IsADirectoryError and
+    the like from opening it): callers report ``strerror`` as the reason.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "it is a directory", str(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "it is not a regular file (a pipe or a device?)")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(
+            errno.EFBIG, f"it is larger than {limit >> 20} MiB, far more than such a file holds"
+        )
+    return data
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:

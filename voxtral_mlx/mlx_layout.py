@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError, ConfigError, ModelNotFoundError
-from .fileio import one_line
+from .fileio import MAX_JSON_BYTES, one_line, read_limited
 
 FORMAT = "voxtral-mlx"  # config.json "format" of the directories voxtral_mlx.convert writes
 FORMAT_VERSION = 2  # 1: Mistral's tensor names and a `layers` map (still read)
@@ -172,7 +172,7 @@ def read_index(path: Path) -> dict[str, str]:
 
 def _read_json(path: Path, error: type[Exception]) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_limited(path, MAX_JSON_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise error(f"{path} not found") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -181,7 +181,9 @@ def _read_json(path: Path, error: type[Exception]) -> Any:
         )
         raise error(f"{path} is not valid JSON{where}: re-download or re-convert it") from None
     except OSError as e:
-        raise error(f"cannot read {path}: {e.strerror}") from None
+        raise error(
+            f"cannot read {path}: {e.strerror}; restore it from the model's download"
+        ) from None
     except (ValueError, RecursionError):  # a 5000-digit number, arrays nested 10^5 deep
         raise error(
             f"{path} is not usable JSON (absurdly long numbers or nesting): re-download or "

@@ -36,9 +36,11 @@ from typing import Any
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from .errors import InputError, TokenizerError
+from .fileio import one_line, read_limited
 
 # Bump when the cached file's layout or the way the model is built changes.
 CACHE_FORMAT = 1
+MAX_TEKKEN_BYTES = 256 << 20  # the real tekken.json holds 19 MB
 
 BOS = "<s>"
 AUDIO = "[AUDIO]"
@@ -135,7 +137,7 @@ class TekkenTokenizer:
         """
         path = Path(path)
         try:
-            raw = path.read_bytes()
+            raw = read_limited(path, MAX_TEKKEN_BYTES)
         except FileNotFoundError:
             raise TokenizerError(
                 f"tokenizer file {path} not found: point to the model's tekken.json "
@@ -146,7 +148,10 @@ class TekkenTokenizer:
                 f"{path} is a directory: pass the tekken.json file inside it"
             ) from None
         except OSError as e:
-            raise TokenizerError(f"cannot read tokenizer file {path}: {e.strerror or e}") from None
+            raise TokenizerError(
+                f"cannot read tokenizer file {path}: {e.strerror or e}; restore it from the "
+                "model's download"
+            ) from None
 
         digest = hashlib.sha256(raw).hexdigest()
         cache_file = _cache_root(cache_dir) / f"tekken-{digest}-f{CACHE_FORMAT}.json"
@@ -172,11 +177,22 @@ class TekkenTokenizer:
         if not isinstance(text, str):
             raise InputError(f"text to tokenize must be a str, got {type(text).__name__}")
         try:
-            return self._backend.encode(text, add_special_tokens=False).ids
-        except TypeError:
-            # Lone surrogates cannot cross into Rust; tiktoken replaces them the same way.
-            fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-            return self._backend.encode(fixed, add_special_tokens=False).ids
+            try:
+                return self._backend.encode(text, add_special_tokens=False).ids
+            except TypeError:
+                # Lone surrogates cannot cross into Rust; tiktoken replaces them the same way.
+                fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+                return self._backend.encode(fixed, add_special_tokens=False).ids
+        except BaseException as e:
+            # A Rust panic (pyo3's PanicException, a BaseException): e.g. a config.pattern
+            # that backtracks without end on this text.
+            if type(e).__name__ != "PanicException":
+                raise
+            reason = one_line(str(e).splitlines()[0] if str(e) else "a panic", 120)
+            raise TokenizerError(
+                f"{self.path}: the tokenizer failed on this text ({reason}), which Tekken's "
+                "own config.pattern does not: restore tekken.json from the model's download"
+            ) from None
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special ids are skipped, invalid UTF-8 becomes U+FFFD."""
@@ -429,8 +445,7 @@ def _cache_root(cache_dir: Path | None) -> Path:
 def _read_cache(file: Path, digest: str) -> tuple[dict[str, Any], Tokenizer] | None:
     """Cache entry = one JSON line of metadata, a newline, the tokenizer's own JSON."""
     try:
-        with open(file, encoding="utf-8", newline="") as f:
-            text = f.read()
+        text = read_limited(file, 2 * MAX_TEKKEN_BYTES).decode("utf-8")
         head, _, body = text.partition("\n")
         meta = json.loads(head)
         if meta.get("sha256") != digest or meta.get("format") != CACHE_FORMAT:
