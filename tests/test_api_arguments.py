@@ -169,3 +169,33 @@ def test_build_random_checkpoint_needs_a_path():
     for out in (None, b"/tmp/x", ""):
         with pytest.raises(InputError, match="out_dir must be a directory path"):
             build_random_checkpoint(out)
+
+
+LONG = "x" * 300  # more than the 255 bytes a file name can have
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (
+            lambda d, t: voxtral_mlx.load("~nosuchuser_vx/model"),
+            ModelNotFoundError,
+            "names no user",
+        ),
+        (lambda d, t: voxtral_mlx.load(t / LONG), ModelNotFoundError, "too long (300 bytes"),
+        (lambda d, t: voxtral_mlx.load(f"{t}/a\0b"), ModelNotFoundError, "NUL character"),
+        (lambda d, t: convert_model(d, t / LONG), InputError, "too long (300 bytes"),
+        (lambda d, t: convert_model(d, f"{t}/o\0ut"), InputError, "NUL character"),
+        (lambda d, t: convert_model(d, "~nosuchuser_vx/o"), InputError, "names no user"),
+        (lambda d, t: convert_voice_files(t / LONG, t / "v"), VoiceError, "too long"),
+        (lambda d, t: convert_voice_files(d / "voice_embedding", f"{t}/\0"), VoiceError, "NUL"),
+        (lambda d, t: voxtral_mlx.load(d, prefix_cache_dir="~nosuchuser_vx/p"), InputError, "user"),
+    ],
+)
+def test_paths_no_file_can_have_are_one_line_errors(tiny_checkpoint, tmp_path, call, error, words):
+    """The OS said "File name too long", "embedded null byte" or "Could not determine home
+    directory" as a raw OSError, ValueError or RuntimeError."""
+    with pytest.raises(error) as info:
+        call(tiny_checkpoint, tmp_path)
+    assert words in str(info.value) and "\n" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []

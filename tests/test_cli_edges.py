@@ -461,3 +461,15 @@ def test_progress_line_clears_what_a_longer_line_left(capsys):
     lines = capsys.readouterr().err.split("\r")[1:]
     assert len(lines) == 3 and all(line.rstrip("\n").endswith("\x1b[K") for line in lines)
     assert "ETA" in lines[0] and "ETA" not in lines[2]
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
+def test_endless_text_is_refused_in_one_line(model_dir, tmp_path):
+    """-f /dev/zero (or stdin from it) was read until memory ran out."""
+    out = tmp_path / "x.wav"
+    err = one_line_error(run("speak", "-m", str(model_dir), "-f", "/dev/zero", "-o", str(out)))
+    assert "holds more than 64 MiB of text" in err and "speak it in parts" in err
+    with open("/dev/zero", "rb") as zero:
+        proc = run("speak", "-m", str(model_dir), "-f", "-", "-o", str(out), stdin=zero)
+    assert "stdin holds more than 64 MiB of text" in one_line_error(proc)
+    assert list(tmp_path.iterdir()) == []

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import InputError, VoxtralError
@@ -73,6 +72,7 @@ def load(
     a :class:`~voxtral_mlx.residency.MemoryWarning`.
     """
     from .engine import check_max_batch
+    from .fileio import usable_path
     from .hub import resolve_model_dir
     from .loader import load_model_dir
     from .prefix_store import PrefixStore, model_fingerprint
@@ -92,7 +92,11 @@ def load(
         if not os.fspath(prefix_cache_dir):  # Path("") is the current directory
             raise InputError("prefix_cache_dir is an empty path: give a directory, 'auto', or None")
         auto = isinstance(prefix_cache_dir, str) and prefix_cache_dir == "auto"
-        directory = default_cache_dir() / "prefixes" if auto else Path(prefix_cache_dir)
+        directory = (
+            default_cache_dir() / "prefixes"
+            if auto
+            else usable_path(prefix_cache_dir, "prefix_cache_dir")
+        )
     model_dir = resolve_model_dir(path_or_repo)
     worker = Worker()
     try:

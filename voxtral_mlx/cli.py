@@ -27,6 +27,7 @@ from .fileio import one_line
 PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
 MAX_TIMEOUT_S = 86400.0  # serve's --body-timeout and --send-timeout
+MAX_TEXT_BYTES = 64 << 20  # -f FILE or stdin: more is not text to speak
 SECONDS_PER_TEXT_TOKEN = 0.3  # rough speaking rate, only a hint for the player's pre-roll
 T = TypeVar("T")
 
@@ -251,8 +252,10 @@ def _read_text(args: argparse.Namespace) -> str:
         if args.file == "-":
             return _read_stdin()
         try:
+            with open(args.file, "rb") as f:  # a FIFO is read like cat reads it
+                raw = _bounded(f.read(MAX_TEXT_BYTES + 1), f"text file {one_line(args.file)}")
             # utf-8-sig: editors that save a byte-order mark must not make it spoken text
-            return Path(args.file).read_text(encoding="utf-8-sig")
+            return raw.decode("utf-8-sig")
         except FileNotFoundError:
             raise InputError(f"text file {args.file} not found") from None
         except UnicodeDecodeError:
@@ -276,15 +279,25 @@ def _read_text(args: argparse.Namespace) -> str:
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
 
 
+def _bounded(raw: bytes | str, what: str) -> bytes | str:
+    if len(raw) > MAX_TEXT_BYTES:
+        raise InputError(
+            f"{what} holds more than {MAX_TEXT_BYTES >> 20} MiB of text (a whole shelf of "
+            "books; or /dev/zero?): speak it in parts"
+        )
+    return raw
+
+
 def _read_stdin() -> str:
     """stdin as UTF-8 whatever the locale says, like ``-f FILE`` (a byte-order mark dropped)."""
     if sys.stdin is None:
         raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
     buffer = getattr(sys.stdin, "buffer", None)
     try:
-        raw = sys.stdin.read() if buffer is None else buffer.read()
+        raw = (sys.stdin if buffer is None else buffer).read(MAX_TEXT_BYTES + 1)
     except OSError as e:
         raise InputError(f"cannot read stdin: {e.strerror}") from None
+    _bounded(raw, "stdin")
     if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
         return raw.removeprefix("\ufeff")
     try:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from .errors import InputError
+
 
 def one_line(text: str, limit: int = 160) -> str:
     """Text from a file or the OS (names, keys, reasons) made safe for a one-line message."""
@@ -68,6 +70,35 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
 
 TEMP_KIND = "tmp"  # :func:`atomic_write`'s temp files: ``remove_orphans(dir, None, TEMP_KIND)``
 NAME_MAX = 255  # bytes in a file name (APFS, HFS+, ext4)
+
+
+def usable_path(
+    path: str | os.PathLike[str], what: str, error: type[Exception] = InputError
+) -> Path:
+    """``path`` (``~`` expanded) if it can name a file, else a one-line ``error`` about
+    ``what``: a NUL character, a ``~user`` with no such user, or a name longer than a file
+    name can be (the OS would say "embedded null byte", "Could not determine home
+    directory" or "File name too long" from deep inside whatever used it)."""
+    text = os.fsdecode(os.fspath(path))
+    shown = one_line(text, 100)
+    if "\0" in text:
+        raise error(f"{what} {shown} holds a NUL character, which no path can: remove it")
+    try:
+        out = Path(text).expanduser()
+    except RuntimeError:
+        user = text.split("/", 1)[0]
+        raise error(
+            f"{what} {shown}: {one_line(user, 40)} names no user of this machine; write the "
+            "path out"
+        ) from None
+    for part in out.parts:
+        size = len(os.fsencode(part))
+        if size > NAME_MAX:
+            raise error(
+                f"{what} {shown}: the name {one_line(part, 40)!r} is too long ({size} bytes, "
+                f"more than a file name can be: {NAME_MAX}); shorten it"
+            )
+    return out
 
 
 def hidden_name(stem: str, tail: str) -> str:

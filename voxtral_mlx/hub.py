@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import ModelNotFoundError
+from .fileio import usable_path
 
 DEFAULT_REPO = "mistralai/Voxtral-4B-TTS-2603"
 KNOWN_OWNERS = ("mistralai", "mlx-community")  # their repos' layouts follow from the owner
@@ -140,7 +141,7 @@ def resolve_model_dir(path_or_repo: str | os.PathLike[str] | None = None) -> Pat
             f"the model is an empty name; pass a directory or a Hugging Face repo id such as "
             f"{DEFAULT_REPO}"
         )
-    path = Path(spec).expanduser()
+    path = usable_path(spec, "model directory", ModelNotFoundError)
     if path.exists():
         if not path.is_dir():
             raise ModelNotFoundError(

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import InputError
-from .fileio import hidden_name, one_line, owned_name, remove_orphans
+from .fileio import hidden_name, one_line, owned_name, remove_orphans, usable_path
 
 _MODEL_FILES = {"config.json", "params.json", "tekken.json", "model.safetensors.index.json"}
 # What --force may delete with a model directory: its files, and what a Hub download or a
@@ -60,7 +60,7 @@ def directory_path(value: object, name: str = "out_dir", error: type = InputErro
     is the current directory), else a one-line ``error`` naming ``name``."""
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
         raise error(f"{name} must be a directory path, got {value!r}")
-    return Path(value)
+    return usable_path(value, name, error)
 
 
 def resolve_output(out: Path) -> Path:

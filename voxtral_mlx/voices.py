@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import VoiceError
-from .fileio import atomic_write, one_line, owned_name, remove_orphans
+from .fileio import atomic_write, one_line, owned_name, remove_orphans, usable_path
 from .output_dir import directory_path, make_dirs, remove_dirs
 from .torch_pickle import PtTensor, read_pt, to_mlx
 
@@ -332,7 +332,7 @@ def _voice_sources(sources: object) -> list[Path]:
                 f"a voice source is a path (a string), got {type(source).__name__}: name .pt "
                 "files or directories"
             )
-        source = Path(source)
+        source = usable_path(source, "voice source", VoiceError)
         if source.is_dir():
             found = sorted(p for p in source.glob("*.pt") if not p.name.startswith("."))
             for path in found:
