@@ -473,3 +473,23 @@ def test_endless_text_is_refused_in_one_line(model_dir, tmp_path):
         proc = run("speak", "-m", str(model_dir), "-f", "-", "-o", str(out), stdin=zero)
     assert "stdin holds more than 64 MiB of text" in one_line_error(proc)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_files_that_are_no_regular_files_are_named_as_such(model_dir, tmp_path):
+    """A FIFO as the weights read as an incomplete download, a FIFO voice source as missing,
+    and a file in the way of an output directory as "File exists"."""
+    import shutil
+
+    broken = tmp_path / "m"
+    shutil.copytree(model_dir, broken)
+    (broken / "consolidated.safetensors").unlink()
+    os.mkfifo(broken / "consolidated.safetensors")
+    err = one_line_error(run("speak", "-m", str(broken), "Hi.", "-o", str(tmp_path / "x.wav")))
+    assert "consolidated.safetensors is not a readable file" in err and "incomplete" not in err
+    os.mkfifo(tmp_path / "voice.pt")
+    err = one_line_error(run("convert-voices", str(tmp_path / "voice.pt"), "-o", str(tmp_path)))
+    assert "voice.pt is not a readable file (a pipe, socket or device)" in err
+    (tmp_path / "afile").write_text("")
+    err = one_line_error(run("convert", str(model_dir), "-o", str(tmp_path / "afile" / "out")))
+    assert "afile is a file, not a directory" in err

@@ -321,7 +321,8 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
             start, end = _header_ints(entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(
-                f"{path}: malformed header entry for tensor '{one_line(name, 80)}'"
+                f"{path}: malformed header entry for tensor '{one_line(name, 80)}' (its dtype, "
+                "shape or offsets); the file is damaged: re-download or re-convert it"
             ) from None
         if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(
@@ -334,7 +335,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
         if start < 0 or end - start != nbytes or any(d < 0 for d in shape):
             raise CheckpointError(
                 f"{path}: tensor '{one_line(name, 80)}' has offsets inconsistent with its "
-                f"shape {list(shape)}"
+                f"shape {list(shape)}; the file is damaged: re-download or re-convert it"
             )
         if end > data_size:
             raise CheckpointError(

@@ -17,6 +17,7 @@ the files, and the model is loaded with ``strict=True``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,6 +193,11 @@ def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] 
     files, index = weight_files(model_dir)
     if files:
         return "mlx", files, index
+    if os.path.lexists(consolidated):
+        raise CheckpointError(
+            f"{consolidated} is not a readable file (a directory, a pipe or device, or a "
+            "broken link): restore it from the model's download"
+        )
     raise ModelNotFoundError(
         f"{model_dir} has no {CONSOLIDATED} (Mistral's layout) and no *.safetensors weights "
         "(an MLX conversion): the download is incomplete; fetch it again"

@@ -150,9 +150,15 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
         tmp.mkdir(mode=0o700)
     except OSError as e:
         remove_dirs(created)
+        blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        reason = (
+            f"{one_line(str(blocking))} is a file, not a directory"
+            if blocking is not None
+            else one_line(e.strerror or str(e))
+        )
         raise InputError(
-            f"cannot write to {one_line(str(out.parent))}: {one_line(e.strerror or str(e))}; "
-            "choose a writable output directory"
+            f"cannot write to {one_line(str(out.parent))}: {reason}; choose a writable output "
+            "directory"
         ) from None
     try:
         yield tmp

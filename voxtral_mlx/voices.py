@@ -8,6 +8,7 @@ tekken.json lists the row count N each voice must have.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -77,7 +78,13 @@ def _is_file(entry: Path | os.DirEntry) -> bool:
 
 def unreadable(path: Path) -> str:
     """The words for a voice file that is not a regular file."""
-    return f"{one_line(str(path))} is not a readable file (a broken symbolic link, or a directory)"
+    what = "a broken or looping symbolic link"
+    with contextlib.suppress(OSError):
+        if path.is_dir():
+            what = "a directory"
+        elif path.exists():
+            what = "a pipe, socket or device"
+    return f"{one_line(str(path))} is not a readable file ({what})"
 
 
 class VoiceRegistry(Mapping[str, Voice]):
@@ -347,6 +354,8 @@ def _voice_sources(sources: object) -> list[Path]:
             if source.suffix != ".pt":
                 raise VoiceError(f"{one_line(str(source))} is not a .pt voice file")
             files.append(source)
+        elif source.exists():
+            raise VoiceError(f"{unreadable(source)}; name .pt files or directories holding them")
         else:
             raise VoiceError(f"voice source {one_line(str(source))} does not exist; check the path")
     unique: dict[Path, Path] = {}
