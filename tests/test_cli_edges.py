@@ -25,14 +25,16 @@ def env_with_repo(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
+def run(
+    *args: str, env: dict[str, str] | None = None, cwd_override: Path | None = None, **kwargs
+) -> subprocess.CompletedProcess:
     if "stdout" not in kwargs and "stderr" not in kwargs:
         kwargs.setdefault("capture_output", True)
     return subprocess.run(
         [sys.executable, "-m", "voxtral_mlx", *args],
         env=env_with_repo(env),
         timeout=300,
-        cwd=REPO,
+        cwd=cwd_override or REPO,
         **kwargs,
     )
 
@@ -493,3 +495,37 @@ def test_files_that_are_no_regular_files_are_named_as_such(model_dir, tmp_path):
     (tmp_path / "afile").write_text("")
     err = one_line_error(run("convert", str(model_dir), "-o", str(tmp_path / "afile" / "out")))
     assert "afile is a file, not a directory" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["-a", "nosuch", "-o", "x.wav"], "-a nosuch picks the device to play on, but nothing"),
+        (["-a", "nosuch", "--raw"], "nothing is played with -o or --raw alone: add --play"),
+        (["-a", " ", "--play", "-o", "x.wav"], "--device is empty (an unset shell variable?)"),
+        (["--no-split", "--pause", "2", "-o", "x.wav"], "--no-split makes one: drop one"),
+    ],
+)
+def test_options_that_cannot_apply_are_refused(model_dir, tmp_path, extra, words):
+    """They were accepted and silently ignored (a misspelt device with -o went unnoticed)."""
+    proc = run("speak", "-m", str(model_dir), "Hi. There.", *extra, cwd_override=tmp_path)
+    assert words in one_line_error(proc)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+@pytest.mark.parametrize("flag", [["--raw"], ["-o", "-"]])
+def test_binary_audio_is_not_written_to_a_terminal(model_dir, flag):
+    import pty
+
+    main, child = pty.openpty()
+    try:
+        proc = run(
+            "speak", "-m", str(model_dir), "Hi.", *flag, stdout=child, stderr=subprocess.PIPE
+        )
+    finally:
+        os.close(child)
+        os.close(main)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and err.count("\n") == 1, err
+    assert "writes binary audio to stdout, which is a terminal" in err

@@ -414,6 +414,25 @@ def cmd_speak(args: argparse.Namespace) -> int:
                 f"-o {args.output} is the text file given with -f: write the audio to another file"
             )
     play = args.play or (args.output is None and not raw_out)
+    if args.device is not None and not args.device.strip():
+        raise InputError(
+            "--device is empty (an unset shell variable?): name a device (-a '?' lists them), "
+            "or leave -a out for the default one"
+        )
+    if args.device is not None and not play:
+        raise InputError(
+            f"-a {one_line(args.device, 60)} picks the device to play on, but nothing is "
+            "played with -o or --raw alone: add --play"
+        )
+    if args.no_split and args.pause is not None:
+        raise InputError(
+            "--pause sets the silence between segments, and --no-split makes one: drop one"
+        )
+    if (raw_out or to_stdout) and sys.stdout.isatty():
+        raise InputError(
+            f"{'--raw' if raw_out else '-o -'} writes binary audio to stdout, which is a "
+            "terminal: pipe it (| aplay ...) or redirect it (> file)"
+        )
     if args.voice == "?":
         _print_voices(_load(args))
         return 0
