@@ -44,7 +44,13 @@ def collect(job):
 @pytest.mark.parametrize(
     ("prefix", "ndim", "where"),
     [
-        ("layers.0.attention.wq", 2, "its hidden state at frame 1"),
+        ("layers.0.attention.wq", 2, "its hidden state or semantic head at frame 1"),
+        # Argmax over NaN logits still picks a valid-looking code: it spoke noise.
+        (
+            "acoustic_transformer.semantic_codebook_output",
+            2,
+            "its hidden state or semantic head at frame 1",
+        ),
         ("acoustic_transformer.layers.0.attention.wq", 2, "its flow-matching head at frame 1"),
         ("audio_tokenizer.decoder_blocks.0.conv", 3, "the codec at frame 1"),
     ],
@@ -91,7 +97,7 @@ def test_a_failing_request_spares_the_others_in_its_batch(tiny_checkpoint_noend)
         tts.submit(good)
         bad_items, good_items = collect(bad), collect(good)
         assert len(bad_items) == 1 and isinstance(bad_items[0], NonFiniteError)
-        assert "hidden state at frame 1" in str(bad_items[0])
+        assert "hidden state or semantic head at frame 1" in str(bad_items[0])
         audio = np.concatenate([c.audio for c in good_items])
         assert good_items[-1].is_final and sum(c.frames for c in good_items) == 12
         np.testing.assert_array_equal(audio, alone)
@@ -129,3 +135,36 @@ def test_the_server_answers_500_naming_the_damage(tiny_checkpoint_noend, tmp_pat
             assert "NaN or infinite values in its hidden state" in error["message"]
     finally:
         tts.close()
+
+
+def test_model_files_that_are_no_regular_files_are_named(tiny_checkpoint_noend, tmp_path):
+    """params.json as a FIFO read as missing; config.json or the index as one was ignored."""
+    import os
+
+    from voxtral_mlx.errors import VoxtralError
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("needs FIFOs")
+    from voxtral_mlx.convert import convert_model
+
+    mlx_dir = convert_model(tiny_checkpoint_noend, tmp_path / "mlx").path
+    for source, name in [
+        (tiny_checkpoint_noend, "params.json"),
+        (mlx_dir, "config.json"),
+        (mlx_dir, "model.safetensors.index.json"),
+    ]:
+        model_dir = tmp_path / name
+        shutil.copytree(source, model_dir)
+        (model_dir / name).unlink(missing_ok=True)
+        os.mkfifo(model_dir / name)
+        with pytest.raises(VoxtralError) as err:
+            voxtral_mlx.load(model_dir, prefix_cache_dir=None)
+        assert f"{name}: it is not a regular file" in str(err.value)
+
+
+def test_a_cache_variable_naming_no_user_is_one_line(tiny_checkpoint_noend, monkeypatch):
+    from voxtral_mlx.errors import InputError
+
+    monkeypatch.setenv("VOXTRAL_MLX_CACHE", "~nosuchuser_vx/cache")
+    with pytest.raises(InputError, match=r"\$VOXTRAL_MLX_CACHE ~nosuchuser_vx/cache: .* no user"):
+        voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)

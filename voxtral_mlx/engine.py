@@ -546,7 +546,7 @@ class Engine:
             n, final = len(job._codes), job.seq.finished
             if job.seq.stop_reason == "not_finite" and job._error is None:
                 job._error = not_finite_error(
-                    job.voice_rows.dtype, "its hidden state", job.seq.frames + 1
+                    job.voice_rows.dtype, "its hidden state or semantic head", job.seq.frames + 1
                 )
             if job.seq.stop_reason == "cancelled" or job._error is not None:
                 job._codes = []  # nobody wants its audio, or it is unusable: no decoding

@@ -366,7 +366,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     hold a complete model config they must describe the same model (mlx-audio reads
     ``config.json``: a disagreement would make the two speak differently from one directory)."""
     params_path = model_dir / "params.json"
-    if params_path.is_file():
+    if os.path.lexists(params_path):  # a FIFO or directory is reported as what it is
         config = ModelConfig.from_file(params_path)
         try:
             in_config = params_from_config(read_config(model_dir))

@@ -21,6 +21,7 @@ way ``consolidated.safetensors`` does.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -122,7 +123,7 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     missing piece (an incomplete download).
     """
     index_path = model_dir / INDEX_NAME
-    if index_path.is_file():
+    if os.path.lexists(index_path):
         weight_map = read_index(index_path)
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         for path in files:
@@ -194,7 +195,7 @@ def _read_json(path: Path, error: type[Exception]) -> Any:
 def read_config(model_dir: Path) -> dict[str, Any] | None:
     """``config.json`` as a dict, or None when the directory has none."""
     path = model_dir / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):  # one that is a FIFO or directory is reported as such
         return None
     data = _read_json(path, ConfigError)
     if not isinstance(data, dict):

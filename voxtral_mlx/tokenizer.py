@@ -36,7 +36,7 @@ from typing import Any
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from .errors import InputError, TokenizerError
-from .fileio import one_line, read_limited
+from .fileio import one_line, read_limited, usable_path
 
 # Bump when the cached file's layout or the way the model is built changes.
 CACHE_FORMAT = 1
@@ -97,7 +97,7 @@ def default_cache_dir() -> Path:
     """
     env = os.environ.get("VOXTRAL_MLX_CACHE")
     if env:
-        return Path(env).expanduser()
+        return usable_path(env, "$VOXTRAL_MLX_CACHE")
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "voxtral_mlx"

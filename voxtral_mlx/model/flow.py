@@ -82,8 +82,14 @@ class FlowHead(nn.Module):
 
     def semantic_code(self, h: mx.array) -> mx.array:
         """Greedy semantic code ``[B]`` (with the +2 offset; 1 = END_AUDIO) from ``h [B, dim]``."""
-        logits = self.semantic_codebook_output(h).astype(mx.float32) + self._semantic_mask
-        return mx.argmax(logits, axis=-1)
+        return self._semantic(h)[0]
+
+    def _semantic(self, h: mx.array) -> tuple[mx.array, mx.array]:
+        """The semantic code ``[B]`` and whether ``h`` and its logits are finite ``[B]``
+        (argmax over NaN logits still picks some valid-looking index)."""
+        logits = self.semantic_codebook_output(h).astype(mx.float32)
+        finite = mx.all(mx.isfinite(h), axis=-1) & mx.all(mx.isfinite(logits), axis=-1)
+        return mx.argmax(logits + self._semantic_mask, axis=-1), finite
 
     def velocity(self, x: mx.array, time_token: mx.array, llm: mx.array) -> mx.array:
         """Velocities ``[2B, 36]`` for cond (first B rows) and uncond (last B rows)."""
@@ -126,11 +132,12 @@ class FlowHead(nn.Module):
 
         The semantic code is returned on its own so that END can be checked as soon as the
         semantic head is done, while the flow-matching steps are still running; there it is
-        :data:`NOT_FINITE` for a row of ``h`` holding NaN or inf (the codes stay in range).
+        :data:`NOT_FINITE` for a row of ``h`` (or of its semantic logits) holding NaN or inf
+        (the codes stay in range).
         """
-        semantic = self.semantic_code(h).astype(mx.int32)
+        semantic, finite = self._semantic(h)
+        semantic = semantic.astype(mx.int32)
         codes = mx.concatenate([semantic[:, None], self.acoustic_codes(h, noise, cfg)], -1)
-        finite = mx.all(mx.isfinite(h), axis=-1)
         return mx.where(finite, semantic, NOT_FINITE), codes
 
     def __call__(self, h: mx.array, noise: mx.array, cfg: mx.array) -> tuple[mx.array, mx.array]:
