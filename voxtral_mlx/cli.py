@@ -253,7 +253,8 @@ def _read_text(args: argparse.Namespace) -> str:
             return _read_stdin()
         try:
             with open(args.file, "rb") as f:  # a FIFO is read like cat reads it
-                raw = _bounded(f.read(MAX_TEXT_BYTES + 1), f"text file {one_line(args.file)}")
+                raw = f.read(MAX_TEXT_BYTES + 1)
+            _check_size(raw, f"text file {one_line(args.file)}")
             # utf-8-sig: editors that save a byte-order mark must not make it spoken text
             return raw.decode("utf-8-sig")
         except FileNotFoundError:
@@ -279,13 +280,12 @@ def _read_text(args: argparse.Namespace) -> str:
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
 
 
-def _bounded(raw: bytes | str, what: str) -> bytes | str:
+def _check_size(raw: bytes | str, what: str) -> None:
     if len(raw) > MAX_TEXT_BYTES:
         raise InputError(
             f"{what} holds more than {MAX_TEXT_BYTES >> 20} MiB of text (a whole shelf of "
             "books; or /dev/zero?): speak it in parts"
         )
-    return raw
 
 
 def _read_stdin() -> str:
@@ -297,7 +297,7 @@ def _read_stdin() -> str:
         raw = (sys.stdin if buffer is None else buffer).read(MAX_TEXT_BYTES + 1)
     except OSError as e:
         raise InputError(f"cannot read stdin: {e.strerror}") from None
-    _bounded(raw, "stdin")
+    _check_size(raw, "stdin")
     if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
         return raw.removeprefix("\ufeff")
     try:

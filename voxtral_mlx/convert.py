@@ -503,7 +503,7 @@ def convert_model(
         raise InputError(f"progress must be a function or None, got {type(progress).__name__}")
     out_path = directory_path(out_dir)
     src = resolve_model_dir(model)
-    out = _check_output(out_path.expanduser().absolute(), src, force)
+    out = _check_output(out_path.absolute(), src, force)
 
     config = read_model_config(src)
     tokenizer = TekkenTokenizer.from_file(src / "tekken.json")

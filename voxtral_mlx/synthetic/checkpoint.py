@@ -286,7 +286,7 @@ def build_random_checkpoint(
     config = ModelConfig.from_params(params)
     tekken["audio"].update(sampling_rate=config.sampling_rate, frame_rate=config.frame_rate)
 
-    out = check_output_dir(out_path.expanduser().absolute(), force)
+    out = check_output_dir(out_path.absolute(), force)
     with staged_dir(out, force) as tmp:
         _write_checkpoint(
             tmp, params, config, tekken, voices, seed, st_dtype, voice_format, suppress_end
