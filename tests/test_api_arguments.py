@@ -172,6 +172,7 @@ def test_build_random_checkpoint_needs_a_path():
 
 
 LONG = "x" * 300  # more than the 255 bytes a file name can have
+DEEP = "/".join(["d" * 200] * 30)  # each name fits, the whole path (6 kB) does not
 
 
 @pytest.mark.parametrize(
@@ -190,11 +191,16 @@ LONG = "x" * 300  # more than the 255 bytes a file name can have
         (lambda d, t: convert_voice_files(t / LONG, t / "v"), VoiceError, "too long"),
         (lambda d, t: convert_voice_files(d / "voice_embedding", f"{t}/\0"), VoiceError, "NUL"),
         (lambda d, t: voxtral_mlx.load(d, prefix_cache_dir="~nosuchuser_vx/p"), InputError, "user"),
+        (lambda d, t: voxtral_mlx.load(t / DEEP), ModelNotFoundError, "the system takes paths"),
+        (lambda d, t: convert_model(d, t / DEEP), InputError, "the system takes paths"),
+        (lambda d, t: convert_voice_files(d / "voice_embedding", t / DEEP), VoiceError, "paths"),
+        (lambda d, t: voxtral_mlx.load(d, prefix_cache_dir=t / DEEP), InputError, "paths"),
     ],
 )
 def test_paths_no_file_can_have_are_one_line_errors(tiny_checkpoint, tmp_path, call, error, words):
     """The OS said "File name too long", "embedded null byte" or "Could not determine home
-    directory" as a raw OSError, ValueError or RuntimeError."""
+    directory" as a raw OSError, ValueError or RuntimeError (a whole path too long: from
+    deep inside whatever used it)."""
     with pytest.raises(error) as info:
         call(tiny_checkpoint, tmp_path)
     assert words in str(info.value) and "\n" not in str(info.value)

@@ -275,6 +275,25 @@ def test_a_file_name_too_long_is_one_line(model_dir, tmp_path, make_args):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "make_args",
+    [
+        lambda m, deep: ["speak", "-m", str(m), "-f", str(deep / "x.txt"), "-o", "x.wav"],
+        lambda m, deep: ["speak", "-m", str(m), "Hi", "-o", str(deep / "x.wav")],
+        lambda m, deep: ["voices", "-m", str(deep)],
+        lambda m, deep: ["convert-voices", str(m / "voice_embedding"), "-o", str(deep)],
+    ],
+    ids=["text-file", "output", "model", "convert-voices"],
+)
+def test_a_path_too_long_is_one_short_line(model_dir, tmp_path, make_args):
+    """Each name fits but the path (6 kB) does not: the message says so without quoting it
+    whole (a -f path was printed in full)."""
+    deep = tmp_path.joinpath(*["d" * 200] * 30)
+    err = one_line_error(run(*make_args(model_dir, deep)))
+    assert "too long" in err and len(err) < 500, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_text_that_is_not_utf8_and_an_empty_model_are_one_line(model_dir, tmp_path):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("Café crème.".encode("latin-1"))

@@ -72,13 +72,24 @@ TEMP_KIND = "tmp"  # :func:`atomic_write`'s temp files: ``remove_orphans(dir, No
 NAME_MAX = 255  # bytes in a file name (APFS, HFS+, ext4)
 
 
+def _path_max() -> int:
+    try:
+        return os.pathconf("/", "PC_PATH_MAX")  # 4096 on Linux, 1024 on macOS
+    except (OSError, ValueError):
+        return 1024
+
+
+PATH_MAX = _path_max()  # bytes in a path handed to the OS, its terminating NUL included
+
+
 def usable_path(
     path: str | os.PathLike[str], what: str, error: type[Exception] = InputError
 ) -> Path:
     """``path`` (``~`` expanded) if it can name a file, else a one-line ``error`` about
     ``what``: a NUL character, a ``~user`` with no such user, or a name longer than a file
     name can be (the OS would say "embedded null byte", "Could not determine home
-    directory" or "File name too long" from deep inside whatever used it)."""
+    directory" or "File name too long" from deep inside whatever used it), or a whole
+    path longer than the OS takes."""
     text = os.fsdecode(os.fspath(path))
     shown = one_line(text, 100)
     if "\0" in text:
@@ -98,6 +109,12 @@ def usable_path(
                 f"{what} {shown}: the name {one_line(part, 40)!r} is too long ({size} bytes, "
                 f"more than a file name can be: {NAME_MAX}); shorten it"
             )
+    size = len(os.fsencode(str(out)))
+    if size >= PATH_MAX:
+        raise error(
+            f"{what} {shown} is too long ({size} bytes; the system takes paths of at most "
+            f"{PATH_MAX - 1}): shorten it, or give it relative to a nearer directory"
+        )
     return out
 
 
