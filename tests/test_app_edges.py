@@ -93,19 +93,22 @@ def test_invisible_characters_next_to_words_are_spoken(tts):
     assert len(speech.codes) == 2
 
 
-def test_a_paragraph_of_invisible_characters_is_only_a_pause(tts):
+@pytest.mark.parametrize("add_period", [True, False])
+def test_a_paragraph_of_invisible_characters_is_only_a_pause(tts, add_period):
     """Split text whose middle paragraph is zero-width characters alone: that segment keeps
     its place (segments and seeds as split_text numbers them) but makes no sound except its
-    pause; the real paragraphs are spoken exactly as on their own with seed + index."""
+    pause; the real paragraphs are spoken exactly as on their own with seed + index. Without
+    add_period that segment's text is blank: the request failed with 'text is empty'."""
     text = "Hello there.\n\n\u200b\u2060\ufeff\n\nWorld again."
-    chunks = list(tts.stream(text, VOICE, seed=3, split=True, max_frames=2))
+    kwargs = {"split": True, "max_frames": 2, "add_period": add_period}
+    chunks = list(tts.stream(text, VOICE, seed=3, **kwargs))
     assert {c.segments for c in chunks} == {3}
     assert [c.segment for c in chunks if c.frames] == [0, 0, 2, 2]
     silent = [c for c in chunks if c.segment == 1]
     assert silent and not any(c.frames or c.audio.any() for c in silent)
     first = tts.synthesize("Hello there.", VOICE, seed=3, max_frames=2)
     last = tts.synthesize("World again.", VOICE, seed=5, max_frames=2)
-    got = tts.synthesize(text, VOICE, seed=3, split=True, max_frames=2)
+    got = tts.synthesize(text, VOICE, seed=3, **kwargs)
     np.testing.assert_array_equal(got.codes, np.concatenate([first.codes, last.codes]))
     pauses = sum(len(c.audio) for c in chunks if not c.frames)
     assert len(got.audio) == len(first.audio) + len(last.audio) + pauses

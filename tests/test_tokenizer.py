@@ -9,12 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from voxtral_mlx import tokenizer as tokenizer_mod
-from voxtral_mlx.errors import TokenizerError
+from voxtral_mlx.errors import InputError, TokenizerError
 from voxtral_mlx.synthetic.tekken import (
     TEKKEN_PATTERN,
     build_tekken,
@@ -209,6 +210,29 @@ def test_decode_rejects_out_of_range_ids(tok):
         tok.decode([1000, 131072])
     with pytest.raises(TokenizerError, match="-1"):
         tok.decode([-1])
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda t: t.decode(None), "ids must be a sequence of integers, got NoneType"),
+        (lambda t: t.decode("1046"), "got str"),
+        (lambda t: t.decode(["abc"]), "got 'abc' (str)"),
+        (lambda t: t.decode([float("nan")]), "got nan (float)"),
+        (lambda t: t.decode([1046.9]), "got 1046.9 (float)"),
+        (lambda t: t.special_id(["[AUDIO]"]), "got list"),
+    ],
+)
+def test_decode_and_special_id_refuse_what_is_no_id(tok, call, words):
+    """A float was cut to an id (1046.9 decoded as '.'; mistral-common raises), other values
+    raised TypeError or ValueError from inside."""
+    with pytest.raises(InputError) as info:
+        call(tok)
+    assert words in str(info.value)
+
+
+def test_decode_takes_numpy_ids(tok):
+    assert tok.decode(np.array([22177, 1046], dtype=np.int32)) == "Hello."
 
 
 _HYPO = settings(

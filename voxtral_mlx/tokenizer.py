@@ -196,7 +196,18 @@ class TekkenTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special ids are skipped, invalid UTF-8 becomes U+FFFD."""
-        ids = [int(i) for i in ids]
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise InputError(f"ids must be a sequence of integers, got {type(ids).__name__}")
+        out = []
+        for i in ids:
+            try:
+                out.append(operator.index(i))  # 3.0 or 1046.9 is no id (int() would cut it)
+            except TypeError:
+                raise InputError(
+                    f"token ids must be integers, got {one_line(repr(i), 40)} "
+                    f"({type(i).__name__})"
+                ) from None
+        ids = out
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise TokenizerError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -210,12 +221,16 @@ class TekkenTokenizer:
 
     def special_id(self, token_str: str) -> int:
         """Id of the special token ``token_str`` (e.g. ``"[AUDIO]"``)."""
+        if not isinstance(token_str, str):
+            raise InputError(
+                f"a special token is a str such as '[AUDIO]', got {type(token_str).__name__}"
+            )
         try:
             return self.special_ids[token_str]
         except KeyError:
             where = f" {self.path}" if self.path else ""
             raise TokenizerError(
-                f"special token {token_str} is not in tokenizer{where}: "
+                f"special token {one_line(token_str, 60)} is not in tokenizer{where}: "
                 "use the tekken.json shipped with Voxtral-4B-TTS"
             ) from None
 

@@ -339,12 +339,15 @@ class VoxtralTTS:
         pause_only = is_blank if is_silent(text) else is_silent
 
         def make_job(i: int, seg: Segment) -> Job:
+            pause = pause_only(seg.text)
+            # Without add_period a pause's text can be blank; it is never spoken (0 frames).
+            spoken = "." if pause and is_blank(seg.spoken) else seg.spoken
             job = self.job(
-                seg.spoken,
+                spoken,
                 voice,
                 seed=None if base is None else (int(base) + i) % 2**64,
                 noise=noise,
-                max_frames=0 if pause_only(seg.text) else max_frames,
+                max_frames=0 if pause else max_frames,
                 cfg_alpha=cfg_alpha,
                 chunk_frames=chunk_frames,
             )
