@@ -204,8 +204,7 @@ class TekkenTokenizer:
                 out.append(operator.index(i))  # 3.0 or 1046.9 is no id (int() would cut it)
             except TypeError:
                 raise InputError(
-                    f"token ids must be integers, got {one_line(repr(i), 40)} "
-                    f"({type(i).__name__})"
+                    f"token ids must be integers, got {one_line(repr(i), 40)} ({type(i).__name__})"
                 ) from None
         ids = out
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
