@@ -3,6 +3,8 @@ size and their voices' prefixes prefilled, and get exactly the output they would
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -70,6 +72,37 @@ def test_background_warmup_serves_requests_meanwhile(fresh):
     codes = _speak(tts, "ar_male", 5)[0]  # issued while warming up
     assert future.result(timeout=120) > 0
     np.testing.assert_array_equal(codes, reference)
+
+
+def test_a_request_during_warmup_goes_first(fresh):
+    """Warmup's jobs are nobody's audio: a request made meanwhile is admitted before them
+    (it waited one frame step per warmup job: 14 steps with 8 voices, most of the warmup)."""
+    tts = fresh()
+    steps = [0]
+    pump = tts.worker.pump
+
+    def counting_pump():
+        steps[0] += 1
+        return pump()
+
+    tts.worker.pump = counting_pump
+    voices = sorted(tts.voices)[:8]
+    future = tts.warmup(voices, wait=False)
+    deadline = time.monotonic() + 60
+    while tts.engine.stats()["active"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.0005)  # warmup's first job is in the batch
+    assert not future.done()
+    with tts.stream(TEXT, voices[-1], seed=5, max_frames=3) as stream:
+        before = steps[0]
+        first = next(iter(stream))
+        taken = steps[0] - before
+        assert first.frames and taken <= 3, taken
+        assert not future.done()  # its later voices' prefills still wait
+        rest = list(stream)
+    assert future.result(timeout=120) > 0
+    codes = np.concatenate([c.codes for c in [first, *rest]])
+    alone = fresh().synthesize(TEXT, voices[-1], seed=5, max_frames=3).codes
+    np.testing.assert_array_equal(codes, alone)
 
 
 def test_prefixes_are_kept_on_disk(fresh, tmp_path):

@@ -141,8 +141,8 @@ class VoxtralTTS:
         the default voice), kept in memory and on disk (see ``load(prefix_cache_dir=...)``).
 
         Call it when an app or server starts. It generates a few throwaway frames and
-        changes no later output. ``wait=False`` returns at once; requests made meanwhile join
-        the batch as soon as it has room (within ``max_batch + 1`` frames). The 8 most recent
+        changes no later output. ``wait=False`` returns at once; requests made meanwhile go
+        first (warmup's own work waits, set aside, while they run). The 8 most recent
         prefixes stay in memory, the others are read back from disk on use. Returns a future
         holding the seconds it took (or the error that stopped it, e.g. ``close()``);
         unknown voices are reported here, before anything runs.
@@ -186,6 +186,8 @@ class VoxtralTTS:
         ]
         # The other voices only need their prefix: no frames.
         jobs += [self.job(WARMUP_TEXT, v, seed=0, max_frames=0) for v in voices[1:]]
+        for job in jobs:
+            job.ahead = True  # nobody waits for its audio: a real request goes first
         self._submit_all(jobs)
         for job in jobs:
             while (item := job.output.get()) is not DONE:
