@@ -290,6 +290,18 @@ MISTRAL_FILES = [
         ("someone/voxtral-tts-mlx-ready", MISTRAL_FILES, MISTRAL_PATTERNS),
         # a conversion that kept its source's weights: only the conversion is fetched
         ("someone/voxtral-copy", [*MLX_FILES, "consolidated.safetensors"], MLX_PATTERNS),
+        # weight files of other names (mlx-audio reads every top-level *.safetensors): they
+        # were left out and the download could never be complete
+        (
+            "someone/voxtral-weights",
+            [
+                *MLX_FILES[:5],
+                "weights.00.safetensors",
+                "weights.01.safetensors",
+                "consolidated.safetensors",
+            ],
+            [*MLX_PATTERNS, "weights.00.safetensors", "weights.01.safetensors"],
+        ),
         # neither layout: the name decides, the loader says what is missing
         ("someone/voxtral-empty", ["README.md"], MISTRAL_PATTERNS),
         ("someone/voxtral-mlx-empty", ["README.md"], MLX_PATTERNS),

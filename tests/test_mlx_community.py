@@ -24,7 +24,7 @@ from tests.mlx_audio_reference import (
     spec_alibi_slopes,
     spec_codebook_floor,
 )
-from voxtral_mlx.checkpoint import CheckpointMismatch, expected_tensors
+from voxtral_mlx.checkpoint import CheckpointMismatch, affine_bits, expected_tensors
 from voxtral_mlx.config import ModelConfig
 from voxtral_mlx.errors import CheckpointError, ConfigError, ModelNotFoundError, VoxtralError
 from voxtral_mlx.loader import load_model_dir
@@ -401,6 +401,39 @@ def test_float_quantization_modes_load_and_match_mlx_audio(float_modes, mode: st
     np.testing.assert_array_equal(speech.codes, codes)
     err = float(np.max(np.abs(speech.audio - audio)) / np.max(np.abs(audio)))
     assert err < 1e-4, err
+
+
+OTHER_BITS = [1, 2, 3, 5, 8]  # mlx-audio's --q-bits beyond the community's 4 and 6
+
+
+@pytest.mark.parametrize("bits", OTHER_BITS)
+def test_every_affine_width_mlx_supports_loads_and_matches_mlx_audio(source, tmp_path, bits):
+    """1-bit conversions (mlx-audio writes and reads them) were refused: the supported
+    widths were a fixed list, not asked of MLX."""
+    if bits not in affine_bits():
+        pytest.skip(f"this MLX does not quantize to {bits} bits")
+    path = build_mlx_community(source, tmp_path / f"{bits}bit", bits, group=32)
+    loaded = load_model_dir(path, "float32")
+    assert loaded.quantized and {s.bits for s in loaded.quantized.values()} == {bits}
+    noise = np.random.default_rng(0).standard_normal((FRAMES, 36)).astype(np.float32)
+    tts = voxtral_mlx.load(path, dtype="float32", prefix_cache_dir=None)
+    try:
+        speech = tts.synthesize(TEXT, VOICE, noise=noise, max_frames=FRAMES)
+    finally:
+        tts.close()
+    codes, audio = reference_run(load_mlx_audio(path), noise, FRAMES)
+    np.testing.assert_array_equal(speech.codes, codes)
+    err = float(np.max(np.abs(speech.audio - audio)) / np.max(np.abs(audio)))
+    assert err < 1e-4, err
+
+
+def test_bits_mlx_does_not_support_are_one_line_errors(broken: Path) -> None:
+    _edit_quantization(broken, lambda q: q.update(bits=7))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken, "float32")
+    message = one_line(exc.value)
+    assert "quantized with 7 bits" in message and "does not support" in message
+    assert ", ".join(map(str, affine_bits())) in message
 
 
 def test_float_modes_are_read_off_the_shapes_without_config(float_modes, tmp_path) -> None:

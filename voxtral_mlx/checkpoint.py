@@ -8,6 +8,7 @@ the semantic codebook are folded once here (``sanitize``), never per call.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -108,7 +109,27 @@ class QuantSpec:
         return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
 
 
-QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize's affine mode supports
+_AFFINE_BITS_CANDIDATES = range(1, 9)
+
+
+@functools.cache
+def affine_bits() -> tuple[int, ...]:
+    """The bit widths this MLX quantizes and multiplies in affine mode (2-6 and 8 for
+    years; 1 since 0.30 or so): asked of MLX itself, on its default device, once."""
+    found = []
+    for bits in _AFFINE_BITS_CANDIDATES:
+        try:
+            w, scales, biases = mx.quantize(mx.ones((8, 32)), group_size=32, bits=bits)
+            y = mx.quantized_matmul(
+                mx.ones((1, 32)), w, scales, biases, transpose=True, group_size=32, bits=bits
+            )
+            mx.eval(y)
+        except (ValueError, RuntimeError):
+            continue
+        found.append(bits)
+    return tuple(found)
+
+
 QUANT_GROUP_SIZES = (32, 64, 128)
 # mx.quantize's float modes: mode -> (bits, group size), both fixed by the format.
 FLOAT_QUANT_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}

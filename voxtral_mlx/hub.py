@@ -42,11 +42,23 @@ _LAYOUT_FILES = (
 
 def layout_patterns(files: Iterable[str]) -> list[str] | None:
     """The files to fetch from a repo holding ``files``: an MLX conversion (``config.json``
-    and ``model*.safetensors``, even beside a copied ``consolidated.safetensors``) or
-    Mistral's layout; None when it holds neither."""
+    and ``model*.safetensors``, even beside a copied ``consolidated.safetensors``; or, with
+    no ``model*`` file, weight files of other names such as ``weights.safetensors``, as
+    mlx-audio reads them) or Mistral's layout; None when it holds neither."""
     names = set(files)
-    if "config.json" in names and any(fnmatch.fnmatchcase(n, "model*.safetensors") for n in names):
-        return list(MLX_PATTERNS)
+    if "config.json" in names:
+        if any(fnmatch.fnmatchcase(n, "model*.safetensors") for n in names):
+            return list(MLX_PATTERNS)
+        others = sorted(
+            n
+            for n in names
+            if n.endswith(".safetensors")
+            and "/" not in n
+            and not n.startswith(".")
+            and n != "consolidated.safetensors"
+        )
+        if others:
+            return [*MLX_PATTERNS, *others]
     if "consolidated.safetensors" in names:
         return list(MISTRAL_PATTERNS)
     return None

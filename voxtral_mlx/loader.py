@@ -30,12 +30,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .checkpoint import (
     FLOAT_QUANT_MODES,
     IGNORED_TENSORS,
-    QUANT_BITS,
     QUANT_GROUP_SIZES,
     UNLOADABLE_DTYPES,
     Expected,
     QuantSpec,
     TensorInfo,
+    affine_bits,
     checkpoint_dtype,
     expected_tensors,
     read_safetensors_header,
@@ -316,11 +316,12 @@ def _quantized_layers(
                 f"{bits} bits and group size {group}, but {mode} has {want_bits} bits and "
                 f"group size {want_group}: re-convert it"
             )
-        if mode == "affine" and (bits not in QUANT_BITS or group not in QUANT_GROUP_SIZES):
+        if mode == "affine" and (bits not in affine_bits() or group not in QUANT_GROUP_SIZES):
             raise CheckpointError(
                 f"{source}: layer '{one_line(path, 80)}' is quantized with {bits} bits and group "
-                f"size {group}, which MLX's affine quantization does not support (bits "
-                f"{', '.join(map(str, QUANT_BITS))}; group size 32, 64 or 128): re-convert it"
+                f"size {group}, which this MLX's affine quantization does not support (bits "
+                f"{', '.join(map(str, affine_bits()))}; group size 32, 64 or 128): re-convert "
+                "it, or upgrade mlx if a newer one supports it"
             )
         out[path] = QuantSpec(bits=bits, group_size=group, mode=mode)
     return out
