@@ -484,6 +484,25 @@ def test_progress_line_clears_what_a_longer_line_left(capsys):
     assert "ETA" in lines[0] and "ETA" not in lines[2]
 
 
+@pytest.mark.parametrize("columns", [20, 45, 200])
+def test_progress_line_fits_the_terminal(capsys, monkeypatch, columns):
+    """A line wider than the terminal wraps, and each update then scrolls a new line
+    (330 lines for one run on a 20-column terminal)."""
+    from types import SimpleNamespace
+
+    from voxtral_mlx import cli
+
+    monkeypatch.setattr(cli, "_columns", lambda: columns)
+    progress = cli.Progress(total=15)
+    for segment in range(3):
+        chunk = SimpleNamespace(is_final=False, frames=0, audio=[0.0], segment=segment)
+        progress.update(chunk, SimpleNamespace(audio_s=17.6))
+    lines = [line.removesuffix("\x1b[K") for line in capsys.readouterr().err.split("\r")[1:]]
+    assert len(lines) == 3 and all(0 < len(line) < columns for line in lines)
+    if columns == 200:
+        assert lines[0].startswith("voxtral-mlx: segment 2/15, 17.6 s of audio, ETA ")
+
+
 @pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
 def test_endless_text_is_refused_in_one_line(model_dir, tmp_path):
     """-f /dev/zero (or stdin from it) was read until memory ran out."""

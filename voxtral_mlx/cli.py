@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import math
 import os
 import queue
@@ -23,6 +22,14 @@ from typing import Any, NoReturn, TypeVar
 
 from .errors import AudioOutputError, InputError, VoxtralError
 from .fileio import one_line
+from .interrupts import (
+    Terminated,
+    default_signals,
+    exit_on_signals,
+    held_after,
+    signals_held,
+    terminable,
+)
 
 PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
@@ -36,104 +43,6 @@ def _default_model() -> str:
     from .hub import DEFAULT_REPO
 
     return os.environ.get(MODEL_ENV) or DEFAULT_REPO
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP during a command that writes: cleaned up like Ctrl-C, exit status
-    128 + signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class _Held:
-    """Signals that arrived inside :func:`_signals_held` (main thread only)."""
-
-    depth = 0
-    pending: KeyboardInterrupt | None = None
-
-
-def _deliver(exc: KeyboardInterrupt) -> None:
-    if _Held.depth:
-        if _Held.pending is None:
-            _Held.pending = exc
-        return
-    raise exc
-
-
-def _raise_interrupted(signum: int, frame: object) -> None:
-    _deliver(KeyboardInterrupt())
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    _deliver(Terminated(signum))
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM/SIGHUP back until the block is done, then raise them.
-
-    For short steps that must not be cut in half: an interrupt between libsndfile's write
-    and the writer's frame count made the kept file look cut short, and lost it.
-    Only with the handlers of :func:`_catching_termination` installed.
-    """
-    _Held.depth += 1
-    try:
-        yield
-    finally:
-        _Held.depth -= 1
-    if not _Held.depth and _Held.pending is not None:
-        exc, _Held.pending = _Held.pending, None
-        raise exc
-
-
-@contextlib.contextmanager
-def _held_after(first: BaseException | None) -> Iterator[None]:
-    """:func:`_signals_held` for the clean-up after ``first`` (an interrupt, if any): a
-    second Ctrl-C during it is dropped, so that ``first``, which says what was kept, is the
-    one reported."""
-    try:
-        with _signals_held():
-            yield
-    except KeyboardInterrupt:
-        if first is None:
-            raise
-
-
-@contextlib.contextmanager
-def _catching_termination() -> Iterator[None]:
-    """Turn SIGTERM/SIGHUP (``timeout``, ``kill``, a closed terminal) into :class:`Terminated`,
-    so they too keep what was finished and leave no temp file (unless ignored already);
-    Ctrl-C still raises KeyboardInterrupt, but through a handler :func:`_signals_held`
-    can hold back."""
-    installed = {}
-    if threading.current_thread() is threading.main_thread():
-        for name in ("SIGTERM", "SIGHUP"):
-            sig = getattr(signal, name, None)
-            if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
-                installed[sig] = signal.signal(sig, _raise_terminated)
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            installed[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupted)
-    try:
-        yield
-    finally:
-        for sig, previous in installed.items():
-            signal.signal(sig, previous)
-        _Held.depth, _Held.pending = 0, None
-
-
-def _terminable(
-    command: Callable[[argparse.Namespace], int],
-) -> Callable[[argparse.Namespace], int]:
-    """Run ``command`` under :func:`_catching_termination` (every command that writes)."""
-
-    @functools.wraps(command)
-    def run(args: argparse.Namespace) -> int:
-        with _catching_termination():
-            return command(args)
-
-    return run
 
 
 def _err(message: str) -> None:
@@ -390,7 +299,7 @@ class _PlaybackHorizon:
         return self._fed + max(0.0, self.segment_s[self._segment] - self._segment_fed)
 
 
-@_terminable
+@terminable
 def cmd_speak(args: argparse.Namespace) -> int:
     if args.device == "?":
         _print_devices()
@@ -478,7 +387,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if args.output is not None and not to_stdout:
             from .audio.io import AudioFileWriter
 
-            with _signals_held():  # the temp file must not exist unreferenced
+            with signals_held():  # the temp file must not exist unreferenced
                 file_writer = AudioFileWriter(args.output, tts.sample_rate)
         if to_stdout:
             from .audio.io import WavStreamWriter
@@ -507,7 +416,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
         for chunk in chunks:
             if len(chunk.audio):
                 if file_writer is not None:
-                    with _signals_held():
+                    with signals_held():
                         file_writer.write(chunk.audio)
                 for sink in sinks:
                     sink(chunk.audio)
@@ -527,7 +436,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
         interrupted = e
         raise
     finally:
-        with _held_after(interrupted):  # a second Ctrl-C must not leave the temp file behind
+        with held_after(interrupted):  # a second Ctrl-C must not leave the temp file behind
             stream.cancel()
             if chunks is not None:
                 chunks.close()
@@ -574,16 +483,25 @@ class Progress:
         if 0 < self.done < self.total:
             left = elapsed / self.done * (self.total - self.done)
             eta = f", ETA {int(left // 60)}:{int(left % 60):02d}"
-        # \x1b[K clears what a longer previous line left at the end.
-        sys.stderr.write(
-            f"\r{PROG}: segment {min(self.done + 1, self.total)}/{self.total}, "
-            f"{timings.audio_s:.1f} s of audio{eta}\x1b[K"
+        line = (
+            f"{PROG}: segment {min(self.done + 1, self.total)}/{self.total}, "
+            f"{timings.audio_s:.1f} s of audio{eta}"
         )
+        # Cut to the terminal: a line that wraps is rewritten below itself at each update.
+        # \x1b[K clears what a longer previous line left at the end.
+        sys.stderr.write(f"\r{line[: max(1, _columns() - 1)]}\x1b[K")
         sys.stderr.flush()
 
     def close(self) -> None:
         sys.stderr.write("\n")
         sys.stderr.flush()
+
+
+def _columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns or 80
+    except (OSError, ValueError, AttributeError):
+        return 80
 
 
 def _report(t, player, started: float) -> None:
@@ -606,7 +524,7 @@ def _report(t, player, started: float) -> None:
         )
 
 
-@_terminable
+@terminable
 def cmd_convert_voices(args: argparse.Namespace) -> int:
     from .voices import convert_voice_files
 
@@ -616,7 +534,7 @@ def cmd_convert_voices(args: argparse.Namespace) -> int:
     return 0
 
 
-@_terminable
+@terminable
 def cmd_random_checkpoint(args: argparse.Namespace) -> int:
     from .config import MAX_LAYERS
     from .synthetic.checkpoint import build_random_checkpoint, make_params
@@ -649,7 +567,7 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-@_terminable
+@terminable
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert_model
 
@@ -747,6 +665,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         _info(f"{PROG}: serving {model_id} at {url} (POST {url}/v1/audio/speech; Ctrl-C stops)")
 
+    # uvicorn stops gracefully on Ctrl-C or SIGTERM, then re-raises the signal to the
+    # handler it found: Python's own, so that Ctrl-C ends here and SIGTERM ends the process.
+    default_signals()
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a server stops: no error
         serve(create_app(tts, config), sock, ready, log_level=args.log_level)
     # The model is not closed: serve() has cancelled every request and the engine is idle,
@@ -967,10 +888,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     is the command's own: once an interrupted command has cleaned up, it exits at once
     (see :func:`_exit_now`).
     """
+    if argv is None:  # the process is ours: before the command starts, a signal just ends it
+        exit_on_signals(f"{PROG}: error: interrupted")
     args = build_parser().parse_args(argv)
     warnings.showwarning = _show_warning  # one line each, without Python's source echo
     try:
-        code = args.func(args)
+        code = _run(args, own_process=argv is None)
     except VoxtralError as e:
         _release_stdout()
         _err(str(e))
@@ -997,6 +920,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err(f"writing to stdout failed: {error.strerror or error}")
         return 1
     return code
+
+
+def _run(args: argparse.Namespace, own_process: bool) -> int:
+    try:
+        return args.func(args)
+    finally:
+        if own_process:  # the command is over: its output kept or removed
+            exit_on_signals(f"{PROG}: error: interrupted after the command had finished")
 
 
 def _exit_now(code: int) -> None:
