@@ -90,16 +90,28 @@ def is_narrow(path: Path) -> bool:
     return False
 
 
+def config_list(text: str) -> list[str]:
+    """``--configs`` values: comma-separated, unless the whole value is a directory (whose
+    name may hold a comma)."""
+    if Path(text).expanduser().is_dir() and text not in BUILT_IN:
+        return [text]
+    return text.split(",")
+
+
 def label(config: str) -> str:
     return Path(config).name if is_model_dir(config) else config
 
 
+END_MASK = 1e9  # how far END's logit is pushed down (less where the dtype cannot hold it)
+
+
 class EndMasked(nn.Module):
-    """A semantic head whose END_AUDIO logit is pushed to -1e9, so END can never win.
+    """A semantic head whose END_AUDIO logit is pushed far down, so END can never win.
 
     Zeroing END's row is not enough: where every other logit is negative (a random head
     can be so), a logit of 0 still wins at the first frame. One add per frame, the same
-    for both implementations."""
+    for both implementations. The push stays finite in the logits' dtype (-1e9 is -inf in
+    float16, which the engine rightly takes for an overflow)."""
 
     def __init__(self, head: nn.Module):
         super().__init__()
@@ -107,7 +119,7 @@ class EndMasked(nn.Module):
 
         self.head = head
         rows = head.weight.shape[0]
-        self._mask = mx.where(mx.arange(rows) == END_AUDIO, -1e9, 0.0)
+        self._mask = mx.where(mx.arange(rows) == END_AUDIO, -1.0, 0.0)
 
     @property
     def weight(self) -> mx.array:
@@ -116,7 +128,8 @@ class EndMasked(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.head(x)
-        return y + self._mask.astype(y.dtype)
+        push = min(END_MASK, mx.finfo(y.dtype).max / 4)
+        return y + (self._mask * push).astype(y.dtype)
 
 
 def mask_end(flow) -> None:
@@ -250,9 +263,9 @@ def pick_voice(model_dir: Path) -> str:
     )
     if not names:
         raise SystemExit(f"{model_dir}: no voices in voice_embedding/ (*.pt or *.safetensors)")
-    if VOICE in names:
-        return VOICE
     listed = _tekken_voices(model_dir)
+    if VOICE in names and (VOICE in listed or not listed):
+        return VOICE
     return next((n for n in names if n in listed), names[0])
 
 

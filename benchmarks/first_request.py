@@ -30,6 +30,7 @@ from pathlib import Path
 from common import (
     TEXT,
     command_line,
+    config_list,
     label,
     load_reference,
     mask_end,
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             "warm / mlx-audio",
         )
     ]
-    for name in args.configs.split(","):
+    for name in config_list(args.configs):
         path = resolve(name, CONFIGS)
         runs: dict[str, list[dict[str, float]]] = {"cold": [], "warmup": [], "mlx-audio": []}
         for _ in range(args.repeats):  # interleaved: drift hits all three alike

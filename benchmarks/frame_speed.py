@@ -23,6 +23,7 @@ import time
 from common import (
     TEXT,
     command_line,
+    config_list,
     frame_ms,
     injected_noise,
     is_model_dir,
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             "voxtral_mlx RTF",
         )
     ]
-    names = args.configs.split(",")
+    names = config_list(args.configs)
     for name in names:
         m = measure(name, args.repeats, reference=not args.no_reference, dtype=args.dtype)
         rows.append(

@@ -23,7 +23,16 @@ import sys
 import threading
 import time
 
-from common import command_line, label, pick_voice, record, resolve, run_script, suppress_end
+from common import (
+    command_line,
+    config_list,
+    label,
+    pick_voice,
+    record,
+    resolve,
+    run_script,
+    suppress_end,
+)
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
 ONE_PASS = 10**9
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "same, one pass",
         )
     ]
-    for name in args.configs.split(","):
+    for name in config_list(args.configs):
         for tokens in (int(t) for t in args.tokens.split(",")):
             m = measure(name, tokens, args.repeats)
             rows.append(

@@ -16,7 +16,16 @@ import statistics
 import sys
 import time
 
-from common import command_line, label, pick_voice, record, resolve, run_script, suppress_end
+from common import (
+    command_line,
+    config_list,
+    label,
+    pick_voice,
+    record,
+    resolve,
+    run_script,
+    suppress_end,
+)
 
 CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
 CHAPTER = " ".join(f"Sentence number {i} of a long chapter, read aloud." for i in range(40))
@@ -67,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             "worst",
         )
     ]
-    for name in args.configs.split(","):
+    for name in config_list(args.configs):
         m = measure(name, args.repeats)
         rows.append((label(name), *(f"{1000 * m[k]:.0f} ms" for k in ("idle", "beside", "worst"))))
         print(" | ".join(rows[-1]), flush=True)

@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.model / "params.json").is_file():
             raise SystemExit(f"{args.model}: not a checkpoint in Mistral's layout (params.json)")
         source = args.model.resolve()
+        pick_voice(source)  # no voice: say so about this directory, before converting it
     else:
         source = checkpoint(args.size, n_layers=args.layers, flow_layers=args.flow_layers)
     from voxtral_mlx.errors import VoxtralError

@@ -24,6 +24,7 @@ from common import (
     SENTENCES,
     TEXT,
     command_line,
+    config_list,
     injected_noise,
     label,
     load_reference,
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(a: float, b: float, digits: int) -> str:
         return "" if b != b else f"{a / b:.{digits}f}"
 
-    for name in args.configs.split(","):
+    for name in config_list(args.configs):
         m = measure(name, args.repeats, default_interval=not args.no_default_interval)
         rows.append(
             (

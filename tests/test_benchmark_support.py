@@ -96,6 +96,46 @@ def test_end_is_masked_even_where_every_other_logit_is_negative(quantized):
     np.testing.assert_array_equal(np.array(after[:, keep]), np.array(before[:, keep]))
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_the_end_mask_stays_finite_in_the_logits_dtype(dtype):
+    """-1e9 is -inf in float16: the engine took it for an overflow and every benchmark
+    refused float16 checkpoints as damaged."""
+    head = nn.Linear(64, 16, bias=False)
+    head.set_dtype(dtype)
+    wrapped = EndMasked(head)
+    x = mx.random.normal((3, 64)).astype(dtype)
+    out = wrapped(x)
+    assert out.dtype == dtype and bool(mx.isfinite(out).all())
+    assert not (mx.argmax(out, axis=-1) == END_AUDIO).any()
+    assert float(out[:, END_AUDIO].max()) < -1000
+
+
+def test_the_default_voice_is_picked_only_if_tekken_lists_it(tiny_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    from benchmarks.common import pick_voice
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint, model)
+    assert pick_voice(model) == VOICE
+    tekken = json.loads((model / "tekken.json").read_text())
+    del tekken["audio"]["voice_num_audio_tokens"][VOICE]
+    (model / "tekken.json").write_text(json.dumps(tekken))
+    picked = pick_voice(model)
+    assert picked != VOICE and picked in tekken["audio"]["voice_num_audio_tokens"]
+
+
+def test_a_directory_named_with_a_comma_is_one_config(tmp_path):
+    from benchmarks.common import config_list
+
+    odd = tmp_path / "a,b"
+    odd.mkdir()
+    assert config_list(str(odd)) == [str(odd)]
+    assert config_list("tiny,wide") == ["tiny", "wide"]
+    assert config_list(f"tiny,{tmp_path}") == ["tiny", str(tmp_path)]
+
+
 def test_a_voice_mlx_audio_cannot_use_is_refused_in_one_line(tiny_checkpoint, tmp_path):
     """mlx-audio's tokenizer knows only the voices tekken.json lists; voxtral_mlx takes any
     voice file. The comparison picks a listed voice, or says why there is none."""
