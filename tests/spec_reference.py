@@ -24,6 +24,28 @@ END = 1  # semantic code that ends the utterance
 CODEC_WINDOWS = (2, 4, 8, 16)  # attention window per codec stage (SPEC §6.3)
 
 
+def codec_windows(c: dict) -> list[int]:
+    """Each decoder stage's attention window, as Mistral's codec sets it up: the window
+    is halved (floor) at each strided encoder conv, then doubled at each strided decoder
+    conv (the encoder's convs default to the decoder's, mirrored). (2, 4, 8, 16) for the
+    real codec, whatever SPEC's list."""
+    ints = lambda key, default: [int(v) for v in c.get(key, default).split(",")]  # noqa: E731
+    dk, ds = ints("decoder_convs_kernels_str", ""), ints("decoder_convs_strides_str", "")
+    ek = ints("encoder_convs_kernels_str", ",".join(map(str, dk[::-1])))
+    es = ints("encoder_convs_strides_str", ",".join(map(str, ds[::-1])))
+    half = c.get("half_attn_window_upon_downsampling", True)
+    window = c["attn_sliding_window_size"]
+    for i in range(len(es)):
+        if (ek[i] != 1 or es[i] != 1 or i == len(es) - 1) and half and es[i] > 1:
+            window //= 2
+    out = []
+    for s in range(len(ds)):
+        out.append(window)
+        if s + 1 < len(ds) and (dk[s + 1], ds[s + 1]) != (1, 1) and half and ds[s + 1] > 1:
+            window *= 2
+    return out
+
+
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
@@ -92,7 +114,7 @@ class SpecReference:
         """x [B, 3, dim]: bidirectional attention, no positions."""
         f = self.flow
         heads, kv, hd = f["n_heads"], f["n_kv_heads"], f["head_dim"]
-        eps = f.get("norm_eps", self.p["norm_eps"])
+        eps = f.get("norm_eps", 1e-5)  # Mistral's flow default, not the backbone's
         b, t, _ = x.shape
         for i in range(f["n_layers"]):
             pre = f"acoustic_transformer.layers.{i}."
@@ -209,9 +231,10 @@ class SpecReference:
         kernels = [int(s) for s in c["decoder_convs_kernels_str"].split(",")]
         strides = [int(s) for s in c["decoder_convs_strides_str"].split(",")]
         lengths = [int(s) for s in c["decoder_transformer_lengths_str"].split(",")]
-        for s in range(4):
+        windows = codec_windows(c)
+        for s in range(len(strides)):
             w = self.weight_norm(f"{tk}decoder_blocks.{2 * s}.conv")
-            if strides[s] == 1:
+            if s == 0:  # later stages are ConvTranspose1d, even at stride 1
                 x = F.conv1d(F.pad(x, (kernels[s] - 1, 0), mode="replicate"), w)
             else:
                 y = F.conv_transpose1d(x, w, stride=strides[s])  # weight [in, out, k]
@@ -219,7 +242,7 @@ class SpecReference:
             xt = x[0].T
             for j in range(lengths[s]):
                 pre = f"{tk}decoder_blocks.{2 * s + 1}.layers.{j}."
-                xt = self.codec_layer(pre, xt, CODEC_WINDOWS[s])
+                xt = self.codec_layer(pre, xt, windows[s])
             x = xt.T[None]
         w = self.weight_norm(f"{tk}output_proj.conv")
         k = c["patch_proj_kernel_size"]

@@ -629,3 +629,32 @@ def test_a_params_json_larger_than_any_is_refused_before_reading(tmp_path: Path)
     zero.symlink_to("/dev/zero")
     with pytest.raises(ConfigError, match="not a regular file"):
         ModelConfig.from_file(zero)
+
+
+@pytest.mark.parametrize(
+    ("kernels", "strides", "words"),
+    [
+        ("3,4,4,4", "2,2,2,1", "the first stride must be 1"),
+        ("3,1,4,4", "1,1,2,2", "stage 1 has kernel 1 and stride 1"),
+    ],
+)
+def test_codec_layouts_mistral_builds_otherwise_are_refused(kernels, strides, words) -> None:
+    """A strided first conv downsamples in Mistral's decoder, and a later (1, 1) stage has
+    no conv block at all (its blocks renumbered): both were built as something else."""
+    params = with_value(f"{TOK}.decoder_convs_kernels_str", kernels)
+    message = config_error(with_value(f"{TOK}.decoder_convs_strides_str", strides, params))
+    assert words in message and "decoder_convs" in message
+
+
+def test_flow_norm_eps_defaults_to_mistrals_not_the_backbones() -> None:
+    params = with_value("norm_eps", 1e-2)
+    assert ModelConfig.from_params(params).flow.norm_eps == 1e-5
+    params = with_value(f"{AT}.norm_eps", 1e-3, params)
+    assert ModelConfig.from_params(params).flow.norm_eps == 1e-3
+
+
+def test_real_codec_windows_with_the_encoder_given_or_not(real: ModelConfig) -> None:
+    assert real.codec.windows == (2, 4, 8, 16)
+    params = with_value(f"{TOK}.encoder_convs_strides_str", "2,2,2,1")
+    params = with_value(f"{TOK}.encoder_convs_kernels_str", "4,4,4,3", params)
+    assert ModelConfig.from_params(params).codec.windows == (2, 4, 8, 16)

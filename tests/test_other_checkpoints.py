@@ -233,12 +233,12 @@ def test_codec_bench_refuses_mismatched_weights_in_one_line(
 
 
 def test_a_codec_mlx_audio_cannot_build_is_a_one_line_refusal(tmp_path: Path) -> None:
-    """An upsampling first stage is valid for voxtral_mlx, but mlx-audio builds every
-    decoder conv as a Conv1d: the comparison benchmarks say so instead of a traceback."""
+    """A semantic codebook of 126 is valid for voxtral_mlx (Mistral's table sizes), but
+    mlx-audio rounds its audio-code table differently and cannot load it: the comparison
+    benchmarks say so instead of a traceback."""
     params = make_params("tiny")
-    params["multimodal"]["audio_tokenizer_args"].update(
-        decoder_convs_strides_str="2,1,2,2", decoder_convs_kernels_str="4,3,4,4"
-    )
+    params["multimodal"]["audio_model_args"]["semantic_codebook_size"] = 126
+    params["multimodal"]["audio_tokenizer_args"]["semantic_codebook_size"] = 126
     path = build_random_checkpoint(tmp_path / "up", params, voices={"alice": 3})
     tts = voxtral_mlx.load(path, prefix_cache_dir=None)
     try:

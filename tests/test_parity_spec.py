@@ -99,3 +99,80 @@ def test_unusual_widths_steps_and_a_long_prompt_match_the_spec_reference(
     assert len(codes) == 12
     np.testing.assert_array_equal(speech.codes, codes.numpy())
     assert rel(speech.audio, ref.decode(codes).numpy()) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("codec", "windows"),
+    [
+        # 22 halves to 11, 5 and 2 through the encoder, then doubles: not 22 >> k
+        ({"attn_sliding_window_size": 22}, (2, 4, 8, 16)),
+        # a stride-1 stage after the first is a ConvTranspose1d (read [in, out, k]), as
+        # are the upsampling ones; its window is its neighbour's
+        (
+            {
+                "decoder_convs_strides_str": "1,1,2,2",
+                "decoder_convs_kernels_str": "3,3,4,4",
+                "pretransform_patch_size": 480,
+                "attn_sliding_window_size": 22,
+            },
+            (5, 5, 10, 20),
+        ),
+        # an encoder given in params.json decides the halvings
+        (
+            {"encoder_convs_strides_str": "2,2,1,1", "encoder_convs_kernels_str": "4,4,3,3"},
+            (4, 8, 16, 32),
+        ),
+    ],
+    ids=["window-22", "stride-1-stage", "explicit-encoder"],
+)
+def test_codec_layouts_match_mistrals_rules(tmp_path, codec, windows):
+    """Windows and conv kinds as Mistral's codec builds them (its serving code): the
+    window was taken as W >> upsamplings-after-the-stage, and a later stride-1 stage as a
+    Conv1d (audio off by 12 % and 160 % in these layouts)."""
+    params = make_params("tiny")
+    params["multimodal"]["audio_tokenizer_args"].update(codec)
+    path = build_random_checkpoint(tmp_path / "m", params, seed=5, dtype="float32")
+    tts = voxtral_mlx.load(path, prefix_cache_dir=None)
+    try:
+        assert tts.config.codec.windows == windows
+        rng = np.random.default_rng(0)
+        size = tts.config.flow.semantic_codebook_size
+        codes = np.concatenate(
+            [rng.integers(2, size + 2, (40, 1)), rng.integers(2, 23, (40, 36))], axis=1
+        ).astype(np.int32)
+        ref = SpecReference(path)
+        assert tuple(_reference_windows(ref)) == windows
+        theirs = ref.decode(codes).numpy()
+        assert rel(tts.decode(codes), theirs) < 1e-4
+        voice = sorted(tts.voices)[0]
+        whole = tts.synthesize("Hi there.", voice, seed=1, max_frames=6)
+        chunks = list(tts.stream("Hi there.", voice, seed=1, max_frames=6))
+        np.testing.assert_array_equal(np.concatenate([c.audio for c in chunks]), whole.audio)
+        assert rel(whole.audio, ref.decode(whole.codes).numpy()) < 1e-4
+    finally:
+        tts.close()
+
+
+def _reference_windows(ref: SpecReference) -> list[int]:
+    from tests.spec_reference import codec_windows
+
+    return codec_windows(ref.codec)
+
+
+def test_sigma_max_does_not_scale_the_start_noise(tmp_path):
+    """Mistral's flow head has no sigma_max: its ODE starts from the noise as drawn (the
+    noise was multiplied by it; 1.0 in the release, so only other configs differed)."""
+    params = make_params("tiny")
+    params["multimodal"]["audio_model_args"]["acoustic_transformer_args"]["sigma_max"] = 3.0
+    path = build_random_checkpoint(tmp_path / "m", params, seed=2, dtype="float32")
+    noise = np.random.default_rng(3).standard_normal((8, 36)).astype(np.float32)
+    tts = voxtral_mlx.load(path, prefix_cache_dir=None)
+    try:
+        voice = sorted(tts.voices)[0]
+        speech = tts.synthesize(TEXT, voice, noise=noise, max_frames=8)
+        ids = tts.prompt_ids(TEXT, voice)
+    finally:
+        tts.close()
+    codes = SpecReference(path).generate(ids, voice_rows(path, voice), noise, 8)
+    assert len(codes) > 0
+    np.testing.assert_array_equal(speech.codes, codes.numpy())

@@ -193,8 +193,9 @@ def _transformer_layer(
 
 
 def conv_is_transposed(config: ModelConfig, stage: int) -> bool:
-    """Stride-1 stages use a causal Conv1d, upsampling stages a ConvTranspose1d."""
-    return config.codec.conv_strides[stage] > 1
+    """The first stage opens with a causal Conv1d, every later one with a ConvTranspose1d
+    (whatever its stride: so Mistral's codec builds them)."""
+    return stage > 0
 
 
 def expected_tensors(

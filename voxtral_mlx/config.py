@@ -99,8 +99,12 @@ class _Reader:
             raise ConfigError(f"{where} must be positive, got {value!r}")
         return value
 
-    def int_list(self, key: str, maximum: int = MAX_INT) -> tuple[int, ...]:
+    def int_list(
+        self, key: str, maximum: int = MAX_INT, default: Any = ...
+    ) -> tuple[int, ...] | Any:
         """A comma-separated list of positive integers stored as a string ("2,2,2,2")."""
+        if key not in self.data and default is not ...:
+            return default
         raw = self.get(key, str)
         where = f"{self.source} key '{self._name(key)}'"
         parts = raw.split(",")
@@ -129,6 +133,9 @@ def _short(value: Any) -> str:
 class _Inconsistent(Exception):
     def __init__(self, key: str, message: str):
         self.key, self.message = key, message
+
+
+FLOW_NORM_EPS = 1e-5  # the flow head's RMSNorm epsilon when params.json gives none
 
 
 def _require(condition: bool, key: str, message: str) -> None:
@@ -163,7 +170,7 @@ class FlowArgs:
     n_heads: int
     n_kv_heads: int
     norm_eps: float
-    sigma_max: float
+    sigma_max: float  # read and checked, but unused: Mistral's flow starts from plain noise
     n_decoding_steps: int
     semantic_codebook_size: int
     acoustic_codebook_size: int
@@ -200,6 +207,10 @@ class CodecArgs:
     conv_kernels: tuple[int, ...]
     conv_strides: tuple[int, ...]
     sampling_rate: int
+    # The (unshipped) encoder's convs: only the attention windows depend on them. None:
+    # the decoder's mirrored, which is what Mistral's defaults are for the real codec.
+    encoder_conv_kernels: tuple[int, ...] | None = None
+    encoder_conv_strides: tuple[int, ...] | None = None
 
     @property
     def n_stages(self) -> int:
@@ -228,17 +239,24 @@ class CodecArgs:
     def windows(self) -> tuple[int, ...]:
         """Causal attention window of each decoder stage (2, 4, 8, 16 for the real codec).
 
-        The configured window belongs to the last (full-rate) stage; with
-        ``half_attn_window_upon_downsampling`` it halves for every upsampling conv
-        that lies after a stage.
+        As Mistral's codec builds them: with ``half_attn_window_upon_downsampling`` the
+        configured window is halved (rounding down) at every downsampling conv of the
+        encoder, then doubled at every upsampling conv of the decoder. A window that does
+        not divide by two that often ends smaller than configured (20 gives 2, 4, 8, 16).
         """
+        kernels = self.encoder_conv_kernels or self.conv_kernels[::-1]
+        strides = self.encoder_conv_strides or self.conv_strides[::-1]
+        half = self.half_attn_window_upon_downsampling
+        w = self.attn_sliding_window_size
+        for i, (k, st) in enumerate(zip(kernels, strides)):
+            has_conv = k != 1 or st != 1 or i == len(strides) - 1
+            if half and has_conv and st > 1:
+                w = max(1, w // 2)
         out = []
         for s in range(self.n_stages):
-            w = self.attn_sliding_window_size
-            if self.half_attn_window_upon_downsampling:
-                later = sum(1 for st in self.conv_strides[s + 1 :] if st > 1)
-                w = max(1, w >> later)
             out.append(w)
+            if half and s + 1 < self.n_stages and self.conv_strides[s + 1] > 1:
+                w *= 2
         return tuple(out)
 
 
@@ -311,7 +329,8 @@ class ModelConfig:
             hidden_dim=at.get("hidden_dim", int, positive=True),
             n_heads=at.get("n_heads", int, positive=True),
             n_kv_heads=at.get("n_kv_heads", int, positive=True),
-            norm_eps=at.get("norm_eps", float, backbone.norm_eps, positive=True),
+            # Mistral's AcousticTransformerArgs default, not the backbone's norm_eps
+            norm_eps=at.get("norm_eps", float, FLOW_NORM_EPS, positive=True),
             sigma_max=at.get("sigma_max", float, 1.0, positive=True),
             n_decoding_steps=at.get(
                 "n_decoding_steps", int, 7, positive=True, maximum=MAX_DECODING_STEPS
@@ -357,6 +376,8 @@ class ModelConfig:
             conv_kernels=codec_r.int_list("decoder_convs_kernels_str"),
             conv_strides=codec_r.int_list("decoder_convs_strides_str"),
             sampling_rate=codec_r.get("sampling_rate", int, positive=True),
+            encoder_conv_kernels=codec_r.int_list("encoder_convs_kernels_str", default=None),
+            encoder_conv_strides=codec_r.int_list("encoder_convs_strides_str", default=None),
         )
         if codec_r.get("use_biases", bool, False):
             raise ConfigError(
@@ -444,6 +465,29 @@ class ModelConfig:
                 k >= st,
                 f"{tok}.decoder_convs_kernels_str",
                 f"stage {s}: kernel {k} is smaller than its stride {st}",
+            )
+        # Mistral's decoder opens with a plain (downsampling if strided) Conv1d, and builds
+        # no conv at all for a later stage of kernel 1 and stride 1 (renumbering the blocks).
+        _require(
+            c.conv_strides[0] == 1,
+            f"{tok}.decoder_convs_strides_str",
+            f"the first stride must be 1 (the decoder's first conv does not upsample), got "
+            f"{c.conv_strides[0]}",
+        )
+        for s in range(1, n):
+            _require(
+                (c.conv_kernels[s], c.conv_strides[s]) != (1, 1),
+                f"{tok}.decoder_convs_kernels_str",
+                f"stage {s} has kernel 1 and stride 1, for which Mistral's codec has no conv "
+                "(voxtral_mlx does not support that layout)",
+            )
+        ek, es = c.encoder_conv_kernels, c.encoder_conv_strides
+        if ek is not None and es is not None:
+            _require(
+                len(ek) == len(es),
+                f"{tok}.encoder_convs_kernels_str",
+                "encoder_convs_kernels_str and encoder_convs_strides_str must have the same "
+                f"length, got {len(ek)} and {len(es)}",
             )
         _require(
             f.semantic_codebook_size == c.semantic_codebook_size,

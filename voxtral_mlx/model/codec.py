@@ -102,7 +102,7 @@ class CodecDecoder(nn.Module):
         for s in range(args.n_stages):
             in_ch = args.codebook_dim if s == 0 else args.dim
             k, stride = args.conv_kernels[s], args.conv_strides[s]
-            if stride > 1:
+            if s > 0:  # a ConvTranspose1d even at stride 1, as in Mistral's codec
                 conv = CausalConvTranspose1d(in_ch, args.dim, k, stride)
             else:
                 conv = CausalConv1d(in_ch, args.dim, k)

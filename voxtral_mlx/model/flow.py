@@ -108,7 +108,8 @@ class FlowHead(nn.Module):
     def acoustic_codes(self, h: mx.array, noise: mx.array, cfg: mx.array) -> mx.array:
         """36 acoustic codes ``[B, 36]`` (values 2..levels+1) for hidden states ``h [B, dim]``.
 
-        ``noise [B, 36]`` is the start point of the ODE (float32, scaled by sigma_max here);
+        ``noise [B, 36]`` is the start point of the ODE (float32, used as it is: Mistral's
+        flow reads no ``sigma_max``);
         ``cfg [B, 2]`` the guidance weights of the conditional and unconditional velocities
         (see :func:`cfg_weights`). The ODE state stays float32 whatever the compute dtype.
         """
@@ -116,7 +117,7 @@ class FlowHead(nn.Module):
         n = args.n_decoding_steps
         b = h.shape[0]
         llm = self.llm_projection(h)
-        x = noise.astype(mx.float32) * args.sigma_max
+        x = noise.astype(mx.float32)
         for i in range(n):
             v = self.velocity(x, self.time_tokens[i], llm)
             x = x + (cfg[:, :1] * v[:b] + cfg[:, 1:] * v[b:]) * (1.0 / n)
