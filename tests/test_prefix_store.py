@@ -176,6 +176,34 @@ def test_a_damaged_file_is_a_miss_and_is_replaced(
     assert run(tiny_checkpoint, tmp_path, noise).timings.prefix_from_disk
 
 
+def test_a_damaged_file_in_an_unwritable_directory_is_only_a_miss(
+    tiny_checkpoint, tmp_path, noise, reference, monkeypatch
+):
+    """Removing the damaged file failed (a read-only folder) and the request with it."""
+    run(tiny_checkpoint, tmp_path, noise)
+    (stored,) = files(tmp_path)
+    stored.write_bytes(b"\x00" * 64)
+    original = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.parent == tmp_path:  # what chattr +i or a read-only mount does (root here)
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return original(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    monkeypatch.setattr("voxtral_mlx.fileio.os.replace", _refuse_replace, raising=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        speech = run(tiny_checkpoint, tmp_path, noise)
+    assert not speech.timings.prefix_cached
+    np.testing.assert_array_equal(speech.audio, reference.audio)
+    assert any(issubclass(w.category, PrefixCacheWarning) for w in caught)
+
+
+def _refuse_replace(src, dst):
+    raise PermissionError(1, "Operation not permitted", str(dst))
+
+
 def test_an_unwritable_directory_only_loses_the_cache(tiny_checkpoint, tmp_path, noise, reference):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -20,6 +20,7 @@ from voxtral_mlx.errors import UnsafePickleError, VoiceError, VoxtralError
 from voxtral_mlx.torch_pickle import PtTensor, write_pt
 from voxtral_mlx.voices import (
     LANGUAGE_NAMES,
+    MAX_VOICE_ROWS,
     Voice,
     VoiceRegistry,
     convert_voice_files,
@@ -245,6 +246,34 @@ def test_float64_voice_is_served_as_float32(tmp_path: Path) -> None:
     emb = VoiceRegistry.from_dir(vdir, {}, DIM).embedding("x_f64")
     assert emb.dtype == mx.float32
     assert np.array_equal(np.array(emb), t.numpy().astype(np.float32))
+
+
+def test_a_float64_voice_converts_to_a_file_the_model_reads(tmp_path: Path) -> None:
+    """convert-voices wrote F64, which MLX cannot read: the .safetensors (read before the
+    .pt) then broke a voice that worked. It is written as the float32 the model serves."""
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    t = torch.randn(4, DIM, dtype=torch.float64)
+    torch.save(t, vdir / "x_f64.pt")
+    served = np.array(VoiceRegistry.from_dir(vdir, {}, DIM).embedding("x_f64"))
+    convert_voice_files([vdir / "x_f64.pt"], vdir)
+    assert load_file(str(vdir / "x_f64.safetensors"))["embedding"].dtype == torch.float32
+    emb = VoiceRegistry.from_dir(vdir, {}, DIM).embedding("x_f64")
+    assert emb.dtype == mx.float32 and np.array_equal(np.array(emb), served)
+
+
+def test_a_voice_of_thousands_of_rows_is_refused(tmp_path: Path) -> None:
+    """A 70,000-row voice was prefilled as one prompt: tens of GB, then a segfault."""
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    torch.save(torch.zeros(MAX_VOICE_ROWS + 1, DIM, dtype=torch.bfloat16), vdir / "huge.pt")
+    torch.save(torch.zeros(MAX_VOICE_ROWS, DIM, dtype=torch.bfloat16), vdir / "big.pt")
+    registry = VoiceRegistry.from_dir(vdir, {}, DIM)
+    assert registry.embedding("big").shape == (MAX_VOICE_ROWS, DIM)
+    with pytest.raises(VoiceError, match=f"has {MAX_VOICE_ROWS + 1} rows"):
+        registry.embedding("huge")
+    with pytest.raises(VoiceError, match="rows"):
+        convert_voice_files([vdir / "huge.pt"], tmp_path / "out")
 
 
 @pytest.mark.parametrize("kind", ["pt", "safetensors"])

@@ -149,8 +149,10 @@ class PrefixStore:
             if meta.get("sha256") != _digest(arrays):
                 raise ValueError("content changed")
         except Exception:
-            # Damaged or foreign: recompute (the caller does) and replace it.
-            path.unlink(missing_ok=True)
+            # Damaged or foreign: recompute (the caller does) and replace it, if the folder
+            # lets us (if not, saving will say so once).
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # least recently used order for pruning

@@ -519,6 +519,9 @@ def _materialise(zf: zipfile.ZipFile, prefix: str, t: _TensorRef, src: str) -> P
         )
     if numel == 0:
         return PtTensor(dtype_name, shape, np.zeros(shape, dtype))
+    # A dimension of size 1 is never stepped along: its stride can be anything (torch
+    # allows 2**62), which numpy's as_strided cannot take.
+    strides = tuple(0 if d == 1 else st for d, st in zip(shape, strides, strict=True))
     needed = offset + sum((d - 1) * s for d, s in zip(shape, strides, strict=True)) + 1
     if needed > t.storage.numel:
         raise VoiceError(

@@ -49,6 +49,7 @@ LANGUAGE_NAMES: dict[str, str] = {
 }
 _ENGLISH_STYLES = ("casual", "cheerful", "neutral")
 EMBEDDING_KEY = "embedding"
+MAX_VOICE_ROWS = 4096  # the release's voices have 67 to 218 rows; more is no voice (nor fits)
 _SUFFIXES = (".safetensors", ".pt")  # preferred first
 
 
@@ -220,10 +221,7 @@ class VoiceRegistry(Mapping[str, Voice]):
     def _load(self, voice: Voice) -> mx.array:
         src = one_line(str(voice.path))
         if voice.path.suffix == ".pt":
-            tensor = read_pt(voice.path)
-            if tensor.dtype == "F64":  # Metal has no float64: serve it as float32
-                tensor = PtTensor("F32", tensor.shape, tensor.data.astype(np.float32))
-            array = to_mlx(tensor)
+            array = to_mlx(_servable(read_pt(voice.path)))
         else:
             array = _load_safetensors(voice.path, src)
         shape = tuple(array.shape)
@@ -253,6 +251,12 @@ class VoiceRegistry(Mapping[str, Voice]):
             )
         if rows < 1:
             raise VoiceError(f"voice {voice.name!r} ({src}) has no rows; {fix}")
+        if rows > MAX_VOICE_ROWS:
+            raise VoiceError(
+                f"voice {voice.name!r} ({src}) has {rows} rows; Voxtral's voices have a few "
+                f"hundred (at most {MAX_VOICE_ROWS} are taken: its prompt would not fit the "
+                "model's memory or context); use a voice embedding of the checkpoint"
+            )
         # Evaluated now: MLX cannot evaluate a lazy array from another thread than the one
         # that built it, and cached voices are shared between threads.
         mx.eval(array)
@@ -377,11 +381,21 @@ def _check_voice_tensor(src: Path, tensor) -> None:
         problem = f"holds {tensor.dtype} values, not floats"
     elif not np.all(np.isfinite(data)):
         problem = "holds NaN or infinite values"
+    elif tensor.shape[0] > MAX_VOICE_ROWS:
+        problem = f"has {tensor.shape[0]} rows (at most {MAX_VOICE_ROWS} are taken)"
     if problem is not None:
         raise VoiceError(
             f"{one_line(str(src))} {problem}: it is not a voice embedding (take the .pt files "
             "from the checkpoint's voice_embedding folder)"
         )
+
+
+def _servable(tensor: PtTensor) -> PtTensor:
+    """``tensor`` in a dtype MLX holds: float64 becomes float32 (Metal has no float64, and
+    MLX reads no F64 safetensors), as the model would serve it anyway."""
+    if tensor.dtype == "F64":
+        return PtTensor("F32", tensor.shape, tensor.data.astype(np.float32))
+    return tensor
 
 
 def convert_voice_files(
@@ -392,11 +406,13 @@ def convert_voice_files(
     """Convert ``.pt`` voices (files, or directories of them) to ``out_dir/<stem>.safetensors``.
 
     Each output holds one tensor under key ``embedding`` with the source's dtype and shape,
-    bit-exact. Every source and target is checked before anything is written, and the files
-    are written into a hidden directory inside ``out_dir`` first, so a failure leaves
-    ``out_dir`` as it was (and removes it if it was created). Returns the written paths in
-    order. Raises :class:`VoiceError` (or :class:`UnsafePickleError` for a hostile .pt), also
-    for a tensor no model could load (not ``[rows, dim]``, empty, not floats, not finite).
+    bit-exact (float64, which MLX cannot read, is written as float32). Every source and
+    target is checked before anything is written, and the files are written into a hidden
+    directory inside ``out_dir`` first, so a failure leaves ``out_dir`` as it was (and
+    removes it if it was created). Returns the written paths in order. Raises
+    :class:`VoiceError` (or :class:`UnsafePickleError` for a hostile .pt), also for a
+    tensor no model could load (not ``[rows, dim]``, empty, not floats, not finite, more
+    than :data:`MAX_VOICE_ROWS` rows).
     """
     files = _voice_sources(sources)
     out_dir = directory_path(out_dir, error=VoiceError)
@@ -421,6 +437,7 @@ def convert_voice_files(
     tensors = [read_pt(src) for src in files]  # voices are small: fail before writing any
     for src, tensor in zip(files, tensors, strict=True):
         _check_voice_tensor(src, tensor)
+    tensors = [_servable(t) for t in tensors]
     if out_dir.exists() and not out_dir.is_dir():
         raise VoiceError(
             f"output {one_line(str(out_dir))} is a file, not a directory; pick another"
