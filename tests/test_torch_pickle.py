@@ -596,8 +596,15 @@ def test_empty_and_non_zip_files(tmp_path: Path) -> None:
         assert name in one_line(exc)
 
 
-def test_legacy_format(tmp_path: Path) -> None:
-    torch.save(torch.ones(2), tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+@pytest.mark.parametrize("protocol", [1, 2, 4])
+def test_legacy_format(tmp_path: Path, protocol: int) -> None:
+    """Protocol 1 pickles the magic number as text: it was called 'not a torch.save zip'."""
+    torch.save(
+        torch.ones(2),
+        tmp_path / "old.pt",
+        _use_new_zipfile_serialization=False,
+        pickle_protocol=protocol,
+    )
     with pytest.raises(VoiceError) as exc:
         read_pt(tmp_path / "old.pt")
     assert "legacy" in one_line(exc)

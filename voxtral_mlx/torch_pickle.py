@@ -340,9 +340,17 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return known
 
 
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch's legacy serialization magic number
+
+
 def _is_legacy_pickle(head: bytes) -> bool:
-    # torch.save(..., _use_new_zipfile_serialization=False) starts with a pickled magic number.
-    return head[:1] == b"\x80" or head[:2] == b"\x8a\x0a"
+    # torch.save(..., _use_new_zipfile_serialization=False) starts with a pickled magic number
+    # (as a text LONG with pickle protocol 0 or 1).
+    return (
+        head[:1] == b"\x80"
+        or head[:2] == b"\x8a\x0a"
+        or head.startswith(b"L" + str(_LEGACY_MAGIC).encode())
+    )
 
 
 def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
@@ -359,7 +367,7 @@ def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
     src = one_line(str(path))
     try:
         with open(path, "rb") as f:
-            head = f.read(4)
+            head = f.read(32)
     except FileNotFoundError:
         raise VoiceError(f"{src} does not exist; check the path") from None
     except OSError as e:
