@@ -607,7 +607,7 @@ def test_legacy_format(tmp_path: Path, protocol: int) -> None:
     )
     with pytest.raises(VoiceError) as exc:
         read_pt(tmp_path / "old.pt")
-    assert "legacy" in one_line(exc)
+    assert "uses torch's legacy (pre-1.6) non-zip format" in one_line(exc)
 
 
 @pytest.mark.parametrize("keep", [0.3, 0.6, 0.95])
