@@ -653,6 +653,12 @@ def test_flow_norm_eps_defaults_to_mistrals_not_the_backbones() -> None:
     assert ModelConfig.from_params(params).flow.norm_eps == 1e-3
 
 
+def test_encoder_and_decoder_strides_must_multiply_alike() -> None:
+    """Mistral's codec asserts it; the windows would be halved a wrong number of times."""
+    message = config_error(with_value(f"{TOK}.encoder_convs_strides_str", "2,2,1,1"))
+    assert "downsamples x4 but the decoder upsamples x8" in message
+
+
 def test_real_codec_windows_with_the_encoder_given_or_not(real: ModelConfig) -> None:
     assert real.codec.windows == (2, 4, 8, 16)
     params = with_value(f"{TOK}.encoder_convs_strides_str", "2,2,2,1")

@@ -119,8 +119,12 @@ def test_unusual_widths_steps_and_a_long_prompt_match_the_spec_reference(
         ),
         # an encoder given in params.json decides the halvings
         (
-            {"encoder_convs_strides_str": "2,2,1,1", "encoder_convs_kernels_str": "4,4,3,3"},
-            (4, 8, 16, 32),
+            {
+                "encoder_convs_strides_str": "2,1,2,2",
+                "encoder_convs_kernels_str": "4,1,4,4",
+                "attn_sliding_window_size": 22,
+            },
+            (2, 4, 8, 16),
         ),
     ],
     ids=["window-22", "stride-1-stage", "explicit-encoder"],

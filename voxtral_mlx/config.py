@@ -489,6 +489,13 @@ class ModelConfig:
                 "encoder_convs_kernels_str and encoder_convs_strides_str must have the same "
                 f"length, got {len(ek)} and {len(es)}",
             )
+        if es is not None:
+            _require(
+                math.prod(es) == c.upsample,
+                f"{tok}.encoder_convs_strides_str",
+                f"the encoder downsamples x{math.prod(es)} but the decoder upsamples "
+                f"x{c.upsample}; they must match",
+            )
         _require(
             f.semantic_codebook_size == c.semantic_codebook_size,
             f"{tok}.semantic_codebook_size",
