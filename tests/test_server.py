@@ -699,6 +699,34 @@ def test_ctrl_c_stops_the_server_cleanly_mid_stream(checkpoint, tmp_path):
     log = srv.log.read_text()
     assert "Traceback" not in log and "Finished server process" in log
     assert "without starting response" not in log
+    # the cut-off requests are said once, at INFO, not as an ASGI error per response
+    assert "stopping: cutting off 2 speech request(s)" in log
+    assert "ERROR" not in log and "without completing response" not in log
+
+
+def test_ctrl_c_while_a_body_is_arriving_answers_503_at_once(checkpoint, tmp_path):
+    """The half-sent request waited for uvicorn's grace to run out, then got a text/plain
+    500 and the log a traceback after 'Finished server process'."""
+    srv = start_server(tmp_path, checkpoint)
+    host, port = srv.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    try:
+        sock.sendall(
+            b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"input":'
+        )
+        wait_until(lambda: srv.health()["requests"] == 0)  # the server is up and reading
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert stop_server(srv) == 0
+        head, _, body = _read_all(sock).partition(b"\r\n\r\n")
+    finally:
+        sock.close()
+    assert time.monotonic() - t0 < 3  # not after the 3 s grace
+    assert head.startswith(b"HTTP/1.1 503") and b"application/json" in head.lower()
+    assert json.loads(body)["error"]["code"] == "server_shutting_down"
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "ERROR" not in log and "Finished server process" in log
 
 
 def test_a_taken_port_is_a_one_line_error(server, checkpoint):

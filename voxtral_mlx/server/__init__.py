@@ -72,9 +72,11 @@ Limits and errors
     exposed to untrusted clients.
 
 Shutdown
-    Ctrl-C (or SIGTERM) stops accepting connections, lets speech requests finish for up to
-    3 s, then cuts them off (their generation is cancelled; one that has sent no audio yet
-    gets 503 ``server_shutting_down``) and exits.
+    Ctrl-C (or SIGTERM) stops accepting connections, answers a request whose body is still
+    arriving with 503 ``server_shutting_down`` at once, lets speech requests finish for up
+    to 3 s, then cuts them off (their generation is cancelled; one that has sent no audio
+    yet gets that 503, the others a truncated body) and exits. The log says so in one line
+    each, at INFO.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from ..errors import VoxtralError
 from ..textstream import AsyncTextStream
 from ..tts import DEFAULT_MAX_FRAMES, SYNTH_CHUNK_FRAMES, VoxtralTTS
 from ..voices import LANGUAGE_NAMES
-from .errors import APIError, bad_request, server_error, shown
+from .errors import APIError, bad_request, server_error, shown, shutting_down
 from .formats import FORMATS, Encoder, make_encoder
 from .request import FIELDS, SpeechRequest, parse_speech_request, voice_aliases
 from .response import BodyResponse, sse_events
@@ -101,13 +101,24 @@ class SpeechAPI:
         self.config = config
         self.counters = Counters()
         self._responses: set[BodyResponse] = set()
+        self._reading: set[anyio.CancelScope] = set()  # requests whose body is arriving
+        self.stopping = False  # shutdown() has begun
 
     async def shutdown(self, grace: float) -> None:
         """Let speech requests in progress finish for ``grace`` seconds, then cut them off,
         and wait until the engine has dropped their jobs (so no MLX work outlives the
         server)."""
+        self.stopping = True
+        for scope in list(self._reading):  # a body still arriving: answered 503 at once
+            scope.cancel()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
+        if self.counters.in_progress:
+            log.info(
+                "stopping: letting %d speech request(s) finish (up to %g s)",
+                self.counters.in_progress,
+                grace,
+            )
         while self.counters.in_progress and loop.time() < deadline:
             await asyncio.sleep(0.02)
         if self._responses:
@@ -124,10 +135,20 @@ class SpeechAPI:
     # -- speech -------------------------------------------------------------------------
 
     async def speech(self, request: Request) -> Response:
-        try:
-            body = await _json_body(request, self.config.max_body_bytes, self.config.body_timeout)
-        except ClientDisconnect:
-            return Response(status_code=400)
+        if self.stopping:
+            raise shutting_down()
+        with anyio.CancelScope() as reading:
+            self._reading.add(reading)
+            try:
+                body = await _json_body(
+                    request, self.config.max_body_bytes, self.config.body_timeout
+                )
+            except ClientDisconnect:
+                return Response(status_code=400)
+            finally:
+                self._reading.discard(reading)
+        if reading.cancelled_caught:
+            raise _closing(shutting_down())
         req = parse_speech_request(
             body, self.tts.voices, self.tts.default_voice, self.config.max_input_chars
         )
@@ -341,6 +362,12 @@ async def _json_body(request: Request, limit: int, timeout: float) -> Any:
             headers={"Connection": "close"},  # the rest of the body may still be coming
         )
     return _decode_json(bytes(data))
+
+
+def _closing(error: APIError) -> APIError:
+    """``error`` answered on a connection to close (the rest of the body may still come)."""
+    error.headers = {**(error.headers or {}), "Connection": "close"}
+    return error
 
 
 def _too_large(limit: int) -> APIError:

@@ -4,6 +4,7 @@ error, ``--port 0`` picks a free one, and the URL is known when the server is re
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -101,7 +102,25 @@ def serve(
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         server_header=False,
     )
+    quiet = _IntendedCutOffs(api)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
     try:
         _Server(config, lambda: on_ready(url), before_shutdown).run(sockets=[sock])
     finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
         sock.close()
+
+
+class _IntendedCutOffs(logging.Filter):
+    """Once shutdown has cut streams off (logged once, as such), uvicorn's error line for
+    each response left incomplete on purpose is noise: it is dropped then, only then."""
+
+    MESSAGE = "ASGI callable returned without completing response."
+
+    def __init__(self, api: object) -> None:
+        super().__init__()
+        self.api = api
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        stopping = getattr(self.api, "stopping", False)
+        return not (stopping and record.getMessage() == self.MESSAGE)
