@@ -205,3 +205,15 @@ def test_paths_no_file_can_have_are_one_line_errors(tiny_checkpoint, tmp_path, c
         call(tiny_checkpoint, tmp_path)
     assert words in str(info.value) and "\n" not in str(info.value)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_folder_holding_only_the_finders_ds_store_counts_as_empty(tmp_path, force):
+    """An empty folder opened in the Finder holds a .DS_Store: it was 'not empty' (and with
+    --force 'holds files that are not a model'), so no model could be written into it."""
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    build_random_checkpoint(out, "tiny", force=force)
+    assert (out / "params.json").is_file() and not (out / ".DS_Store").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]

@@ -294,3 +294,37 @@ def test_say_stops_generating_when_the_player_fails(tts):
     while tts.engine.stats()["active"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert tts.engine.stats() == {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}
+
+
+def test_a_voice_is_read_on_the_worker_thread(tiny_checkpoint, monkeypatch):
+    """MLX work belongs to the model's worker: a voice's first use read and evaluated it on
+    whatever thread made the request (on Metal before MLX 0.31.2, two threads evaluating at
+    once crash). Later uses take the cached array."""
+    from voxtral_mlx.voices import VoiceRegistry
+
+    threads: list[threading.Thread] = []
+    original = VoiceRegistry._load
+
+    def load(self, voice):
+        threads.append(threading.current_thread())
+        return original(self, voice)
+
+    monkeypatch.setattr(VoiceRegistry, "_load", load)
+    model = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=None)
+    try:
+        voices = sorted(model.voices)[:3]
+        model.prompt_ids("Hi.", voices[0])  # the row count, from a voice tekken.json lists
+        model.job("Hi.", voices[1], seed=0, max_frames=1)
+        done = threading.Event()
+
+        def from_another_thread():
+            model.job("Hi.", voices[2], seed=0, max_frames=1)
+            model.job("Hi.", voices[2], seed=1, max_frames=1)  # cached: not read again
+            done.set()
+
+        threading.Thread(target=from_another_thread).start()
+        assert done.wait(30)
+        assert threads and all(t is model.worker._thread for t in threads), threads
+        assert len(threads) == 2  # voices[1] and voices[2]; voices[0]'s count is listed
+    finally:
+        model.close()

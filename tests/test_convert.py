@@ -319,7 +319,8 @@ def test_bf16_quantized_products_are_exact_on_the_cpu(converted, source: Path) -
     """MLX's CPU quantized product is off by 5-11 % with bf16 activations; on the CPU the
     loader gives quantized layers float32 activations, so a bf16 q8 model's products equal
     the float32-activation ones to bf16 rounding, and its semantic codes keep agreeing."""
-    assert mx.default_device() == mx.cpu  # this machine; on Metal the kernel is exact
+    if mx.default_device() != mx.cpu:
+        pytest.skip("on Metal the quantized kernel is exact with bf16 activations")
     bf16 = load_model_dir(converted["q8"], "bfloat16")
     layers = {p: m for p, m in bf16.model.named_modules() if isinstance(m, nn.QuantizedLinear)}
     assert layers and all(type(m) is Float32QuantizedLinear for m in layers.values())

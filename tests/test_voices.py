@@ -436,6 +436,17 @@ def test_convert_bad_sources(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("second", ["b/x.pt", "b/X.pt"], ids=["same-name", "case-only"])
+def test_convert_refuses_two_sources_for_one_target(tmp_path: Path, second: str) -> None:
+    """On a case-insensitive file system (APFS) X.safetensors overwrites x.safetensors."""
+    for name in ("a/x.pt", second):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        torch.save(bf16_voice(3), tmp_path / name)
+    with pytest.raises(VoiceError, match="would both be written to"):
+        convert_voice_files([tmp_path / "a" / "x.pt", tmp_path / second], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_unwritable_output(tmp_path: Path) -> None:
     torch.save(bf16_voice(3), tmp_path / "a.pt")
     (tmp_path / "blocker").write_text("a file, so nothing can be created under it")

@@ -29,6 +29,14 @@ _REPLACEABLE = _MODEL_FILES | {
 }
 
 
+_LITTER = ".DS_Store"  # what the Finder leaves in any folder it has shown
+
+
+def _has_content(path: Path) -> bool:
+    """Whether directory ``path`` holds anything but the Finder's litter."""
+    return any(p.name != _LITTER for p in path.iterdir())
+
+
 def looks_like_model_dir(path: Path) -> bool:
     names = {p.name for p in path.iterdir()}
     return bool(names & _MODEL_FILES or any(n.endswith(".safetensors") for n in names))
@@ -50,7 +58,7 @@ def _foreign(path: Path) -> list[str]:
         found += sorted(
             f"voice_embedding/{p.name}"
             for p in voices.iterdir()
-            if p.name != ".DS_Store" and not (p.is_file() and p.name.endswith(_VOICE_FILES))
+            if p.name != _LITTER and not (p.is_file() and p.name.endswith(_VOICE_FILES))
         )
     return found
 
@@ -91,7 +99,7 @@ def check_output_dir(out: Path, force: bool) -> Path:
         if not out.is_dir():
             raise InputError(f"output {one_line(str(out))} exists and is not a directory")
         try:
-            empty = not any(out.iterdir())
+            empty = not _has_content(out)
         except OSError as e:
             raise InputError(f"cannot read output {one_line(str(out))}: {e.strerror}") from None
         if not empty and not force:
@@ -218,6 +226,8 @@ def _deliver(received: list[int], detail: str | None) -> None:
 
 def _swap_into_place(tmp: Path, out: Path, force: bool) -> None:
     os.chmod(tmp, 0o755)  # made private while written; the model is as readable as its files
+    if out.is_dir() and not _has_content(out):
+        (out / _LITTER).unlink(missing_ok=True)  # an empty folder the Finder has shown
     if force and out.exists() and any(out.iterdir()):
         old = out.with_name(hidden_name(out.name, f".old-{secrets.token_hex(4)}"))
         os.rename(out, old)

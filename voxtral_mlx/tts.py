@@ -229,7 +229,14 @@ class VoxtralTTS:
         return self.voices.get_voice(self.default_voice if voice is None else voice)
 
     def _voice_tokens(self, v: Voice) -> int:
-        return v.num_tokens if v.num_tokens is not None else self.voices.embedding(v.name).shape[0]
+        return v.num_tokens if v.num_tokens is not None else self._rows(v.name).shape[0]
+
+    def _rows(self, name: str, dtype: mx.Dtype | None = None) -> mx.array:
+        """Voice ``name``'s embedding, read and evaluated on the worker thread the first time
+        (MLX work belongs to one thread: on Metal before MLX 0.31.2, two threads evaluating
+        at once crash); later calls take the cached array on any thread."""
+        rows = self.voices.cached(name, dtype)
+        return rows if rows is not None else self.worker.call(self.voices.embedding, name, dtype)
 
     def prompt_ids(self, text: str, voice: str | None = None) -> list[int]:
         """The prompt's token ids: ``[BOS, BEGIN_AUDIO] + [AUDIO]*N + [NEXT_AUDIO_TEXT] +
@@ -241,7 +248,7 @@ class VoxtralTTS:
         """Prompt embeddings ``[1, T, dim]``: token rows with the voice spliced in."""
         v = self._voice(voice)
         ids = self.prompt_ids(text, v.name)
-        rows = self.voices.embedding(v.name, self.dtype)
+        rows = self._rows(v.name, self.dtype)
         start = ids.index(self.config.audio_token_id)
         return self.call(self.model.embed_prompt, ids, rows, start)
 
@@ -280,7 +287,7 @@ class VoxtralTTS:
                 f"{MAX_TEXT_TOKENS}): pass split=True to speak it in segments"
             )
         tail = speech_prompt_ids(self.tokenizer, "", 0)[-2:]  # [REPEAT_AUDIO_TEXT, BEGIN_AUDIO]
-        rows = self.voices.embedding(v.name, self.dtype)
+        rows = self._rows(v.name, self.dtype)
         source = NoiseSource(self.config.flow.n_acoustic_codebook, seed=seed, noise=noise)
         seq = Sequence(source, max_frames, alpha)
         return Job(v.name, rows, text_ids + tail, seq, chunk_frames, self.sample_rate)

@@ -195,6 +195,12 @@ class VoiceRegistry(Mapping[str, Voice]):
             f"(run `voxtral-mlx voices` to list them with their languages)"
         )
 
+    def cached(self, name: str, dtype: mx.Dtype | None = None) -> mx.array | None:
+        """The embedding :meth:`embedding` returned before for ``name`` (its canonical
+        name) and ``dtype``, else None: no file is read, nothing is evaluated."""
+        with self._lock:
+            return self._cache.get((name, dtype))
+
     def embedding(self, name: str, dtype: mx.Dtype | None = None) -> mx.array:
         """The voice's ``[N, dim]`` embedding (file dtype unless ``dtype``), read on first use."""
         voice = self.get_voice(name)
@@ -417,14 +423,15 @@ def convert_voice_files(
     files = _voice_sources(sources)
     out_dir = directory_path(out_dir, error=VoiceError)
     targets = [out_dir / f"{src.stem}.safetensors" for src in files]
-    seen: dict[Path, Path] = {}
+    seen: dict[str, Path] = {}
     for src, dst in zip(files, targets, strict=True):
-        if dst in seen:
+        key = str(dst).casefold()  # APFS ignores case: a.safetensors is A.safetensors
+        if key in seen:
             raise VoiceError(
-                f"{one_line(str(seen[dst]))} and {one_line(str(src))} would both be written to "
+                f"{one_line(str(seen[key]))} and {one_line(str(src))} would both be written to "
                 f"{one_line(str(dst))}; convert them into separate directories"
             )
-        seen[dst] = src
+        seen[key] = src
         if not overwrite and (dst.exists() or dst.is_symlink()):
             raise VoiceError(
                 f"{one_line(str(dst))} already exists; remove it or pass --force to overwrite it"
