@@ -8,6 +8,7 @@ import signal
 import struct
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -567,3 +568,40 @@ def test_binary_audio_is_not_written_to_a_terminal(model_dir, flag):
     err = proc.stderr.decode()
     assert proc.returncode == 1 and err.count("\n") == 1, err
     assert "writes binary audio to stdout, which is a terminal" in err
+
+
+@pytest.mark.parametrize("command", ["random-checkpoint", "convert"])
+def test_an_interrupt_right_after_the_output_is_in_place_says_it_is_complete(
+    model_dir, tmp_path, command
+):
+    """A signal between the final rename and the command's return was reported as a plain
+    'interrupted' with a failure status, although the new directory was complete (with
+    --force the old one already gone)."""
+    out = tmp_path / "out"
+    args = ["random-checkpoint", str(out), "--size", "tiny"]
+    if command == "convert":
+        args = ["convert", str(model_dir), "-o", str(out), "--q-bits", "8"]
+    script = textwrap.dedent(
+        f"""
+        import contextlib, os, signal, sys
+        import voxtral_mlx.convert, voxtral_mlx.synthetic.checkpoint as synthetic
+        for module in (voxtral_mlx.convert, synthetic):
+            original = module.staged_dir
+
+            @contextlib.contextmanager
+            def staged(*a, _original=original, **k):
+                with _original(*a, **k) as tmp:
+                    yield tmp
+                os.kill(os.getpid(), signal.SIGINT)  # right after the rename
+
+            module.staged_dir = staged
+        from voxtral_mlx.cli import main
+        sys.exit(main({args!r}))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().endswith(f"interrupted after {out} was written (it is complete)")
+    assert (out / "params.json").is_file()

@@ -27,6 +27,7 @@ from .interrupts import (
     default_signals,
     exit_on_signals,
     held_after,
+    hold_from_now,
     signals_held,
     terminable,
 )
@@ -457,6 +458,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
                     file_writer.abort()
             if wav is not None:
                 wav.close()
+    hold_from_now()
     timings = stream.timings
     if args.verbose:
         _report(timings, player, started)
@@ -529,9 +531,33 @@ def cmd_convert_voices(args: argparse.Namespace) -> int:
     from .voices import convert_voice_files
 
     sources = [Path(s) for s in args.sources]
-    for path in convert_voice_files(sources, Path(args.output), overwrite=args.force):
+    written = convert_voice_files(sources, Path(args.output), overwrite=args.force)
+    hold_from_now()
+    for path in written:
         _out(str(path))
     return 0
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+@contextlib.contextmanager
+def _reported_if_written(output: str) -> Iterator[None]:
+    """An interrupt that lands after the finished directory was renamed into place (a new
+    directory where ``output`` was) says so: the command did its job."""
+    before = _identity(output)
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        after = _identity(output)
+        if getattr(e, "detail", None) is None and after is not None and after != before:
+            e.detail = f"interrupted after {one_line(output)} was written (it is complete)"
+        raise
 
 
 @terminable
@@ -545,15 +571,17 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> int:
             raise InputError(f"{flag} must be between 1 and {MAX_LAYERS}, got {value}")
     params = make_params(args.size, n_layers=args.layers, flow_layers=args.flow_layers)
     t0 = time.perf_counter()
-    out = build_random_checkpoint(
-        args.output,
-        params,
-        seed=args.seed,
-        dtype=args.dtype,
-        voice_format=args.voice_format,
-        suppress_end=args.suppress_end,
-        force=args.force,
-    )
+    with _reported_if_written(args.output):
+        out = build_random_checkpoint(
+            args.output,
+            params,
+            seed=args.seed,
+            dtype=args.dtype,
+            voice_format=args.voice_format,
+            suppress_end=args.suppress_end,
+            force=args.force,
+        )
+    hold_from_now()
     vocab = (
         "the real text vocabulary, from mistral-common"
         if mistral_common_tekken_path() is not None
@@ -580,16 +608,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
             _info(f"{done / 2**30:6.2f} / {total / 2**30:.2f} GiB  {name}")
 
     t0 = time.perf_counter()
-    result = convert_model(
-        args.model,
-        args.output,
-        q_bits=args.q_bits,
-        q_group_size=args.q_group_size,
-        q_flow_bits=args.q_flow_bits,
-        dtype=args.dtype,
-        force=args.force,
-        progress=progress,
-    )
+    with _reported_if_written(args.output):
+        result = convert_model(
+            args.model,
+            args.output,
+            q_bits=args.q_bits,
+            q_group_size=args.q_group_size,
+            q_flow_bits=args.q_flow_bits,
+            dtype=args.dtype,
+            force=args.force,
+            progress=progress,
+        )
+    hold_from_now()
     what = f"{len(result.quantized)} quantized layers" if result.quantized else "unquantized"
     n = len(result.voices)
     voices = f"{n} voice{'s' if n != 1 else ''}" if n else "no voices"

@@ -151,6 +151,12 @@ def signals_held() -> Iterator[None]:
         _raise(_State.pending)
 
 
+def hold_from_now() -> None:
+    """The command's output is complete: from now on signals are held back, to be raised
+    when it returns, saying so (not cut into its report as if it had failed)."""
+    _State.depth += 1
+
+
 @contextlib.contextmanager
 def held_after(first: BaseException | None) -> Iterator[None]:
     """:func:`signals_held` for the clean-up after ``first`` (an interrupt, if any): a
