@@ -383,12 +383,9 @@ def _float32_text_table(model) -> None:
     table.__class__ = Float32Rows
 
 
-@pytest.mark.parametrize("mode", FLOAT_MODES)
-def test_float_quantization_modes_load_and_match_mlx_audio(float_modes, mode: str) -> None:
-    path = float_modes[mode]
-    loaded = load_model_dir(path, "float32")
-    modes = {m.mode for _, m in loaded.model.named_modules() if hasattr(m, "scales")}
-    assert modes == {mode} and {s.mode for s in loaded.quantized.values()} == {mode}
+def _assert_speaks_like_mlx_audio(path: Path, prepare_reference=None) -> None:
+    """voxtral_mlx (float32) and mlx-audio on ``path``, same noise: equal codes, audio
+    within 1e-4. ``prepare_reference(model)`` adjusts mlx-audio's model first."""
     noise = np.random.default_rng(0).standard_normal((FRAMES, 36)).astype(np.float32)
     tts = voxtral_mlx.load(path, dtype="float32", prefix_cache_dir=None)
     try:
@@ -396,11 +393,21 @@ def test_float_quantization_modes_load_and_match_mlx_audio(float_modes, mode: st
     finally:
         tts.close()
     reference = load_mlx_audio(path)
-    _float32_text_table(reference)
+    if prepare_reference is not None:
+        prepare_reference(reference)
     codes, audio = reference_run(reference, noise, FRAMES)
     np.testing.assert_array_equal(speech.codes, codes)
     err = float(np.max(np.abs(speech.audio - audio)) / np.max(np.abs(audio)))
     assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("mode", FLOAT_MODES)
+def test_float_quantization_modes_load_and_match_mlx_audio(float_modes, mode: str) -> None:
+    path = float_modes[mode]
+    loaded = load_model_dir(path, "float32")
+    modes = {m.mode for _, m in loaded.model.named_modules() if hasattr(m, "scales")}
+    assert modes == {mode} and {s.mode for s in loaded.quantized.values()} == {mode}
+    _assert_speaks_like_mlx_audio(path, _float32_text_table)
 
 
 OTHER_BITS = [1, 2, 3, 5, 8]  # mlx-audio's --q-bits beyond the community's 4 and 6
@@ -415,16 +422,7 @@ def test_every_affine_width_mlx_supports_loads_and_matches_mlx_audio(source, tmp
     path = build_mlx_community(source, tmp_path / f"{bits}bit", bits, group=32)
     loaded = load_model_dir(path, "float32")
     assert loaded.quantized and {s.bits for s in loaded.quantized.values()} == {bits}
-    noise = np.random.default_rng(0).standard_normal((FRAMES, 36)).astype(np.float32)
-    tts = voxtral_mlx.load(path, dtype="float32", prefix_cache_dir=None)
-    try:
-        speech = tts.synthesize(TEXT, VOICE, noise=noise, max_frames=FRAMES)
-    finally:
-        tts.close()
-    codes, audio = reference_run(load_mlx_audio(path), noise, FRAMES)
-    np.testing.assert_array_equal(speech.codes, codes)
-    err = float(np.max(np.abs(speech.audio - audio)) / np.max(np.abs(audio)))
-    assert err < 1e-4, err
+    _assert_speaks_like_mlx_audio(path)
 
 
 def test_bits_mlx_does_not_support_are_one_line_errors(broken: Path) -> None:

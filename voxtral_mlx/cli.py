@@ -550,13 +550,15 @@ def _identity(path: str) -> tuple[int, int] | None:
 def _reported_if_written(output: str) -> Iterator[None]:
     """An interrupt that lands after the finished directory was renamed into place (a new
     directory where ``output`` was) says so: the command did its job."""
+    from .output_dir import written_detail
+
     before = _identity(output)
     try:
         yield
     except KeyboardInterrupt as e:
         after = _identity(output)
         if getattr(e, "detail", None) is None and after is not None and after != before:
-            e.detail = f"interrupted after {one_line(output)} was written (it is complete)"
+            e.detail = written_detail(output)
         raise
 
 

@@ -188,7 +188,12 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
                 "the free disk space and permissions"
             ) from None
         raise
-    _deliver(received, f"interrupted after {one_line(str(out))} was written (it is complete)")
+    _deliver(received, written_detail(out))
+
+
+def written_detail(out: str | Path) -> str:
+    """What an interrupt that came once ``out`` was in place says (the CLI's one line)."""
+    return f"interrupted after {one_line(str(out))} was written (it is complete)"
 
 
 _DEFERRED = (signal.SIGINT, signal.SIGTERM)

@@ -148,7 +148,9 @@ class SpeechAPI:
             finally:
                 self._reading.discard(reading)
         if reading.cancelled_caught:
-            raise _closing(shutting_down())
+            error = shutting_down()
+            error.headers["Connection"] = "close"  # the rest of the body may still come
+            raise error
         req = parse_speech_request(
             body, self.tts.voices, self.tts.default_voice, self.config.max_input_chars
         )
@@ -362,12 +364,6 @@ async def _json_body(request: Request, limit: int, timeout: float) -> Any:
             headers={"Connection": "close"},  # the rest of the body may still be coming
         )
     return _decode_json(bytes(data))
-
-
-def _closing(error: APIError) -> APIError:
-    """``error`` answered on a connection to close (the rest of the body may still come)."""
-    error.headers = {**(error.headers or {}), "Connection": "close"}
-    return error
 
 
 def _too_large(limit: int) -> APIError:
