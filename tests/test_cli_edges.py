@@ -485,6 +485,24 @@ def test_progress_line_clears_what_a_longer_line_left(capsys):
     assert "ETA" in lines[0] and "ETA" not in lines[2]
 
 
+def test_progress_counts_segments_joined_without_a_pause(capsys):
+    """With --pause 0 (or a hard cut) no pause chunk marks a segment's end: the next
+    segment's first chunk does (the line stayed at "segment 1/N" to the end)."""
+    from types import SimpleNamespace
+
+    from voxtral_mlx.cli import Progress
+
+    progress = Progress(total=3)
+    timings = SimpleNamespace(audio_s=1.0)
+    for segment, frames, samples in [(0, 1, 1920), (0, 0, 0), (1, 1, 1920), (2, 1, 1920)]:
+        chunk = SimpleNamespace(is_final=False, frames=frames, audio=[0.0] * samples)
+        chunk.segment = segment
+        progress.update(chunk, timings)
+    lines = capsys.readouterr().err.split("\r")[1:]
+    assert [line.split(",")[0].rsplit(" ", 1)[1] for line in lines] == ["1/3", "1/3", "2/3", "3/3"]
+    assert "ETA" in lines[2] and "ETA" in lines[3]
+
+
 @pytest.mark.parametrize("columns", [20, 45, 200])
 def test_progress_line_fits_the_terminal(capsys, monkeypatch, columns):
     """A line wider than the terminal wraps, and each update then scrolls a new line

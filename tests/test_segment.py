@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import unicodedata
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +20,8 @@ PROTECTED = [
     "3.14",
     "1,000,000",
     "10:30",
+    "1 000 000",
+    "12 345",
     "2024-01-05",
     "v1.2.3",
     "10–20",
@@ -87,8 +90,11 @@ def check_invariants(text: str, segs: list[Segment], max_chars: int) -> None:
 
 
 def ends_terminal(s: str) -> bool:
-    s = s.rstrip(CLOSERS)
-    return bool(s) and s[-1] in TERMINALS
+    """Final punctuation, before closing quotes and invisible marks (RLM, ZWSP...)."""
+    j = len(s)
+    while j and (s[j - 1] in CLOSERS or unicodedata.category(s[j - 1]) == "Cf"):
+        j -= 1
+    return j > 0 and s[j - 1] in TERMINALS
 
 
 def boundaries(segs: list[Segment]) -> list[tuple[int, int]]:
@@ -428,6 +434,26 @@ def test_dashes() -> None:
     assert segs[0].spoken == "He paused."
 
 
+def test_numbers_grouped_with_spaces_stay_whole() -> None:
+    text = "Il y a " + "très " * 30 + "1 000 000 habitants, 12 345 voitures et 7 chats."
+    for target in range(140, 200, 3):
+        segs = split_text(text, target_chars=target, max_chars=target + 10)
+        assert any("1 000 000" in s.text for s in segs) and any("12 345" in s.text for s in segs)
+
+
+def test_invisible_marks_after_punctuation_keep_sentence_ends() -> None:
+    """Hebrew and Arabic text often puts a right-to-left mark after the final period."""
+    plain = " ".join(f"זה משפט ארוך למדי, עם פסיק באמצע {i}." for i in range(12))
+    for mark in ("\u200f", "\u200e", "\u2069", "\u200b"):
+        marked = plain.replace(".", "." + mark)
+        a = split_text(plain, target_chars=60, max_chars=120)
+        b = split_text(marked, target_chars=60, max_chars=120)
+        assert [s.text.replace(mark, "") for s in b] == texts(a)
+        assert [s.pause_after for s in b] == [s.pause_after for s in a]
+        assert [s.spoken for s in b] == [s.text for s in b]
+        assert a[0].pause_after == PAUSE_AFTER["sentence"]
+
+
 def test_no_break_space_is_not_a_split() -> None:
     text = "aaaa 100\xa0km bbbb"
     segs = split_text(text, target_chars=3, max_chars=10)
@@ -452,6 +478,12 @@ def test_no_break_space_is_not_a_split() -> None:
         ("سلام دنیا", "سلام دنیا."),
         ("یہ اچھا ہے", "یہ اچھا ہے۔"),
         ("Version 2", "Version 2."),
+        ("Really?!:", "Really?!"),
+        ('He said "Stop." ,', 'He said "Stop."'),
+        ("I was going to say... —", "I was going to say..."),
+        ("שלום עולם.\u200f", "שלום עולם.\u200f"),  # a right-to-left mark after the period
+        ("مرحبا بالعالم؟\u200f", "مرحبا بالعالم؟\u200f"),
+        ("Stop.\u200b", "Stop.\u200b"),
         ("42", "42."),
     ],
 )

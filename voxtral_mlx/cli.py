@@ -480,6 +480,8 @@ class Progress:
     def update(self, chunk, timings) -> None:
         if chunk.is_final or (chunk.frames == 0 and len(chunk.audio)):  # a segment ended
             self.done = chunk.segment + 1
+        else:  # the ones before it have ended, even with no pause (0 s) to say so
+            self.done = max(self.done, chunk.segment)
         elapsed = time.perf_counter() - self.t0
         eta = ""
         if 0 < self.done < self.total:

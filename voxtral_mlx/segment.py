@@ -72,7 +72,8 @@ _PROTECTED = re.compile(
     r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://[^\s<>\"]+"
     r"|(?<![\w.])www\.[^\s<>\"]+"
     r"|(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+"
-    r"|(?<!\d)\d+(?:[.,:/\-–—٫٬]\d+)+",
+    r"|(?<!\d)\d+(?:[.,:/\-–—٫٬]\d+)+"
+    r"|(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d)",  # thousands grouped with spaces: "1 000 000"
     re.IGNORECASE,
 )
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
@@ -233,9 +234,7 @@ def _line_breaks(run: str) -> int:
 
 def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
     """Kind of split at the whitespace ``text[e:s]``; None, with ``forbid`` marked, if protected."""
-    j = e
-    while j > 0 and text[j - 1] in _CLOSERS:
-        j -= 1
+    j = _before_closers(text, e)
     c = text[j - 1] if j else ""
     if c in _MID or c in _DASHES or (c == "-" and (j < 2 or text[j - 2].isspace())):
         return CLAUSE
@@ -376,18 +375,29 @@ def _is_regional(ch: str) -> bool:
     return 0x1F1E6 <= ord(ch) <= 0x1F1FF
 
 
+def _before_closers(text: str, j: int) -> int:
+    """Where the closing quotes and brackets ending ``text[:j]`` begin; invisible format
+    characters among them count too (a right-to-left mark after a Hebrew period)."""
+    while j > 0 and (text[j - 1] in _CLOSERS or unicodedata.category(text[j - 1]) == "Cf"):
+        j -= 1
+    return j
+
+
+def _ends_terminal(text: str) -> bool:
+    j = _before_closers(text, len(text))
+    return j > 0 and text[j - 1] in TERMINALS
+
+
 def _spoken(seg: str, add_period: bool) -> str:
-    if not add_period:
+    if not add_period or _ends_terminal(seg):
         return seg
     j = len(seg)
-    while j > 0 and seg[j - 1] in _CLOSERS:
+    while j > 0 and unicodedata.category(seg[j - 1]) == "Cf":
         j -= 1
-    if j and seg[j - 1] in TERMINALS:
-        return seg
-    if j == len(seg) and (seg[-1] in _MID or seg[-1] in _DASHES or seg[-1] == "-"):
-        head = seg[:-1].rstrip()
-        if head:
-            return head + _period_for(head)
+    if j and (seg[j - 1] in _MID or seg[j - 1] in _DASHES or seg[j - 1] == "-"):
+        head = seg[: j - 1].rstrip()
+        if head:  # "Note:" -> "Note."; "Really?! —" -> "Really?!"
+            return head if _ends_terminal(head) else head + _period_for(head)
     return seg + _period_for(seg)
 
 
