@@ -314,12 +314,14 @@ def test_a_voice_is_read_on_the_worker_thread(tiny_checkpoint, monkeypatch):
     try:
         voices = sorted(model.voices)[:3]
         model.prompt_ids("Hi.", voices[0])  # the row count, from a voice tekken.json lists
-        model.job("Hi.", voices[1], seed=0, max_frames=1)
+        model.job("Hi.", voices[1], seed=0, max_frames=1)  # read when the job starts
+        assert threads == []
+        model.synthesize("Hi.", voices[1], seed=0, max_frames=1)
         done = threading.Event()
 
         def from_another_thread():
-            model.job("Hi.", voices[2], seed=0, max_frames=1)
-            model.job("Hi.", voices[2], seed=1, max_frames=1)  # cached: not read again
+            model.synthesize("Hi.", voices[2], seed=0, max_frames=1)
+            model.synthesize("Hi.", voices[2], seed=1, max_frames=1)  # cached: not read again
             done.set()
 
         threading.Thread(target=from_another_thread).start()

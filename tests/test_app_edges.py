@@ -44,6 +44,8 @@ BAD_ARGUMENTS = [
     ("max_chars", 1),
     ("lookahead", "2"),
     ("lookahead", -1),
+    ("split", "no"),  # a truthy string must not mean yes
+    ("add_period", None),
 ]
 
 
@@ -607,3 +609,76 @@ def test_leaving_a_with_block_stops_the_stream(tts):
     job = asyncio.run(main())
     _wait_done(job)
     assert job.seq.frames < 500
+
+
+def test_flags_and_the_start_noise_are_checked(tts):
+    with pytest.raises(InputError, match="wait must be True or False"):
+        tts.say("Hello.", VOICE, wait="no", player=object())
+    noise = np.zeros((3, tts.config.flow.n_acoustic_codebook), np.float32)
+    with pytest.raises(InputError, match="seed and noise both"):
+        tts.synthesize("Hello.", VOICE, seed=1, noise=noise)
+    with pytest.raises(InputError, match="seed and noise both"):
+        tts.job("Hello.", VOICE, seed=1, noise=noise)
+    with tts.stream("Hello.", VOICE, split=np.bool_(False), max_frames=1) as stream:
+        assert len(list(stream)) == 1
+    assert tts.engine.stats()["waiting"] == 0
+
+
+def test_a_stream_for_a_voice_not_used_before_does_not_wait_for_the_worker(
+    tiny_checkpoint_noend,
+):
+    """Making the job read the voice on the worker thread: stream() waited there for the
+    frame or prefill part in progress (an event loop stalled by up to a whole decode)."""
+    model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    try:
+        release = threading.Event()
+        busy = model.worker.submit(lambda: release.wait(30))
+        made: list = []
+        maker = threading.Thread(
+            target=lambda: made.append(model.stream("Hi there.", "fr_female", seed=3, max_frames=4))
+        )
+        maker.start()
+        maker.join(10)
+        returned_while_busy = bool(made)
+        release.set()
+        busy.result()
+        maker.join()
+        assert returned_while_busy
+        audio = np.concatenate([chunk.audio for chunk in made[0]])
+        ref = model.synthesize("Hi there.", "fr_female", seed=3, max_frames=4)
+        np.testing.assert_array_equal(audio, ref.audio)
+    finally:
+        model.close()
+
+
+def test_running_streams_get_frames_while_decode_runs(tts, monkeypatch):
+    """decode() of a long utterance runs in parts with a frame between them: it was one
+    worker call, so every stream stalled for the whole decode, and a cancel() waited."""
+    import voxtral_mlx.tts as tts_mod
+
+    codes = tts.synthesize("Something to decode.", VOICE, seed=4, max_frames=48).codes
+    ref = tts.decode(codes)
+    events: list[str] = []
+    codec, deliver = tts.model.audio_tokenizer, tts.engine._deliver
+    decode_chunk = codec.decode_chunk
+
+    def recording_decode_chunk(chunk, state):
+        if chunk.shape[1] == 4:
+            events.append("part")
+        return decode_chunk(chunk, state)
+
+    def recording_deliver(ready):
+        events.extend("audio" for _, _, audio, _ in ready if audio is not None)
+        return deliver(ready)
+
+    monkeypatch.setattr(tts_mod, "DECODE_PART_FRAMES", 4)
+    monkeypatch.setattr(codec, "decode_chunk", recording_decode_chunk)
+    monkeypatch.setattr(tts.engine, "_deliver", recording_deliver)
+    with tts.stream("Keep talking.", VOICE, seed=7, max_frames=400) as running:
+        next(running)
+        audio = tts.decode(codes)
+    np.testing.assert_array_equal(audio, ref)
+    parts = [i for i, e in enumerate(events) if e == "part"]
+    assert len(parts) == 12
+    gaps = [events[a:b] for a, b in itertools.pairwise(parts)]
+    assert sum("audio" in gap for gap in gaps) >= 8, events

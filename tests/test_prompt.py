@@ -211,7 +211,7 @@ def fed_prompt(tts, text: str, voice: str) -> list[int]:
     job = tts.job(text, voice, seed=0, max_frames=0)
     e = tts.engine
     s = e._voice_start
-    prefix = e._prefix_ids[:s] + [e._prefix_ids[s]] * job.voice_rows.shape[0]
+    prefix = e._prefix_ids[:s] + [e._prefix_ids[s]] * tts._rows(job.voice).shape[0]
     return prefix + e._prefix_ids[s + 1 :] + list(job.text_ids)
 
 

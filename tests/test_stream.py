@@ -89,8 +89,11 @@ def test_closing_the_stream_stops_generation(tiny_tts, noise, monkeypatch):
     next(stream)
     next(stream)
     stream.close()
-    after_close = steps["n"]
-    assert after_close <= 3  # frames 1 and 2 (queued ahead), nothing more
+    at_close = steps["n"]
+    time.sleep(0.2)  # ~25 frames' time on this config
+    # A frame already queued may finish; nothing after it. (How many frames ran before
+    # close() depends on how soon this thread got to run after its second chunk.)
+    assert steps["n"] <= at_close + 1
     # The model is free again: another thread can use it right away.
     done = threading.Event()
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from .config import N_SPECIAL_AUDIO_CODES
 from .errors import InputError, NonFiniteError, VoxtralError
+from .fileio import one_line
 from .generate import FrameBatch, Sequence, prefill, prefill_part
 from .model.cache import KVCache
 from .model.voxtral import VoxtralModel
@@ -92,12 +93,15 @@ class Job:
     (called on the worker thread: it must only hand the item over)."""
 
     voice: str
-    voice_rows: mx.array = field(repr=False)
+    voice_rows: mx.array | None = field(repr=False)  # None: ``load_voice()`` reads them
     text_ids: list[int] = field(repr=False)
     seq: Sequence
     chunk_frames: int
     sample_rate: int
     on_output: Callable[[AudioChunk | _Done | BaseException], None] | None = None
+    # Reads the voice's rows on the worker thread when the job starts: whoever makes a job
+    # for a voice not used before need not wait for the worker (a frame, a prefill part).
+    load_voice: Callable[[], mx.array] | None = field(default=None, repr=False)
     timings: Timings = field(default_factory=Timings)
     output: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
     done: bool = False
@@ -120,6 +124,14 @@ class Job:
     def cancel(self) -> None:
         """Stop generating (any thread); takes effect at the next frame boundary."""
         self.seq.cancel()
+
+    def rows(self) -> mx.array:
+        """The voice's embedding rows, read by ``load_voice`` the first time (on the worker)."""
+        if self.voice_rows is None:
+            if self.load_voice is None:
+                raise InputError("a job needs voice_rows or load_voice")
+            self.voice_rows = self.load_voice()
+        return self.voice_rows
 
     def claim(self) -> None:
         """Mark it handed to an engine (any thread): a job runs once, a second submission
@@ -156,6 +168,14 @@ def check_whole(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise InputError(f"{name} must be a whole number >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is True or False (numpy's too), else a one-line :class:`InputError`:
+    ``split="no"`` must not mean yes."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputError(f"{name} must be True or False, got {one_line(repr(value), 60)}")
+    return bool(value)
 
 
 def finite_float(value: object) -> float | None:
@@ -258,22 +278,23 @@ class Engine:
         dtype) and each request starts from a copy. It is always computed on its own, never
         as part of a longer prefill, so a cached start is bit-identical to a fresh one.
         """
-        key = (job.voice, str(job.voice_rows.dtype))
+        rows = job.rows()
+        key = (job.voice, str(rows.dtype))
         cached = self._prefixes.get(key)
         hit = cached is not None
         if cached is None:
-            n = job.voice_rows.shape[0]
+            n = rows.shape[0]
             ids = self._prefix_ids[: self._voice_start] + [self._prefix_ids[self._voice_start]] * n
             ids += self._prefix_ids[self._voice_start + 1 :]
             store = self.prefix_store if self.prefix_cache_voices > 0 else None
             if store is not None:
-                disk_key = store.key(ids, job.voice_rows)
+                disk_key = store.key(ids, rows)
                 a = self.model.args
                 shape = (1, a.n_kv_heads, len(ids), a.head_dim)
-                cached = store.load(disk_key, len(self.model.layers), shape, job.voice_rows.dtype)
+                cached = store.load(disk_key, len(self.model.layers), shape, rows.dtype)
                 job.timings.prefix_from_disk = hit = cached is not None
             if cached is None:
-                embeds = self.model.embed_prompt(ids, job.voice_rows, self._voice_start)
+                embeds = self.model.embed_prompt(ids, rows, self._voice_start)
                 cached = self.model.make_cache()
                 self.model(embeds, cached)
                 mx.eval([c.state for c in cached])
@@ -546,7 +567,7 @@ class Engine:
             n, final = len(job._codes), job.seq.finished
             if job.seq.stop_reason == "not_finite" and job._error is None:
                 job._error = not_finite_error(
-                    job.voice_rows.dtype, "its hidden state or semantic head", job.seq.frames + 1
+                    job.rows().dtype, "its hidden state or semantic head", job.seq.frames + 1
                 )
             if job.seq.stop_reason == "cancelled" or job._error is not None:
                 job._codes = []  # nobody wants its audio, or it is unusable: no decoding
@@ -620,9 +641,7 @@ class Engine:
             where, row = "the codec", np.flatnonzero(~np.isfinite(audio))[0] // max(spf, 1)
         else:
             return
-        job._error = not_finite_error(
-            job.voice_rows.dtype, where, job._delivered_frames + int(row) + 1
-        )
+        job._error = not_finite_error(job.rows().dtype, where, job._delivered_frames + int(row) + 1)
         job.cancel()
 
     def _finish(self, job: Job) -> None:

@@ -57,6 +57,8 @@ class NoiseSource:
 
     def __init__(self, width: int, seed: int | None = None, noise: np.ndarray | None = None):
         self.width = width
+        if noise is not None and seed is not None:
+            raise InputError("seed and noise both set the start noise: pass one of them")
         if noise is not None:
             arr = to_numpy(noise, "noise")
             if arr.ndim != 2 or arr.shape[1] != width or not np.issubdtype(arr.dtype, np.floating):

@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ from .engine import (
     Engine,
     Job,
     Timings,
+    check_flag,
     check_whole,
     finite_float,
     not_finite_error,
@@ -48,6 +50,7 @@ DEFAULT_VOICE = "casual_male"
 DEFAULT_MAX_FRAMES = 2400  # 192 s of audio at 12.5 frames/s
 MAX_TEXT_TOKENS = 8192
 SYNTH_CHUNK_FRAMES = 16
+DECODE_PART_FRAMES = 16  # decode() runs this many frames per worker call
 DEFAULT_MAX_CHARS = 400  # longest segment when splitting text (target: half of it)
 WARMUP_TEXT = "Hello."
 
@@ -287,10 +290,15 @@ class VoxtralTTS:
                 f"{MAX_TEXT_TOKENS}): pass split=True to speak it in segments"
             )
         tail = speech_prompt_ids(self.tokenizer, "", 0)[-2:]  # [REPEAT_AUDIO_TEXT, BEGIN_AUDIO]
-        rows = self._rows(v.name, self.dtype)
         source = NoiseSource(self.config.flow.n_acoustic_codebook, seed=seed, noise=noise)
         seq = Sequence(source, max_frames, alpha)
-        return Job(v.name, rows, text_ids + tail, seq, chunk_frames, self.sample_rate)
+        # A voice not used before is read when the job starts, on the worker thread: making
+        # the job must not wait for the worker's current frame or prefill part.
+        rows = self.voices.cached(v.name, self.dtype)
+        load = None if rows is not None else partial(self.voices.embedding, v.name, self.dtype)
+        job = Job(v.name, rows, text_ids + tail, seq, chunk_frames, self.sample_rate)
+        job.load_voice = load
+        return job
 
     def _reader(
         self,
@@ -316,6 +324,7 @@ class VoxtralTTS:
         if is_blank(text):
             raise InputError("text is empty: give some words to speak")
         check_seed(seed)
+        split, add_period = check_flag("split", split), check_flag("add_period", add_period)
         voice = self._voice(voice).name
         if lookahead is not None:
             lookahead = check_whole("lookahead", lookahead, 0)
@@ -579,6 +588,7 @@ class VoxtralTTS:
         :class:`Playback` handle (``stop()``, ``wait()``, ``done``). Needs PortAudio, unless
         ``player`` supplies another sink with ``feed(audio)``, ``finish()`` and ``stop()``.
         """
+        wait = check_flag("wait", wait)
         if player is not None:
             needed = ("feed", "finish", "stop")
             missing = [m for m in needed if not callable(getattr(player, m, None))]
@@ -626,11 +636,24 @@ class VoxtralTTS:
                 f"[2, {f.acoustic_codebook_size + 1}] (END=1 is not audio)"
             )
 
-        def run() -> np.ndarray:
-            audio = self.model.audio_tokenizer.decode(mx.array(arr.astype(np.int32)))
-            return np.array(audio.astype(mx.float32))
+        codec = self.model.audio_tokenizer
+        state = None
 
-        audio = self.worker.call(run)
+        def run(part: np.ndarray) -> np.ndarray:
+            nonlocal state
+            if state is None:
+                state = codec.new_state()
+            audio = codec.decode_chunk(mx.array(part.astype(np.int32))[None], state)
+            mx.eval(audio, state.arrays())
+            return np.array(audio[0].astype(mx.float32))
+
+        # One worker call per part (exact: the state carries over): running requests get a
+        # frame between parts, and a cancel() or close() need not wait for the whole decode.
+        parts = [
+            self.worker.call(run, arr[i : i + DECODE_PART_FRAMES])
+            for i in range(0, len(arr), DECODE_PART_FRAMES)
+        ]
+        audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         bad = np.flatnonzero(~np.isfinite(audio))
         if len(bad):
             frame = bad[0] * len(arr) // len(audio) + 1
