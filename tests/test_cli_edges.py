@@ -623,3 +623,67 @@ def test_an_interrupt_right_after_the_output_is_in_place_says_it_is_complete(
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip().endswith(f"interrupted after {out} was written (it is complete)")
     assert (out / "params.json").is_file()
+
+
+def _as_user(args: list[str]) -> list[str]:
+    """``args`` run so that file permissions apply (root's bypass dropped)."""
+    if os.geteuid() != 0:
+        return args
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("as root, permissions apply only through setpriv (util-linux)")
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search", *args]
+
+
+def _run_as_user(*args: str) -> subprocess.CompletedProcess:
+    cmd = _as_user([sys.executable, "-m", "voxtral_mlx", *args])
+    return subprocess.run(cmd, env=env_with_repo(), capture_output=True, timeout=300, cwd=REPO)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX permissions")
+def test_folders_that_cannot_be_read_are_named_as_such(model_dir, tmp_path):
+    """A model or voice folder without read permission looked empty: 'has no params.json',
+    'holds no .pt voice files', a voice file 'a broken or looping symbolic link'."""
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    voices = model / "voice_embedding"
+    out = tmp_path / "out.wav"
+    try:
+        model.chmod(0o000)
+        err = one_line_error(_run_as_user("speak", "-m", str(model), "Hi.", "-o", str(out)))
+        assert f"cannot read model directory {model}: Permission denied" in err
+        model.chmod(0o755)
+        voices.chmod(0o000)
+        err = one_line_error(_run_as_user("convert-voices", str(voices), "-o", str(tmp_path / "v")))
+        assert f"cannot list voice directory {voices}: Permission denied" in err
+        voices.chmod(0o644)  # names listed, files unreachable
+        err = one_line_error(_run_as_user("convert-voices", str(voices), "-o", str(tmp_path / "v")))
+        assert "Permission denied: check the permissions of its folder" in err
+    finally:
+        voices.chmod(0o755)
+        model.chmod(0o755)
+    assert not out.exists() and not (tmp_path / "v").exists()
+
+
+def test_a_voice_folder_that_is_a_looping_link_is_named_as_such(model_dir, tmp_path):
+    """It read as 'no voices' (speak), 'does not exist' (convert-voices), and convert wrote
+    a model without voices."""
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model, ignore=shutil.ignore_patterns("voice_embedding"))
+    (model / "voice_embedding").symlink_to("voice_embedding")
+    err = one_line_error(speak(model, "Hi.", "-o", str(tmp_path / "x.wav")))
+    assert "voice_embedding is a symbolic link to nothing" in err
+    err = one_line_error(run("convert", str(model), "-o", str(tmp_path / "conv")))
+    assert "voice_embedding is a symbolic link to nothing" in err
+    err = one_line_error(
+        run("convert-voices", str(model / "voice_embedding"), "-o", str(tmp_path / "v"))
+    )
+    assert "a broken or looping symbolic link" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_newline_in_a_path_keeps_the_error_on_one_line(tmp_path):
+    model = tmp_path / "a\nb"
+    model.mkdir()
+    err = one_line_error(run("speak", "-m", str(model), "Hi.", "-o", str(tmp_path / "x.wav")))
+    assert "a\\nb has no params.json" in err

@@ -63,9 +63,11 @@ def load(
     checkpoint's own (bfloat16 for Mistral's release). ``max_batch``: sequences (requests or
     text segments) generated together in one batch. ``prefix_cache_dir``: where each
     voice's prefilled prompt prefix is kept between processes (``"auto"``: the
-    ``prefixes`` folder of ``$VOXTRAL_MLX_CACHE`` or ``~/.cache/voxtral_mlx``; None: memory
-    only), so the first request with a voice skips its prefill; see
-    :mod:`voxtral_mlx.prefix_store`.
+    ``prefixes`` folder of :func:`voxtral_mlx.tokenizer.default_cache_dir`:
+    ``$VOXTRAL_MLX_CACHE``, else ``$XDG_CACHE_HOME/voxtral_mlx``, else
+    ``~/.cache/voxtral_mlx``; None: memory only), so the first request with a voice skips its
+    prefill; see :mod:`voxtral_mlx.prefix_store`. ``$VOXTRAL_MLX_MODEL`` (the CLI's default
+    model) is not read here.
 
     On a Mac, the weights are kept resident in GPU memory while requests run (see
     :mod:`voxtral_mlx.residency`); a model larger than the GPU can keep resident loads with

@@ -47,6 +47,8 @@ def _default_model() -> str:
 
 
 def _err(message: str) -> None:
+    # One line whatever a path in it holds (a file name may contain a newline).
+    message = message.replace("\r", "\\r").replace("\n", "\\n")
     print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
@@ -750,13 +752,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--no-prefix-cache",
             action="store_true",
-            help="do not keep prefilled voice prefixes on disk (~/.cache/voxtral_mlx/prefixes)",
+            help="do not keep prefilled voice prefixes on disk (in 'prefixes' of "
+            "$VOXTRAL_MLX_CACHE, else of $XDG_CACHE_HOME/voxtral_mlx or ~/.cache/voxtral_mlx)",
         )
 
     speak = sub.add_parser("speak", help="speak text (plays it, or writes it with -o)")
     speak.add_argument("text", nargs="*", help="text to speak")
     speak.add_argument("-f", "--file", help="read the text from FILE ('-' for stdin)")
-    speak.add_argument("-v", "--voice", help="voice name ('?' lists them)")
+    speak.add_argument("-v", "--voice", help="voice name (default: casual_male; '?' lists them)")
     speak.add_argument(
         "-o",
         "--output",
@@ -811,10 +814,16 @@ def build_parser() -> argparse.ArgumentParser:
         "random-checkpoint", help="build a random checkpoint in Mistral's layout (for tests)"
     )
     rnd.add_argument("output", metavar="OUT_DIR")
-    rnd.add_argument("--size", choices=["tiny", "wide", "full"], default="tiny")
+    rnd.add_argument(
+        "--size",
+        choices=["tiny", "wide", "full"],
+        default="tiny",
+        help="tiny: 64 wide, for tests; wide: the real layer widths with 2 backbone layers; "
+        "full: the real 26 + 3 layers, 8 GB (default: tiny)",
+    )
     rnd.add_argument("--layers", type=int, help="override the backbone's layer count")
     rnd.add_argument("--flow-layers", type=int, help="override the flow head's layer count")
-    rnd.add_argument("--seed", type=int, default=0)
+    rnd.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     rnd.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     rnd.add_argument("--voice-format", choices=["pt", "safetensors"], default="pt")
     rnd.add_argument(

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import ModelNotFoundError
-from .fileio import usable_path
+from .fileio import one_line, usable_path
 
 DEFAULT_REPO = "mistralai/Voxtral-4B-TTS-2603"
 KNOWN_OWNERS = ("mistralai", "mlx-community")  # their repos' layouts follow from the owner
@@ -159,6 +159,17 @@ def resolve_model_dir(path_or_repo: str | os.PathLike[str] | None = None) -> Pat
             raise ModelNotFoundError(
                 f"{spec} is a file; pass the model directory that holds params.json"
             )
+        try:  # else every file in it would look missing ("has no params.json")
+            os.scandir(path).close()
+            os.lstat(path / "params.json")
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            shown = one_line(spec, 100)
+            raise ModelNotFoundError(
+                f"cannot read model directory {shown}: {one_line(e.strerror or str(e))}; give "
+                f"yourself read access to it (chmod u+rx {shown})"
+            ) from None
         return path.resolve()
     link = _broken_link(path)
     if link is not None:

@@ -8,10 +8,10 @@ tekken.json lists the row count N each voice must have.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
+import stat
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -80,12 +80,20 @@ def _is_file(entry: Path | os.DirEntry) -> bool:
 def unreadable(path: Path) -> str:
     """The words for a voice file that is not a regular file."""
     what = "a broken or looping symbolic link"
-    with contextlib.suppress(OSError):
-        if path.is_dir():
-            what = "a directory"
-        elif path.exists():
-            what = "a pipe, socket or device"
+    try:
+        mode = os.stat(path).st_mode
+    except PermissionError as e:  # its folder cannot be searched
+        what = f"{e.strerror}: check the permissions of its folder"
+    except OSError:
+        pass
+    else:
+        what = "a directory" if stat.S_ISDIR(mode) else "a pipe, socket or device"
     return f"{one_line(str(path))} is not a readable file ({what})"
+
+
+def _dangling(path: Path) -> bool:
+    """A symbolic link whose target is missing, or a loop of links."""
+    return os.path.islink(path) and not os.path.exists(path)
 
 
 class VoiceRegistry(Mapping[str, Voice]):
@@ -120,6 +128,12 @@ class VoiceRegistry(Mapping[str, Voice]):
         broken: dict[str, Path] = {}
         if voice_dir is not None:
             voice_dir = Path(voice_dir)
+            if _dangling(voice_dir):
+                raise VoiceError(
+                    f"voice directory {one_line(str(voice_dir))} is a symbolic link to nothing "
+                    "(its target is missing, or links loop); fix the link, or replace it with "
+                    "the checkpoint's voice_embedding folder"
+                )
             if voice_dir.exists() and not voice_dir.is_dir():
                 raise VoiceError(
                     f"voice directory {one_line(str(voice_dir))} is a file, not a directory; "
@@ -351,7 +365,15 @@ def _voice_sources(sources: object) -> list[Path]:
             )
         source = usable_path(source, "voice source", VoiceError)
         if source.is_dir():
-            found = sorted(p for p in source.glob("*.pt") if not p.name.startswith("."))
+            try:
+                with os.scandir(source) as entries:
+                    names = [e.name for e in entries if e.name.endswith(".pt")]
+            except OSError as e:  # glob() would say "no voices" for a folder it cannot list
+                raise VoiceError(
+                    f"cannot list voice directory {one_line(str(source))}: "
+                    f"{one_line(e.strerror or str(e))}; check its permissions"
+                ) from None
+            found = sorted(source / n for n in names if not n.startswith("."))
             for path in found:
                 if not _is_file(path):
                     raise VoiceError(
@@ -364,7 +386,7 @@ def _voice_sources(sources: object) -> list[Path]:
             if source.suffix != ".pt":
                 raise VoiceError(f"{one_line(str(source))} is not a .pt voice file")
             files.append(source)
-        elif source.exists():
+        elif source.exists() or _dangling(source):
             raise VoiceError(f"{unreadable(source)}; name .pt files or directories holding them")
         else:
             raise VoiceError(f"voice source {one_line(str(source))} does not exist; check the path")

@@ -143,10 +143,10 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
     ext = _extension(Path(path)) or _extension(p)
     supported = ", ".join(FORMATS)
     if ext not in FORMATS:
-        what = f"extension {ext!r}" if ext else "no extension"
+        what = f"extension {ext!r} is not supported" if ext else "the name has no extension"
         raise AudioOutputError(
-            f"cannot write audio to {str(path)!r}: {what} is not supported; "
-            f"end the file name with one of {supported}"
+            f"cannot write audio to {str(path)!r}: {what}; end the file name with one of "
+            f"{supported}"
         )
     fmt, subtype = FORMATS[ext]
     if not _supported(fmt, subtype):
