@@ -30,6 +30,7 @@ from voxtral_mlx.config import ModelConfig
 from voxtral_mlx.model.codec import CodecDecoder
 from voxtral_mlx.model.codec_layers import alibi_slopes
 from voxtral_mlx.synthetic.checkpoint import make_params, random_weights
+from voxtral_mlx.tts import DECODE_PART_FRAMES
 
 PREFIX = "audio_tokenizer."
 WEIGHTS = "consolidated.safetensors"
@@ -200,6 +201,8 @@ def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype, streams: in
     rows.append((label, f"ours: {streams} streams, chunk 1, decoded together", n * streams, ms))
     s25, ms = ours_stream(ours, codes, 25, from25)
     rows.append((label, "ours: streaming, chunk 25 (exact state)", frames - from25, ms))
+    s16, ms = ours_stream(ours, codes, DECODE_PART_FRAMES, DECODE_PART_FRAMES)
+    rows.append((label, "ours: chunk 16, as tts.decode() runs it", frames - 16, ms))
     one, ms = one_shot(ours.decode, codes)
     rows.append((label, "ours: one-shot decode", frames, ms))
     _, ms = ref_stream(ref, few, 1, steady, spf, skip=True)
@@ -219,6 +222,7 @@ def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype, streams: in
     print(f"[{size}] ours chunk-1 stream vs ours one-shot: {err(s1, one[:, :n1])}")
     print(f"[{size}] {streams} streams together vs alone: {err(together, alone)}")
     print(f"[{size}] ours chunk-25 stream vs ours one-shot: {err(s25, one)}")
+    print(f"[{size}] ours chunk-16 (decode()) vs ours one-shot: {err(s16, one)}")
     print(f"[{size}] mlx-audio re-decode chunk 25 vs its one-shot (seams): {err(r25, ref_full)}")
     audio_ms = 1000.0 * spf / config.codec.sampling_rate
     return [(*row, audio_ms) for row in rows]
