@@ -173,6 +173,10 @@ def test_health_models_voices(server, http):
     assert health["max_queue"] == MAX_QUEUE
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    model_id = models["data"][0]["id"]
+    assert http.get(f"/v1/models/{model_id}").json() == models["data"][0]
+    other = _assert_openai_error(http.get("/v1/models/tts-1"), 404, "model")
+    assert other["code"] == "model_not_found"
     voices = http.get("/v1/audio/voices").json()
     by_name = {v["id"]: v for v in voices["data"]}
     assert by_name["fr_female"]["language"] == "fr"
@@ -590,8 +594,17 @@ def test_transport_level_mistakes(server, http):
     assert _assert_openai_error(huge, 413)["code"] == "request_too_large"
     form = http.post(speech, data={"input": "Hi."})
     assert _assert_openai_error(form, 415)["code"] == "unsupported_media_type"
+    body = '{"input": "Caf\u00e9."}'.encode("latin-1")
+    latin = http.post(
+        speech, content=body, headers={"Content-Type": "application/json; charset=latin-1"}
+    )
+    assert "unsupported charset 'latin-1'" in _assert_openai_error(latin, 415)["message"]
+    two = [("Content-Type", "application/json"), ("Content-Type", "text/plain")]
+    twice = http.post(speech, content=b'{"input": "Hi."}', headers=two)
+    assert "more than one Content-Type" in _assert_openai_error(twice, 400)["message"]
     missing = httpx.post(speech, json={"input": "Hi."})
     assert _assert_openai_error(missing, 401)["code"] == "missing_api_key"
+    assert missing.headers["www-authenticate"] == "Bearer"
     wrong = httpx.post(speech, json={"input": "Hi."}, headers={"Authorization": "Bearer no"})
     assert _assert_openai_error(wrong, 401)["code"] == "invalid_api_key"
     assert "--api-key" in wrong.json()["error"]["message"]
@@ -620,6 +633,13 @@ def test_voice_names_ignore_case_when_unambiguous():
     both = {"a_voice": 1, "A_Voice": 2}
     with pytest.raises(APIError, match="is ambiguous: it matches A_Voice, a_voice"):
         resolve_voice("A_VOICE", both, "a_voice")
+
+
+def test_the_openai_client_retrieves_the_model(server, client):
+    (model,) = client.models.list().data
+    assert client.models.retrieve(model.id).id == model.id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("tts-1")
 
 
 def test_the_openai_client_sees_its_own_exceptions(server, client):

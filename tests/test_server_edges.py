@@ -222,7 +222,13 @@ ODD_BODIES = [
         "unknown voice",
         "voice",
     ),
-    ("long field", b'{"' + b"f" * 50_000 + b'": 1, "input": "Hi."}', "unrecognized", None),
+    (
+        "long field",
+        b'{"' + b"f" * 50_000 + b'": 1, "input": "Hi."}',
+        "unrecognized",
+        "f" * 57 + "...",
+    ),
+    ("lone surrogate field", b'{"input": "Hi.", "\\ud800": 1}', "unrecognized", "\\ud800"),
 ]
 
 

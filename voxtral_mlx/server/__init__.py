@@ -19,7 +19,8 @@ Endpoints
     ``tts.synthesize(input, voice, seed=seed, split=True, max_frames=--max-frames)``.
     Other fields are refused (400) so that typos do not pass silently.
     ``GET /v1/audio/voices``  the voices with their languages, and the OpenAI aliases.
-    ``GET /v1/models``  the loaded model (id: the directory name or repo given with -m).
+    ``GET /v1/models``  the loaded model (id: the directory name or repo given with -m);
+    ``GET /v1/models/{id}`` that model (404 for another id).
     ``GET /health``  ``{"status": "ok", "requests": speech requests in progress,
     "active": text segments generating in the engine's batch (or set aside), "waiting":
     segments waiting to join it, "parked": read-ahead segments set aside for a newcomer,

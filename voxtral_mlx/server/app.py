@@ -78,6 +78,7 @@ def create_app(tts: VoxtralTTS, config: ServerConfig) -> Starlette:
         Route("/v1/audio/speech", api.speech, methods=["POST"]),
         Route("/v1/audio/voices", api.voices, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
     ]
     handlers = {
@@ -292,10 +293,28 @@ class SpeechAPI:
         aliases = voice_aliases(voices)
         return JSONResponse({"object": "list", "data": data, "aliases": aliases})
 
+    def _model(self) -> dict[str, Any]:
+        return {
+            "id": self.config.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "voxtral-mlx",
+        }
+
     async def models(self, request: Request) -> Response:
-        model = {"id": self.config.model_id, "object": "model", "created": 0}
-        model["owned_by"] = "voxtral-mlx"
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.config.model_id:
+            raise APIError(
+                404,
+                f"the model {shown(model_id)} does not exist: this server runs "
+                f"{shown(self.config.model_id)}",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model())
 
     async def health(self, request: Request) -> Response:
         c = self.counters
@@ -337,13 +356,24 @@ def _engine_state(tts: VoxtralTTS) -> dict[str, int]:
 async def _json_body(request: Request, limit: int, timeout: float) -> Any:
     """The decoded JSON body: 415 for another Content-Type, 413 beyond ``limit`` bytes,
     408 if it has not fully arrived within ``timeout`` seconds, 400 if it is not JSON."""
-    ctype = request.headers.get("content-type")
-    if ctype is not None:
-        mime = ctype.split(";", 1)[0].strip().lower()
+    ctypes = request.headers.getlist("content-type")
+    if len(ctypes) > 1:
+        raise bad_request("the request has more than one Content-Type header: send one")
+    if ctypes:
+        mime, _, params = ctypes[0].partition(";")
+        mime = mime.strip().lower()
         if mime != "application/json" and not mime.endswith("+json"):
             raise APIError(
                 415,
-                f"unsupported Content-Type {mime or ctype!r}: send the body as application/json",
+                f"unsupported Content-Type {shown(mime or ctypes[0])}: send the body as "
+                "application/json",
+                code="unsupported_media_type",
+            )
+        charset = _charset(params)
+        if charset is not None and charset not in ("utf-8", "utf8"):
+            raise APIError(
+                415,
+                f"unsupported charset {shown(charset)}: send the JSON body in UTF-8",
                 code="unsupported_media_type",
             )
     declared = request.headers.get("content-length", "")
@@ -364,6 +394,15 @@ async def _json_body(request: Request, limit: int, timeout: float) -> Any:
             headers={"Connection": "close"},  # the rest of the body may still be coming
         )
     return _decode_json(bytes(data))
+
+
+def _charset(params: str) -> str | None:
+    """The ``charset`` parameter of a Content-Type's ``;``-separated parameters, lowercased."""
+    for param in params.split(";"):
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset":
+            return value.strip().strip('"').lower()
+    return None
 
 
 def _too_large(limit: int) -> APIError:
@@ -444,25 +483,28 @@ class BearerAuth:
     def _check(self, header: bytes | None) -> APIError | None:
         missing = "you didn't provide an API key: send it as 'Authorization: Bearer KEY'"
         if not header or not header.strip():
-            return APIError(401, missing, code="missing_api_key")
+            return _unauthorized(missing, "missing_api_key")
         scheme, _, token = header.strip().partition(b" ")
         if scheme.lower() != b"bearer":
-            return APIError(
-                401,
+            return _unauthorized(
                 f"the Authorization header uses the scheme {shown(scheme.decode('latin-1'))}: send "
                 "'Authorization: Bearer KEY'",
-                code="invalid_api_key",
+                "invalid_api_key",
             )
         if not token.strip():
-            return APIError(401, missing, code="missing_api_key")
+            return _unauthorized(missing, "missing_api_key")
         if not hmac.compare_digest(token.strip(), self._key):
-            return APIError(
-                401,
+            return _unauthorized(
                 "incorrect API key provided: send the key the server was started with "
                 "(--api-key or $VOXTRAL_MLX_API_KEY)",
-                code="invalid_api_key",
+                "invalid_api_key",
             )
         return None
+
+
+def _unauthorized(message: str, code: str) -> APIError:
+    # RFC 9110: a 401 says which scheme would be accepted.
+    return APIError(401, message, code=code, headers={"WWW-Authenticate": "Bearer"})
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

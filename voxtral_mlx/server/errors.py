@@ -23,7 +23,8 @@ class APIError(Exception):
         self.status = status
         self.message = one_line(message, 2000)
         self.type = type
-        self.param = param
+        # A field's name comes from the client: escaped and cut like any echoed string.
+        self.param = None if param is None else one_line(param, 200)
         self.code = code
         self.headers = dict(headers or {})
 

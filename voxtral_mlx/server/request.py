@@ -182,7 +182,7 @@ def parse_speech_request(
         name = one_line(unknown[0], 60)
         raise bad_request(
             f"unrecognized request argument supplied: {name} (accepted: {', '.join(FIELDS)})",
-            unknown[0],
+            name,
         )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
