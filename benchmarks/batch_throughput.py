@@ -5,12 +5,15 @@ Sequential: the same segments one after another (batch of 1). Same seeds, same f
 (END is suppressed in memory for any checkpoint, so every segment runs ``--frames`` frames).
 
     python benchmarks/batch_throughput.py [--config wide|CHECKPOINT_DIR] [--batch 4] [--frames 6]
-                                          [--dtype bfloat16|float32]
+                                          [--dtype bfloat16|float32] [--repeats 5]
+
+Wall times are medians of ``--repeats`` runs of each mode, interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -35,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="wide", help=f"{sorted(CONFIGS)} or a directory")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--frames", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=5, help="runs per mode (median)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
@@ -45,14 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {"seed": 1, "split": True, "max_chars": 80, "max_frames": args.frames, "pause": 0.0}
     tts.synthesize(SENTENCES[:200], voice, **kwargs)  # warm-up
 
+    walls: dict[str, list[float]] = {"sequential": [], "batched": []}
+    durations: dict[str, float] = {}
+    for _ in range(max(1, args.repeats)):  # interleaved: a slow spell hits both modes
+        for mode, batch in (("sequential", 1), ("batched", args.batch)):
+            tts.engine.max_batch = batch
+            t0 = time.perf_counter()
+            speech = tts.synthesize(SENTENCES, voice, **kwargs)
+            wall = time.perf_counter() - t0
+            walls[mode].append(wall)
+            durations[mode] = speech.duration
+            print(f"{mode}: {speech.duration:.1f} s of audio in {wall:.1f} s", flush=True)
     results = {}
-    for mode, batch in (("sequential", 1), ("batched", args.batch)):
-        tts.engine.max_batch = batch
-        t0 = time.perf_counter()
-        speech = tts.synthesize(SENTENCES, voice, **kwargs)
-        wall = time.perf_counter() - t0
-        results[mode] = (speech.duration / wall, wall, speech.duration)
-        print(f"{mode}: {speech.duration:.1f} s of audio in {wall:.1f} s", flush=True)
+    for mode, times in walls.items():
+        wall = statistics.median(times)
+        results[mode] = (durations[mode] / wall, wall, durations[mode])
     ratio = results["batched"][0] / results["sequential"][0]
     rows = [("mode", "audio s", "wall s", "audio s / wall s")]
     for mode, (speed, wall, dur) in results.items():

@@ -8,7 +8,7 @@ like. Times are wall-clock per decoded frame (80 ms of audio for Voxtral), evalu
 boundary as a player would; streaming times are steady state (chunks from frame 16 on).
 
     python benchmarks/codec_bench.py [--configs tiny full CHECKPOINT_DIR] [--frames N]
-        [--slow-frames N] [--dtype float32] [--streams 4]
+        [--slow-frames N] [--dtype float32] [--streams 4] [--repeats 5]
 
 The "streams" rows decode several concurrent streams one frame at a time, as the engine
 does for a batch of streaming requests: one batched step for all of them
@@ -18,6 +18,7 @@ does for a batch of streaming requests: one batched step for all of them
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -177,9 +178,12 @@ def one_shot(decode, codes: mx.array):
     return out, (time.perf_counter() - start) * 1e3 / codes.shape[1]
 
 
-def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype, streams: int) -> list[tuple]:
+def bench(
+    size: str, frames: int, slow_frames: int, dtype: mx.Dtype, streams: int, repeats: int
+) -> list[tuple]:
     """Streaming times are steady state: only chunks that start at frame >= 16 (whole
-    mlx-audio context, full attention windows) are timed."""
+    mlx-audio context, full attention windows) are timed. Each figure is the median of
+    ``repeats`` runs."""
     config, ours, ref, n_params = build(size, dtype)
     spf = config.codec.samples_per_frame
     codes = random_codes(config, frames)
@@ -190,27 +194,53 @@ def bench(size: str, frames: int, slow_frames: int, dtype: mx.Dtype, streams: in
     # Warm-up (mask construction, allocator) on a few frames.
     mx.eval(ours.decode(codes[:, :3]), ref.decode(codes[:, :3]))
 
-    rows: list[tuple] = []
-    s1, ms = ours_stream(ours, few, 1, steady)
-    rows.append((label, "ours: streaming, chunk 1 (exact state)", slow_frames - steady, ms))
+    times: dict[str, list[float]] = {}
+    order: list[tuple[str, int]] = []
+
+    def timed(method: str, n: int, result: tuple) -> mx.array:
+        if method not in times:
+            times[method] = []
+            order.append((method, n))
+        times[method].append(result[1])
+        return result[0]
+
     from25 = -(-steady // 25) * 25
     n = slow_frames - steady
-    alone, ms = ours_streams(ours, few, streams, False, steady)
-    rows.append((label, f"ours: {streams} streams, chunk 1, one call each", n * streams, ms))
-    together, ms = ours_streams(ours, few, streams, True, steady)
-    rows.append((label, f"ours: {streams} streams, chunk 1, decoded together", n * streams, ms))
-    s25, ms = ours_stream(ours, codes, 25, from25)
-    rows.append((label, "ours: streaming, chunk 25 (exact state)", frames - from25, ms))
-    s16, ms = ours_stream(ours, codes, DECODE_PART_FRAMES, DECODE_PART_FRAMES)
-    rows.append((label, "ours: chunk 16, as tts.decode() runs it", frames - 16, ms))
-    one, ms = one_shot(ours.decode, codes)
-    rows.append((label, "ours: one-shot decode", frames, ms))
-    _, ms = ref_stream(ref, few, 1, steady, spf, skip=True)
-    rows.append((label, "mlx-audio: re-decode chunk 1 + 16 ctx", slow_frames - steady, ms))
-    r25, ms = ref_stream(ref, codes, 25, from25, spf)
-    rows.append((label, "mlx-audio: re-decode chunk 25 + 16 ctx", frames - from25, ms))
-    ref_full, ms = one_shot(ref.decode, codes)
-    rows.append((label, "mlx-audio: one-shot decode", frames, ms))
+    for _ in range(repeats):  # interleaved, so a slow spell of the machine hits every row
+        s1 = timed("ours: streaming, chunk 1 (exact state)", n, ours_stream(ours, few, 1, steady))
+        alone = timed(
+            f"ours: {streams} streams, chunk 1, one call each",
+            n * streams,
+            ours_streams(ours, few, streams, False, steady),
+        )
+        together = timed(
+            f"ours: {streams} streams, chunk 1, decoded together",
+            n * streams,
+            ours_streams(ours, few, streams, True, steady),
+        )
+        s25 = timed(
+            "ours: streaming, chunk 25 (exact state)",
+            frames - from25,
+            ours_stream(ours, codes, 25, from25),
+        )
+        s16 = timed(
+            "ours: chunk 16, as tts.decode() runs it",
+            frames - DECODE_PART_FRAMES,
+            ours_stream(ours, codes, DECODE_PART_FRAMES, DECODE_PART_FRAMES),
+        )
+        one = timed("ours: one-shot decode", frames, one_shot(ours.decode, codes))
+        timed(
+            "mlx-audio: re-decode chunk 1 + 16 ctx",
+            n,
+            ref_stream(ref, few, 1, steady, spf, skip=True),
+        )
+        r25 = timed(
+            "mlx-audio: re-decode chunk 25 + 16 ctx",
+            frames - from25,
+            ref_stream(ref, codes, 25, from25, spf),
+        )
+        ref_full = timed("mlx-audio: one-shot decode", frames, one_shot(ref.decode, codes))
+    rows = [(label, method, n, statistics.median(times[method])) for method, n in order]
 
     def err(a: mx.array, b: mx.array) -> str:
         a, b = a.astype(mx.float32), b.astype(mx.float32)
@@ -249,6 +279,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, help="frames for the chunk-25 and one-shot runs")
     parser.add_argument("--slow-frames", type=int, help="frames for the chunk-1 runs")
     parser.add_argument("--streams", type=int, default=4, help="concurrent streams")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per figure (median)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--no-record", action="store_true", help="the default")
@@ -261,7 +292,7 @@ def main() -> None:
         slow = min(frames, args.slow_frames or default[1])
         if slow <= MLX_AUDIO_CONTEXT or frames < 2 * 25:
             parser.error("need --slow-frames > 16 and --frames >= 50 (steady state is timed)")
-        rows += bench(size, frames, slow, dtype, args.streams)
+        rows += bench(size, frames, slow, dtype, args.streams, max(1, args.repeats))
 
     frame_ms = sorted({f"{r[4]:g}" for r in rows})
     print(f"\nbackend: {mx.default_device()}; real time = {', '.join(frame_ms)} ms per frame\n")

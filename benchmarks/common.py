@@ -177,10 +177,9 @@ def run_script(main: Callable[[], int | None]) -> None:
     sys.exit(code)
 
 
-def load_reference(model_dir: Path):
-    """mlx-audio's Voxtral model on the same checkpoint (see tests/mlx_audio_reference.py)."""
-    from tests.mlx_audio_reference import load_reference as load
-
+def check_comparable(model_dir: Path, voice: str | None = None) -> None:
+    """Stop in one line, before anything is timed, if mlx-audio cannot run on
+    ``model_dir`` (another layout) or with ``voice`` (not in tekken.json's list)."""
     if not (Path(model_dir) / "consolidated.safetensors").is_file():
         raise SystemExit(
             f"{model_dir}: the mlx-audio comparison needs Mistral's layout "
@@ -195,6 +194,15 @@ def load_reference(model_dir: Path):
             "consolidated.safetensors: voxtral_mlx loads the conversion, mlx-audio's reference "
             "would read the original; compare on a directory holding only one of them"
         )
+    if voice is not None:
+        _check_listed(model_dir, voice)
+
+
+def load_reference(model_dir: Path):
+    """mlx-audio's Voxtral model on the same checkpoint (see tests/mlx_audio_reference.py)."""
+    from tests.mlx_audio_reference import load_reference as load
+
+    check_comparable(model_dir)
     try:
         return load(model_dir)
     except (ValueError, KeyError, TypeError) as e:  # a shape mlx-audio's model cannot hold
@@ -225,10 +233,7 @@ def _tekken_voices(model_dir: Path) -> set[str]:
         return set()
 
 
-def reference_voice(ref, model_dir: Path, voice: str, dtype) -> None:
-    """Give mlx-audio the voice from our reader (it only reads .safetensors voices)."""
-    import voxtral_mlx.torch_pickle as tp
-
+def _check_listed(model_dir: Path, voice: str) -> None:
     if voice not in _tekken_voices(model_dir):
         raise SystemExit(
             f"{model_dir}: voice {voice!r} is not in tekken.json's voice list, which is all "
@@ -236,6 +241,12 @@ def reference_voice(ref, model_dir: Path, voice: str, dtype) -> None:
             "to compare, or time voxtral_mlx alone (frame_speed.py --no-reference)"
         )
 
+
+def reference_voice(ref, model_dir: Path, voice: str, dtype) -> None:
+    """Give mlx-audio the voice from our reader (it only reads .safetensors voices)."""
+    import voxtral_mlx.torch_pickle as tp
+
+    _check_listed(model_dir, voice)
     folder = Path(model_dir) / "voice_embedding"
     if (folder / f"{voice}.pt").is_file():
         rows = tp.to_mlx(tp.read_pt(folder / f"{voice}.pt"))

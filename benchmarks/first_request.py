@@ -29,6 +29,7 @@ from pathlib import Path
 
 from common import (
     TEXT,
+    check_comparable,
     command_line,
     config_list,
     label,
@@ -85,7 +86,8 @@ def run(mode: str, path: Path) -> dict[str, float]:
             check=False,
         )
     if out.returncode:
-        raise SystemExit(f"{mode} run failed:\n{out.stderr[-2000:]}")
+        lines = out.stderr.strip().splitlines() or ["(no output)"]
+        raise SystemExit(f"{mode} run failed: {lines[-1]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name in config_list(args.configs):
         path = resolve(name, CONFIGS)
+        check_comparable(path, pick_voice(path))  # not after the runs of ours
         runs: dict[str, list[dict[str, float]]] = {"cold": [], "warmup": [], "mlx-audio": []}
         for _ in range(args.repeats):  # interleaved: drift hits all three alike
             for mode, results in runs.items():

@@ -144,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["tiny", "wide"], default="tiny")
     parser.add_argument(
-        "--model", type=Path, help="a Mistral-layout checkpoint to use instead of a random one"
+        "--model",
+        type=lambda text: Path(text).expanduser(),
+        help="a Mistral-layout checkpoint to use instead of a random one",
     )
     parser.add_argument("--frames", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)

@@ -38,7 +38,7 @@ QUICK = [
     ["first_request.py", "--configs", "tiny", "--repeats", "5"],
     ["codec_bench.py", "--configs", "tiny", "--dtype", "bfloat16", "--record"],
     ["batch_throughput.py", "--config", "tiny", "--frames", "20"],
-    ["weight_bound.py", "--config", "wide", "--repeats", "1"],
+    ["weight_bound.py", "--config", "wide", "--repeats", "5"],
     ["quant_agreement.py", "--record"],
 ]
 FULL = [
@@ -46,9 +46,17 @@ FULL = [
     ["frame_speed.py", "--configs", "wide", "--repeats", "3"],
     # mlx-audio's default 25-frame first chunk takes ~10 minutes per run at these widths.
     ["ttfa.py", "--configs", "wide", "--repeats", "3", "--no-default-interval"],
-    ["codec_bench.py", "--configs", "full", "--dtype", "bfloat16", "--record"],
-    ["weight_bound.py", "--config", "wide", "--repeats", "3"],
-    ["batch_throughput.py", "--config", "wide", "--frames", "3"],  # bf16: see --openblas
+    # The real widths on this CPU take minutes per run: 3 runs (and the real codec's 1).
+    ["codec_bench.py", "--configs", "full", "--dtype", "bfloat16", "--record", "--repeats", "1"],
+    [
+        "batch_throughput.py",
+        "--config",
+        "wide",
+        "--frames",
+        "3",
+        "--repeats",
+        "3",
+    ],  # bf16: see --openblas
     ["frame_speed.py", "--configs", "full", "--repeats", "3", "--no-reference"],
     ["weight_bound.py", "--config", "full", "--repeats", "3"],
     ["long_prompt.py", "--configs", "tiny", "--tokens", "1000,2000"],
@@ -72,7 +80,17 @@ def model_suite(model: str) -> list[list[str]]:
 OPENBLAS = [
     ["frame_speed.py", "--configs", "tiny", "--repeats", "5", "--dtype", "float32"],
     ["batch_throughput.py", "--config", "tiny", "--frames", "20", "--dtype", "float32"],
-    ["batch_throughput.py", "--config", "wide", "--frames", "20", "--dtype", "float32"],
+    [
+        "batch_throughput.py",
+        "--config",
+        "wide",
+        "--frames",
+        "20",
+        "--dtype",
+        "float32",
+        "--repeats",
+        "3",
+    ],
 ]
 
 
