@@ -296,9 +296,9 @@ class VoxtralTTS:
         # the job must not wait for the worker's current frame or prefill part.
         rows = self.voices.cached(v.name, self.dtype)
         load = None if rows is not None else partial(self.voices.embedding, v.name, self.dtype)
-        job = Job(v.name, rows, text_ids + tail, seq, chunk_frames, self.sample_rate)
-        job.load_voice = load
-        return job
+        return Job(
+            v.name, rows, text_ids + tail, seq, chunk_frames, self.sample_rate, load_voice=load
+        )
 
     def _reader(
         self,
