@@ -330,3 +330,27 @@ def test_a_voice_is_read_on_the_worker_thread(tiny_checkpoint, monkeypatch):
         assert len(threads) == 2  # voices[1] and voices[2]; voices[0]'s count is listed
     finally:
         model.close()
+
+
+def test_say_plans_its_pre_roll_for_the_text_as_speak_does(tts, monkeypatch):
+    """say() fed the player no expected length, so its pre-roll assumed a fixed one and
+    audio generated slower than real time stuttered where `speak` played through."""
+    import voxtral_mlx.audio.player as player_mod
+
+    players: list[RecordingPlayer] = []
+
+    class Player(RecordingPlayer):
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+            self.expected: list[float | None] = []
+            players.append(self)
+
+        def feed(self, audio, expected_total_s=None):
+            self.expected.append(expected_total_s)
+            super().feed(audio)
+
+    monkeypatch.setattr(player_mod, "AudioPlayer", Player)
+    tts.say(STORY, VOICE, seed=3, max_frames=10)
+    (player,) = players
+    assert player.finished and len(player.expected) == len(player.fed) > 1
+    assert all(isinstance(e, float) and e > 0 for e in player.expected), player.expected

@@ -209,3 +209,18 @@ def test_every_segment_is_checked_when_the_stream_is_made(tts):
     text = "Short opening.\n\n" + " ".join(["word"] * 9000) + "."
     with pytest.raises(InputError, match="max_chars"):
         tts.stream(text, VOICE, split=True, max_chars=200_000, lookahead=1, max_frames=2)
+
+
+def test_say_after_close_raises_at_once_and_opens_no_audio(tiny_checkpoint, monkeypatch):
+    """say(wait=False) returned a handle and opened the device; the error came only from
+    wait(), so an app that does not wait stayed silent without a word."""
+    import voxtral_mlx.audio.player as player_mod
+
+    opened: list[object] = []
+    monkeypatch.setattr(player_mod, "AudioPlayer", lambda *a, **k: opened.append(a))
+    model = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=None)
+    model.close()
+    for wait in (False, True):
+        with pytest.raises(VoxtralError, match="closed"):
+            model.say("Hello.", wait=wait)
+    assert opened == []

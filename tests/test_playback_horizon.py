@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from test_player import FRAME, FRAME_S, SR, FakeClock, frame, make_player
 
-from voxtral_mlx.cli import _PlaybackHorizon
+from voxtral_mlx.audio.horizon import PlaybackHorizon
 
 SEGMENTS = 3
 FRAMES = 25  # per segment (2 s): --max-frames 25
@@ -79,7 +79,7 @@ def simulate(horizon_for) -> tuple[float, float, int, float]:
 
 def test_a_split_text_starts_once_its_first_segment_can_play_through():
     def ours(stream, clock):
-        return _PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=clock.t)
+        return PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=clock.t)
 
     def whole_text(stream, clock):  # what speak did before: the whole text at the head's rate
         return lambda chunk, now=None: SEGMENTS * FRAMES * FRAME_S
@@ -96,11 +96,11 @@ def test_slower_than_real_time_overall_plans_for_the_whole_text():
     """When all segments together are generated slower than real time, the ones ahead do
     not keep up either: the whole text's length is the horizon, as for one utterance."""
     stream = fake_stream(pause=0.5)
-    horizon = _PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=0.0)
+    horizon = PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=0.0)
     assert horizon.total_s == pytest.approx(3 * 2.0 + 2 * 0.5)
     chunk = SimpleNamespace(audio=frame(0), segment=0)
     stream.timings.audio_s, stream.ahead_s = FRAME_S, 2 * FRAME_S
     assert horizon(chunk, now=1.0) == pytest.approx(horizon.total_s)  # 0.24 s in 1 s
     assert horizon(chunk, now=0.1) == pytest.approx(2.0)  # 2.4x: fed + the rest of segment 0
     single = SimpleNamespace(segments=stream.segments[:1], timings=stream.timings, ahead_s=0.0)
-    assert _PlaybackHorizon(fake_tts(), single, FRAMES, None, 0.0)(chunk, now=0.1) == 2.0
+    assert PlaybackHorizon(fake_tts(), single, FRAMES, None, 0.0)(chunk, now=0.1) == 2.0

@@ -837,7 +837,7 @@ from voxtral_mlx.audio.player import AudioPlayer, list_output_devices, resolve_d
 
 args = json.loads(sys.argv[1])
 signal = np.load(args["signal"])
-player = AudioPlayer(24000, min_preroll_s=args["min_preroll_s"])
+player = AudioPlayer(24000, min_preroll_s=args["min_preroll_s"], device=args.get("device"))
 for i in range(0, signal.size, args["chunk"]):
     player.feed(signal[i : i + args["chunk"]])
 player.finish()
@@ -918,6 +918,17 @@ def test_real_portaudio_plays_exact_samples(tmp_path):
     assert {"default", "voxtral_record", "voxtral_null"} <= set(names)
     assert names["default"]["default"] is True
     assert result["resolved"] == names["voxtral_record"]["index"]
+
+
+def test_real_portaudio_converts_for_an_integer_device_without_dither(tmp_path):
+    """A device that takes no float32 gets PortAudio's own conversion; with its default
+    dither about half the samples came out 1 LSB off."""
+    n = 12 * FRAME
+    k, x = _grid_signal(n, seed=2)
+    recorded, _ = _play_through_alsa(tmp_path, x, min_preroll_s=60.0, device="voxtral_s16")
+    nz = np.flatnonzero(recorded)
+    assert nz.size, "nothing was recorded"
+    assert np.array_equal(recorded[nz[0] : nz[-1] + 1], k)
 
 
 def test_real_portaudio_streaming_with_underruns(tmp_path):

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from .audio.horizon import PlaybackHorizon
 from .errors import AudioOutputError, InputError, VoxtralError
 from .fileio import one_line
 from .interrupts import (
@@ -37,7 +38,6 @@ PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
 MAX_TIMEOUT_S = 86400.0  # serve's --body-timeout and --send-timeout
 MAX_TEXT_BYTES = 64 << 20  # -f FILE or stdin: more is not text to speak
-SECONDS_PER_TEXT_TOKEN = 0.3  # rough speaking rate, only a hint for the player's pre-roll
 T = TypeVar("T")
 
 
@@ -265,44 +265,6 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-class _PlaybackHorizon:
-    """The length the player's pre-roll plans for (its ``expected_total_s``), per chunk.
-
-    Lengths are guessed from the text (``SECONDS_PER_TEXT_TOKEN``, at most ``max_frames``
-    per segment). One utterance: its expected length. A split text whose later segments
-    are generated beside the one being heard, faster than real time overall: only that
-    segment's own arrival rate can starve playback (the ones after it arrive in a burst
-    when it ends), so the horizon is the audio fed so far plus what that segment still has
-    to come. Planning for the whole text at the first segment's rate kept a chapter silent
-    until nearly all of it was generated.
-    """
-
-    def __init__(self, tts, stream, max_frames: int, pause: float | None, started: float):
-        self.tts, self.stream, self.started = tts, stream, started
-        cap = max_frames * tts.samples_per_frame / tts.sample_rate
-        self.segment_s = [
-            min(cap, len(tts.tokenizer.encode(seg.spoken)) * SECONDS_PER_TEXT_TOKEN)
-            for seg in stream.segments
-        ]
-        pauses = [seg.pause_after if pause is None else pause for seg in stream.segments[:-1]]
-        self.total_s = max(1.0, sum(self.segment_s) + sum(pauses))
-        self._segment = -1
-        self._segment_fed = 0.0
-        self._fed = 0.0
-
-    def __call__(self, chunk, now: float | None = None) -> float:
-        seconds = len(chunk.audio) / self.tts.sample_rate
-        self._fed += seconds
-        if chunk.segment != self._segment:
-            self._segment, self._segment_fed = chunk.segment, 0.0
-        self._segment_fed += seconds
-        elapsed = (time.monotonic() if now is None else now) - self.started
-        generated = self.stream.timings.audio_s + self.stream.ahead_s
-        if len(self.segment_s) == 1 or elapsed <= 0 or generated < elapsed:
-            return self.total_s
-        return self._fed + max(0.0, self.segment_s[self._segment] - self._segment_fed)
-
-
 @terminable
 def cmd_speak(args: argparse.Namespace) -> int:
     if args.device == "?":
@@ -410,7 +372,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
             player.stop()
         raise
     if player is not None:
-        horizon = _PlaybackHorizon(tts, stream, args.max_frames, args.pause, started)
+        horizon = PlaybackHorizon(tts, stream, args.max_frames, args.pause, started)
     progress = chunks = None
     ok = False
     interrupted: KeyboardInterrupt | None = None

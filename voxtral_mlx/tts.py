@@ -587,6 +587,8 @@ class VoxtralTTS:
         when the last sample has played; with ``wait=False`` it returns at once with a
         :class:`Playback` handle (``stop()``, ``wait()``, ``done``). Needs PortAudio, unless
         ``player`` supplies another sink with ``feed(audio)``, ``finish()`` and ``stop()``.
+        Each call opens its own output stream, so two at once play together (as two ``say``
+        processes do): ``stop()`` the first to replace it.
         """
         wait = check_flag("wait", wait)
         if player is not None:
@@ -597,9 +599,13 @@ class VoxtralTTS:
                     f"player must have feed(audio), finish() and stop(); a "
                     f"{type(player).__name__} lacks {', '.join(missing)}"
                 )
+        if self.worker.closed:  # the handle would only say so later, in silence
+            raise closed_error()
         # The request is checked before the audio output is opened: bad input opens nothing.
         stream = self.stream(text, voice, seed=seed, split=True, pause=pause, max_frames=max_frames)
+        horizon = None
         if player is None:
+            from .audio.horizon import PlaybackHorizon
             from .audio.player import AudioPlayer
 
             try:
@@ -607,7 +613,14 @@ class VoxtralTTS:
             except BaseException:
                 stream.close()
                 raise
-        playback = Playback(stream, player)
+            # As speak's: the pre-roll plans for the text's length, so audio generated
+            # slower than real time plays without gaps.
+            started = time.monotonic()
+
+            def horizon() -> PlaybackHorizon:
+                return PlaybackHorizon(self, stream, max_frames, pause, started)
+
+        playback = Playback(stream, player, horizon)
         if wait:
             playback.wait()
         return playback
@@ -674,9 +687,12 @@ class Playback:
     """Speech playing in the background: ``stop()`` silences it within 200 ms, ``wait()``
     blocks until the last sample has played (re-raising any error)."""
 
-    def __init__(self, stream: TextStream, player) -> None:
+    def __init__(
+        self, stream: TextStream, player, horizon: Callable[[], Callable] | None = None
+    ) -> None:
         self.stream = stream
         self.player = player
+        self._horizon = horizon  # makes the per-chunk expected_total_s (for AudioPlayer)
         self.error: BaseException | None = None  # raised before stop(), if any
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="voxtral-mlx-say", daemon=True)
@@ -684,11 +700,17 @@ class Playback:
 
     def _run(self) -> None:
         try:
+            # Made here, not in say(): it tokenizes every segment (a chapter's worth).
+            horizon = self._horizon() if self._horizon is not None else None
             for chunk in self.stream:
                 if self._stopped:
                     break
-                if len(chunk.audio):
+                if not len(chunk.audio):
+                    continue
+                if horizon is None:
                     self.player.feed(chunk.audio)
+                else:
+                    self.player.feed(chunk.audio, expected_total_s=horizon(chunk))
             if not self._stopped:  # a stopped player has nothing left to play out
                 self.player.finish()
         except BaseException as e:  # handed to wait()

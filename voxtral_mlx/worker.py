@@ -91,6 +91,11 @@ class Worker:
         _WORKERS.add(self)
 
     @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called: new work is refused."""
+        return self._closed
+
+    @property
     def in_worker(self) -> bool:
         return self._serving and threading.current_thread() is self._thread
 

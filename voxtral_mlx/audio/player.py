@@ -234,6 +234,9 @@ class AudioPlayer:
             "dtype": "float32",
             "callback": self._callback,
             "finished_callback": self._finished.set,
+            # A device that takes no float32 gets PortAudio's conversion: undithered, the
+            # samples are the ones generated (dithered, about half were 1 LSB off).
+            "dither_off": True,
         }
         if latency is not None:
             kwargs["latency"] = latency

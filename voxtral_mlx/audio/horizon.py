@@ -1,0 +1,46 @@
+"""How long the player's pre-roll should plan for: the ``expected_total_s`` it is fed with
+each chunk of a (possibly split) text, guessed from the text and refined as audio arrives."""
+
+from __future__ import annotations
+
+import time
+
+SECONDS_PER_TEXT_TOKEN = 0.3  # rough speaking rate, only a hint for the player's pre-roll
+
+
+class PlaybackHorizon:
+    """The length the player's pre-roll plans for (its ``expected_total_s``), per chunk.
+
+    Lengths are guessed from the text (``SECONDS_PER_TEXT_TOKEN``, at most ``max_frames``
+    per segment). One utterance: its expected length. A split text whose later segments
+    are generated beside the one being heard, faster than real time overall: only that
+    segment's own arrival rate can starve playback (the ones after it arrive in a burst
+    when it ends), so the horizon is the audio fed so far plus what that segment still has
+    to come. Planning for the whole text at the first segment's rate kept a chapter silent
+    until nearly all of it was generated.
+    """
+
+    def __init__(self, tts, stream, max_frames: int, pause: float | None, started: float):
+        self.tts, self.stream, self.started = tts, stream, started
+        cap = max_frames * tts.samples_per_frame / tts.sample_rate
+        self.segment_s = [
+            min(cap, len(tts.tokenizer.encode(seg.spoken)) * SECONDS_PER_TEXT_TOKEN)
+            for seg in stream.segments
+        ]
+        pauses = [seg.pause_after if pause is None else pause for seg in stream.segments[:-1]]
+        self.total_s = max(1.0, sum(self.segment_s) + sum(pauses))
+        self._segment = -1
+        self._segment_fed = 0.0
+        self._fed = 0.0
+
+    def __call__(self, chunk, now: float | None = None) -> float:
+        seconds = len(chunk.audio) / self.tts.sample_rate
+        self._fed += seconds
+        if chunk.segment != self._segment:
+            self._segment, self._segment_fed = chunk.segment, 0.0
+        self._segment_fed += seconds
+        elapsed = (time.monotonic() if now is None else now) - self.started
+        generated = self.stream.timings.audio_s + self.stream.ahead_s
+        if len(self.segment_s) == 1 or elapsed <= 0 or generated < elapsed:
+            return self.total_s
+        return self._fed + max(0.0, self.segment_s[self._segment] - self._segment_fed)
