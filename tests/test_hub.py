@@ -590,3 +590,132 @@ def test_populated_cache_is_what_huggingface_hub_expects(offline_cache, tiny_che
     snapshot = populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
     found = huggingface_hub.snapshot_download(REPO, allow_patterns=MISTRAL_PATTERNS)
     assert Path(found) == snapshot
+
+
+# ------------------------------------------------------------- network trouble, a hub review
+
+
+def _portal_html() -> Exception:
+    """What a captive portal's sign-in page makes of the Hub's JSON answer."""
+    return json.JSONDecodeError("Expecting value", "<html>sign in</html>", 0)
+
+
+def _proxy_407() -> Exception:
+    httpx = pytest.importorskip("httpx2")
+    return httpx.ProxyError("407 Proxy Authentication Required")
+
+
+@pytest.mark.parametrize("make_error", [_portal_html, _proxy_407], ids=["portal", "proxy"])
+def test_any_network_failure_falls_back_to_a_complete_cached_copy(
+    make_error, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """They were tracebacks (JSONDecodeError, ProxyError) even with the model cached."""
+    calls: list[dict] = []
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+
+    def download(*args, **kwargs):
+        calls.append(kwargs)
+        if not kwargs.get("local_files_only"):
+            raise make_error()
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_dir(DEFAULT_REPO) == snapshot
+    assert [c.get("local_files_only", False) for c in calls] == [False, True]
+
+    def nothing_cached(*args, **kwargs):
+        if kwargs.get("local_files_only"):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        raise make_error()
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", nothing_cached)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(DEFAULT_REPO)
+    message = one_line(exc.value)
+    assert f"could not download {DEFAULT_REPO} ({type(make_error()).__name__}:" in message
+    assert "HF_HUB_OFFLINE=1" in message
+
+
+@pytest.mark.parametrize(
+    ("status", "words"), [(401, "log in again with `hf auth login`"), (403, "may not read")]
+)
+@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "as-cause"])
+def test_login_problems_are_named_as_such(
+    status: int, words: str, wrapped: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A revoked token read as a connection problem, a 403 as 'not in the local cache'
+    (huggingface_hub raises that, with the HTTP error as its cause)."""
+    http_error = _http_error(huggingface_hub.errors.HfHubHTTPError, status)()
+
+    def download(*args, **kwargs):
+        if not wrapped:
+            raise http_error
+        try:
+            raise http_error
+        except Exception as cause:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("cannot find") from cause
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(DEFAULT_REPO)
+    assert words in one_line(exc.value) and f"({status}" in str(exc.value)
+
+
+def test_an_interrupted_download_is_named_as_such(monkeypatch, tmp_path) -> None:
+    """It was 'not in the local Hugging Face cache' (IncompleteSnapshotError is a
+    LocalEntryNotFoundError)."""
+    incomplete = getattr(huggingface_hub.errors, "IncompleteSnapshotError", None)
+    if incomplete is None:
+        pytest.skip("this huggingface_hub does not check a snapshot's completeness")
+    # (message, snapshot_path) in huggingface_hub 2.x
+
+    def download(*args, **kwargs):
+        raise incomplete(
+            f"The cached snapshot for '{DEFAULT_REPO}' is incomplete: 1 file(s) are missing "
+            "(consolidated.safetensors).\nMore.",
+            str(tmp_path / "snapshot"),
+        )
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(DEFAULT_REPO)
+    message = one_line(exc.value)
+    assert "in the local Hugging Face cache is incomplete" in message
+    assert "(consolidated.safetensors)" in message
+
+
+@pytest.mark.parametrize("owner", ["mistralai", "mlx-community"])
+def test_a_local_folder_named_like_a_known_owner_does_not_hide_its_repos(
+    owner: str, fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / owner).mkdir()
+    resolve_model_dir(f"{owner}/Voxtral-4B-TTS-2603")
+    assert fake_hub[0][0][0] == f"{owner}/Voxtral-4B-TTS-2603"
+
+
+def test_no_progress_bar_over_the_repos_files(fake_hub, monkeypatch, tmp_path) -> None:
+    """huggingface_hub's 'Fetching N files' bar showed on every load, cached or not."""
+    monkeypatch.chdir(tmp_path)
+    resolve_model_dir(DEFAULT_REPO)
+    bar = fake_hub[0][1]["tqdm_class"]
+    assert list(bar(iter([1, 2]), total=2)) == [1, 2] and bar(total=1).disable
+
+
+def test_a_cached_sharded_conversion_is_not_listed_on_the_hub(
+    offline_cache: Path, tiny_checkpoint: Path, fake_hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only fixed names were looked up in the cache: sharded weights sent it to the Hub,
+    which an unreachable network made wait ~24 s through retries."""
+    source = offline_cache.parent / "sharded"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    (source / "model-00001-of-00001.safetensors").write_bytes(b"x")
+    populate_hub_cache(offline_cache, "bob/voxtral-q4-sharded", source)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(offline_cache))
+    resolve_model_dir("bob/voxtral-q4-sharded")  # list_repo_files would fail the test
+    assert "model*.safetensors" in fake_hub[0][1]["allow_patterns"]

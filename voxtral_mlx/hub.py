@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -101,11 +102,12 @@ def _repo_files(repo_id: str) -> tuple[list[str] | None, bool]:
 
     if repo_id.split("/", 1)[0].lower() in KNOWN_OWNERS:
         return None, True
-    cached = [
-        name
-        for name in _LAYOUT_FILES
-        if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name), str)
-    ]
+    found = {name: huggingface_hub.try_to_load_from_cache(repo_id, name) for name in _LAYOUT_FILES}
+    cached = [name for name, path in found.items() if isinstance(path, str)]
+    if "config.json" in cached:  # its snapshot folder lists the rest (sharded weights)
+        with contextlib.suppress(OSError):
+            folder = Path(found["config.json"]).parent
+            cached = sorted({*cached, *(p.name for p in folder.iterdir() if p.is_file())})
     if layout_patterns(cached) is not None:
         return cached, True
     try:
@@ -121,7 +123,10 @@ def looks_like_repo_id(spec: str) -> bool:
         return False
     # "models/tiny" with an existing local "models/" (or a link by that name, even a broken
     # one) is a path typo, not a repo.
-    first = Path(spec.split("/", 1)[0]).expanduser()
+    owner = spec.split("/", 1)[0]
+    if owner.lower() in KNOWN_OWNERS:  # a folder ./mistralai must not hide Mistral's repo
+        return True
+    first = Path(owner).expanduser()
     return not (first.is_dir() or first.is_symlink())
 
 
@@ -199,12 +204,29 @@ def _download(repo_id: str) -> Path:
             f"cannot fetch {repo_id}: huggingface_hub is not installed "
             "(pip install huggingface_hub)"
         ) from None
+    quiet = {"tqdm_class": _silent_tqdm()}  # no "Fetching N files" bar on every load
     try:
         files, reachable = _repo_files(repo_id)
         patterns = allow_patterns(repo_id, files)
         if not reachable:  # the listing has waited through its retries: only the cache is left
-            return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+            return Path(
+                snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, **quiet)
+            )
+        try:
+            return Path(snapshot_download(repo_id, allow_patterns=patterns, **quiet))
+        except (HFValidationError, GatedRepoError, RepositoryNotFoundError):
+            raise
+        except Exception as e:  # a captive portal's HTML, a proxy's 407, a dropped link...
+            if _status(e) in (401, 403):
+                raise
+            try:  # ...a complete copy in the cache still serves
+                return Path(
+                    snapshot_download(
+                        repo_id, allow_patterns=patterns, local_files_only=True, **quiet
+                    )
+                )
+            except LocalEntryNotFoundError:
+                raise e from None
     except HFValidationError:
         raise ModelNotFoundError(
             f"{repo_id} is neither an existing directory nor a valid Hugging Face repo id"
@@ -219,14 +241,75 @@ def _download(repo_id: str) -> Path:
             f"Hugging Face repo {repo_id} not found (or private): check the name, or pass a "
             "local directory"
         ) from None
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as e:
+        if _status(e) in (401, 403):
+            raise _auth_error(repo_id, _status(e)) from None
+        if type(e).__name__ == "IncompleteSnapshotError":
+            raise ModelNotFoundError(
+                f"the copy of {repo_id} in the local Hugging Face cache is incomplete (an "
+                f"interrupted download: {_first_line(e)}): connect and run again to finish it "
+                "(with HF_HUB_OFFLINE unset), or pass a local directory"
+            ) from None
         raise ModelNotFoundError(
             f"{repo_id} is not in the local Hugging Face cache and downloading is off or "
             "impossible (HF_HUB_OFFLINE set or no network): connect and unset HF_HUB_OFFLINE, "
             "or pass a local directory"
         ) from None
-    except OSError as e:
+    except Exception as e:
+        status = _status(e)
+        if status in (401, 403):
+            raise _auth_error(repo_id, status) from None
+        if isinstance(e, OSError):
+            raise ModelNotFoundError(
+                f"could not download {repo_id}: {_first_line(e)}; check the connection and "
+                "free disk space, or pass a local directory"
+            ) from None
         raise ModelNotFoundError(
-            f"could not download {repo_id}: {str(e).splitlines()[0] if str(e) else e!r}; check "
-            "the connection and free disk space, or pass a local directory"
+            f"could not download {repo_id} ({type(e).__name__}: {_first_line(e)}): check the "
+            "network (a proxy or a sign-in page in the way?), or set HF_HUB_OFFLINE=1 to use "
+            "a complete copy in the cache, or pass a local directory"
         ) from None
+
+
+def _status(e: BaseException | None) -> int | None:
+    """The HTTP status of a Hub error, or of the error that caused it (huggingface_hub turns
+    a failed listing into "not in the cache"), if one carries a response."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if isinstance(status, int):
+            return status
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _auth_error(repo_id: str, status: int | None) -> ModelNotFoundError:
+    if status == 401:
+        return ModelNotFoundError(
+            f"the Hugging Face Hub refused your login for {repo_id} (401: the token is invalid "
+            "or expired): log in again with `hf auth login`"
+        )
+    return ModelNotFoundError(
+        f"your Hugging Face token may not read {repo_id} (403): accept its license on "
+        f"https://huggingface.co/{repo_id} and log in with a token that can read it "
+        "(`hf auth login`)"
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return one_line(text.splitlines()[0] if text else repr(e), 200)
+
+
+def _silent_tqdm() -> type:
+    """huggingface_hub's tqdm, disabled: its bar over the repo's files showed on every load
+    (the bars of files actually downloaded are huggingface_hub's own, and still show)."""
+    from huggingface_hub.utils import tqdm
+
+    class Silent(tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return Silent
