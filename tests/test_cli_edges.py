@@ -687,3 +687,13 @@ def test_a_newline_in_a_path_keeps_the_error_on_one_line(tmp_path):
     model.mkdir()
     err = one_line_error(run("speak", "-m", str(model), "Hi.", "-o", str(tmp_path / "x.wav")))
     assert "a\\nb has no params.json" in err
+
+
+def test_a_damaged_voice_file_fails_before_the_streamed_header(model_dir, tmp_path):
+    """Voices are read when a request starts: -o - had written the WAV header already."""
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    (model / "voice_embedding" / "fr_male.pt").write_bytes(b"not a voice")
+    proc = speak(model, "-v", "fr_male", "-o", "-", "Hello there.")
+    assert "fr_male.pt" in one_line_error(proc)
+    assert proc.stdout == b""

@@ -224,3 +224,25 @@ def test_say_after_close_raises_at_once_and_opens_no_audio(tiny_checkpoint, monk
         with pytest.raises(VoxtralError, match="closed"):
             model.say("Hello.", wait=wait)
     assert opened == []
+
+
+def test_say_with_a_damaged_voice_file_raises_and_opens_no_audio(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    import shutil
+
+    import voxtral_mlx.audio.player as player_mod
+    from voxtral_mlx.errors import VoiceError
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model_dir)
+    (model_dir / "voice_embedding" / "fr_male.pt").write_bytes(b"not a voice")
+    opened: list[object] = []
+    monkeypatch.setattr(player_mod, "AudioPlayer", lambda *a, **k: opened.append(a))
+    model = voxtral_mlx.load(model_dir, prefix_cache_dir=None)
+    try:
+        with pytest.raises(VoiceError, match=r"fr_male\.pt"):
+            model.say("Hello.", "fr_male", wait=False)
+        assert opened == [] and model.engine.stats()["waiting"] == 0
+    finally:
+        model.close()

@@ -599,6 +599,9 @@ def test_transport_level_mistakes(server, http):
         speech, content=body, headers={"Content-Type": "application/json; charset=latin-1"}
     )
     assert "unsupported charset 'latin-1'" in _assert_openai_error(latin, 415)["message"]
+    ascii_json = {"Content-Type": "application/json; charset=US-ASCII"}
+    ascii_ok = http.post(speech, content=b'{"input": "Hi.", "seed": 1}', headers=ascii_json)
+    assert ascii_ok.status_code == 200, ascii_ok.text
     two = [("Content-Type", "application/json"), ("Content-Type", "text/plain")]
     twice = http.post(speech, content=b'{"input": "Hi."}', headers=two)
     assert "more than one Content-Type" in _assert_openai_error(twice, 400)["message"]

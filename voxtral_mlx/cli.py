@@ -350,6 +350,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
     sinks = []
     file_writer = wav = None
     try:
+        tts.load_voice(args.voice)  # a damaged voice file fails before any output is begun
         if args.output is not None and not to_stdout:
             from .audio.io import AudioFileWriter
 

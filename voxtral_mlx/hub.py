@@ -291,9 +291,9 @@ def _auth_error(repo_id: str, status: int | None) -> ModelNotFoundError:
             "or expired): log in again with `hf auth login`"
         )
     return ModelNotFoundError(
-        f"your Hugging Face token may not read {repo_id} (403): accept its license on "
+        f"access to {repo_id} was refused (403): accept its license on "
         f"https://huggingface.co/{repo_id} and log in with a token that can read it "
-        "(`hf auth login`)"
+        "(`hf auth login`), or check that no proxy or firewall blocks huggingface.co"
     )
 
 
@@ -303,13 +303,14 @@ def _first_line(e: BaseException) -> str:
 
 
 def _silent_tqdm() -> type:
-    """huggingface_hub's tqdm, disabled: its bar over the repo's files showed on every load
-    (the bars of files actually downloaded are huggingface_hub's own, and still show)."""
+    """huggingface_hub's tqdm without its "Fetching N files" bar, which showed on every load
+    even with nothing to download; the bars of bytes actually downloaded still show."""
     from huggingface_hub.utils import tqdm
 
-    class Silent(tqdm):
+    class Quiet(tqdm):
         def __init__(self, *args, **kwargs) -> None:
-            kwargs["disable"] = True
+            if str(kwargs.get("desc") or "").startswith("Fetching"):
+                kwargs["disable"] = True
             super().__init__(*args, **kwargs)
 
-    return Silent
+    return Quiet

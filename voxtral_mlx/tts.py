@@ -241,6 +241,14 @@ class VoxtralTTS:
         rows = self.voices.cached(name, dtype)
         return rows if rows is not None else self.worker.call(self.voices.embedding, name, dtype)
 
+    def load_voice(self, voice: str | None = None) -> str:
+        """Read ``voice``'s embedding now (on the worker thread; requests read it when they
+        start), so that a damaged voice file is reported before any output is opened.
+        Returns the voice's name."""
+        v = self._voice(voice)
+        self._rows(v.name, self.dtype)
+        return v.name
+
     def prompt_ids(self, text: str, voice: str | None = None) -> list[int]:
         """The prompt's token ids: ``[BOS, BEGIN_AUDIO] + [AUDIO]*N + [NEXT_AUDIO_TEXT] +
         text + [REPEAT_AUDIO_TEXT, BEGIN_AUDIO]`` (raw text, no normalisation)."""
@@ -603,6 +611,11 @@ class VoxtralTTS:
             raise closed_error()
         # The request is checked before the audio output is opened: bad input opens nothing.
         stream = self.stream(text, voice, seed=seed, split=True, pause=pause, max_frames=max_frames)
+        try:
+            self.load_voice(voice)  # a damaged voice file opens nothing either
+        except BaseException:
+            stream.close()
+            raise
         horizon = None
         if player is None:
             from .audio.horizon import PlaybackHorizon

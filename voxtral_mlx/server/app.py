@@ -370,7 +370,7 @@ async def _json_body(request: Request, limit: int, timeout: float) -> Any:
                 code="unsupported_media_type",
             )
         charset = _charset(params)
-        if charset is not None and charset not in ("utf-8", "utf8"):
+        if charset and charset not in ("utf-8", "utf8", "us-ascii", "ascii"):  # ASCII is UTF-8
             raise APIError(
                 415,
                 f"unsupported charset {shown(charset)}: send the JSON body in UTF-8",
