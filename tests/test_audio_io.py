@@ -704,3 +704,42 @@ def test_disk_full_while_finishing_is_an_error(tmp_path, ext):
     assert proc.returncode == 3, (proc.stdout, proc.stderr)
     assert proc.stdout.count("\n") == 1 and proc.stderr == ""
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_files_are_flushed_to_the_disk_itself_where_fsync_is_not(monkeypatch, supported):
+    """macOS's fsync leaves data in the drive's cache: F_FULLFSYNC flushes it (and a file
+    system that refuses it gets fsync)."""
+    from types import SimpleNamespace
+
+    from voxtral_mlx import fileio
+
+    calls: list[str] = []
+
+    def fcntl_call(fd, op):
+        calls.append("F_FULLFSYNC")
+        if not supported:
+            raise OSError(45, "Operation not supported")
+
+    monkeypatch.setattr(fileio, "fcntl", SimpleNamespace(F_FULLFSYNC=51, fcntl=fcntl_call))
+    monkeypatch.setattr(fileio.os, "fsync", lambda fd: calls.append("fsync"))
+    fileio.full_fsync(3)
+    assert calls == (["F_FULLFSYNC"] if supported else ["F_FULLFSYNC", "fsync"])
+
+
+def test_a_link_into_dev_fd_is_refused_with_the_fix(tmp_path, monkeypatch):
+    """On macOS /dev/stdout resolves to /dev/fd/1, whose name tells no format (on Linux it
+    resolves through /proc to the redirected file itself)."""
+    from voxtral_mlx.audio import io as audio_io
+
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "target.wav")
+    (tmp_path / "target.wav").write_bytes(b"")
+    real_resolve = Path.resolve
+
+    def resolve(self, strict=False):
+        return Path("/dev/fd/1") if self == link else real_resolve(self, strict)
+
+    monkeypatch.setattr(Path, "resolve", resolve)
+    with pytest.raises(AudioOutputError, match=r"a file descriptor without a file name.*-o -"):
+        audio_io.output_target(link)

@@ -306,7 +306,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
     if (raw_out or to_stdout) and sys.stdout.isatty():
         raise InputError(
             f"{'--raw' if raw_out else '-o -'} writes binary audio to stdout, which is a "
-            "terminal: pipe it (| aplay ...) or redirect it (> file)"
+            "terminal: pipe it (| play ..., sox's player) or redirect it (> file)"
         )
     if args.voice == "?":
         _print_voices(_load(args))
@@ -645,7 +645,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     tts.engine.max_batch = args.max_batch
     if not args.no_warmup:  # the first clients must not wait for compilation or page-ins
-        seconds = tts.warmup().result()
+        seconds = _interruptibly(lambda: tts.warmup().result())  # Ctrl-C on macOS too
         if args.log_level in ("info", "debug"):
             _info(f"{PROG}: warmed up in {seconds:.1f} s")
     local = Path(args.model)

@@ -11,6 +11,11 @@ import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
 from typing import BinaryIO
 
 from .errors import InputError
@@ -48,6 +53,19 @@ def read_limited(path: str | os.PathLike[str], limit: int) -> bytes:
     return data
 
 
+def full_fsync(fd: int) -> None:
+    """Make ``fd``'s data durable before a rename that publishes it: on macOS ``fsync``
+    leaves it in the drive's cache (reordered after a crash); ``F_FULLFSYNC`` flushes it."""
+    full = getattr(fcntl, "F_FULLFSYNC", None) if fcntl is not None else None
+    if full is not None:
+        try:
+            fcntl.fcntl(fd, full)
+            return
+        except OSError:  # a file system that does not support it
+            pass
+    os.fsync(fd)
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through ``write(f)`` into a temp file beside it, then rename it in place.
 
@@ -61,7 +79,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            full_fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

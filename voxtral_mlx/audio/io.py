@@ -26,7 +26,7 @@ import numpy as np
 import soundfile as sf
 
 from ..errors import AudioOutputError
-from ..fileio import one_line, owned_name, remove_orphans
+from ..fileio import full_fsync, one_line, owned_name, remove_orphans
 
 # extension -> (libsndfile major format, subtype)
 FORMATS: dict[str, tuple[str, str]] = {
@@ -103,6 +103,12 @@ def output_target(path: str | os.PathLike[str]) -> Path:
             f"output path {str(p)!r} is a symbolic link that loops; remove it or choose "
             "another path"
         ) from None
+    if target.parent == Path("/dev/fd"):  # macOS: /dev/stdout ends there, not at the file
+        raise AudioOutputError(
+            f"output path {str(p)!r} leads to {target}, a file descriptor without a file "
+            "name to tell the format by; name the file (-o speech.wav), or write WAV to "
+            "stdout with -o -"
+        )
     return target
 
 
@@ -386,7 +392,7 @@ class AudioFileWriter:
                 )
             fd = os.open(self._tmp, os.O_RDONLY)
             try:
-                os.fsync(fd)  # the rename must not land before the data after a crash
+                full_fsync(fd)  # the rename must not land before the data after a crash
             finally:
                 os.close(fd)
             os.replace(self._tmp, self._target)
