@@ -154,6 +154,9 @@ class _FakeTTS:
     def stream(self, text: str, **kwargs: Any) -> _HangingStream:
         return self._stream
 
+    def load_voice(self, voice: str | None = None) -> str:
+        return voice or "casual_male"
+
 
 def _signal_from_elsewhere(sig: int, after_s: float) -> threading.Thread:
     """Deliver ``sig`` to a thread other than the main one after ``after_s``: the main
