@@ -34,41 +34,48 @@ from voxtral_mlx.synthetic.checkpoint import make_params, random_weights
 from voxtral_mlx.tts import DECODE_PART_FRAMES
 
 PREFIX = "audio_tokenizer."
-WEIGHTS = "consolidated.safetensors"
 MLX_AUDIO_CONTEXT = 16
 MLX_AUDIO_WINDOWS = (2, 4, 8, 16)  # per stage, whatever params.json says
 
 
 def codec_config(config_name: str) -> ModelConfig:
-    """A built-in size's config, or a Mistral-layout checkpoint directory's."""
+    """A built-in size's config, or a checkpoint directory's (any layout)."""
+    from voxtral_mlx.errors import VoxtralError
+    from voxtral_mlx.loader import read_model_config
+
     if config_name in DEFAULT_FRAMES:
         return ModelConfig.from_params(make_params(config_name))
     path = Path(config_name).expanduser()
-    if not (path / "params.json").is_file() or not (path / WEIGHTS).is_file():
+    if not path.is_dir():
         raise SystemExit(
-            f"{config_name}: not {' or '.join(DEFAULT_FRAMES)} nor a checkpoint directory in "
-            f"Mistral's layout (params.json + {WEIGHTS})"
+            f"{config_name}: not {' or '.join(DEFAULT_FRAMES)} nor a checkpoint directory"
         )
-    return ModelConfig.from_file(path / "params.json")
+    try:
+        return read_model_config(path)
+    except VoxtralError as e:
+        raise SystemExit(str(e)) from None
 
 
 def codec_weights(config_name: str) -> tuple[ModelConfig, dict[str, mx.array]]:
-    """A built-in size's random codec weights, or those of a Mistral-layout checkpoint
-    directory (only the ``audio_tokenizer.*`` tensors are read)."""
+    """A built-in size's random codec weights, or those of a checkpoint directory (only the
+    ``audio_tokenizer.*`` tensors are read: MLX conversions keep Mistral's names for them)."""
     config = codec_config(config_name)
     if config_name in DEFAULT_FRAMES:
         weights = random_weights(config, 0, prefix="audio_tokenizer")
         return config, {k: mx.array(v) for k, v in weights.items()}
     from voxtral_mlx.errors import VoxtralError
-    from voxtral_mlx.loader import open_weights
+    from voxtral_mlx.loader import find_weight_files, open_weights
 
     path = Path(config_name).expanduser()
     try:
-        open_weights(path, config)  # headers only: every tensor against params.json
+        open_weights(path, config)  # headers only: every tensor against the config
+        files = find_weight_files(path)[1]
     except VoxtralError as e:
         raise SystemExit(str(e)) from None
-    stored = mx.load(str(path / WEIGHTS))
-    return config, {k: v for k, v in stored.items() if k.startswith(PREFIX)}
+    raw = {}
+    for file in files:
+        raw.update((k, v) for k, v in mx.load(str(file)).items() if k.startswith(PREFIX))
+    return config, raw
 
 
 def build(size: str, dtype: mx.Dtype):
@@ -274,7 +281,7 @@ def main() -> None:
         "--configs",
         nargs="+",
         default=["tiny", "full"],
-        help=f"{', '.join(sorted(DEFAULT_FRAMES))} or Mistral-layout checkpoint directories",
+        help=f"{', '.join(sorted(DEFAULT_FRAMES))} or checkpoint directories (any layout)",
     )
     parser.add_argument("--frames", type=int, help="frames for the chunk-25 and one-shot runs")
     parser.add_argument("--slow-frames", type=int, help="frames for the chunk-1 runs")

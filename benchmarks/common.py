@@ -177,35 +177,47 @@ def run_script(main: Callable[[], int | None]) -> None:
     sys.exit(code)
 
 
-def check_comparable(model_dir: Path, voice: str | None = None) -> None:
-    """Stop in one line, before anything is timed, if mlx-audio cannot run on
-    ``model_dir`` (another layout) or with ``voice`` (not in tekken.json's list)."""
-    if not (Path(model_dir) / "consolidated.safetensors").is_file():
-        raise SystemExit(
-            f"{model_dir}: the mlx-audio comparison needs Mistral's layout "
-            "(consolidated.safetensors): give a directory in that layout (frame_speed.py "
-            "can also time voxtral_mlx alone with --no-reference)"
-        )
+def check_comparable(model_dir: Path, voice: str | None = None) -> str:
+    """The checkpoint's layout (``"mistral"`` or ``"mlx"``) if mlx-audio can run on
+    ``model_dir``: Mistral's layout, which it reads with its model's ``sanitize``, or its own
+    (an mlx-community conversion, its converter's or ``voxtral-mlx convert``'s output, any
+    precision), which it reads with its own loader. Otherwise, or if ``voice`` is not in
+    tekken.json's list, stop in one line before anything is timed."""
+    from voxtral_mlx.errors import VoxtralError
     from voxtral_mlx.loader import find_weight_files
 
-    if find_weight_files(Path(model_dir))[0] != "mistral":
+    model_dir = Path(model_dir)
+    try:
+        layout = find_weight_files(model_dir)[0]
+    except VoxtralError as e:
+        raise SystemExit(str(e)) from None
+    if layout == "mlx" and (model_dir / "consolidated.safetensors").is_file():
         raise SystemExit(
             f"{model_dir} holds a conversion (config.json, model*.safetensors) beside "
-            "consolidated.safetensors: voxtral_mlx loads the conversion, mlx-audio's reference "
-            "would read the original; compare on a directory holding only one of them"
+            "consolidated.safetensors: voxtral_mlx loads the conversion, mlx-audio's loader "
+            "would read every *.safetensors file; compare on a directory holding only one of "
+            "them"
+        )
+    if layout == "mlx" and not (model_dir / "config.json").is_file():
+        raise SystemExit(
+            f"{model_dir}: MLX weights without config.json, which mlx-audio's loader needs: "
+            "give the conversion's whole directory"
         )
     if voice is not None:
         _check_listed(model_dir, voice)
+    return layout
 
 
 def load_reference(model_dir: Path):
-    """mlx-audio's Voxtral model on the same checkpoint (see tests/mlx_audio_reference.py)."""
-    from tests.mlx_audio_reference import load_reference as load
+    """mlx-audio's Voxtral model on the same checkpoint (see tests/mlx_audio_reference.py):
+    Mistral's layout through its model's ``sanitize``, a conversion through its loader."""
+    from tests.mlx_audio_reference import load_converted_reference
+    from tests.mlx_audio_reference import load_reference as load_original
 
-    check_comparable(model_dir)
+    load = load_original if check_comparable(model_dir) == "mistral" else load_converted_reference
     try:
-        return load(model_dir)
-    except (ValueError, KeyError, TypeError) as e:  # a shape mlx-audio's model cannot hold
+        return load(Path(model_dir))
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:  # nothing it can hold
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         if isinstance(e, KeyError) and e.args:
             first = f"it found no key {e.args[0]!r}"

@@ -12,8 +12,9 @@ a section to benchmarks/RESULTS.md with the command, machine, date and medians.
     full:  the same plus the real widths (frame speed, time to first audio and batched
            throughput against mlx-audio; the real codec) and the full 26+3-layer model
            -- an hour or more on a 2-core CPU
-    model DIR: the quick comparisons on a checkpoint directory in Mistral's layout (any
-           random checkpoint, e.g. from ``voxtral-mlx random-checkpoint``)
+    model DIR: the quick comparisons on a checkpoint directory: Mistral's layout (any
+           random checkpoint, e.g. from ``voxtral-mlx random-checkpoint``) or an MLX
+           conversion (mlx-community's or ``voxtral-mlx convert``'s, quantized or not)
     openblas: on a Linux CPU only, the batching and overhead figures again in float32
            with the system OpenBLAS preloaded (``apt-get install libopenblas0-pthread``).
            MLX's own bf16 CPU matmuls run at 2-4 GFLOP/s, so there a product costs in
@@ -65,16 +66,31 @@ FULL = [
 
 
 def model_suite(model: str) -> list[list[str]]:
-    """The quick suite's comparisons on a given Mistral-layout checkpoint directory (for
-    instance one from ``voxtral-mlx random-checkpoint``; END need not be suppressed)."""
-    return [
+    """The quick suite's comparisons on a given checkpoint directory: Mistral's layout (for
+    instance one from ``voxtral-mlx random-checkpoint``; END need not be suppressed) or an
+    MLX conversion (mlx-community's, mlx-audio's or ``voxtral-mlx convert``'s, quantized or
+    not), which mlx-audio then reads with its own loader. The quantized-code agreement
+    measures conversions of an unquantized checkpoint: it is left out for a quantized one."""
+    from voxtral_mlx.loader import open_weights, read_model_config
+
+    path = Path(model)
+    suite = [
         ["frame_speed.py", "--configs", model, "--repeats", "5"],
         ["ttfa.py", "--configs", model, "--repeats", "5"],
         ["first_request.py", "--configs", model, "--repeats", "5"],
         ["codec_bench.py", "--configs", model, "--dtype", "bfloat16", "--record"],
         ["batch_throughput.py", "--config", model, "--frames", "20"],
-        ["quant_agreement.py", "--model", model, "--record"],
     ]
+    quantized = open_weights(path, read_model_config(path)).quantized
+    if quantized:
+        print(
+            f"{model} is quantized ({len(quantized)} layers): quant_agreement.py, which "
+            "converts an unquantized checkpoint, is left out",
+            flush=True,
+        )
+    else:
+        suite.append(["quant_agreement.py", "--model", model, "--record"])
+    return suite
 
 
 OPENBLAS = [
@@ -124,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         args.model = args.model.expanduser()
         if not args.model.is_dir():
             raise SystemExit(f"{args.model}: no such checkpoint directory")
-        if not (args.model / "consolidated.safetensors").is_file():
-            raise SystemExit(
-                f"{args.model}: not a checkpoint in Mistral's layout (consolidated.safetensors), "
-                "which the mlx-audio comparisons need"
-            )
-        suite = model_suite(str(args.model.expanduser().resolve()))
+        from voxtral_mlx.errors import VoxtralError
+
+        try:
+            suite = model_suite(str(args.model.resolve()))
+        except VoxtralError as e:  # no weights, a damaged or mismatched checkpoint
+            raise SystemExit(str(e)) from None
     else:
         suite = OPENBLAS if args.openblas else FULL if args.full else QUICK
     if args.no_record:

@@ -102,6 +102,18 @@ def load_reference(model_dir: Path, patch: bool = True):
     return model
 
 
+def load_converted_reference(model_dir: Path, patch: bool = True):
+    """mlx-audio's Model read by mlx-audio's own loader from a directory in its layout (an
+    mlx-community conversion, mlx-audio's converter's output or ``voxtral-mlx convert``'s)."""
+    from mlx_audio.tts.utils import load_model
+
+    model = load_model(Path(model_dir))
+    if patch:
+        model.audio_tokenizer._alibi_slopes = spec_alibi_slopes(model.audio_tokenizer.args.n_heads)
+    mx.eval(model.parameters())
+    return model
+
+
 def _small_shards(max_bytes: int):
     """mlx-lm's make_shards greedy rule with a byte limit instead of whole gigabytes."""
 

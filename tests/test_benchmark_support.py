@@ -213,3 +213,80 @@ def test_a_voxtral_error_in_a_script_is_one_line(monkeypatch):
     with pytest.raises(SystemExit) as exc:
         run_script(lambda: 3)
     assert exc.value.code == 3
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_checkpoint_noend, tmp_path_factory) -> Path:
+    """An 8-bit float32 MLX conversion (mlx-audio's names, voices as .safetensors)."""
+    from voxtral_mlx.convert import convert_model
+
+    out = tmp_path_factory.mktemp("converted") / "q8"
+    return convert_model(tiny_checkpoint_noend, out, q_bits=8, dtype="float32").path
+
+
+def test_a_conversion_is_compared_with_mlx_audio_reading_it_with_its_own_loader(converted):
+    """``make bench MODEL=DIR`` on an MLX conversion (mlx-community's layout, quantized):
+    mlx-audio reads the same directory with its loader, and on the same noise both speak the
+    same codes, so the timings compare like with like (float32: exact on this CPU)."""
+    import voxtral_mlx
+    from benchmarks.common import check_comparable
+
+    assert check_comparable(converted, VOICE) == "mlx"
+    ref = load_reference(converted)
+    assert isinstance(ref.acoustic_transformer.semantic_codebook_output, nn.QuantizedLinear)
+    reference_voice(ref, converted, VOICE, mx.float32)
+    noise = np.random.default_rng(1).standard_normal((FRAMES, 36)).astype(np.float32)
+    tts = voxtral_mlx.load(converted, prefix_cache_dir=None)
+    try:
+        suppress_end(tts, ref)
+        ours = tts.synthesize(TEXT, VOICE, noise=noise, max_frames=FRAMES)
+    finally:
+        tts.close()
+    with recorded_frames(ref) as recorded, injected_noise(noise), spec_codebook_floor():
+        list(ref.generate(TEXT, voice=VOICE, max_tokens=FRAMES))
+    assert len(ours.codes) == FRAMES
+    np.testing.assert_array_equal(ours.codes, np.stack(recorded))
+
+
+def test_a_conversion_beside_the_original_is_refused_in_one_line(
+    tiny_checkpoint_noend, converted, tmp_path
+):
+    import shutil
+
+    from benchmarks.common import check_comparable
+
+    both = tmp_path / "both"
+    shutil.copytree(converted, both)
+    shutil.copy(tiny_checkpoint_noend / "consolidated.safetensors", both)
+    with pytest.raises(SystemExit) as exc:
+        check_comparable(both)
+    message = str(exc.value)
+    assert "beside consolidated.safetensors" in message and "\n" not in message
+    (both / "consolidated.safetensors").unlink()
+    (both / "config.json").unlink()
+    with pytest.raises(SystemExit) as exc:
+        check_comparable(both)
+    assert "config.json" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_the_codec_benchmark_reads_a_conversions_codec(tiny_checkpoint_noend, converted, scripts):
+    from codec_bench import codec_weights
+
+    config, source = codec_weights(str(tiny_checkpoint_noend))
+    config_c, theirs = codec_weights(str(converted))
+    assert config_c.codec == config.codec
+    assert sorted(theirs) == sorted(source) and len(source) > 20
+    for name, value in source.items():
+        np.testing.assert_array_equal(np.array(theirs[name]), np.array(value), err_msg=name)
+
+
+def test_the_suite_on_a_quantized_checkpoint_leaves_out_the_quantization_agreement(
+    tiny_checkpoint_noend, converted, scripts
+):
+    from run import model_suite
+
+    scripts_of = lambda model: [cmd[0] for cmd in model_suite(str(model))]  # noqa: E731
+    assert "quant_agreement.py" in scripts_of(tiny_checkpoint_noend)
+    on_converted = scripts_of(converted)
+    assert "quant_agreement.py" not in on_converted
+    assert {"frame_speed.py", "ttfa.py", "codec_bench.py"} <= set(on_converted)

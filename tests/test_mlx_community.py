@@ -20,8 +20,8 @@ import voxtral_mlx
 from tests.mlx_audio_reference import (
     build_mlx_community,
     injected_noise,
+    load_converted_reference,
     recorded_frames,
-    spec_alibi_slopes,
     spec_codebook_floor,
 )
 from voxtral_mlx.checkpoint import CheckpointMismatch, affine_bits, expected_tensors
@@ -70,16 +70,13 @@ def community(source: Path, tmp_path_factory) -> dict[str, Path]:
 
 def load_mlx_audio(path: Path):
     """mlx-audio's own loader on the directory, in float32, with SPEC's codec patches."""
-    from mlx_audio.tts.utils import load_model
-
-    model = load_model(path)
+    model = load_converted_reference(path)
     model.update(
         tree_map(
             lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
             model.parameters(),
         )
     )
-    model.audio_tokenizer._alibi_slopes = spec_alibi_slopes(model.audio_tokenizer.args.n_heads)
     voice = mx.load(str(path / "voice_embedding" / f"{VOICE}.safetensors"))["embedding"]
     model._voice_embeddings[VOICE] = voice.astype(mx.float32)
     return model
