@@ -58,24 +58,20 @@ def codec_config(config_name: str) -> ModelConfig:
 
 def codec_weights(config_name: str) -> tuple[ModelConfig, dict[str, mx.array]]:
     """A built-in size's random codec weights, or those of a checkpoint directory (only the
-    ``audio_tokenizer.*`` tensors are read: MLX conversions keep Mistral's names for them)."""
+    ``audio_tokenizer.*`` tensors are read)."""
     config = codec_config(config_name)
     if config_name in DEFAULT_FRAMES:
         weights = random_weights(config, 0, prefix="audio_tokenizer")
         return config, {k: mx.array(v) for k, v in weights.items()}
     from voxtral_mlx.errors import VoxtralError
-    from voxtral_mlx.loader import find_weight_files, open_weights
+    from voxtral_mlx.loader import open_weights
 
-    path = Path(config_name).expanduser()
     try:
-        open_weights(path, config)  # headers only: every tensor against the config
-        files = find_weight_files(path)[1]
+        # Every tensor checked against the config, by Mistral's names; read lazily.
+        stored = open_weights(Path(config_name).expanduser(), config).load()
     except VoxtralError as e:
         raise SystemExit(str(e)) from None
-    raw = {}
-    for file in files:
-        raw.update((k, v) for k, v in mx.load(str(file)).items() if k.startswith(PREFIX))
-    return config, raw
+    return config, {k: v for k, v in stored.items() if k.startswith(PREFIX)}
 
 
 def build(size: str, dtype: mx.Dtype):
