@@ -107,10 +107,9 @@ def load_converted_reference(model_dir: Path, patch: bool = True):
     mlx-community conversion, mlx-audio's converter's output or ``voxtral-mlx convert``'s)."""
     from mlx_audio.tts.utils import load_model
 
-    model = load_model(Path(model_dir))
+    model = load_model(Path(model_dir))  # evaluates the weights (lazy=False)
     if patch:
         model.audio_tokenizer._alibi_slopes = spec_alibi_slopes(model.audio_tokenizer.args.n_heads)
-    mx.eval(model.parameters())
     return model
 
 
