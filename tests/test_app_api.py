@@ -181,6 +181,31 @@ def test_asyncio_does_not_block_the_loop(tts):
     assert worst_gap < 0.25, worst_gap
 
 
+def test_asynthesize_splits_a_long_text_off_the_event_loop(tts, monkeypatch):
+    """Splitting a chapter takes ~0.1 s: asynthesize(split=True) does it on another thread
+    (it ran on the loop's), with the same result as synthesize."""
+    import voxtral_mlx.tts as tts_mod
+
+    threads = []
+
+    def recording_split(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return split_text(*args, **kwargs)
+
+    monkeypatch.setattr(tts_mod, "split_text", recording_split)
+    text = "One small sentence. And another one"
+    expected = tts.synthesize(text, VOICE, seed=3, max_frames=3, split=True)
+
+    async def main():
+        speech = await tts.asynthesize(text, VOICE, seed=3, max_frames=3, split=True)
+        return speech, threading.current_thread()
+
+    speech, loop_thread = asyncio.run(main())
+    assert len(threads) == 2 and threads[1] is not loop_thread
+    np.testing.assert_array_equal(speech.codes, expected.codes)
+    np.testing.assert_array_equal(speech.audio, expected.audio)
+
+
 def _frames_after_cancel(tts, cancel):
     stream = tts.stream("Cancel me " * 20, VOICE, seed=1, max_frames=500)
     next(stream)

@@ -19,6 +19,8 @@ CLOSERS = "\"'”’»›)]}」』）】〕〉》〗〙〛＂＇"
 PROTECTED = [
     "3.14",
     "1,000,000",
+    "1，000，000",  # full-width commas, as Chinese input methods type them
+    "３．１４",
     "10:30",
     "1 000 000",
     "12 345",
@@ -326,6 +328,20 @@ def test_mixed_scripts() -> None:
         "आप कैसे हैं॥",
     ]
     assert all(s.pause_after == PAUSE_AFTER["sentence"] for s in segs[:-1])
+
+
+def test_arabic_and_devanagari_ends_without_a_space() -> None:
+    text = "यह पहला वाक्य है।यह दूसरा है॥ كيف حالك؟أنا بخير۔وأنت"
+    segs = split_text(text, target_chars=1, max_chars=40)
+    check_invariants(text, segs, 40)
+    assert texts(segs) == ["यह पहला वाक्य है।", "यह दूसरा है॥", "كيف حالك؟", "أنا بخير۔", "وأنت"]
+
+
+def test_full_width_number_separators_are_not_splits() -> None:
+    text = "总价1，000，000元，谢谢。" * 3
+    segs = split_text(text, target_chars=4, max_chars=12)
+    check_invariants(text, segs, 12)
+    assert all("1，000，000" in s.text for s in segs[::2])
 
 
 def test_cjk_without_spaces() -> None:

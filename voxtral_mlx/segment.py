@@ -38,7 +38,9 @@ PAUSE_AFTER: dict[str, float] = {
 }
 
 TERMINALS = frozenset(".!?…‼⁇⁈⁉‽。！？｡．؟۔।॥։።፧။។៕།")
-_CJK_HARD = frozenset("。！？｡")
+# Sentence ends that end a sentence with no space after them (CJK never spaces; Arabic and
+# Devanagari text usually does, but "؟" and "।" are unambiguous when it does not).
+_NO_SPACE_HARD = frozenset("。！？｡؟۔।॥")
 _MID = frozenset(",;:，；：、､،؛")
 _DASHES = frozenset("—–―")
 _CLOSERS = frozenset("\"'”’»›)]}」』）】〕〉》〗〙〛＂＇")
@@ -72,12 +74,12 @@ _PROTECTED = re.compile(
     r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://[^\s<>\"]+"
     r"|(?<![\w.])www\.[^\s<>\"]+"
     r"|(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+"
-    r"|(?<!\d)\d+(?:[.,:/\-–—٫٬]\d+)+"
+    r"|(?<!\d)\d+(?:[.,:/\-–—٫٬，．]\d+)+"  # full-width separators too: "1，000"
     r"|(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d)",  # thousands grouped with spaces: "1 000 000"
     re.IGNORECASE,
 )
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
-_NO_SPACE_BREAK = re.compile(r"[。！？｡，；：、､—―]+")
+_NO_SPACE_BREAK = re.compile(r"[。！？｡؟۔।॥，；：、､—―]+")
 
 # Appended period by the script of the last letter; default ".". Arabic-script text uses the
 # Latin "." in Arabic and Persian, and U+06D4 in Urdu (detected by Urdu-only letters).
@@ -211,14 +213,14 @@ def _find_splits(
             cands.append((e, s, kind))
     paragraphs.append((start, len(text.rstrip())))
 
-    for m in _NO_SPACE_BREAK.finditer(text):  # CJK punctuation and em dashes need no space
+    for m in _NO_SPACE_BREAK.finditer(text):  # CJK punctuation, dashes: no space needed
         a, q = m.span()
         if a == 0 or text[a - 1].isspace():
             continue
         while q < n and text[q] in _CLOSERS:
             q += 1
         if q < n and not text[q].isspace():
-            hard = any(ch in _CJK_HARD for ch in m.group())
+            hard = any(ch in _NO_SPACE_HARD for ch in m.group())
             cands.append((q, q, SENTENCE if hard else CLAUSE))
 
     cands = sorted(c for c in cands if not forbid[c[0]] and _cuttable(text, c[1]))

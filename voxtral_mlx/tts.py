@@ -561,7 +561,8 @@ class VoxtralTTS:
         add_period: bool = True,
     ) -> Speech:
         """:meth:`synthesize` without blocking the event loop; cancelling stops generation."""
-        stream = self.astream(
+        make = partial(
+            self.astream,
             text,
             voice,
             seed=seed,
@@ -574,6 +575,9 @@ class VoxtralTTS:
             max_chars=max_chars,
             add_period=add_period,
         )
+        # Splitting a chapter takes ~0.1 s: off the loop (the stream binds to the loop that
+        # iterates it, and submits nothing before).
+        stream = await asyncio.to_thread(make) if split else make()
         chunks = [chunk async for chunk in stream]
         return speech_from_chunks(chunks, stream, self._voice(voice).name)
 
