@@ -120,3 +120,60 @@ def test_bad_voices_are_reported_before_anything_runs(fresh):
     with pytest.raises(InputError, match="no voices"):
         tts.warmup([])
     assert not tts.engine.busy and not tts.engine._prefixes
+
+
+class _FakeStream:
+    latency = 0.05
+
+    def __init__(self, sd, **kwargs):
+        self.sd, self.kwargs = sd, kwargs
+
+    def close(self):
+        self.sd.closed += 1
+
+
+class _FakeSounddevice:
+    """What prepare_output() asks of sounddevice: the devices, the default output, and a
+    stream opened and closed without playing."""
+
+    PortAudioError = OSError
+
+    def __init__(self, outputs: int):
+        self.queries = self.opened = self.closed = 0
+        self.devices = [{"name": f"out {i}", "max_output_channels": 2} for i in range(outputs)]
+
+    def OutputStream(self, **kwargs):
+        self.opened += 1
+        return _FakeStream(self, **kwargs)
+
+    def query_devices(self, device=None, kind=None):
+        self.queries += 1
+        listing = [dict(d, index=i) for i, d in enumerate(self.devices)]
+        if kind == "output":
+            if not listing:
+                raise OSError("Error querying device -1")
+            return listing[0]
+        return listing
+
+
+def test_warmup_can_start_the_audio_output(fresh, monkeypatch):
+    """playback=True starts PortAudio and finds the output device during the warm-up (the
+    first say() did it before returning); without an output device the future holds that
+    one-line error, and the voices are warmed up all the same."""
+    import voxtral_mlx.audio.player as player
+
+    sd = _FakeSounddevice(outputs=2)
+    monkeypatch.setattr(player, "import_sounddevice", lambda: sd)
+    tts = fresh()
+    assert tts.warmup("ar_male").result() > 0 and sd.queries == sd.opened == 0  # not asked
+    assert tts.warmup("ar_male", wait=False, playback=True).result(timeout=120) > 0
+    assert sd.queries > 0 and sd.opened == sd.closed == 1
+
+    monkeypatch.setattr(player, "import_sounddevice", lambda: _FakeSounddevice(outputs=0))
+    with pytest.raises(voxtral_mlx.VoxtralError, match="no audio output device") as e:
+        tts.warmup("fr_female", playback=True)
+    assert "\n" not in str(e.value)
+    t = _speak(tts, "fr_female", 1)[2]
+    assert t.prefix_cached  # warmed up before the audio error was raised
+    with pytest.raises(InputError, match="playback must be True or False"):
+        tts.warmup(playback="yes")

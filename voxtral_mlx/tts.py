@@ -136,7 +136,11 @@ class VoxtralTTS:
         return self.worker.call(run)
 
     def warmup(
-        self, voices: str | Iterable[str] | None = None, *, wait: bool = True
+        self,
+        voices: str | Iterable[str] | None = None,
+        *,
+        wait: bool = True,
+        playback: bool = False,
     ) -> Future[float]:
         """Do now what the first requests would otherwise wait for: read the weights into
         memory, compile the frame for every batch size up to ``max_batch`` and the codec's
@@ -149,7 +153,14 @@ class VoxtralTTS:
         prefixes stay in memory, the others are read back from disk on use. Returns a future
         holding the seconds it took (or the error that stopped it, e.g. ``close()``);
         unknown voices are reported here, before anything runs.
+
+        ``playback=True`` also starts the audio output library, finds the default output
+        device and opens it once without playing (0.03-0.2 s the first :meth:`say` would
+        otherwise spend before it returns);
+        a missing PortAudio or output device is then the future's error, after the voices
+        have been warmed up all the same.
         """
+        playback = check_flag("playback", playback)
         if voices is None:
             names = [self.default_voice]
         elif isinstance(voices, str):
@@ -167,7 +178,19 @@ class VoxtralTTS:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                future.set_result(self._warm(names))
+                audio_error = None
+                if playback:
+                    from .audio.horizon import PlaybackHorizon  # noqa: F401 (say() needs it)
+                    from .audio.player import prepare_output
+
+                    try:
+                        prepare_output(self.sample_rate)
+                    except VoxtralError as e:  # the model's warm-up is still wanted
+                        audio_error = e
+                seconds = self._warm(names)
+                if audio_error is not None:
+                    raise audio_error
+                future.set_result(seconds)
             except BaseException as e:
                 future.set_exception(e)
 

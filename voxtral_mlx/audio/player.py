@@ -99,6 +99,17 @@ def list_output_devices(sd: Any = None) -> list[dict[str, Any]]:
     return out
 
 
+def prepare_output(sample_rate: int = 24000, sd: Any = None) -> int | None:
+    """Start PortAudio (importing sounddevice initialises it: 0.05-0.2 s, longer with many
+    devices), find the default output device and open it once without playing (a host API's
+    first stream costs more than the next), so that the first player opens at once.
+    Returns the device's index; a one-line AudioOutputError when there is none or it cannot
+    be opened."""
+    player = AudioPlayer(sample_rate, sd=sd)
+    player.stop()
+    return player.device
+
+
 def no_output_device_error() -> AudioOutputError:
     return AudioOutputError(f"no audio output device found; connect one {_NO_DEVICE_HINT}")
 
