@@ -655,6 +655,26 @@ def test_cli_convert(source: Path, tmp_path: Path, capsys) -> None:
     assert err.startswith("voxtral-mlx: error: --q-bits 5") and "\n" not in err
 
 
+def test_cli_convert_names_the_layers_the_group_size_leaves_unquantized(
+    tmp_path: Path, capsys
+) -> None:
+    """A SwiGLU width of 160 is no multiple of 64: each w2 stays unquantized, and is named
+    (they were left out without a word)."""
+    src = build_random_checkpoint(
+        tmp_path / "src", params(hidden=160), vocab_source=None, voices=VOICES
+    )
+    result = convert_model(src, tmp_path / "q4", q_bits=4)
+    w2 = [f"layers.{i}.feed_forward.w2" for i in range(2)]
+    w2 += [f"acoustic_transformer.layers.{i}.feed_forward.w2" for i in range(2)]
+    assert sorted(result.unfit) == sorted(w2)
+    assert not set(result.unfit) & set(result.quantized)
+    assert cli_main(["convert", str(src), "-o", str(tmp_path / "cli"), "--q-bits", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "note: 4 layers (layers.0.feed_forward.w2, " in err
+    assert "stay unquantized: their input width is not a multiple of the group size 64" in err
+    assert convert_model(tmp_path / "src", tmp_path / "q4b", q_bits=4, q_group_size=32).unfit == []
+
+
 def test_cli_convert_says_when_the_source_has_no_voices(
     source: Path, tmp_path: Path, capsys
 ) -> None:

@@ -567,7 +567,7 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> int:
 
 @terminable
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert_model
+    from .convert import DEFAULT_GROUP_SIZE, convert_model
 
     last = [0.0]
 
@@ -597,6 +597,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"wrote {result.total_bytes / 2**30:.2f} GiB ({what}, {voices}) to {result.path} in "
         f"{time.perf_counter() - t0:.1f} s"
     )
+    if result.unfit:
+        n, first = len(result.unfit), ", ".join(result.unfit[:3])
+        layers, stay, their = ("layers", "stay", "their") if n > 1 else ("layer", "stays", "its")
+        _info(
+            f"note: {n} {layers} ({first}{', ...' if n > 3 else ''}) {stay} unquantized: "
+            f"{their} input width is not a multiple of the group size "
+            f"{args.q_group_size or DEFAULT_GROUP_SIZE}"
+        )
     if not result.voices:
         _info(
             f"note: {args.model} has no voices in voice_embedding/; to speak with the "

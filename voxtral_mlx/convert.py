@@ -21,7 +21,8 @@ component:
 * backbone Linear layers (``layers.*``): ``q_bits``;
 * flow head Linear layers (``acoustic_transformer.*`` incl. the semantic and acoustic
   outputs): ``q_flow_bits``, by default ``max(8, q_bits)`` (4-bit flow heads are reported
-  to miss END; SPEC §8). ``time_projection`` runs 7 rows once at load and stays unquantized;
+  to miss END; SPEC §8). ``time_projection`` runs 7 rows once at load and stays unquantized (so does
+  ``input_projection``, whose 36 inputs fit no group size);
 * codec (``audio_tokenizer.*``), embeddings (``mm_audio_embeddings.*``) and every norm:
   ``dtype`` (bfloat16 by default), never quantized;
 * a Linear whose input width is not a multiple of the group size stays unquantized.
@@ -91,8 +92,11 @@ OUTPUT_DTYPES: dict[str, tuple[str, mx.Dtype]] = {
     "float32": ("F32", mx.float32),
 }
 _NP_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
-# Run once at load (7 rows): quantizing it would only add error.
-UNQUANTIZED_LINEARS = frozenset({"acoustic_transformer.time_projection"})
+# time_projection runs once at load (7 rows): quantizing it would only add error.
+# input_projection's 36 inputs (the acoustic codebooks) fit no group size.
+UNQUANTIZED_LINEARS = frozenset(
+    {"acoustic_transformer.time_projection", "acoustic_transformer.input_projection"}
+)
 
 Progress = Callable[[str, int, int], None]  # (tensor name, bytes done, bytes total)
 
@@ -128,17 +132,19 @@ class QuantOptions:
         flow = max(MIN_FLOW_BITS, bits) if flow_bits is None else flow_bits
         return cls(bits, flow, group_size)
 
-    def spec(self, path: str, shape: tuple[int, ...]) -> QuantSpec | None:
-        """How the layer ``path`` (weight ``shape``) is stored; None = unquantized."""
+    def wanted(self, path: str) -> QuantSpec | None:
+        """How the layer ``path`` is to be quantized if its shape allows; None = never."""
         bits = None
         if path.startswith("layers."):
             bits = self.bits
         elif path.startswith("acoustic_transformer.") and path not in UNQUANTIZED_LINEARS:
             bits = self.flow_bits
-        if bits is None:
-            return None
-        spec = QuantSpec(bits=bits, group_size=self.group_size)
-        return spec if quantized_shapes(shape, spec) is not None else None
+        return None if bits is None else QuantSpec(bits=bits, group_size=self.group_size)
+
+    def spec(self, path: str, shape: tuple[int, ...]) -> QuantSpec | None:
+        """How the layer ``path`` (weight ``shape``) is stored; None = unquantized."""
+        spec = self.wanted(path)
+        return spec if spec is not None and quantized_shapes(shape, spec) is not None else None
 
 
 def _one_of(value: object, allowed: tuple[int, ...]) -> bool:
@@ -180,6 +186,9 @@ class ConvertResult:
     quantized: dict[str, QuantSpec]
     total_bytes: int
     voices: list[str]  # the voices written to voice_embedding/ (none if the source had none)
+    # Layers the options quantize whose input width is not a multiple of the group size
+    # (none at the release's widths): written unquantized.
+    unfit: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- checks
@@ -549,4 +558,7 @@ def convert_model(
         if written.quantized != planned:  # pragma: no cover - a bug of ours, not of the input
             raise InputError("the converted weights do not match the plan; please report this")
     files = [out / n for n in names]
-    return ConvertResult(out, files, planned, total, voices)
+    linears = [j for j in jobs if j.name.endswith(".weight") and len(j.ref.info.shape) == 2]
+    layers = [j.name[: -len(".weight")] for j in linears if j.spec is None]
+    unfit = [path for path in layers if options.wanted(path) is not None]
+    return ConvertResult(out, files, planned, total, voices, unfit)
