@@ -21,8 +21,8 @@ component:
 * backbone Linear layers (``layers.*``): ``q_bits``;
 * flow head Linear layers (``acoustic_transformer.*`` incl. the semantic and acoustic
   outputs): ``q_flow_bits``, by default ``max(8, q_bits)`` (4-bit flow heads are reported
-  to miss END; SPEC §8). ``time_projection`` runs 7 rows once at load and stays unquantized (so does
-  ``input_projection``, whose 36 inputs fit no group size);
+  to miss END; SPEC §8). ``time_projection`` runs 7 rows once at load and stays
+  unquantized, as does ``input_projection``, whose 36 inputs fit no group size;
 * codec (``audio_tokenizer.*``), embeddings (``mm_audio_embeddings.*``) and every norm:
   ``dtype`` (bfloat16 by default), never quantized;
 * a Linear whose input width is not a multiple of the group size stays unquantized.
