@@ -281,10 +281,29 @@ def test_wrong_bits_in_config_are_reported_by_name(broken: Path) -> None:
     message = one_line(exc.value)
     assert "mis-shaped" in message and "expected [" in message
     assert "does not match params.json and config.json" in message
-    assert "language_model" not in message  # reported under Mistral's names
+    # Named as the files name them (they were given Mistral's names, not in any file).
     names = {m[0] for m in exc.value.misshaped}
-    assert "layers.0.attention.wk.weight" in names
-    assert "mm_audio_embeddings.tok_embeddings.weight" in names
+    assert not any(n.startswith(("layers.", "mm_audio_embeddings.")) for n in names)
+    assert "language_model.model.model.layers.0.self_attn.k_proj.weight" in names
+    assert "language_model.model.model.embed_tokens.weight" in names
+
+
+def test_a_quantized_layer_without_scales_is_a_damaged_file(broken: Path) -> None:
+    """Packed weights whose .scales are gone: named as a damaged file (it was reported as a
+    mis-shaped weight and unexpected biases, under names the file does not use)."""
+    index_path = broken / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    layer = "language_model.model.model.layers.1.self_attn.q_proj"
+    shard = broken / index["weight_map"].pop(f"{layer}.scales")
+    tensors = mx.load(str(shard))
+    del tensors[f"{layer}.scales"]
+    mx.save_safetensors(str(shard), tensors)
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert f"layer '{layer}' has quantized weights but no .scales" in message
+    assert "re-download or re-convert" in message
 
 
 def _edit_quantization(model: Path, edit) -> None:

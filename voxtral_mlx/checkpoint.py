@@ -390,6 +390,7 @@ class CheckpointMismatch(CheckpointError):
     ):
         self.missing, self.unexpected, self.misshaped = missing, unexpected, misshaped
         self.mistyped = mistyped or []
+        self.source, self.against = source, against
         parts = []
         if missing:
             parts.append(f"{len(missing)} missing ({_names(missing)})")

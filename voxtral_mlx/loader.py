@@ -32,6 +32,7 @@ from .checkpoint import (
     IGNORED_TENSORS,
     QUANT_GROUP_SIZES,
     UNLOADABLE_DTYPES,
+    CheckpointMismatch,
     Expected,
     QuantSpec,
     TensorInfo,
@@ -55,6 +56,7 @@ from .mlx_layout import (
     read_config,
     read_quantization,
     to_mistral_name,
+    to_mlx_audio_name,
     uses_mlx_audio_names,
     weight_files,
 )
@@ -340,7 +342,7 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
     refs = _read_headers(files, index, model_dir)
     source = str(files[0]) if len(files) == 1 else f"{model_dir}/model-*.safetensors"
     if kind == "mistral":
-        layout, tensors, qconfig = "mistral", refs, None
+        layout, tensors, qconfig, mlx_audio = "mistral", refs, None, False
     else:
         mlx_audio = uses_mlx_audio_names(refs)
         config_json = read_config(model_dir)
@@ -350,16 +352,54 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
         tensors = _rename_refs(refs) if mlx_audio else refs
         qconfig = read_quantization(config_json, rename=mlx_audio)
     base = expected_tensors(config)
+    _check_scales(tensors, source)
     quantized = _quantized_layers(tensors, qconfig, base, source)
     expected = expected_tensors(config, quantized)
-    verify_tensors(
-        {n: r.info.shape for n, r in tensors.items()},
-        expected,
-        source,
-        dtypes={n: r.info.dtype for n, r in tensors.items()},
-        against="params.json" if qconfig is None else "params.json and config.json",
-    )
+    try:
+        verify_tensors(
+            {n: r.info.shape for n, r in tensors.items()},
+            expected,
+            source,
+            dtypes={n: r.info.dtype for n, r in tensors.items()},
+            against="params.json" if qconfig is None else "params.json and config.json",
+        )
+    except CheckpointMismatch as e:
+        if not mlx_audio:
+            raise
+        raise _in_file_names(e, tensors) from None
     return WeightSet(model_dir, layout, files, tensors, quantized, source)
+
+
+def _check_scales(tensors: Mapping[str, TensorRef], source: str) -> None:
+    """A layer with packed (U32) weights or ``.biases`` but no ``.scales`` is a damaged file,
+    said so (verification would list it as mis-shaped and unexpected tensors)."""
+    for name, ref in tensors.items():
+        path, _, leaf = name.rpartition(".")
+        packed = leaf == "weight" and ref.info.dtype == "U32"
+        if (packed or leaf == "biases") and f"{path}.scales" not in tensors:
+            layer = ref.key.rpartition(".")[0]
+            raise CheckpointError(
+                f"{source}: layer '{one_line(layer, 80)}' has quantized weights but no "
+                ".scales: the file is incomplete; re-download or re-convert the model"
+            )
+
+
+def _in_file_names(e: CheckpointMismatch, tensors: Mapping[str, TensorRef]) -> CheckpointMismatch:
+    """``e`` with the tensors named as the files name them (mlx-audio's names)."""
+
+    def key(name: str) -> str:
+        ref = tensors.get(name)
+        return ref.key if ref is not None else (to_mlx_audio_name(name) or name)
+
+    source, against = e.source, e.against
+    return CheckpointMismatch(
+        source,
+        [key(n) for n in e.missing],
+        [key(n) for n in e.unexpected],
+        [(key(n), shape, want) for n, shape, want in e.misshaped],
+        [(key(n), dtype, want) for n, dtype, want in e.mistyped],
+        against,
+    )
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
