@@ -16,7 +16,7 @@ import time
 import mlx.core as mx
 import numpy as np
 from codec_bench import build, random_codes
-from common import command_line, record, run_script
+from common import command_line, record, run_script, show_row
 
 import voxtral_mlx.model.codec as codec_module
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{diff:.1e}",
                 )
             )
-            print(" | ".join(rows[-1]), flush=True)
+            show_row(rows)
     if not args.no_record:
         record(
             "Codec hot path, before/after (ms per frame, streaming)",

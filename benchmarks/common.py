@@ -363,6 +363,14 @@ def command_line(script: str, args: Sequence[str]) -> str:
     return " ".join(["python", f"benchmarks/{Path(script).name}", *args])
 
 
+def show_row(rows: list[tuple[str, ...]]) -> None:
+    """Print the table's newest row as soon as it is measured, and its header before the
+    first (with --no-record no table is printed at the end)."""
+    if len(rows) == 2:
+        print(" | ".join(rows[0]), flush=True)
+    print(" | ".join(rows[-1]), flush=True)
+
+
 def record(title: str, command: str, table: list[tuple[str, ...]], notes: str = "") -> str:
     """Append a section to RESULTS.md and return it."""
     header, *rows = table

@@ -41,6 +41,7 @@ from common import (
     require_audio,
     resolve,
     run_script,
+    show_row,
     suppress_end,
 )
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{warm / theirs:.2f}",
             )
         )
-        print(" | ".join(rows[-1]), flush=True)
+        show_row(rows)
     if not args.no_record:
         notes = (
             "Fresh process per run, medians; first audio from the call to the first chunk "

@@ -35,6 +35,7 @@ from common import (
     reference_voice,
     resolve,
     run_script,
+    show_row,
     start_noise,
     suppress_end,
 )
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m['ours_ms'] / m['frame_ms']:.2f}",
             )
         )
-        print(" | ".join(rows[-1]), flush=True)
+        show_row(rows)
     if not args.no_record:
         built_in = {
             "tiny": "tiny: the test config (64-wide backbone): per-operation costs dominate (on "

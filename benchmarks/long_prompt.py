@@ -31,6 +31,7 @@ from common import (
     record,
     resolve,
     run_script,
+    show_row,
     suppress_end,
 )
 
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                 )
             )
-            print(" | ".join(rows[-1]), flush=True)
+            show_row(rows)
     if not args.no_record:
         print(
             record(

@@ -24,6 +24,7 @@ from common import (
     record,
     resolve,
     run_script,
+    show_row,
     suppress_end,
 )
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in config_list(args.configs):
         m = measure(name, args.repeats)
         rows.append((label(name), *(f"{1000 * m[k]:.0f} ms" for k in ("idle", "beside", "worst"))))
-        print(" | ".join(rows[-1]), flush=True)
+        show_row(rows)
     if not args.no_record:
         command = command_line(__file__, argv or sys.argv[1:])
         print(record("A new request beside a long text", command, rows))

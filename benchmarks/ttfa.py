@@ -34,6 +34,7 @@ from common import (
     require_audio,
     resolve,
     run_script,
+    show_row,
     start_noise,
     suppress_end,
 )
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 ratio(m["cached"], m["ref_one"], 2),
             )
         )
-        print(" | ".join(rows[-1]), flush=True)
+        show_row(rows)
     if not args.no_record:
         print(
             record(
