@@ -206,6 +206,17 @@ def test_asynthesize_splits_a_long_text_off_the_event_loop(tts, monkeypatch):
     np.testing.assert_array_equal(speech.audio, expected.audio)
 
 
+def test_timings_count_the_segments_cut_short_by_max_frames(tts):
+    """Every segment of this END-less model stops at max_frames: each is counted (the audio
+    was cut short without a word); a pause-only segment (no frames asked for) is not."""
+    speech = tts.synthesize(STORY, VOICE, seed=1, max_frames=2, split=True, max_chars=120)
+    segments = split_text(STORY, target_chars=60, max_chars=120)
+    assert len(segments) > 2 and speech.timings.cut_short == len(segments)
+    assert tts.synthesize("Hello.", VOICE, seed=1, max_frames=2).timings.cut_short == 1
+    text = "Hello.\n\n\u200b\n\nAgain."  # a pause-only segment in the middle
+    assert tts.synthesize(text, VOICE, seed=1, max_frames=2, split=True).timings.cut_short == 2
+
+
 def _frames_after_cancel(tts, cancel):
     stream = tts.stream("Cancel me " * 20, VOICE, seed=1, max_frames=500)
     next(stream)

@@ -439,6 +439,33 @@ def test_no_audio_at_all_leaves_no_file(model_dir, tmp_path, monkeypatch, capsys
     assert list(tmp_path.iterdir()) == []
 
 
+def test_audio_cut_short_by_max_frames_is_a_warning(
+    endless_model_dir, model_dir, tmp_path, capsys
+):
+    """Segments that reach --max-frames before END are said to be cut short (the audio just
+    stopped); a text the model ends says nothing."""
+    from voxtral_mlx import cli
+    from voxtral_mlx.segment import split_text
+
+    sentence = "This sentence is long enough that three of them will not fit in one segment, "
+    text = " ".join([sentence + "surely."] * 6)
+    n = len(split_text(text))
+    assert n > 2
+    out = tmp_path / "cut.wav"
+    args = ["speak", "-m", str(endless_model_dir), text, "-o", str(out), "--max-frames", "3"]
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"voxtral-mlx: warning: {n} of {n} segments reached --max-frames")
+    assert "(3 frames, 0.24 s)" in err and "\n" not in err
+    assert sf.info(str(out)).frames > 0
+    args = ["speak", "-m", str(endless_model_dir), "Hi.", "-o", str(out), "--max-frames", "2"]
+    assert cli.main([*args, "--no-split"]) == 0
+    err = capsys.readouterr().err.strip()
+    assert "warning: the text reached --max-frames" in err and "drop --no-split" in err
+    assert cli.main(["speak", "-m", str(model_dir), TEXT, "-o", str(out)]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_a_second_process_reuses_the_voice_prefix_from_disk(model_dir, reference, tmp_path):
     """Each `speak` is a new process: the second starts the voice from the stored prefix
     (same audio); --no-prefix-cache stores nothing; an unusable cache directory is a

@@ -426,6 +426,15 @@ def cmd_speak(args: argparse.Namespace) -> int:
                 wav.close()
     hold_from_now()
     timings = stream.timings
+    if timings.cut_short:
+        n, of = timings.cut_short, len(stream.segments)
+        what = "the text" if of == 1 else f"{n} of {of} segments"
+        seconds = args.max_frames * tts.samples_per_frame / tts.sample_rate
+        _info(
+            f"{PROG}: warning: {what} reached --max-frames ({args.max_frames} frames, "
+            f"{seconds:g} s) before the model ended {'it' if of == 1 else 'them'}: the audio "
+            f"is cut short; raise --max-frames{' or drop --no-split' if args.no_split else ''}"
+        )
     if args.verbose:
         _report(timings, player, started)
     return 0

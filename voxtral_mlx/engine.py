@@ -50,6 +50,9 @@ class Timings:
     peak_memory_bytes: int = 0
     prefix_cached: bool = False  # the voice prefix came from memory or disk
     prefix_from_disk: bool = False
+    # Utterances (segments, with split) that reached max_frames (or the end of the given
+    # noise) before the model's END: their audio is cut short.
+    cut_short: int = 0
 
     @property
     def ms_per_frame(self) -> float:
@@ -613,6 +616,8 @@ class Engine:
             if t.first_audio_s == 0.0 and len(audio_np):
                 t.first_audio_s = t.total_s
             t.frames = job._delivered_frames = job._delivered_frames + len(codes_np)
+            if final and job.seq.stop_reason == "max_frames" and job.seq.max_frames > 0:
+                t.cut_short = 1
             t.audio_s += len(audio_np) / job.sample_rate
             t.peak_memory_bytes = max(t.peak_memory_bytes, peak)
             chunk = AudioChunk(

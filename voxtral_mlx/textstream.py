@@ -102,6 +102,7 @@ class _Reader:
             t.first_audio_s = time.perf_counter() - self._t0
         if item.is_final:
             t.frames += c.frames
+            t.cut_short += c.cut_short
         t.peak_memory_bytes = max(t.peak_memory_bytes, c.peak_memory_bytes)
         self._add_audio(item.audio)
         self._codes_width = item.codes.shape[-1]  # every segment ends with a chunk

@@ -552,7 +552,9 @@ class VoxtralTTS:
         is greedy; None draws a fresh seed, reported in ``Speech.seed``), ``noise`` gives it
         explicitly as ``[frames, 36]`` floats (frame i uses row i; generation stops after
         ``len(noise)`` frames at most). ``max_frames`` bounds runaway generation (80 ms per
-        frame). ``split``, ``pause``, ``max_chars``: see :meth:`stream`.
+        frame); ``Speech.timings.cut_short`` counts the utterances (segments, with
+        ``split``) it stopped before the model's END, and the audio is empty when the model
+        ends at once. ``split``, ``pause``, ``max_chars``: see :meth:`stream`.
         """
         stream = self.stream(
             text,
