@@ -439,9 +439,7 @@ def test_no_audio_at_all_leaves_no_file(model_dir, tmp_path, monkeypatch, capsys
     assert list(tmp_path.iterdir()) == []
 
 
-def test_audio_cut_short_by_max_frames_is_a_warning(
-    endless_model_dir, model_dir, tmp_path, capsys
-):
+def test_audio_cut_short_by_max_frames_is_a_warning(endless_model_dir, model_dir, tmp_path, capsys):
     """Segments that reach --max-frames before END are said to be cut short (the audio just
     stopped); a text the model ends says nothing."""
     from voxtral_mlx import cli
