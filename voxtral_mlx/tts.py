@@ -156,9 +156,8 @@ class VoxtralTTS:
 
         ``playback=True`` also starts the audio output library, finds the default output
         device and opens it once without playing (0.03-0.2 s the first :meth:`say` would
-        otherwise spend before it returns);
-        a missing PortAudio or output device is then the future's error, after the voices
-        have been warmed up all the same.
+        otherwise spend before it returns); a missing PortAudio or output device is then the
+        future's error, after the voices have been warmed up all the same.
         """
         playback = check_flag("playback", playback)
         if voices is None:
@@ -180,11 +179,10 @@ class VoxtralTTS:
             try:
                 audio_error = None
                 if playback:
-                    from .audio.horizon import PlaybackHorizon  # noqa: F401 (say() needs it)
-                    from .audio.player import prepare_output
+                    from .audio import player
 
                     try:
-                        prepare_output(self.sample_rate)
+                        player.prepare_output(self.sample_rate)
                     except VoxtralError as e:  # the model's warm-up is still wanted
                         audio_error = e
                 seconds = self._warm(names)
