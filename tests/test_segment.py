@@ -344,6 +344,13 @@ def test_full_width_number_separators_are_not_splits() -> None:
     assert all("1，000，000" in s.text for s in segs[::2])
 
 
+def test_full_width_period_ends_a_sentence_outside_numbers() -> None:
+    text = "円周率は３．１４です．次の文です．"
+    segs = split_text(text, target_chars=4, max_chars=12)
+    check_invariants(text, segs, 12)
+    assert texts(segs) == ["円周率は３．１４です．", "次の文です．"]
+
+
 def test_cjk_without_spaces() -> None:
     text = "今日は晴れです。明日は雨ですが、たぶん大丈夫でしょう。"
     segs = split_text(text, target_chars=8, max_chars=15)

@@ -40,7 +40,7 @@ PAUSE_AFTER: dict[str, float] = {
 TERMINALS = frozenset(".!?…‼⁇⁈⁉‽。！？｡．؟۔।॥։።፧။។៕།")
 # Sentence ends that end a sentence with no space after them (CJK never spaces; Arabic and
 # Devanagari text usually does, but "؟" and "।" are unambiguous when it does not).
-_NO_SPACE_HARD = frozenset("。！？｡؟۔।॥")
+_NO_SPACE_HARD = frozenset("。！？｡．؟۔।॥")
 _MID = frozenset(",;:，；：、､،؛")
 _DASHES = frozenset("—–―")
 _CLOSERS = frozenset("\"'”’»›)]}」』）】〕〉》〗〙〛＂＇")
@@ -79,7 +79,7 @@ _PROTECTED = re.compile(
     re.IGNORECASE,
 )
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
-_NO_SPACE_BREAK = re.compile(r"[。！？｡؟۔।॥，；：、､—―]+")
+_NO_SPACE_BREAK = re.compile(r"[。！？｡．؟۔।॥，；：、､—―]+")
 
 # Appended period by the script of the last letter; default ".". Arabic-script text uses the
 # Latin "." in Arabic and Persian, and U+06D4 in Urdu (detected by Urdu-only letters).
