@@ -271,16 +271,12 @@ def _quantized_layers(
     source: str,
 ) -> dict[str, QuantSpec]:
     """Module path -> spec for every layer stored quantized, with bits and group size from
-    config.json or the shapes. A layer is stored quantized when its ``.scales`` are present,
-    or when config.json lists it and its weight is packed (so that lost scales are reported
-    as missing); config.json entries for other layers (unquantized ones, or modules that
-    do not exist) are ignored, as mlx-audio ignores them."""
+    config.json or the shapes. A layer is stored quantized when its ``.scales`` are present
+    (a packed weight or ``.biases`` without them is a damaged file, said so);
+    config.json entries for other layers (unquantized ones, or modules that do not exist)
+    are ignored, as mlx-audio ignores them."""
+    _check_scales(tensors, source)
     paths = {n[: -len(".scales")] for n in tensors if n.endswith(".scales")}
-    if qconfig is not None:
-        for p, q in qconfig.layers.items():
-            weight = tensors.get(f"{p}.weight")
-            if q is not None and weight is not None and weight.info.dtype == "U32":
-                paths.add(p)
     out: dict[str, QuantSpec] = {}
     for path in sorted(paths):
         if qconfig is not None and path in qconfig.layers and qconfig.layers[path] is None:
@@ -352,7 +348,6 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
         tensors = _rename_refs(refs) if mlx_audio else refs
         qconfig = read_quantization(config_json, rename=mlx_audio)
     base = expected_tensors(config)
-    _check_scales(tensors, source)
     quantized = _quantized_layers(tensors, qconfig, base, source)
     expected = expected_tensors(config, quantized)
     try:
@@ -371,8 +366,8 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
 
 
 def _check_scales(tensors: Mapping[str, TensorRef], source: str) -> None:
-    """A layer with packed (U32) weights or ``.biases`` but no ``.scales`` is a damaged file,
-    said so (verification would list it as mis-shaped and unexpected tensors)."""
+    """A layer with packed (U32) weights or ``.biases`` but no ``.scales`` is a damaged file
+    (verification would list it as mis-shaped and unexpected tensors)."""
     for name, ref in tensors.items():
         path, _, leaf = name.rpartition(".")
         packed = leaf == "weight" and ref.info.dtype == "U32"
