@@ -386,14 +386,13 @@ def _in_file_names(e: CheckpointMismatch, tensors: Mapping[str, TensorRef]) -> C
         ref = tensors.get(name)
         return ref.key if ref is not None else (to_mlx_audio_name(name) or name)
 
-    source, against = e.source, e.against
     return CheckpointMismatch(
-        source,
+        e.source,
         [key(n) for n in e.missing],
         [key(n) for n in e.unexpected],
         [(key(n), shape, want) for n, shape, want in e.misshaped],
         [(key(n), dtype, want) for n, dtype, want in e.mistyped],
-        against,
+        e.against,
     )
 
 
