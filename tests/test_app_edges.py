@@ -261,8 +261,8 @@ def test_cli_no_split_with_a_chapter_says_to_drop_the_flag(tiny_checkpoint, tmp_
 
 
 def test_a_chapter_is_not_tokenized_up_front(tts, monkeypatch):
-    """Creating a stream of a long text (on an event loop, for astream) only encodes the
-    segments it submits; short segments cannot exceed the token limit."""
+    """Creating a stream of a long text only encodes the segments it submits; short
+    segments cannot exceed the token limit."""
     chapter = "One sentence of a long chapter, read aloud. " * 400
     calls = {"n": 0}
     original = tts.tokenizer.encode
@@ -272,7 +272,7 @@ def test_a_chapter_is_not_tokenized_up_front(tts, monkeypatch):
         return original(text)
 
     monkeypatch.setattr(tts.tokenizer, "encode", encode)
-    stream = tts.astream(chapter, VOICE, split=True, lookahead=2)
+    stream = tts.stream(chapter, VOICE, split=True, lookahead=2)
     assert len(stream.segments) > 50
     assert calls["n"] <= 2
     stream.cancel()
@@ -438,6 +438,45 @@ def test_a_set_aside_segment_that_is_cancelled_ends(tts):
     short.cancel()
     _wait_for(lambda: not tts.engine.busy)
     assert tts.engine.stats() == {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}
+
+
+def test_an_async_stream_splits_its_text_off_the_event_loop(tts, monkeypatch):
+    """A chapter's split (~0.1 s) would hold up an app's event loop: astream() does it in a
+    thread at the first item; other bad arguments still raise at once, and a segment too
+    long for one utterance raises at the first item."""
+    import voxtral_mlx.tts as tts_module
+
+    threads: list[threading.Thread] = []
+    original = tts_module.split_text
+
+    def split_text(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tts_module, "split_text", split_text)
+    text = "First sentence here. Second sentence there. A third one to finish."
+
+    async def first_chunks():
+        loop_thread = threading.current_thread()
+        async with tts.astream(text, VOICE, seed=5, split=True, max_chars=30) as stream:
+            before = list(stream.segments)
+            first = await stream.__anext__()
+        return loop_thread, before, first, stream
+
+    loop_thread, before, first, stream = asyncio.run(first_chunks())
+    assert before == [] and len(stream.segments) == 3
+    assert first.segments == 3 and len(first.audio)
+    assert len(threads) == 1 and threads[0] is not loop_thread
+    with pytest.raises(InputError, match="pause"):
+        tts.astream(text, VOICE, split=True, pause=-1)
+
+    async def too_long():
+        async for _ in tts.astream("x" * 40_000, VOICE, split=True, max_chars=40_000):
+            pass
+
+    with pytest.raises(InputError, match="too long") as exc:
+        asyncio.run(too_long())
+    assert "\n" not in str(exc.value)
 
 
 def test_an_async_stream_made_off_the_event_loop_iterates_on_it(tts):

@@ -25,20 +25,20 @@ class _Reader:
     def __init__(
         self,
         make_job: Callable[[int, Segment], Job],
-        segments: list[Segment],
+        segments: list[Segment] | Callable[[], list[Segment]],
         sample_rate: int,
         lookahead: int,
         pause: float | None,
     ):
         self._make_job = make_job
-        self.segments = segments
+        self.segments: list[Segment] = []
         self.sample_rate = sample_rate
         self.lookahead = max(1, lookahead)
         self.pause = pause
         self.jobs: deque[tuple[int, Job]] = deque()
         self._next = 0
         self._cancelled = False
-        self._finished = not segments
+        self._finished = False
         self._codes_width = 0  # codes per frame, as the segments' own chunks have them
         self._t0 = time.perf_counter()
         self.timings = Timings()  # the whole text's figures
@@ -47,9 +47,19 @@ class _Reader:
             raise InputError(
                 f"pause must be a number of seconds from 0 to {MAX_PAUSE_S:g}, got {pause!r}"
             )
-        # The first jobs are made (and their requests validated) right away, so that bad
-        # input raises when the stream is created, not at its first item.
         self._unsubmitted: list[Job] = []
+        # A callable splits the text later (AsyncTextStream: off the event loop).
+        self._plan = segments if callable(segments) else None
+        if self._plan is None:
+            self._start(segments)
+
+    def _start(self, segments: list[Segment]) -> None:
+        """Take the text's segments and make the first jobs (validating their requests), so
+        that bad input raises when the stream is created, not at its first item."""
+        self._plan = None
+        self.segments = segments
+        if not segments:
+            self._finished = True
         self._unsubmitted = self._pending()
 
     def _pending(self) -> list[Job]:
@@ -188,7 +198,9 @@ class TextStream(_Reader):
 
 class AsyncTextStream(_Reader):
     """``async for`` over :class:`AudioChunk`; generation runs on the model's worker thread,
-    never on the event loop. Cancelling the consuming task or ``aclose()`` stops it."""
+    never on the event loop. Cancelling the consuming task or ``aclose()`` stops it. Given a
+    callable for its segments, it calls it in a thread at its first item (``segments`` is
+    empty until then)."""
 
     def __init__(self, submit_async: Callable[[list[Job]], object], *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -213,6 +225,9 @@ class AsyncTextStream(_Reader):
                         "this audio stream was started on another event loop: iterate it "
                         "within one loop (call astream() again inside each asyncio.run())"
                     )
+                if self._plan is not None:
+                    self._start(await asyncio.to_thread(self._plan))
+                    continue
                 pending = self._pending()
                 for job in pending:
                     q: asyncio.Queue = asyncio.Queue()

@@ -302,15 +302,7 @@ class VoxtralTTS:
             )
         if is_blank(text):
             raise InputError("text is empty: give some words to speak")
-        max_frames = check_whole("max_frames", max_frames, 0)
-        chunk_frames = check_whole("chunk_frames", chunk_frames, 1)
-        alpha = finite_float(cfg_alpha)
-        if alpha is None or abs(alpha) > MAX_CFG_ALPHA:
-            shown = one_line(repr(cfg_alpha), 60)
-            raise InputError(
-                f"cfg_alpha must be a finite number from -{MAX_CFG_ALPHA:g} to "
-                f"{MAX_CFG_ALPHA:g} (default {DEFAULT_CFG_ALPHA}), got {shown}"
-            )
+        max_frames, chunk_frames, alpha = _job_options(max_frames, chunk_frames, cfg_alpha)
         v = self._voice(voice)
         text_ids = self.tokenizer.encode(text)
         if len(text_ids) > MAX_TEXT_TOKENS:
@@ -353,6 +345,7 @@ class VoxtralTTS:
         if is_blank(text):
             raise InputError("text is empty: give some words to speak")
         check_seed(seed)
+        _job_options(max_frames, chunk_frames, cfg_alpha)  # each job checks them again
         split, add_period = check_flag("split", split), check_flag("add_period", add_period)
         voice = self._voice(voice).name
         if lookahead is not None:
@@ -361,21 +354,28 @@ class VoxtralTTS:
             max_chars = check_whole("max_chars", max_chars, 2)
             if noise is not None:
                 raise InputError("noise= gives one utterance's noise: it cannot be split")
-            segments = split_text(
-                text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
-            )
-            # Every segment is checked now: a too-long one must not fail mid-stream. A token
-            # is at least one byte and a character at most four: short ones need no encoding
-            # (a chapter's worth would hold up an event loop).
-            for seg in segments:
-                if 4 * len(seg.spoken) <= MAX_TEXT_TOKENS:
-                    continue
-                n = len(self.tokenizer.encode(seg.spoken))
-                if n > MAX_TEXT_TOKENS:
-                    raise InputError(
-                        f"a segment of the text is too long for one utterance ({n} tokens, "
-                        f"limit {MAX_TEXT_TOKENS}): lower max_chars (now {max_chars})"
-                    )
+
+            def plan() -> list[Segment]:
+                segments = split_text(
+                    text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
+                )
+                # Every segment is checked before the first is submitted: a too-long one
+                # must not fail mid-stream. A token is at least one byte and a character at
+                # most four: short ones need no encoding.
+                for seg in segments:
+                    if 4 * len(seg.spoken) <= MAX_TEXT_TOKENS:
+                        continue
+                    n = len(self.tokenizer.encode(seg.spoken))
+                    if n > MAX_TEXT_TOKENS:
+                        raise InputError(
+                            f"a segment of the text is too long for one utterance ({n} tokens, "
+                            f"limit {MAX_TEXT_TOKENS}): lower max_chars (now {max_chars})"
+                        )
+                return segments
+
+            # An async stream splits off the event loop, at its first item (a chapter takes
+            # ~0.1 s); a blocking one splits now.
+            segments = plan if cls is AsyncTextStream else plan()
         else:
             segments = [Segment(text, 0, len(text), 0.0, text)]
         base = secrets.randbits(62) if seed is None and noise is None else seed
@@ -480,10 +480,11 @@ class VoxtralTTS:
         """:meth:`stream` for ``async for``: generation runs on the model's worker thread, the
         event loop only receives chunks. Cancelling the consuming task stops generation.
 
-        The text is split and checked here, on the calling thread (about 0.1 s for a
-        10,000-word chapter); for such a text, create the stream off the event loop with
-        ``await asyncio.to_thread(tts.astream, text, ...)``: it binds to the loop that
-        iterates it."""
+        With ``split=True`` the text is split in a thread when the first chunk is awaited
+        (about 0.1 s for a 10,000-word chapter, which would otherwise hold up the loop):
+        ``segments`` is empty until then, and a segment too long for one utterance (only
+        possible with a large ``max_chars``) raises there. Every other bad argument raises
+        here."""
 
         async def submit(jobs: list[Job]) -> None:
             await asyncio.wrap_future(self.worker.submit(lambda: self._enqueue(jobs)))
@@ -584,8 +585,7 @@ class VoxtralTTS:
         add_period: bool = True,
     ) -> Speech:
         """:meth:`synthesize` without blocking the event loop; cancelling stops generation."""
-        make = partial(
-            self.astream,
+        stream = self.astream(
             text,
             voice,
             seed=seed,
@@ -598,9 +598,6 @@ class VoxtralTTS:
             max_chars=max_chars,
             add_period=add_period,
         )
-        # Splitting a chapter takes ~0.1 s: off the loop (the stream binds to the loop that
-        # iterates it, and submits nothing before).
-        stream = await asyncio.to_thread(make) if split else make()
         chunks = [chunk async for chunk in stream]
         return speech_from_chunks(chunks, stream, self._voice(voice).name)
 
@@ -712,6 +709,19 @@ class VoxtralTTS:
             frame = bad[0] * len(arr) // len(audio) + 1
             raise not_finite_error(self.dtype, "the codec", int(frame))
         return audio
+
+
+def _job_options(max_frames: int, chunk_frames: int, cfg_alpha: float) -> tuple[int, int, float]:
+    max_frames = check_whole("max_frames", max_frames, 0)
+    chunk_frames = check_whole("chunk_frames", chunk_frames, 1)
+    alpha = finite_float(cfg_alpha)
+    if alpha is None or abs(alpha) > MAX_CFG_ALPHA:
+        shown = one_line(repr(cfg_alpha), 60)
+        raise InputError(
+            f"cfg_alpha must be a finite number from -{MAX_CFG_ALPHA:g} to "
+            f"{MAX_CFG_ALPHA:g} (default {DEFAULT_CFG_ALPHA}), got {shown}"
+        )
+    return max_frames, chunk_frames, alpha
 
 
 def speech_from_chunks(chunks: list[AudioChunk], stream, voice: str) -> Speech:

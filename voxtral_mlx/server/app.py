@@ -174,7 +174,8 @@ class SpeechAPI:
             raise
 
     async def _open(self, req: SpeechRequest, chunk_frames: int) -> tuple[AsyncTextStream, int]:
-        """Make the request's stream on the worker thread (its first jobs touch MLX)."""
+        """Make the request's stream in a thread: counting a long input's tokens would hold
+        up the event loop (and, on the model's worker, every request's next frame)."""
         tts = self.tts
 
         def open_stream() -> tuple[AsyncTextStream, int]:
@@ -191,7 +192,7 @@ class SpeechAPI:
             return stream, tokens
 
         try:
-            return await asyncio.wrap_future(tts.worker.submit(open_stream))
+            return await asyncio.to_thread(open_stream)
         except VoxtralError as e:
             raise bad_request(str(e)) from None
 
