@@ -305,6 +305,30 @@ def test_say_plays_everything_and_can_be_stopped(tts):
     assert player2.stopped and player2.after_stop == [] and not player2.finished
 
 
+def test_say_splits_its_text_on_the_playback_thread(tts, monkeypatch):
+    """say(wait=False) from a UI thread returns before a chapter's split (~0.1 s); a bad
+    argument still raises at once."""
+    import voxtral_mlx.tts as tts_module
+
+    threads: list[threading.Thread] = []
+    original = tts_module.split_text
+
+    def split_text(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tts_module, "split_text", split_text)
+    player = RecordingPlayer()
+    playback = tts.say(STORY, VOICE, seed=3, wait=False, player=player, max_frames=10)
+    assert playback.wait(timeout=60) and player.finished
+    assert len(threads) == 1 and threads[0] is not threading.current_thread()
+    played = np.concatenate(player.fed)
+    expected = tts.synthesize(STORY, VOICE, seed=3, split=True, max_frames=10)
+    np.testing.assert_allclose(played, expected.audio, atol=1e-5)
+    with pytest.raises(voxtral_mlx.errors.InputError, match="max_frames"):
+        tts.say(STORY, VOICE, wait=False, player=RecordingPlayer(), max_frames=-1)
+
+
 def test_say_stops_generating_when_the_player_fails(tts):
     """A player that fails (the device went away) ends generation too, and wait() reports it."""
 

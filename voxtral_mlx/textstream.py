@@ -48,10 +48,20 @@ class _Reader:
                 f"pause must be a number of seconds from 0 to {MAX_PAUSE_S:g}, got {pause!r}"
             )
         self._unsubmitted: list[Job] = []
-        # A callable splits the text later (AsyncTextStream: off the event loop).
+        # A callable splits the text later, at the first item or prepare(): ``segments`` is
+        # empty until then.
         self._plan = segments if callable(segments) else None
         if self._plan is None:
             self._start(segments)
+
+    def prepare(self) -> None:
+        """Split the text now if that was left for later (on the calling thread)."""
+        if self._plan is not None:
+            try:
+                self._start(self._plan())
+            except BaseException:
+                self._abandon()
+                raise
 
     def _start(self, segments: list[Segment]) -> None:
         """Take the text's segments and make the first jobs (validating their requests), so
@@ -166,6 +176,7 @@ class TextStream(_Reader):
             while not self._ready:
                 if self._finished:
                     raise StopIteration
+                self.prepare()
                 pending = self._pending()
                 if pending:  # one hand-over for all: the first segment is not held back
                     self._submit(pending)
@@ -199,8 +210,7 @@ class TextStream(_Reader):
 class AsyncTextStream(_Reader):
     """``async for`` over :class:`AudioChunk`; generation runs on the model's worker thread,
     never on the event loop. Cancelling the consuming task or ``aclose()`` stops it. Given a
-    callable for its segments, it calls it in a thread at its first item (``segments`` is
-    empty until then)."""
+    callable for its segments, it calls it in a thread at its first item."""
 
     def __init__(self, submit_async: Callable[[list[Job]], object], *args, **kwargs):
         super().__init__(*args, **kwargs)

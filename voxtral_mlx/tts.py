@@ -337,6 +337,7 @@ class VoxtralTTS:
         max_chars: int,
         add_period: bool = True,
         lookahead: int | None = None,
+        defer_split: bool = False,
     ):
         if not isinstance(text, str):
             raise InputError(
@@ -373,9 +374,9 @@ class VoxtralTTS:
                         )
                 return segments
 
-            # An async stream splits off the event loop, at its first item (a chapter takes
-            # ~0.1 s); a blocking one splits now.
-            segments = plan if cls is AsyncTextStream else plan()
+            # A chapter takes ~0.1 s: an async stream splits it in a thread at its first
+            # item and say() on its playback thread, not on an event loop or a UI thread.
+            segments = plan if defer_split else plan()
         else:
             segments = [Segment(text, 0, len(text), 0.0, text)]
         base = secrets.randbits(62) if seed is None and noise is None else seed
@@ -504,6 +505,7 @@ class VoxtralTTS:
             max_chars,
             add_period,
             lookahead,
+            defer_split=True,
         )
 
     def submit(self, job: Job) -> Job:
@@ -615,7 +617,8 @@ class VoxtralTTS:
     ) -> Playback:
         """Speak ``text`` through the speakers as it is generated (like macOS ``say``).
 
-        Long text is split and batched (see :meth:`stream`). With ``wait=True`` this returns
+        Long text is split (on the playback thread: ``wait=False`` returns at once even for a
+        chapter) and batched (see :meth:`stream`). With ``wait=True`` this returns
         when the last sample has played; with ``wait=False`` it returns at once with a
         :class:`Playback` handle (``stop()``, ``wait()``, ``done``). Needs PortAudio, unless
         ``player`` supplies another sink with ``feed(audio)``, ``finish()`` and ``stop()``.
@@ -634,7 +637,22 @@ class VoxtralTTS:
         if self.worker.closed:  # the handle would only say so later, in silence
             raise closed_error()
         # The request is checked before the audio output is opened: bad input opens nothing.
-        stream = self.stream(text, voice, seed=seed, split=True, pause=pause, max_frames=max_frames)
+        # Split on the playback thread: a chapter's ~0.1 s would hold up a UI thread.
+        stream = self._reader(
+            TextStream,
+            self._submit_all,
+            text,
+            voice,
+            seed,
+            None,
+            1,
+            max_frames,
+            DEFAULT_CFG_ALPHA,
+            True,
+            pause,
+            DEFAULT_MAX_CHARS,
+            defer_split=True,
+        )
         try:
             self.load_voice(voice)  # a damaged voice file opens nothing either
         except BaseException:
@@ -750,6 +768,7 @@ class Playback:
 
     def _run(self) -> None:
         try:
+            self.stream.prepare()
             # Made here, not in say(): it tokenizes every segment (a chapter's worth).
             horizon = self._horizon() if self._horizon is not None else None
             for chunk in self.stream:
