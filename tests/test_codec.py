@@ -449,7 +449,7 @@ def test_bfloat16_compute():
     ref = build_decoder(config, raw).decode(codes)
     _, rel_stream = errors(streamed.astype(mx.float32), out.astype(mx.float32))
     _, rel_f32 = errors(out.astype(mx.float32), ref)
-    assert rel_stream < 2e-2 and rel_f32 < 1e-1
+    assert rel_stream < 1e-3 and rel_f32 < 3e-2  # measured 0.0 and 1.4e-2
 
 
 def test_state_is_a_dataclass_of_arrays():

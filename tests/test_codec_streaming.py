@@ -103,7 +103,7 @@ def test_first_frame_alone(setup):
 
 
 @settings(
-    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     frames=st.one_of(st.integers(1, 40), st.integers(41, MAX_FRAMES)),

@@ -317,8 +317,9 @@ def test_quantized_semantic_codes_agree_with_float32(loaded, source: Path, name:
         f"{name}: semantic codes agree with float32 on {forced:.0%} of {FRAMES} frames "
         f"(same history); free-running: first {first} frames identical, {same.mean():.0%} overall"
     )
-    if name == "q8":
-        assert forced >= 0.8, forced
+    # Random weights give flat logits (a proxy: see benchmarks/RESULTS.md); measured here
+    # 100 / 95 / 85 %, while a broken quantizer agrees by chance (~0 %).
+    assert forced >= {"q8": 0.9, "q6": 0.8, "q4": 0.6}[name], forced
 
 
 def test_bf16_quantized_products_are_exact_on_the_cpu(converted, source: Path) -> None:

@@ -370,3 +370,22 @@ def test_a_row_taken_out_of_a_batch_cache_owns_its_memory():
     freed = batch.keys.nbytes + batch.values.nbytes
     del batch
     assert before - mx.get_active_memory() >= freed  # nothing of the batch is kept alive
+
+
+def test_empty_audio_and_padding_rows_are_never_predicted(tiny_tts):
+    """Code 0 (EMPTY_AUDIO) and the rows padding the semantic head to a multiple of 128 are
+    masked: the greedy code is the best of the others however large their logits are."""
+    from voxtral_mlx.model.flow import FlowHead
+
+    args = tiny_tts.config.flow
+    head = FlowHead(args)
+    rows, limit = args.semantic_output_rows, args.semantic_codebook_size + 2
+    assert rows > limit  # the tiny config has padding rows too
+    w = np.zeros((rows, args.dim), np.float32)
+    w[0], w[limit:], w[7] = 50.0, 80.0, 1.0
+    head.semantic_codebook_output.weight = mx.array(w)
+    h = mx.ones((3, args.dim))
+    assert head.semantic_code(h).tolist() == [7, 7, 7]
+    w[7], w[1] = -1.0, 0.5  # END (1) is now the best unmasked row
+    head.semantic_codebook_output.weight = mx.array(w)
+    assert head.semantic_code(h).tolist() == [1, 1, 1]

@@ -598,19 +598,44 @@ def test_load_and_synthesis_never_write_into_the_model(small_copy: Path) -> None
     assert tree_state(small_copy) == before
 
 
-def test_read_only_model_directory(small_copy: Path) -> None:
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX permissions")
+def test_read_only_model_directory(small_copy: Path, tmp_path: Path) -> None:
+    """A model directory nobody may write (a shared or system-wide install) loads and
+    speaks. Run in a process without root's permission bypass, so that a write would fail."""
+
     def chmod_tree(mode_dir: int, mode_file: int) -> None:
         for dirpath, _dirs, files in os.walk(small_copy, topdown=False):
             for f in files:
                 os.chmod(Path(dirpath) / f, mode_file)
             os.chmod(dirpath, mode_dir)
 
-    r_x = stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP
-    chmod_tree(r_x, stat.S_IRUSR | stat.S_IRGRP)
+    code = (
+        "import sys, voxtral_mlx\n"
+        "tts = voxtral_mlx.load(sys.argv[1])\n"
+        "for v in tts.voices: tts.voices.embedding(v)\n"
+        "s = tts.synthesize('Hi.', max_frames=2, seed=1)\n"
+        "list(tts.stream('Hi.', max_frames=2, seed=1))\n"
+        "tts.decode(s.codes)\n"
+        "print('spoke', len(s.audio))\n"
+    )
+    cmd = [sys.executable, "-c", code, str(small_copy)]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("as root, permissions apply only through setpriv (util-linux)")
+        cmd = [setpriv, "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    r_x = stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH
+    chmod_tree(r_x, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
     try:
-        before = tree_state(small_copy)  # as root chmod does not stop writes: compare listings
-        use_everything(voxtral_mlx.load(small_copy))
+        before = tree_state(small_copy)
+        env = dict(os.environ, VOXTRAL_MLX_CACHE=str(tmp_path / "cache"))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.startswith("spoke ") and int(proc.stdout.split()[1]) > 0
         assert tree_state(small_copy) == before
+        if os.geteuid() == 0:  # the bypass is really gone: a write is refused
+            probe = [*cmd[:2], sys.executable, "-c", f"open({str(small_copy / 'x')!r}, 'w')"]
+            assert subprocess.run(probe, capture_output=True).returncode != 0
     finally:
         chmod_tree(0o755, 0o644)
 
