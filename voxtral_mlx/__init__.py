@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .errors import InputError, VoxtralError
+from .errors import InputError, VoxtralError, is_mlx_import_error, mlx_import_error
 from .hub import DEFAULT_REPO
 
 if TYPE_CHECKING:
@@ -24,9 +24,19 @@ if TYPE_CHECKING:
 _FROM_TTS = frozenset({"AudioChunk", "Speech", "Timings", "VoxtralTTS"})
 
 
+def _import_tts():
+    try:
+        from . import tts
+    except ImportError as e:
+        if is_mlx_import_error(e):
+            raise mlx_import_error(e) from None
+        raise
+    return tts
+
+
 def __getattr__(name: str) -> object:
     if name in _FROM_TTS:
-        from . import tts
+        tts = _import_tts()
 
         value = getattr(tts, name)
         globals()[name] = value
@@ -73,6 +83,7 @@ def load(
     :mod:`voxtral_mlx.residency`); a model larger than the GPU can keep resident loads with
     a :class:`~voxtral_mlx.residency.MemoryWarning`.
     """
+    _import_tts()  # MLX missing: one clear error
     from .engine import check_max_batch
     from .fileio import usable_path
     from .hub import resolve_model_dir

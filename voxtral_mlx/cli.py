@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from .audio.horizon import PlaybackHorizon
-from .errors import AudioOutputError, InputError, VoxtralError
+from .errors import (
+    AudioOutputError,
+    InputError,
+    VoxtralError,
+    is_mlx_import_error,
+    mlx_import_error,
+)
 from .fileio import one_line
 from .interrupts import (
     Terminated,
@@ -921,6 +927,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VoxtralError as e:
         _release_stdout()
         _err(str(e))
+        return 1
+    except ImportError as e:
+        if not is_mlx_import_error(e):
+            raise
+        _release_stdout()
+        _err(str(mlx_import_error(e)))
         return 1
     except KeyboardInterrupt as e:
         _err(getattr(e, "detail", "interrupted"))

@@ -46,3 +46,21 @@ class AudioOutputError(VoxtralError):
 class NonFiniteError(VoxtralError, ArithmeticError):
     """The model produced NaN or infinite values while generating (damaged weights, or an
     overflow in float16): the request stops instead of speaking noise."""
+
+
+class PlatformError(VoxtralError, ImportError):
+    """MLX cannot be imported: not installed, or no build for this platform."""
+
+
+def mlx_import_error(cause: ImportError) -> PlatformError:
+    """The one-line error for ``cause``, an ImportError of MLX."""
+    return PlatformError(
+        f"MLX cannot be imported ({cause}): voxtral_mlx runs on Apple Silicon Macs "
+        "(pip install mlx) and on Linux (pip install 'mlx[cpu]'); Intel Macs and Windows "
+        "have no MLX build"
+    )
+
+
+def is_mlx_import_error(error: ImportError) -> bool:
+    name = error.name or ""
+    return name == "mlx" or name.startswith("mlx.") or "mlx" in str(error).split(":")[0]
