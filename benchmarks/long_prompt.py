@@ -1,8 +1,10 @@
 """A long prompt sent without ``split=True``: prefilled in parts vs in one pass.
 
-The engine prefills a prompt's text ``PREFILL_PART_TOKENS`` tokens per frame step, so that
-``cancel()`` lands within one part and the streams already running get a frame between
-parts. This measures what that costs and what it buys, on the same model in one run:
+The engine prefills a prompt's text in parts, one per frame step, each sized to take about
+as long as a frame (16 to ``PREFILL_PART_TOKENS`` tokens), so that ``cancel()`` lands
+within one part and the streams already running get a frame between parts. This measures
+what that costs and what it buys, on the same model in one run (``--fixed N`` adds parts
+of a fixed N tokens, as before the sizing):
 
 * time to first audio of the long request alone (parts vs one pass);
 * the longest wait between two chunks of a stream that is already running while the long
@@ -12,6 +14,7 @@ parts. This measures what that costs and what it buys, on the same model in one 
   (``MAX_OVERTAKES``), against waiting its turn (overtaking off) and against one pass.
 
     python benchmarks/long_prompt.py [--configs tiny,CHECKPOINT_DIR] [--tokens 1000,2000]
+                                     [--fixed 256]
 """
 
 from __future__ import annotations
@@ -103,7 +106,14 @@ def short_first_audio(tts, text: str, voice: str, part_s: float) -> float:
     return dt
 
 
-def measure(name: str, tokens: int, repeats: int) -> dict[str, float]:
+def set_parts(engine, mode: str, defaults: tuple[int, int]) -> None:
+    """Sized parts ("parts", the engine's way), one pass ("one"), or fixed N-token parts."""
+    sizes = {"parts": defaults, "one": (ONE_PASS, ONE_PASS)}
+    low, high = sizes.get(mode, (int(mode), int(mode)))
+    engine.MIN_PREFILL_PART_TOKENS, engine.PREFILL_PART_TOKENS = low, high
+
+
+def measure(name: str, tokens: int, repeats: int, fixed: int | None) -> dict[str, float]:
     import voxtral_mlx
     import voxtral_mlx.engine as engine
 
@@ -114,9 +124,10 @@ def measure(name: str, tokens: int, repeats: int) -> dict[str, float]:
     text = long_text(tts, tokens)
     tts.synthesize("Warm up.", voice, seed=0, max_frames=2)
     out: dict[str, float] = {"tokens": len(tts.tokenizer.encode(text))}
-    default = engine.PREFILL_PART_TOKENS
-    for key, part in (("parts", default), ("one", ONE_PASS)):
-        engine.PREFILL_PART_TOKENS = part
+    defaults = engine.MIN_PREFILL_PART_TOKENS, engine.PREFILL_PART_TOKENS
+    modes = ["parts", "one"] + ([] if fixed is None else [str(fixed)])
+    for key in modes:
+        set_parts(engine, key, defaults)
         out[f"ttfa_{key}"] = statistics.median(ttfa(tts, text, voice) for _ in range(repeats))
         out[f"stall_{key}"] = statistics.median(stall(tts, text, voice) for _ in range(repeats))
         third = out[f"ttfa_{key}"] / 3
@@ -126,7 +137,7 @@ def measure(name: str, tokens: int, repeats: int) -> dict[str, float]:
         out[f"short_{key}"] = statistics.median(
             short_first_audio(tts, text, voice, third) for _ in range(repeats)
         )
-    engine.PREFILL_PART_TOKENS = default
+    engine.MIN_PREFILL_PART_TOKENS, engine.PREFILL_PART_TOKENS = defaults
     overtakes, engine.MAX_OVERTAKES = engine.MAX_OVERTAKES, 0
     third = out["ttfa_parts"] / 3
     out["short_waits"] = statistics.median(
@@ -143,46 +154,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1000,2000", help="text tokens of the long prompt")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--fixed", type=int, help="also measure fixed parts of N tokens")
     args = parser.parse_args(argv)
-    from voxtral_mlx.engine import PREFILL_PART_TOKENS
-
-    rows = [
-        (
-            "config",
-            "text tokens",
-            f"first audio, {PREFILL_PART_TOKENS}-token parts",
-            "first audio, one pass",
-            "running stream's longest gap, parts",
-            "same, one pass",
-            "cancel during prefill, parts",
-            "same, one pass",
-            "short request during it: first audio, parts",
-            "same, waiting its turn",
-            "same, one pass",
-        )
-    ]
+    fixed = [] if args.fixed is None else [str(args.fixed)]
+    header = ["config", "text tokens"]
+    keys = []
+    for what, key in (
+        ("first audio", "ttfa"),
+        ("running stream's longest gap", "stall"),
+        ("cancel during prefill", "cancel"),
+        ("short request during it: first audio", "short"),
+    ):
+        for mode in ["parts", "one", *fixed]:
+            how = {"parts": "sized parts", "one": "one pass"}.get(mode, f"{mode}-token parts")
+            header.append(f"{what}, {how}")
+            keys.append(f"{key}_{mode}")
+        if key == "short":
+            header.append(f"{what}, waiting its turn")
+            keys.append("short_waits")
+    rows = [tuple(header)]
     for name in config_list(args.configs):
         for tokens in (int(t) for t in args.tokens.split(",")):
-            m = measure(name, tokens, args.repeats)
+            m = measure(name, tokens, args.repeats, args.fixed)
             rows.append(
-                (
-                    label(name),
-                    str(int(m["tokens"])),
-                    *(
-                        f"{1000 * m[k]:.0f} ms"
-                        for k in (
-                            "ttfa_parts",
-                            "ttfa_one",
-                            "stall_parts",
-                            "stall_one",
-                            "cancel_parts",
-                            "cancel_one",
-                            "short_parts",
-                            "short_waits",
-                            "short_one",
-                        )
-                    ),
-                )
+                (label(name), str(int(m["tokens"])), *(f"{1000 * m[k]:.0f} ms" for k in keys))
             )
             show_row(rows)
     if not args.no_record:

@@ -530,6 +530,7 @@ def test_a_long_prompt_prefilled_in_parts_equals_one_pass(tts, monkeypatch):
 
     monkeypatch.setattr(engine_mod, "prefill_part", recording)
     monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 10**6)
+    monkeypatch.setattr(engine_mod, "MIN_PREFILL_PART_TOKENS", 10**6)
     whole = tts.synthesize(LONG_PROMPT, VOICE, seed=2, max_frames=4)
     assert parts == []
     monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 16)
@@ -539,6 +540,49 @@ def test_a_long_prompt_prefilled_in_parts_equals_one_pass(tts, monkeypatch):
     assert parted.timings.prompt_tokens == whole.timings.prompt_tokens
     np.testing.assert_array_equal(parted.codes, whole.codes)
     np.testing.assert_array_equal(parted.audio, whole.audio)
+
+
+@pytest.mark.parametrize(("frame_s", "expected"), [(1e-9, [64, 16, 16]), (1e9, [64, 128, 256])])
+def test_prefill_parts_are_sized_to_take_about_a_frame(tts, monkeypatch, frame_s, expected):
+    """Where a frame is cheap next to a prefill (a CPU), parts shrink so that a cancel and
+    the running sequences wait about a frame; where it is dear, they grow to 256 tokens.
+    Either way the output equals one pass."""
+    parts: list[int] = []
+    prefill_part = engine_mod.prefill_part
+
+    def recording(model, text, cache):
+        parts.append(text.shape[1])
+        return prefill_part(model, text, cache)
+
+    text = LONG_PROMPT * 2
+    tokens = len(tts.job(text, VOICE).text_ids)
+    assert tokens > 64 + 128 + 256
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 10**6)
+    monkeypatch.setattr(engine_mod, "MIN_PREFILL_PART_TOKENS", 10**6)
+    whole = tts.synthesize(text, VOICE, seed=2, max_frames=3)
+    monkeypatch.undo()
+    monkeypatch.setattr(engine_mod, "prefill_part", recording)
+
+    def reset(engine):
+        engine._part_tokens = engine_mod.FIRST_PREFILL_PART_TOKENS
+        engine._frame_times.clear()
+        engine._frame_times.append(frame_s)  # no other sequence runs: none is measured
+
+    tts.call(lambda: reset(tts.engine))
+    parted = tts.synthesize(text, VOICE, seed=2, max_frames=3)
+    assert parts[:3] == expected and sum(parts) < tokens
+    assert set(parts[3:]) <= {expected[-1]}
+    np.testing.assert_array_equal(parted.codes, whole.codes)
+    np.testing.assert_array_equal(parted.audio, whole.audio)
+
+
+def test_frames_run_beside_a_prefill_are_measured(tts, monkeypatch):
+    """A running stream's frame steps are timed (a pump that ran a prefill part is not)."""
+    tts.call(lambda: tts.engine._frame_times.clear())
+    with tts.stream("A stream to time.", VOICE, seed=1, max_frames=12) as stream:
+        list(stream)
+    times = tts.call(lambda: list(tts.engine._frame_times))
+    assert 5 <= len(times) <= engine_mod.FRAME_TIMES_KEPT and min(times) > 0
 
 
 def test_cancel_during_a_long_prefill_stops_after_one_part(tts, monkeypatch):

@@ -13,7 +13,7 @@ import numbers
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,9 +30,14 @@ from .prefix_store import PrefixStore
 from .residency import Residency
 
 PREFIX_CACHE_VOICES = 8
-# A longer prompt text is prefilled this many tokens per frame step: a cancel() takes effect
-# and the sequences already running get their next frame after at most one part.
+# A longer prompt text is prefilled in parts, one per frame step: a cancel() takes effect
+# and the sequences already running get their next frame after at most one part. A part
+# is sized to take about as long as a frame (measured as they run), within these bounds;
+# the first starts at FIRST_PREFILL_PART_TOKENS and each may double the last.
 PREFILL_PART_TOKENS = 256
+MIN_PREFILL_PART_TOKENS = 16
+FIRST_PREFILL_PART_TOKENS = 64
+FRAME_TIMES_KEPT = 8
 # Short prompts one long prompt's prefill lets go first, at most (bounds its delay).
 MAX_OVERTAKES = 8
 
@@ -262,6 +267,9 @@ class Engine:
         self._jobs: dict[int, Job] = {}  # by id(seq): in the batch, or parked
         self._prefixes: OrderedDict[tuple[str, str], list[KVCache]] = OrderedDict()
         self.prefix_cache_voices = PREFIX_CACHE_VOICES
+        self._part_tokens = FIRST_PREFILL_PART_TOKENS  # adapted by _learn_part
+        self._frame_times: deque[float] = deque(maxlen=FRAME_TIMES_KEPT)
+        self._ran_part = False  # in this pump
 
     @property
     def max_batch(self) -> int:
@@ -464,6 +472,21 @@ class Engine:
         if ahead:
             self._batch.set_aside(max(ahead, key=lambda j: j.segment).seq)
 
+    @property
+    def part_tokens(self) -> int:
+        """Tokens of the next prefill part (see :data:`PREFILL_PART_TOKENS`)."""
+        low = min(MIN_PREFILL_PART_TOKENS, PREFILL_PART_TOKENS)
+        return max(low, min(self._part_tokens, PREFILL_PART_TOKENS))
+
+    def _learn_part(self, tokens: int, seconds: float) -> None:
+        """Size the next part to take about one frame (the fastest of the recent ones):
+        on a machine where a frame is cheap next to a prefill (a CPU), 256 tokens would
+        hold a cancel and the running sequences for several frames."""
+        grown = 2 * tokens
+        if self._frame_times and seconds > 0:
+            grown = min(grown, int(tokens * min(self._frame_times) / seconds))
+        self._part_tokens = max(MIN_PREFILL_PART_TOKENS, min(grown, PREFILL_PART_TOKENS))
+
     def _prefill_next(self) -> None:
         """Run the next part of the prefilling job's prompt; the last part adds it to the
         batch."""
@@ -473,10 +496,14 @@ class Engine:
             self._prefilling = None
             self._finish(job)
             return
+        self._ran_part = True
         try:
-            if p.text.shape[1] > PREFILL_PART_TOKENS:
-                prefill_part(self.model, p.text[:, :PREFILL_PART_TOKENS], p.cache)
-                p.text = p.text[:, PREFILL_PART_TOKENS:]
+            part = self.part_tokens
+            if p.text.shape[1] > part:
+                t0 = time.perf_counter()
+                prefill_part(self.model, p.text[:, :part], p.cache)
+                self._learn_part(part, time.perf_counter() - t0)
+                p.text = p.text[:, part:]
                 return
             prefill(self.model, job.seq, p.text, p.cache)
         except Exception as e:  # handed to the job's consumer
@@ -537,6 +564,8 @@ class Engine:
         is the exception: it is decoded and delivered before the next frame is queued, and
         before a newcomer's prefill.
         """
+        t0, self._ran_part = time.perf_counter(), False
+        framed = len(self._batch) > 0
         for seq, codes in self._batch.poll():
             self._jobs[id(seq)]._codes.append(codes)
         first = self._decode(first_chunks=True)
@@ -554,6 +583,8 @@ class Engine:
         if not len(self._batch):  # nothing left to overlap with
             self._deliver(self._inflight)
             self._inflight = []
+        elif framed and not self._ran_part:  # a frame step alone: how long a frame takes
+            self._frame_times.append(time.perf_counter() - t0)
         return self.busy
 
     def _decode(self, first_chunks: bool) -> list[tuple[Job, mx.array, mx.array, bool]]:
