@@ -499,8 +499,30 @@ def test_progress_counts_segments_joined_without_a_pause(capsys):
         chunk.segment = segment
         progress.update(chunk, timings)
     lines = capsys.readouterr().err.split("\r")[1:]
-    assert [line.split(",")[0].rsplit(" ", 1)[1] for line in lines] == ["1/3", "1/3", "2/3", "3/3"]
-    assert "ETA" in lines[2] and "ETA" in lines[3]
+    # The second chunk changes nothing on the line: it is not redrawn.
+    assert [line.split(",")[0].rsplit(" ", 1)[1] for line in lines] == ["1/3", "2/3", "3/3"]
+    assert "ETA" in lines[1] and "ETA" in lines[2]
+
+
+def test_progress_redraws_at_most_ten_times_a_second(capsys, monkeypatch):
+    """A chunk comes every frame (590 redraws in 6 s, most the same line): within a segment
+    the line is redrawn at most every 0.1 s, and close() draws the last one held back."""
+    from types import SimpleNamespace
+
+    from voxtral_mlx import cli
+
+    clock = [100.0]
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
+    progress = cli.Progress(total=2)
+    for i in range(1, 31):  # 30 frames of segment 0, 10 ms apart
+        clock[0] += 0.01
+        chunk = SimpleNamespace(is_final=False, frames=1, audio=[0.0], segment=0)
+        progress.update(chunk, SimpleNamespace(audio_s=0.08 * i))
+    drawn = capsys.readouterr().err.split("\r")[1:]
+    assert 3 <= len(drawn) <= 4
+    progress.close()
+    last = capsys.readouterr().err
+    assert last.startswith("\r") and "2.4 s of audio" in last and last.endswith("\n")
 
 
 @pytest.mark.parametrize("columns", [20, 45, 200])

@@ -453,10 +453,16 @@ def _show_progress(args: argparse.Namespace, stream) -> bool:
 class Progress:
     """One self-rewriting line on stderr: segments, seconds of audio, ETA."""
 
+    REDRAW_S = 0.1  # at most ten redraws a second (a chunk comes every frame)
+
     def __init__(self, total: int):
         self.total = total
         self.t0 = time.perf_counter()
         self.done = 0
+        self._shown = ""
+        self._shown_done = -1
+        self._shown_at = 0.0
+        self._due = ""  # a line held back by the rate limit, drawn by close()
 
     def update(self, chunk, timings) -> None:
         if chunk.is_final or (chunk.frames == 0 and len(chunk.audio)):  # a segment ended
@@ -472,12 +478,25 @@ class Progress:
             f"{PROG}: segment {min(self.done + 1, self.total)}/{self.total}, "
             f"{timings.audio_s:.1f} s of audio{eta}"
         )
+        now = time.perf_counter()
+        if line == self._shown:
+            return
+        if self.done == self._shown_done and now - self._shown_at < self.REDRAW_S:
+            self._due = line
+            return
+        self._draw(line)
+        self._shown_done, self._shown_at = self.done, now
+
+    def _draw(self, line: str) -> None:
         # Cut to the terminal: a line that wraps is rewritten below itself at each update.
         # \x1b[K clears what a longer previous line left at the end.
         sys.stderr.write(f"\r{line[: max(1, _columns() - 1)]}\x1b[K")
         sys.stderr.flush()
+        self._shown, self._due = line, ""
 
     def close(self) -> None:
+        if self._due:
+            self._draw(self._due)
         sys.stderr.write("\n")
         sys.stderr.flush()
 
