@@ -765,3 +765,37 @@ def test_running_streams_get_frames_while_decode_runs(tts, monkeypatch):
     assert len(parts) == 12
     gaps = [events[a:b] for a, b in itertools.pairwise(parts)]
     assert sum("audio" in gap for gap in gaps) >= 8, events
+
+
+# A one-frame request's only chunk (decoded as a first chunk), a 3-frame one's last chunk.
+@pytest.mark.parametrize(("failing_call", "frames"), [(1, 1), (2, 3)])
+def test_a_failed_decode_reaches_the_consumer(tts, monkeypatch, failing_call, frames):
+    """A job whose last chunk was being decoded had already left the engine's books: a
+    decode that failed (an MLX error) left its consumer waiting forever."""
+    codec = tts.model.audio_tokenizer
+    real, calls = codec.decode_chunks, [0]
+
+    def flaky(chunks):
+        if chunks:
+            calls[0] += 1
+            if calls[0] == failing_call:
+                raise RuntimeError("simulated decode failure")
+        return real(chunks)
+
+    monkeypatch.setattr(codec, "decode_chunks", flaky)
+    stream = tts.stream("Hi.", VOICE, seed=0, max_frames=frames, chunk_frames=2)
+    outcome: list[object] = []
+
+    def consume() -> None:
+        try:
+            outcome.append([c.frames for c in stream])
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(30)
+    assert not consumer.is_alive(), "the consumer was left waiting"
+    assert outcome == ["simulated decode failure"] and calls[0] == failing_call
+    monkeypatch.undo()
+    assert len(tts.synthesize("Hi.", VOICE, seed=0, max_frames=2).codes) == 2  # still serves

@@ -261,6 +261,7 @@ class Engine:
         self._first_chunk = model.config.codec.first_chunk_frames
         self._batch = FrameBatch(model)
         self._inflight: list[tuple[Job, mx.array, mx.array, bool]] = []
+        self._first: list[tuple[Job, mx.array, mx.array, bool]] = []
         self._waiting: list[Job] = []
         self._prefilling: _Prefill | None = None
         self._parked: list[Job] = []  # set aside from the batch, their state in their seq
@@ -546,14 +547,14 @@ class Engine:
         if self._prefilling is not None:
             failed[id(self._prefilling.job)] = self._prefilling.job
             self._prefilling = None
-        failed.update((id(r[0]), r[0]) for r in self._inflight)
+        failed.update((id(r[0]), r[0]) for r in [*self._inflight, *self._first])
         for job in failed.values():
             if not job.done:
                 job.seq.finished = job.done = True
                 job._emit(error)
         self._jobs.clear()
         self._waiting.clear()
-        self._inflight = []
+        self._inflight, self._first = [], []
         self._batch = FrameBatch(self.model)
 
     def _pump(self) -> bool:
@@ -568,10 +569,12 @@ class Engine:
         framed = len(self._batch) > 0
         for seq, codes in self._batch.poll():
             self._jobs[id(seq)]._codes.append(codes)
-        first = self._decode(first_chunks=True)
+        # Held by the engine while evaluated: a failure reaches their consumers (fail_all).
+        self._first = first = self._decode(first_chunks=True)
         if first:
             mx.eval([r[2] for r in first if r[2] is not None])
             self._deliver(first)
+        self._first = []
         self._admit()  # after the first chunks: they never wait for a newcomer's prefill
         for seq in self._batch.advance():
             self._parked.append(self._jobs[id(seq)])
@@ -595,6 +598,7 @@ class Engine:
         """
         ready: list[tuple[Job, mx.array | None, mx.array | None, bool]] = []
         due: list[int] = []
+        ended: list[int] = []
         for key, job in list(self._jobs.items()):
             if first_chunks and job._next_index:
                 continue
@@ -615,11 +619,13 @@ class Engine:
             elif final:
                 ready.append((job, None, None, True))
             if final:
-                del self._jobs[key]
+                ended.append(key)
         chunks = [(ready[i][1][None], ready[i][0]._codec_state) for i in due]
         for i, audio in zip(due, self.model.audio_tokenizer.decode_chunks(chunks)):
             job, codes, _, final = ready[i]
             ready[i] = (job, codes, audio[0].astype(mx.float32), final)
+        for key in ended:  # only now: if decoding failed, fail_all() still finds them
+            del self._jobs[key]
         return ready
 
     def _chunk_due(self, job: Job) -> int:
