@@ -217,6 +217,57 @@ def test_an_unwritable_directory_only_loses_the_cache(tiny_checkpoint, tmp_path,
     assert blocker.read_text() == "not a directory"
 
 
+def test_a_directory_that_cannot_be_read_only_loses_the_cache(
+    tiny_checkpoint, tmp_path, noise, reference, monkeypatch
+):
+    """A folder the app may not read (a macOS sandbox denies stat with EPERM) failed the
+    request with a raw PermissionError; it is a miss, with one warning."""
+    denied = tmp_path / "denied"
+    real_is_file = Path.is_file
+
+    def is_file(self):
+        if str(self).startswith(str(denied)):
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return real_is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=denied)
+        try:
+            speech = tts.synthesize(TEXT, VOICE, noise=noise)
+            again = tts.synthesize(TEXT, VOICE, noise=noise)  # from memory: no new warning
+        finally:
+            tts.close()
+    np.testing.assert_array_equal(speech.audio, reference.audio)
+    np.testing.assert_array_equal(again.audio, reference.audio)
+    messages = [str(w.message) for w in caught if issubclass(w.category, PrefixCacheWarning)]
+    assert len(messages) == 1 and messages[0].startswith("cannot read the voice-prefix cache")
+    assert "\n" not in messages[0]
+
+
+def test_clear_prefix_cache_on_a_file_it_may_not_delete_says_so(
+    tiny_checkpoint, tmp_path, noise, monkeypatch
+):
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
+    try:
+        tts.synthesize(TEXT, VOICE, noise=noise)
+        (stored,) = files(tmp_path)
+
+        def unlink(self, missing_ok=False):
+            raise PermissionError(13, "Permission denied", str(self))
+
+        monkeypatch.setattr(Path, "unlink", unlink)
+        with pytest.raises(voxtral_mlx.VoxtralError) as exc:
+            tts.clear_prefix_cache()
+        monkeypatch.undo()
+        message = str(exc.value)
+        assert "cannot delete the voice-prefix file" in message and stored.name in message
+        assert "Permission denied" in message and "\n" not in message
+    finally:
+        tts.close()
+
+
 def test_clear_prefix_cache_removes_this_models_files_only(tiny_checkpoint, tmp_path, noise):
     other = tmp_path / ("f" * 16 + "-" + "0" * 32 + ".safetensors")
     other.write_bytes(b"another model's prefix")

@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .errors import VoxtralError
 from .fileio import TEMP_KIND, atomic_write, one_line, remove_orphans
 from .model.cache import KVCache
 
@@ -45,15 +46,20 @@ def model_fingerprint(model_dir: Path) -> str:
     checkpoint of the same shapes copied in with its timestamps kept is not taken for it."""
     h = hashlib.sha256(FORMAT.encode())
     for path in sorted(Path(model_dir).iterdir()):
-        if path.suffix not in _MODEL_FILES or path.name.startswith(".") or not path.is_file():
+        if path.suffix not in _MODEL_FILES or path.name.startswith("."):
             continue
-        st = path.stat()
-        h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-        if path.suffix == ".safetensors":
-            with path.open("rb") as f:
-                _hash_safetensors(f, h)
-        elif st.st_size <= _HEADER_LIMIT:
-            h.update(path.read_bytes())
+        try:
+            if not path.is_file():
+                continue
+            st = path.stat()
+            h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            if path.suffix == ".safetensors":
+                with path.open("rb") as f:
+                    _hash_safetensors(f, h)
+            elif st.st_size <= _HEADER_LIMIT:
+                h.update(path.read_bytes())
+        except OSError:  # a file the loader did not need (it read the rest): its name counts
+            h.update(f"{path.name}\0unreadable\0".encode())
     return h.hexdigest()
 
 
@@ -128,7 +134,11 @@ class PrefixStore:
         ``[1, kv_heads, positions, head_dim]``), or None. The stored key, shapes and dtype
         are checked."""
         path = self._path(key)
-        if not path.is_file():
+        try:
+            if not path.is_file():
+                return None
+        except OSError as e:  # a folder the app may not read (a sandbox): as if empty
+            self._warn("read", e)
             return None
         try:
             arrays, meta = mx.load(str(path), return_metadata=True)
@@ -169,22 +179,32 @@ class PrefixStore:
             atomic_write(self._path(key), lambda f: mx.save_safetensors(f, arrays, metadata=meta))
             self._prune()
         except (OSError, RuntimeError, ValueError) as e:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"cannot write the voice-prefix cache in {one_line(str(self.directory))}: "
-                    f"{one_line(str(e))}; voices are prefilled again in each process "
-                    "(turn the cache off with --no-prefix-cache, or prefix_cache_dir=None "
-                    "in load())",
-                    PrefixCacheWarning,
-                    stacklevel=2,
-                )
+            self._warn("write", e)
+
+    def _warn(self, what: str, error: BaseException) -> None:
+        if self._warned:  # once per store: it would repeat for every voice
+            return
+        self._warned = True
+        warnings.warn(
+            f"cannot {what} the voice-prefix cache in {one_line(str(self.directory))}: "
+            f"{one_line(str(error))}; voices are prefilled again in each process "
+            "(turn the cache off with --no-prefix-cache, or prefix_cache_dir=None "
+            "in load())",
+            PrefixCacheWarning,
+            stacklevel=3,
+        )
 
     def clear(self) -> None:
         """Delete this model's files (other models' are left alone)."""
         for path in self._files():
             if path.name.startswith(self.fingerprint[:16] + "-"):
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as e:
+                    raise VoxtralError(
+                        f"cannot delete the voice-prefix file {one_line(str(path))}: "
+                        f"{e.strerror or e}; delete it by hand or fix the folder's permissions"
+                    ) from None
 
     def _files(self) -> list[Path]:
         try:
