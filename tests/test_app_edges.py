@@ -772,6 +772,10 @@ def test_running_streams_get_frames_while_decode_runs(tts, monkeypatch):
 def test_a_failed_decode_reaches_the_consumer(tts, monkeypatch, failing_call, frames):
     """A job whose last chunk was being decoded had already left the engine's books: a
     decode that failed (an MLX error) left its consumer waiting forever."""
+    deadline = time.monotonic() + 10  # an earlier test's cancelled job may still be ending
+    while tts.engine.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not tts.engine.busy
     codec = tts.model.audio_tokenizer
     real, calls = codec.decode_chunks, [0]
 

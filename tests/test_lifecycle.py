@@ -140,6 +140,25 @@ def test_close_frees_the_model(tiny_checkpoint_noend):
     assert refs[0]() is None and refs[1]() is None
 
 
+def test_close_frees_the_model_while_the_object_is_still_held(tiny_checkpoint_noend):
+    """README: "close() frees the model at once". Switching models (``tts.close(); tts =
+    load(other)``) held both while the new one loaded: the closed object kept its model."""
+    model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    model.synthesize("Hi.", VOICE, seed=1, max_frames=2)
+    refs = weakref.ref(model.model), weakref.ref(model.model.audio_tokenizer)
+    model.close()
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None  # ``model`` itself is still held
+    with pytest.raises(VoxtralError, match="this model was closed") as exc:
+        model.decode(np.full((2, 37), 2, np.int32))
+    assert "\n" not in str(exc.value)
+    with pytest.raises(VoxtralError, match="this model was closed"):
+        model.prompt_embeddings("Hi.", VOICE)
+    with pytest.raises(VoxtralError, match="this model was closed"):
+        model.synthesize("Hi.", VOICE, seed=1, max_frames=2)
+    assert model.sample_rate == 24000 and VOICE in model.voices
+
+
 def test_a_dropped_model_is_freed_without_close(tiny_checkpoint_noend):
     """An app that forgets close() must not keep a copy of the weights per load."""
 

@@ -557,6 +557,14 @@ class Engine:
         self._inflight, self._first = [], []
         self._batch = FrameBatch(self.model)
 
+    def release(self) -> None:
+        """Let go of the model and every array (once :meth:`fail_all` has ended the jobs, when
+        the model is closed): its memory comes back while this object is still referenced."""
+        self._prefixes.clear()
+        self._pending_saves.clear()
+        self._batch.model = None
+        self.model = None
+
     def _pump(self) -> bool:
         """One frame: END check, then the next frame queued before this one is decoded.
 

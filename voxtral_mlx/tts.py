@@ -109,6 +109,7 @@ class VoxtralTTS:
 
         def on_close() -> None:  # on the worker thread, before it parks
             engine.fail_all(closed_error())
+            engine.release()
             if release is not None:
                 release()
 
@@ -229,6 +230,9 @@ class VoxtralTTS:
         unusable after. Dropping the last reference to the object does the same, later."""
         self._finalizer.detach()
         self.worker.close()
+        # The memory comes back now, not when this object goes: switching models (close,
+        # then load) must not hold both.
+        self.model = _ClosedModel()
 
     @property
     def sample_rate(self) -> int:
@@ -727,6 +731,13 @@ class VoxtralTTS:
             frame = bad[0] * len(arr) // len(audio) + 1
             raise not_finite_error(self.dtype, "the codec", int(frame))
         return audio
+
+
+class _ClosedModel:
+    """``VoxtralTTS.model`` after ``close()``: any use says the model was closed."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise closed_error()
 
 
 def _job_options(max_frames: int, chunk_frames: int, cfg_alpha: float) -> tuple[int, int, float]:
