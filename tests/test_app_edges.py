@@ -44,6 +44,7 @@ BAD_ARGUMENTS = [
     ("max_chars", 1),
     ("lookahead", "2"),
     ("lookahead", -1),
+    ("lookahead", 0),  # nothing in flight would be nothing generated
     ("split", "no"),  # a truthy string must not mean yes
     ("add_period", None),
 ]

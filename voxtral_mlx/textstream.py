@@ -1,8 +1,8 @@
 """Text of any length as one stream of audio: segments in order, batched, with pauses.
 
-Segments are submitted ahead of the one being consumed (up to ``lookahead`` of them), so
-the engine batches them, while memory stays bounded by the look-ahead however long the
-text is. The same logic serves blocking iteration and ``async for``.
+Segments are submitted ahead of the one being consumed (``lookahead`` in flight, that one
+included), so the engine batches them, while memory stays bounded by the look-ahead however
+long the text is. The same logic serves blocking iteration and ``async for``.
 """
 
 from __future__ import annotations

@@ -354,7 +354,7 @@ class VoxtralTTS:
         split, add_period = check_flag("split", split), check_flag("add_period", add_period)
         voice = self._voice(voice).name
         if lookahead is not None:
-            lookahead = check_whole("lookahead", lookahead, 0)
+            lookahead = check_whole("lookahead", lookahead, 1)
         if split:
             max_chars = check_whole("max_chars", max_chars, 2)
             if noise is not None:
@@ -442,8 +442,8 @@ class VoxtralTTS:
         format marks) makes no sound but its pause. Segment ``i`` uses seed ``seed + i``;
         ``max_frames`` applies per segment; chunks carry ``segment`` and ``segments``; memory
         stays bounded whatever the length.
-        ``lookahead``: segments generated ahead of the one being consumed (default: the
-        batch size with ``split``). A segment generated ahead gives up its batch slot to
+        ``lookahead``: segments in flight, the one being consumed included (at least 1;
+        default: the batch size with ``split``, 1 without). A segment generated ahead gives up its batch slot to
         another request's segment that someone is waiting for (it is set aside and resumes
         later, its output unchanged; so does its prompt's prefill), so a new request starts
         at once even while a long text fills the batch. Segments someone waits for join
