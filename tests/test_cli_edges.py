@@ -719,3 +719,31 @@ def test_a_damaged_voice_file_fails_before_the_streamed_header(model_dir, tmp_pa
     proc = speak(model, "-v", "fr_male", "-o", "-", "Hello there.")
     assert "fr_male.pt" in one_line_error(proc)
     assert proc.stdout == b""
+
+
+@pytest.mark.parametrize(
+    "bad", [["-v", "nosuchvoice"], ["--pause", "100"], ["-m", "/nonexistent/model"]]
+)
+def test_speak_closes_the_audio_output_it_opened_early_on_bad_input(
+    model_dir, monkeypatch, capsys, bad
+):
+    """The output is opened before the model loads (to fail early without a device); a
+    bad voice or argument found after that left it open for in-process callers of main()."""
+    import voxtral_mlx.audio.player as player_mod
+    from voxtral_mlx import cli
+
+    opened = []
+
+    class Player:
+        def __init__(self, *args, **kwargs):
+            self.stopped = False
+            opened.append(self)
+
+        def stop(self):
+            self.stopped = True
+
+    monkeypatch.setattr(player_mod, "AudioPlayer", Player)
+    code = cli.main(["speak", "-m", str(model_dir), "Hello there.", *bad])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("voxtral-mlx: error:")
+    assert len(opened) == 1 and opened[0].stopped

@@ -328,31 +328,36 @@ def cmd_speak(args: argparse.Namespace) -> int:
         from .audio.player import AudioPlayer
 
         player = AudioPlayer(device=args.device)  # fails early without PortAudio/devices
-    tts = _load(args)
-    if args.voice is not None:
-        tts.voices.get_voice(args.voice)
-    if args.no_split:
-        from .tts import MAX_TEXT_TOKENS
+    try:
+        tts = _load(args)
+        if args.voice is not None:
+            tts.voices.get_voice(args.voice)
+        if args.no_split:
+            from .tts import MAX_TEXT_TOKENS
 
-        n_tokens = len(tts.tokenizer.encode(text))
-        if n_tokens > MAX_TEXT_TOKENS:
-            raise InputError(
-                f"text is too long to speak as one utterance ({n_tokens} tokens, limit "
-                f"{MAX_TEXT_TOKENS}): drop --no-split"
-            )
+            n_tokens = len(tts.tokenizer.encode(text))
+            if n_tokens > MAX_TEXT_TOKENS:
+                raise InputError(
+                    f"text is too long to speak as one utterance ({n_tokens} tokens, limit "
+                    f"{MAX_TEXT_TOKENS}): drop --no-split"
+                )
 
-    started = time.monotonic()  # the player's clock
-    # The stream checks the remaining arguments: nothing may be written before it exists.
-    stream = tts.stream(
-        text,
-        voice=args.voice,
-        seed=args.seed,
-        chunk_frames=1,
-        max_frames=args.max_frames,
-        split=not args.no_split,
-        pause=args.pause,
-        add_period=not args.no_period,
-    )
+        started = time.monotonic()  # the player's clock
+        # The stream checks the remaining arguments: nothing may be written before it exists.
+        stream = tts.stream(
+            text,
+            voice=args.voice,
+            seed=args.seed,
+            chunk_frames=1,
+            max_frames=args.max_frames,
+            split=not args.no_split,
+            pause=args.pause,
+            add_period=not args.no_period,
+        )
+    except BaseException:
+        if player is not None:  # opened early to fail early: not left open on bad input
+            player.stop()
+        raise
     sinks = []
     file_writer = wav = None
     try:

@@ -443,11 +443,12 @@ class VoxtralTTS:
         ``max_frames`` applies per segment; chunks carry ``segment`` and ``segments``; memory
         stays bounded whatever the length.
         ``lookahead``: segments in flight, the one being consumed included (at least 1;
-        default: the batch size with ``split``, 1 without). A segment generated ahead gives up its batch slot to
-        another request's segment that someone is waiting for (it is set aside and resumes
-        later, its output unchanged; so does its prompt's prefill), so a new request starts
-        at once even while a long text fills the batch. Segments someone waits for join
-        first come, first served; segments generated ahead follow, earliest first.
+        default: the batch size with ``split``, 1 without). A segment generated ahead gives
+        up its batch slot to another request's segment that someone is waiting for (it is
+        set aside and resumes later, its output unchanged; so does its prompt's prefill), so
+        a new request starts at once even while a long text fills the batch. Segments
+        someone waits for join first come, first served; segments generated ahead follow,
+        earliest first.
         """
         return self._reader(
             TextStream,
