@@ -409,6 +409,24 @@ def test_changed_file_never_reuses_a_stale_entry(tmp_path):
     assert len(_cache_files(cache)) == 2
 
 
+def test_temp_files_of_killed_cache_writers_are_removed(byte_tekken_file, tmp_path):
+    """A process killed while writing the ~7 MB cache entry left its temp file for good."""
+    from voxtral_mlx.fileio import TEMP_KIND
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folder = tmp_path / "tokenizers"
+    folder.mkdir()
+    orphan = folder / f".tekken-{'0' * 16}.json.{TEMP_KIND}-{dead.pid}-0123abcd"
+    mine = folder / f".tekken-{'1' * 16}.json.{TEMP_KIND}-{os.getpid()}-89abcdef"
+    for path in (orphan, mine):
+        path.write_text("half a tokenizer")
+    TekkenTokenizer.from_file(byte_tekken_file, cache_dir=tmp_path)
+    assert not orphan.exists() and mine.exists()  # a running writer's stays
+    (entry,) = _cache_files(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([entry.name, mine.name])
+
+
 def test_corrupt_cache_entry_is_rebuilt(byte_tekken_file, tmp_path):
     TekkenTokenizer.from_file(byte_tekken_file, cache_dir=tmp_path)
     (entry,) = _cache_files(tmp_path)

@@ -22,12 +22,10 @@ result is cached, keyed by the file's SHA-256 (see :func:`default_cache_dir`).
 from __future__ import annotations
 
 import binascii
-import contextlib
 import hashlib
 import json
 import operator
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from itertools import groupby
 from pathlib import Path
@@ -36,7 +34,14 @@ from typing import Any
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from .errors import InputError, TokenizerError
-from .fileio import one_line, read_limited, usable_path
+from .fileio import (
+    TEMP_KIND,
+    atomic_write_text,
+    one_line,
+    read_limited,
+    remove_orphans,
+    usable_path,
+)
 
 # Bump when the cached file's layout or the way the model is built changes.
 CACHE_FORMAT = 1
@@ -473,18 +478,10 @@ def _read_cache(file: Path, digest: str) -> tuple[dict[str, Any], Tokenizer] | N
 
 
 def _write_cache(file: Path, meta: dict[str, Any], backend: Tokenizer) -> None:
-    tmp = None
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
+        remove_orphans(file.parent, None, TEMP_KIND)  # of writers killed meanwhile
         payload = json.dumps(meta, ensure_ascii=False) + "\n" + backend.to_str()
-        fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(payload)
-        os.replace(tmp, file)
-        tmp = None
+        atomic_write_text(file, payload)
     except OSError:
         pass  # an unwritable cache only costs the build time on the next load
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
