@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -557,14 +556,3 @@ def safetensors_data_start(path: str | Path) -> int:
     with open(path, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
     return 8 + n
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    return sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
-
-
-def file_size(path: Path) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0

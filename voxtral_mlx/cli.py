@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from .audio.horizon import PlaybackHorizon
 from .errors import (
@@ -39,6 +39,9 @@ from .interrupts import (
     signals_held,
     terminable,
 )
+
+if TYPE_CHECKING:  # the engine imports MLX: not at start-up (see voxtral_mlx/entry.py)
+    from .engine import AudioChunk, Timings
 
 PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
@@ -469,7 +472,7 @@ class Progress:
         self._shown_at = 0.0
         self._due = ""  # a line held back by the rate limit, drawn by close()
 
-    def update(self, chunk, timings) -> None:
+    def update(self, chunk: AudioChunk, timings: Timings) -> None:
         if chunk.is_final or (chunk.frames == 0 and len(chunk.audio)):  # a segment ended
             self.done = chunk.segment + 1
         else:  # the ones before it have ended, even with no pause (0 s) to say so

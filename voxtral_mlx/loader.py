@@ -182,7 +182,7 @@ class WeightSet:
 
 
 def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] | None]:
-    """``("mistral", [consolidated])`` or ``("mlx", files, index weight map or None)``.
+    """``("mistral", [consolidated], None)`` or ``("mlx", files, index weight map or None)``.
 
     A conversion (``config.json`` + ``model*.safetensors``) wins over a
     ``consolidated.safetensors`` beside it: mlx-audio's converter copies the source's

@@ -754,7 +754,9 @@ def _job_options(max_frames: int, chunk_frames: int, cfg_alpha: float) -> tuple[
     return max_frames, chunk_frames, alpha
 
 
-def speech_from_chunks(chunks: list[AudioChunk], stream, voice: str) -> Speech:
+def speech_from_chunks(
+    chunks: list[AudioChunk], stream: TextStream | AsyncTextStream, voice: str
+) -> Speech:
     audio = np.concatenate([c.audio for c in chunks]).astype(np.float32, copy=False)
     codes = np.concatenate([c.codes for c in chunks]).reshape(-1, chunks[0].codes.shape[-1])
     single = len(stream.segments) == 1
@@ -768,7 +770,7 @@ class Playback:
     blocks until the last sample has played (re-raising any error)."""
 
     def __init__(
-        self, stream: TextStream, player, horizon: Callable[[], Callable] | None = None
+        self, stream: TextStream, player: Any, horizon: Callable[[], Callable] | None = None
     ) -> None:
         self.stream = stream
         self.player = player

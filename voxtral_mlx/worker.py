@@ -117,7 +117,8 @@ class Worker:
 
     def close(self, wait: bool = True) -> None:
         """Stop taking work and drop the model's references (in-flight calls finish first);
-        ``wait`` for that to be done.
+        ``wait`` for that to be done, up to 10 s (a frame of a large model on a slow machine
+        can take longer: the worker then lets go when it is done, on its own).
 
         The thread itself is never ended: MLX keeps per-thread stream state whose teardown
         at thread exit aborts the process ("terminate called without an active

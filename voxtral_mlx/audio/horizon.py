@@ -4,6 +4,12 @@ each chunk of a (possibly split) text, guessed from the text and refined as audi
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..engine import AudioChunk
+    from ..textstream import TextStream
+    from ..tts import VoxtralTTS
 
 SECONDS_PER_TEXT_TOKEN = 0.3  # rough speaking rate, only a hint for the player's pre-roll
 
@@ -20,7 +26,14 @@ class PlaybackHorizon:
     until nearly all of it was generated.
     """
 
-    def __init__(self, tts, stream, max_frames: int, pause: float | None, started: float):
+    def __init__(
+        self,
+        tts: VoxtralTTS,
+        stream: TextStream,
+        max_frames: int,
+        pause: float | None,
+        started: float,
+    ):
         self.tts, self.stream, self.started = tts, stream, started
         cap = max_frames * tts.samples_per_frame / tts.sample_rate
         self.segment_s = [
@@ -33,7 +46,7 @@ class PlaybackHorizon:
         self._segment_fed = 0.0
         self._fed = 0.0
 
-    def __call__(self, chunk, now: float | None = None) -> float:
+    def __call__(self, chunk: AudioChunk, now: float | None = None) -> float:
         seconds = len(chunk.audio) / self.tts.sample_rate
         self._fed += seconds
         if chunk.segment != self._segment:
