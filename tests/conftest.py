@@ -50,3 +50,21 @@ def tiny_tts(tiny_checkpoint):
     import voxtral_mlx
 
     return voxtral_mlx.load(tiny_checkpoint)
+
+
+@pytest.fixture
+def split_threads(monkeypatch) -> list:
+    """The threads ``VoxtralTTS`` splits text on, in call order (``split_text`` recorded)."""
+    import threading
+
+    import voxtral_mlx.tts as tts_module
+
+    threads: list[threading.Thread] = []
+    original = tts_module.split_text
+
+    def split_text(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tts_module, "split_text", split_text)
+    return threads

@@ -305,19 +305,10 @@ def test_say_plays_everything_and_can_be_stopped(tts):
     assert player2.stopped and player2.after_stop == [] and not player2.finished
 
 
-def test_say_splits_its_text_on_the_playback_thread(tts, monkeypatch):
+def test_say_splits_its_text_on_the_playback_thread(tts, split_threads):
     """say(wait=False) from a UI thread returns before a chapter's split (~0.1 s); a bad
     argument still raises at once."""
-    import voxtral_mlx.tts as tts_module
-
-    threads: list[threading.Thread] = []
-    original = tts_module.split_text
-
-    def split_text(*args, **kwargs):
-        threads.append(threading.current_thread())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(tts_module, "split_text", split_text)
+    threads = split_threads
     player = RecordingPlayer()
     playback = tts.say(STORY, VOICE, seed=3, wait=False, player=player, max_frames=10)
     assert playback.wait(timeout=60) and player.finished

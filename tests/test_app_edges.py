@@ -441,20 +441,11 @@ def test_a_set_aside_segment_that_is_cancelled_ends(tts):
     assert tts.engine.stats() == {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}
 
 
-def test_an_async_stream_splits_its_text_off_the_event_loop(tts, monkeypatch):
+def test_an_async_stream_splits_its_text_off_the_event_loop(tts, split_threads):
     """A chapter's split (~0.1 s) would hold up an app's event loop: astream() does it in a
     thread at the first item; other bad arguments still raise at once, and a segment too
     long for one utterance raises at the first item."""
-    import voxtral_mlx.tts as tts_module
-
-    threads: list[threading.Thread] = []
-    original = tts_module.split_text
-
-    def split_text(*args, **kwargs):
-        threads.append(threading.current_thread())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(tts_module, "split_text", split_text)
+    threads = split_threads
     text = "First sentence here. Second sentence there. A third one to finish."
 
     async def first_chunks():
