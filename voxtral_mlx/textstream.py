@@ -33,7 +33,7 @@ class _Reader:
         self._make_job = make_job
         self.segments: list[Segment] = []
         self.sample_rate = sample_rate
-        self.lookahead = max(1, lookahead)
+        self.lookahead = lookahead  # at least 1 (checked by VoxtralTTS)
         self.pause = pause
         self.jobs: deque[tuple[int, Job]] = deque()
         self._next = 0
@@ -55,13 +55,10 @@ class _Reader:
             self._start(segments)
 
     def prepare(self) -> None:
-        """Split the text now if that was left for later (on the calling thread)."""
+        """Split the text now if that was left for later (on the calling thread; a failure
+        is the caller's to handle, as iteration's and Playback's handlers do)."""
         if self._plan is not None:
-            try:
-                self._start(self._plan())
-            except BaseException:
-                self._abandon()
-                raise
+            self._start(self._plan())
 
     def _start(self, segments: list[Segment]) -> None:
         """Take the text's segments and make the first jobs (validating their requests), so
