@@ -191,13 +191,6 @@ def check_comparable(model_dir: Path, voice: str | None = None) -> str:
         layout = find_weight_files(model_dir)[0]
     except VoxtralError as e:
         raise SystemExit(str(e)) from None
-    if layout == "mlx" and (model_dir / "consolidated.safetensors").is_file():
-        raise SystemExit(
-            f"{model_dir} holds a conversion (config.json, model*.safetensors) beside "
-            "consolidated.safetensors: voxtral_mlx loads the conversion, mlx-audio's loader "
-            "would read every *.safetensors file; compare on a directory holding only one of "
-            "them"
-        )
     if layout == "mlx" and not (model_dir / "config.json").is_file():
         raise SystemExit(
             f"{model_dir}: MLX weights without config.json, which mlx-audio's loader needs: "
@@ -214,9 +207,13 @@ def load_reference(model_dir: Path):
     from tests.mlx_audio_reference import load_converted_reference
     from tests.mlx_audio_reference import load_reference as load_original
 
-    load = load_original if check_comparable(model_dir) == "mistral" else load_converted_reference
+    model_dir = Path(model_dir)
+    if check_comparable(model_dir) == "mistral":
+        load, path = load_original, model_dir
+    else:
+        load, path = load_converted_reference, _without_original(model_dir)
     try:
-        return load(Path(model_dir))
+        return load(path)
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:  # nothing it can hold
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         if isinstance(e, KeyError) and e.args:
@@ -226,6 +223,27 @@ def load_reference(model_dir: Path):
             "nothing to compare with (frame_speed.py can time voxtral_mlx alone with "
             "--no-reference)"
         ) from None
+
+
+def _without_original(model_dir: Path) -> Path:
+    """``model_dir`` as mlx-audio should see a conversion: without the copy of Mistral's
+    ``consolidated.safetensors`` that mlx-audio's converter leaves beside it (voxtral_mlx
+    loads the conversion; mlx-audio's loader would read every ``*.safetensors``), through a
+    folder of links kept until the process exits."""
+    from voxtral_mlx.mlx_layout import CONSOLIDATED
+
+    if not (model_dir / CONSOLIDATED).exists():
+        return model_dir
+    import atexit
+    import shutil
+    import tempfile
+
+    view = Path(tempfile.mkdtemp(prefix="voxtral-bench-view-"))
+    atexit.register(shutil.rmtree, view, ignore_errors=True)
+    for entry in model_dir.resolve().iterdir():
+        if entry.name != CONSOLIDATED:
+            (view / entry.name).symlink_to(entry)
+    return view
 
 
 def injected_noise(rows: np.ndarray):
@@ -255,16 +273,14 @@ def _check_listed(model_dir: Path, voice: str) -> None:
 
 
 def reference_voice(ref, model_dir: Path, voice: str, dtype) -> None:
-    """Give mlx-audio the voice from our reader (it only reads .safetensors voices)."""
-    import voxtral_mlx.torch_pickle as tp
+    """Give mlx-audio the voice as voxtral_mlx reads it (a .pt, or a .safetensors under any
+    single key; mlx-audio reads only .safetensors voices keyed ``embedding``)."""
+    from voxtral_mlx.voices import VoiceRegistry
 
     _check_listed(model_dir, voice)
     folder = Path(model_dir) / "voice_embedding"
-    if (folder / f"{voice}.pt").is_file():
-        rows = tp.to_mlx(tp.read_pt(folder / f"{voice}.pt"))
-    else:
-        rows = mx.load(str(folder / f"{voice}.safetensors"))["embedding"]
-    ref._voice_embeddings[voice] = rows.astype(dtype)
+    voices = VoiceRegistry.from_dir(folder, {}, model_config(model_dir).backbone.dim)
+    ref._voice_embeddings[voice] = voices.embedding(voice).astype(dtype)
 
 
 def model_config(model_dir: Path):

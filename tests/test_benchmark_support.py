@@ -248,9 +248,12 @@ def test_a_conversion_is_compared_with_mlx_audio_reading_it_with_its_own_loader(
     np.testing.assert_array_equal(ours.codes, np.stack(recorded))
 
 
-def test_a_conversion_beside_the_original_is_refused_in_one_line(
+def test_a_conversion_beside_the_original_is_compared_without_it(
     tiny_checkpoint_noend, converted, tmp_path
 ):
+    """mlx-audio's converter leaves the source's consolidated.safetensors beside its output:
+    voxtral_mlx loads the conversion, and mlx-audio is shown the directory without the
+    original (its loader would read every *.safetensors), so both run the conversion."""
     import shutil
 
     from benchmarks.common import check_comparable
@@ -258,15 +261,28 @@ def test_a_conversion_beside_the_original_is_refused_in_one_line(
     both = tmp_path / "both"
     shutil.copytree(converted, both)
     shutil.copy(tiny_checkpoint_noend / "consolidated.safetensors", both)
-    with pytest.raises(SystemExit) as exc:
-        check_comparable(both)
-    message = str(exc.value)
-    assert "beside consolidated.safetensors" in message and "\n" not in message
+    assert check_comparable(both, VOICE) == "mlx"
+    ref = load_reference(both)
+    assert isinstance(ref.acoustic_transformer.semantic_codebook_output, nn.QuantizedLinear)
+    assert (both / "consolidated.safetensors").is_file()  # the directory is left as it was
     (both / "consolidated.safetensors").unlink()
     (both / "config.json").unlink()
     with pytest.raises(SystemExit) as exc:
         check_comparable(both)
     assert "config.json" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_voices_under_another_key_reach_mlx_audio_as_voxtral_mlx_reads_them(converted, tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(converted, other)
+    path = other / "voice_embedding" / f"{VOICE}.safetensors"
+    rows = mx.load(str(path))["embedding"]
+    mx.save_safetensors(str(path), {"voice": rows})
+    ref = load_reference(other)
+    reference_voice(ref, other, VOICE, mx.float32)
+    assert mx.array_equal(ref._voice_embeddings[VOICE], rows.astype(mx.float32)).item()
 
 
 def test_the_codec_benchmark_reads_a_conversions_codec(tiny_checkpoint_noend, converted, scripts):

@@ -206,6 +206,27 @@ def test_voices_are_converted_from_pt(converted: dict[str, Path], source: Path) 
         assert mx.array_equal(stored["embedding"], original).item()
 
 
+def test_safetensors_voices_come_out_keyed_embedding(source: Path, tmp_path: Path) -> None:
+    """A source voice stored under another key (which load() reads) is rewritten under
+    ``embedding``, as mlx-audio and the layout expect; one keyed so is copied unchanged."""
+    src = Path(shutil.copytree(source, tmp_path / "src"))
+    rows = {v: to_mlx(read_pt(src / "voice_embedding" / f"{v}.pt")) for v in VOICES}
+    keyed, other = sorted(VOICES)
+    for voice, key in ((keyed, "embedding"), (other, "voice")):
+        (src / "voice_embedding" / f"{voice}.pt").unlink()
+        mx.save_safetensors(
+            str(src / "voice_embedding" / f"{voice}.safetensors"), {key: rows[voice]}
+        )
+    out = convert_model(src, tmp_path / "out", q_bits=8).path / "voice_embedding"
+    for voice in VOICES:
+        stored = mx.load(str(out / f"{voice}.safetensors"))
+        assert list(stored) == ["embedding"]
+        assert stored["embedding"].dtype == rows[voice].dtype
+        assert mx.array_equal(stored["embedding"], rows[voice]).item()
+    name = f"{keyed}.safetensors"
+    assert (out / name).read_bytes() == (src / "voice_embedding" / name).read_bytes()
+
+
 def test_unquantized_conversion_is_bit_identical(converted, source: Path) -> None:
     ours = load_model_dir(converted["bf16"], "float32")
     ref = load_model_dir(source, "float32")

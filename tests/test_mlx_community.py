@@ -256,15 +256,23 @@ def test_missing_shard_is_an_incomplete_download(broken: Path) -> None:
     assert shard.name in message and "fetch it again" in message
 
 
-def test_weight_files_of_any_name_load_without_an_index(broken: Path) -> None:
+@pytest.mark.parametrize("beside_original", [False, True])
+def test_weight_files_of_any_name_load_without_an_index(
+    broken: Path, source: Path, beside_original: bool
+) -> None:
     """mlx-audio reads every top-level *.safetensors; such a directory was called an
-    incomplete download."""
+    incomplete download. With the original's consolidated.safetensors copied beside them
+    (as mlx-audio's converter leaves it) the conversion still wins (the original used to
+    load, unquantized, without a word)."""
     want = load_model_dir(broken)
     for i, shard in enumerate(sorted(broken.glob("model-*.safetensors"))):
         shard.rename(broken / f"weights.{i:02d}.safetensors")
     (broken / "model.safetensors.index.json").unlink()
+    if beside_original:
+        shutil.copy(source / "consolidated.safetensors", broken)
     got = load_model_dir(broken)
     assert got.quantized == want.quantized and got.layout == want.layout == "mlx-community"
+    assert len(got.quantized) > 0
     theirs = dict(tree_flatten(want.model.parameters()))
     ours = dict(tree_flatten(got.model.parameters()))
     assert set(ours) == set(theirs)

@@ -53,6 +53,7 @@ from .checkpoint import (
     SAFETENSORS_DTYPES,
     QuantSpec,
     quantized_shapes,
+    read_safetensors_header,
     safetensors_data_start,
 )
 from .engine import check_whole
@@ -78,7 +79,7 @@ from .mlx_layout import (
 from .output_dir import check_output_dir, directory_path, resolve_output, staged_dir
 from .synthetic.safetensors_writer import TensorSpec, write_safetensors
 from .tokenizer import TekkenTokenizer
-from .voices import VoiceRegistry, convert_voice_files, unreadable
+from .voices import EMBEDDING_KEY, VoiceRegistry, convert_voice_files, unreadable
 
 SUPPORTED_BITS = (4, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -453,10 +454,10 @@ def _config_json(
     return config
 
 
-def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> list[str]:
+def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> VoiceRegistry:
     """Every voice the output would carry must load with this model (shape, width, rows,
     finite values), checked before anything is written: a converted directory never holds
-    a voice that fails at its first use. Returns their names."""
+    a voice that fails at its first use. Returns them, read."""
     registry = VoiceRegistry.from_dir(
         src / "voice_embedding", tokenizer.voice_num_audio_tokens, dim
     )
@@ -464,10 +465,12 @@ def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> list[str]:
         raise VoiceError(f"voice file {unreadable(path)}; restore or remove it, then convert again")
     for name in registry:
         registry.embedding(name)
-    return list(registry)
+    return registry
 
 
-def _copy_voices(src: Path, dst: Path) -> None:
+def _copy_voices(src: Path, dst: Path, registry: VoiceRegistry) -> None:
+    """Voices as ``<name>.safetensors`` holding one tensor under ``embedding``: such files
+    are copied byte for byte, others (another key, extra tensors) rewritten, .pt converted."""
     voice_dir = src / "voice_embedding"
     if not voice_dir.is_dir():
         return
@@ -475,7 +478,11 @@ def _copy_voices(src: Path, dst: Path) -> None:
     out.mkdir()
     converted = {p.stem for p in voice_dir.glob("*.safetensors") if not p.name.startswith(".")}
     for name in sorted(converted):
-        shutil.copyfile(voice_dir / f"{name}.safetensors", out / f"{name}.safetensors")
+        path = voice_dir / f"{name}.safetensors"
+        if list(read_safetensors_header(path)) == [EMBEDDING_KEY]:
+            shutil.copyfile(path, out / path.name)
+        else:
+            mx.save_safetensors(str(out / path.name), {EMBEDDING_KEY: registry.embedding(name)})
     pts = sorted(
         p
         for p in voice_dir.glob("*.pt")
@@ -517,7 +524,8 @@ def convert_model(
     config = read_model_config(src)
     tokenizer = TekkenTokenizer.from_file(src / "tekken.json")
     check_tokenizer(config, tokenizer)
-    voices = _check_voices(src, tokenizer, config.backbone.dim)
+    voice_registry = _check_voices(src, tokenizer, config.backbone.dim)
+    voices = list(voice_registry)
     weights = open_weights(src, config)
     if weights.quantized:
         raise InputError(
@@ -551,7 +559,7 @@ def convert_model(
         else:  # an MLX directory keeping its params in config.json only
             atomic_write_text(tmp / "params.json", json.dumps(config.raw, indent=4) + "\n")
         shutil.copyfile(src / "tekken.json", tmp / "tekken.json")
-        _copy_voices(src, tmp)
+        _copy_voices(src, tmp, voice_registry)
 
         written = open_weights(tmp, config)  # the loader's own checks, on what was written
         planned = {j.name[: -len(".weight")]: j.spec for j in jobs if j.spec is not None}

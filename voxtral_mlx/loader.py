@@ -48,6 +48,7 @@ from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, ModelNotFoundError
 from .fileio import one_line
 from .mlx_layout import (
+    CONSOLIDATED,
     FORMAT,
     INDEX_NAME,
     QuantConfig,
@@ -73,7 +74,6 @@ DTYPES = {
     "float32": mx.float32,
     "fp32": mx.float32,
 }
-CONSOLIDATED = "consolidated.safetensors"
 SEMANTIC_HEAD = "acoustic_transformer.semantic_codebook_output.weight"
 AUDIO_TABLE = "mm_audio_embeddings.audio_codebook_embeddings.embeddings.weight"
 
@@ -184,12 +184,16 @@ class WeightSet:
 def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] | None]:
     """``("mistral", [consolidated], None)`` or ``("mlx", files, index weight map or None)``.
 
-    A conversion (``config.json`` + ``model*.safetensors``) wins over a
+    A conversion (``config.json`` + an index or other ``*.safetensors`` files, whatever
+    their names, as :func:`~voxtral_mlx.hub.layout_patterns` decides) wins over a
     ``consolidated.safetensors`` beside it: mlx-audio's converter copies the source's
     weights into its output, and the converted (often quantized) model is the one meant.
     """
     consolidated = model_dir / CONSOLIDATED
-    has_mlx = (model_dir / INDEX_NAME).is_file() or any(model_dir.glob("model*.safetensors"))
+    has_mlx = (model_dir / INDEX_NAME).is_file() or any(
+        p.name != CONSOLIDATED and not p.name.startswith(".") and p.is_file()
+        for p in model_dir.glob("*.safetensors")
+    )
     if consolidated.is_file() and not (has_mlx and (model_dir / "config.json").is_file()):
         return "mistral", [consolidated], None
     files, index = weight_files(model_dir)

@@ -36,6 +36,7 @@ FORMAT_VERSION = 2  # 1: Mistral's tensor names and a `layers` map (still read)
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
+CONSOLIDATED = "consolidated.safetensors"  # Mistral's layout, never an MLX weight file
 _SHARD_RE = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
 QUANT_MODES = ("affine",)
 # Keys of voxtral_mlx's quantization section that are not layers.
@@ -139,7 +140,11 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
         return [single, *shards], None
     if not shards:
         others = model_dir.glob("*.safetensors")
-        return sorted(p for p in others if not p.name.startswith(".") and p.is_file()), None
+        return sorted(
+            p
+            for p in others
+            if not p.name.startswith(".") and p.name != CONSOLIDATED and p.is_file()
+        ), None
     totals = {int(m.group(2)) for p in shards if (m := _SHARD_RE.match(p.name))}
     if len(totals) == 1:
         total = totals.pop()
