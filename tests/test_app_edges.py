@@ -471,6 +471,38 @@ def test_an_async_stream_splits_its_text_off_the_event_loop(tts, split_threads):
     assert "\n" not in str(exc.value)
 
 
+def test_an_async_stream_tokenizes_a_long_unsplit_text_off_the_event_loop(tts, monkeypatch):
+    """Without split, a long text is tokenized to learn whether it fits one utterance (0.3 s
+    for 100,000 words, all on the event loop): astream() does it in a thread at the first
+    item, where a text too long raises."""
+    long_encodes: list[threading.Thread] = []
+    encode = tts.tokenizer.encode
+
+    def spy(text: str, *args, **kwargs):
+        if len(text) > 2048:
+            long_encodes.append(threading.current_thread())
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tts.tokenizer, "encode", spy)
+    fits = "Words to say. " * 200
+
+    async def first_chunk(text: str):
+        loop_thread = threading.current_thread()
+        stream = tts.astream(text, VOICE, seed=5, max_frames=2)
+        made = list(long_encodes)
+        try:
+            return loop_thread, made, await stream.__anext__()
+        finally:
+            await stream.aclose()
+
+    loop_thread, made, first = asyncio.run(first_chunk(fits))
+    assert made == [] and first.frames == 1
+    assert len(long_encodes) == 1 and long_encodes[0] is not loop_thread
+    with pytest.raises(InputError, match="too long for one utterance") as exc:
+        asyncio.run(first_chunk("x" * 40_000))
+    assert "\n" not in str(exc.value) and long_encodes[-1] is not loop_thread
+
+
 def test_an_async_stream_made_off_the_event_loop_iterates_on_it(tts):
     """The README's advice for a chapter: create the stream with asyncio.to_thread."""
     text = "First sentence here. Second sentence there. A third one to finish."

@@ -525,6 +525,41 @@ def test_progress_redraws_at_most_ten_times_a_second(capsys, monkeypatch):
     assert last.startswith("\r") and "2.4 s of audio" in last and last.endswith("\n")
 
 
+def test_progress_never_steps_back_after_an_interrupt_while_drawing(monkeypatch):
+    """Ctrl-C landing inside a redraw, once the new line is written: close() redrew the
+    line held back before it ("segment 9/266" then "segment 8/266")."""
+    import io
+    from types import SimpleNamespace
+
+    from voxtral_mlx import cli
+
+    class Stderr(io.StringIO):
+        interrupt = False
+
+        def flush(self) -> None:
+            if self.interrupt:
+                self.interrupt = False
+                raise KeyboardInterrupt
+
+    clock = [100.0]
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
+    err = Stderr()
+    monkeypatch.setattr(cli.sys, "stderr", err)
+    progress = cli.Progress(total=3)
+    for seconds in (0.08, 0.48):  # the second within 0.1 s: held back
+        chunk = SimpleNamespace(is_final=False, frames=1, audio=[0.0], segment=0)
+        progress.update(chunk, SimpleNamespace(audio_s=seconds))
+    assert "0.5 s of audio" not in err.getvalue()
+    clock[0] += 0.01
+    err.interrupt = True  # after the write, inside _draw
+    with pytest.raises(KeyboardInterrupt):
+        chunk = SimpleNamespace(is_final=True, frames=0, audio=[0.0], segment=0)
+        progress.update(chunk, SimpleNamespace(audio_s=0.96))
+    progress.close()
+    drawn = [line for line in err.getvalue().split("\r") if line.strip()]
+    assert "segment 2/3, 1.0 s of audio" in drawn[-1], drawn
+
+
 @pytest.mark.parametrize("columns", [20, 45, 200])
 def test_progress_line_fits_the_terminal(capsys, monkeypatch, columns):
     """A line wider than the terminal wraps, and each update then scrolls a new line

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from voxtral_mlx import segment
 from voxtral_mlx.errors import InputError
 from voxtral_mlx.segment import PAUSE_AFTER, TERMINALS, Segment, is_silent, split_text
 
@@ -292,6 +293,28 @@ def test_hard_cut_never_inside_grapheme(cluster: str, size: int) -> None:
     assert "".join(texts(segs)) == text
     assert all(end % size == 0 for end, _ in boundaries(segs))
     assert len(segs[0].text) >= 401 - size
+
+
+@pytest.mark.parametrize("text", ["Hello." + "\u200d" * 1000, "Hello world." + "\u200d" * 500])
+def test_a_long_run_of_joiners_is_cut_rather_than_a_word(text: str) -> None:
+    """Nothing is joined between two ZWJs: the run is cut, not "Hello" into "Hell" + "o"."""
+    segs = split_text(text, max_chars=400)
+    check_invariants(text, segs, 400)
+    words = set(text.replace("\u200d", "").split())
+    assert all(set(s.text.replace("\u200d", "").split()) <= words for s in segs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(st.sampled_from("12 3,.:\n\t\xa0ab@/w-—。"), max_size=400),
+    chunk=st.integers(1, 40),
+)
+def test_the_text_is_scanned_in_pieces_with_the_same_matches(text: str, chunk: int) -> None:
+    """Long texts are scanned in pieces (one C call would hold the GIL for the whole text):
+    the pieces find exactly what one scan finds."""
+    for pattern in (segment._PROTECTED, segment._NO_SPACE_BREAK):
+        whole = [m.span() for m in pattern.finditer(text)]
+        assert [m.span() for m in segment._scan(pattern, text, chunk)] == whole
 
 
 def test_flags_pair_from_run_start() -> None:

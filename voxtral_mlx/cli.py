@@ -496,11 +496,13 @@ class Progress:
         self._shown_done, self._shown_at = self.done, now
 
     def _draw(self, line: str) -> None:
+        # The state first: a Ctrl-C landing after the write would leave an older held line
+        # for close() to draw, and the count would step back.
+        self._shown, self._due = line, ""
         # Cut to the terminal: a line that wraps is rewritten below itself at each update.
         # \x1b[K clears what a longer previous line left at the end.
         sys.stderr.write(f"\r{line[: max(1, _columns() - 1)]}\x1b[K")
         sys.stderr.flush()
-        self._shown, self._due = line, ""
 
     def close(self) -> None:
         if self._due:

@@ -22,6 +22,7 @@ import numbers
 import re
 import unicodedata
 from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .errors import InputError
@@ -78,6 +79,11 @@ _PROTECTED = re.compile(
     r"|(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d)",  # thousands grouped with spaces: "1 000 000"
     re.IGNORECASE,
 )
+# Whitespace no protected span holds (a space before a digit may be inside "1 000 000"):
+# the text is scanned in pieces ending there, as one scan of a long text in one C call
+# holds the GIL (160 ms for 100,000 words) and with it an event loop or a UI thread.
+_SCAN_BREAK = re.compile(r"[^\S ]| (?!\d)")
+_SCAN_CHARS = 4096
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
 _NO_SPACE_BREAK = re.compile(r"[。！？｡．؟۔।॥，；：、､—―]+")
 
@@ -178,13 +184,25 @@ def split_text(
     return segments
 
 
+def _scan(pattern: re.Pattern[str], text: str, chunk: int = _SCAN_CHARS) -> Iterator[re.Match]:
+    """``pattern.finditer(text)`` in pieces of about ``chunk`` characters, for patterns
+    whose matches hold no whitespace but a space before a digit (the same matches: the
+    lookbehinds still see the text before each piece)."""
+    n, pos = len(text), 0
+    while pos < n:
+        brk = _SCAN_BREAK.search(text, pos + chunk) if pos + chunk < n else None
+        end = brk.start() if brk else n
+        yield from pattern.finditer(text, pos, end)
+        pos = end
+
+
 def _find_splits(
     text: str,
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]], bytearray]:
     """Paragraph spans, allowed splits (end, next start, kind) sorted, and the forbid mask."""
     n = len(text)
     forbid = bytearray(n + 1)  # forbid[e]: no segment may end at e
-    for m in _PROTECTED.finditer(text):
+    for m in _scan(_PROTECTED, text):
         a, b = m.start(), m.start() + len(m.group().rstrip(_TRAILING_PUNCT))
         forbid[a + 1 : b] = b"\x01" * max(b - a - 1, 0)
 
@@ -213,7 +231,7 @@ def _find_splits(
             cands.append((e, s, kind))
     paragraphs.append((start, len(text.rstrip())))
 
-    for m in _NO_SPACE_BREAK.finditer(text):  # CJK punctuation, dashes: no space needed
+    for m in _scan(_NO_SPACE_BREAK, text):  # CJK punctuation, dashes: no space needed
         a, q = m.span()
         if a == 0 or text[a - 1].isspace():
             continue
@@ -348,7 +366,9 @@ def _cuttable(text: str, i: int, start: int = 0) -> bool:
         return True
     p, c = text[i - 1], text[i]
     op, oc = ord(p), ord(c)
-    if c == "\u200d" or p == "\u200d" or (p == "\r" and c == "\n"):
+    # Between two ZWJs nothing is joined (no emoji sequence has them): a long run of them
+    # may be cut rather than a word beside it.
+    if (c == "\u200d") != (p == "\u200d") or (p == "\r" and c == "\n"):
         return False
     # Variation selectors, skin-tone modifiers, tag characters, Hangul medial/final jamo.
     if (

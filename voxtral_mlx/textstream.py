@@ -233,7 +233,8 @@ class AsyncTextStream(_Reader):
                         "within one loop (call astream() again inside each asyncio.run())"
                     )
                 if self._plan is not None:
-                    self._start(await asyncio.to_thread(self._plan))
+                    # The first jobs are made there too: each tokenizes its text.
+                    await asyncio.to_thread(self.prepare)
                     continue
                 pending = self._pending()
                 for job in pending:

@@ -381,6 +381,10 @@ class VoxtralTTS:
             # A chapter takes ~0.1 s: an async stream splits it in a thread at its first
             # item and say() on its playback thread, not on an event loop or a UI thread.
             segments = plan if defer_split else plan()
+        elif defer_split and 4 * len(text) > MAX_TEXT_TOKENS:
+            # It may be too long: finding out means tokenizing it all (0.3 s for 100,000
+            # words), which an async stream does in a thread at its first item too.
+            segments = lambda: [Segment(text, 0, len(text), 0.0, text)]  # noqa: E731
         else:
             segments = [Segment(text, 0, len(text), 0.0, text)]
         base = secrets.randbits(62) if seed is None and noise is None else seed
@@ -489,8 +493,9 @@ class VoxtralTTS:
         With ``split=True`` the text is split in a thread when the first chunk is awaited
         (about 0.1 s for a 10,000-word chapter, which would otherwise hold up the loop):
         ``segments`` is empty until then, and a segment too long for one utterance (only
-        possible with a large ``max_chars``) raises there. Every other bad argument raises
-        here."""
+        possible with a large ``max_chars``) raises there. Without it, a text of more than
+        2,048 characters is tokenized there too, so a text too long for one utterance
+        raises there. Every other bad argument raises here."""
 
         async def submit(jobs: list[Job]) -> None:
             await asyncio.wrap_future(self.worker.submit(lambda: self._enqueue(jobs)))
