@@ -506,8 +506,8 @@ def test_an_output_filled_meanwhile_is_not_replaced_without_force(
     out = tmp_path / "out"
     real_copy = convert_mod._copy_voices
 
-    def other_process_finishes_first(src, dst):
-        real_copy(src, dst)
+    def other_process_finishes_first(src, dst, *args):
+        real_copy(src, dst, *args)
         shutil.copytree(converted["bf16"], out)
 
     monkeypatch.setattr(convert_mod, "_copy_voices", other_process_finishes_first)
