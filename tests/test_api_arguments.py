@@ -217,3 +217,28 @@ def test_a_folder_holding_only_the_finders_ds_store_counts_as_empty(tmp_path, fo
     build_random_checkpoint(out, "tiny", force=force)
     assert (out / "params.json").is_file() and not (out / ".DS_Store").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_library_errors_are_one_line_whatever_a_path_holds(tmp_path):
+    """Messages that quote a path or name raw spanned two lines (a newline in a folder
+    name) or carried a terminal escape."""
+    assert str(VoxtralError("a\nb\x1b[2J\tc")) == "a\\nb\\x1b[2J\\tc"
+    assert str(VoxtralError("plain … text, 日本語")) == "plain … text, 日本語"
+    folder = tmp_path / "two\nlines"
+    with pytest.raises(ModelNotFoundError) as exc:
+        voxtral_mlx.load(folder)
+    assert "\n" not in str(exc.value) and "two\\nlines" in str(exc.value)
+    folder.mkdir()
+    (folder / "params.json").write_text("{not json")
+    with pytest.raises(VoxtralError) as exc:
+        voxtral_mlx.load(folder)
+    assert "\n" not in str(exc.value) and "params.json" in str(exc.value)
+
+
+def test_destructive_flags_take_only_booleans(tmp_path):
+    """overwrite="no" overwrote and force="no" replaced an existing output."""
+    with pytest.raises(InputError, match="overwrite must be True or False"):
+        convert_voice_files(tmp_path / "none.pt", tmp_path / "out", overwrite="no")
+    with pytest.raises(InputError, match="force must be True or False"):
+        convert_model(tmp_path / "none", tmp_path / "out", force="no")
+    assert not (tmp_path / "out").exists()

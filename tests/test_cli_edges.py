@@ -782,3 +782,23 @@ def test_speak_closes_the_audio_output_it_opened_early_on_bad_input(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and err[0].startswith("voxtral-mlx: error:")
     assert len(opened) == 1 and opened[0].stopped
+
+
+@pytest.mark.parametrize("args", [("voices",), ("speak", "-v", "?")])
+def test_a_listing_with_stdout_closed_is_an_error(model_dir, args):
+    """print() to a closed stdout (sys.stdout is None) drops the line: exit 0, no output."""
+    proc = run(
+        *args,
+        "-m",
+        str(model_dir),
+        stdout=None,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.close(1),
+    )
+    assert "stdout is closed" in one_line_error(proc)
+
+
+def test_control_characters_in_a_path_stay_escaped_on_one_line(tmp_path):
+    """A terminal escape in -m reached the terminal raw (only newlines were escaped)."""
+    err = one_line_error(run("speak", "-m", str(tmp_path / "no\x1b[2Jpe\nx"), "Hi.", "-o", "x.wav"))
+    assert "\x1b" not in err and "\\x1b[2Jpe\\nx" in err

@@ -570,6 +570,29 @@ def test_malformed_pickles_are_voice_errors(tmp_path: Path, pkl: bytes) -> None:
     assert "m.pt" in one_line(exc)
 
 
+def op_long(value: int) -> bytes:
+    raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8b" + struct.pack("<I", len(raw)) + raw  # LONG4
+
+
+@pytest.mark.parametrize("field", ["key", "numel", "offset", "shape", "stride"])
+def test_integers_torch_never_writes_are_voice_errors(tmp_path: Path, field: str) -> None:
+    """An integer of over 4,300 digits made the error message itself fail (Python refuses to
+    print it): a ValueError and a traceback instead of a one-line VoiceError."""
+    big = op_long(10**5000)
+    if field == "key":
+        body = tensor_pickle()[2:-1]
+        pkl = b"\x80\x02}(" + big + body + op_str("b") + body + b"u."
+    else:
+        markers = {"numel": 7771, "offset": 7772, "shape": 7773, "stride": 7774}
+        pkl = tensor_pickle(numel=7771, offset=7772, shape=(7773,), stride=(7774,))
+        pkl = pkl.replace(op_int(markers[field]), big)
+    with pytest.raises(VoiceError) as exc:
+        read_pt(make_pt(tmp_path / "m.pt", pkl))
+    message = one_line(exc)
+    assert "m.pt" in message and len(message) < 400
+
+
 def test_unsupported_torch_dtypes_refused(tmp_path: Path) -> None:
     for dtype in (torch.uint16, torch.complex64, torch.float8_e4m3fn):
         torch.save(torch.zeros(3, dtype=dtype), tmp_path / "u.pt")

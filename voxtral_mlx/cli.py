@@ -57,8 +57,11 @@ def _default_model() -> str:
 
 
 def _err(message: str) -> None:
-    # One line whatever a path in it holds (a file name may contain a newline).
-    message = message.replace("\r", "\\r").replace("\n", "\\n")
+    # One line whatever a path in it holds (a newline, a terminal escape).
+    if not message.isprintable():
+        message = "".join(
+            c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in message
+        )
     print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
@@ -159,6 +162,8 @@ class StdoutError(VoxtralError):
 
 def _out(line: str) -> None:
     """One line of a command's result on stdout."""
+    if sys.stdout is None:  # started with stdout closed: print() would drop it silently
+        raise StdoutError("stdout is closed: redirect it to a file or a pipe")
     try:
         print(line)
     except BrokenPipeError:

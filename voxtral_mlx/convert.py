@@ -56,7 +56,7 @@ from .checkpoint import (
     read_safetensors_header,
     safetensors_data_start,
 )
-from .engine import check_whole
+from .engine import check_flag, check_whole
 from .errors import CheckpointError, ConfigError, InputError, VoiceError
 from .fileio import atomic_write_text, one_line
 from .hub import resolve_model_dir
@@ -511,6 +511,7 @@ def convert_model(
     """Convert ``model`` (a local directory or a Hub repo) into ``out_dir``; see the module
     docstring for the layout and the precision rules. Raises :class:`VoxtralError` subclasses
     with one-line messages; on any failure ``out_dir`` is left as it was."""
+    force = check_flag("force", force)
     options = QuantOptions.make(q_bits, q_group_size, q_flow_bits)
     dtype = output_dtype(dtype)
     max_shard_bytes = check_whole("max_shard_bytes", max_shard_bytes, 1)

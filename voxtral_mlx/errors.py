@@ -10,6 +10,15 @@ from __future__ import annotations
 class VoxtralError(Exception):
     """Base class of every error voxtral_mlx raises on purpose."""
 
+    def __str__(self) -> str:
+        # One line whatever a path or name in it holds (newlines, terminal escapes).
+        text = super().__str__()
+        if text.isprintable():
+            return text
+        return "".join(
+            c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+        )
+
 
 class ConfigError(VoxtralError, ValueError):
     """params.json / config.json is missing a key or holds an inconsistent value."""

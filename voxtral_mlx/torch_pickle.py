@@ -205,7 +205,16 @@ class _TensorRef(_Inert):
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer torch could have written (sizes, strides and offsets are int64)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+
+
+def _shown(value: Any, limit: int = 160) -> str:
+    """``repr(value)`` for a message; Python refuses to print integers of over 4,300 digits."""
+    try:
+        return one_line(repr(value), limit)
+    except ValueError:
+        return f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else "<?>"
 
 
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
@@ -470,13 +479,13 @@ def _select(payload: Any, key: str | None, src: str) -> _TensorRef:
             f"(torch.save(t, path)) or a dict of tensors"
         )
     tensors = [k for k, v in payload.items() if isinstance(v, _TensorRef)]
-    listed = ", ".join(one_line(repr(k), 60) for k in tensors[:20]) or "none"
+    listed = ", ".join(_shown(k, 60) for k in tensors[:20]) or "none"
     if key is not None:
         if key not in payload:
-            raise VoiceError(f"{src} has no entry {one_line(repr(key))}; its tensors are: {listed}")
+            raise VoiceError(f"{src} has no entry {_shown(key)}; its tensors are: {listed}")
         if not isinstance(payload[key], _TensorRef):
             raise VoiceError(
-                f"entry {one_line(repr(key))} of {src} is {_describe(payload[key])}, not a tensor"
+                f"entry {_shown(key)} of {src} is {_describe(payload[key])}, not a tensor"
             )
         return payload[key]
     if len(tensors) == 1:
@@ -512,7 +521,7 @@ def _materialise(zf: zipfile.ZipFile, prefix: str, t: _TensorRef, src: str) -> P
         raw_order = _read_record(zf, order_info, src)
         if raw_order not in (b"little", b"big"):
             raise VoiceError(
-                f"{src} has an unknown byteorder {one_line(repr(raw_order))}; re-save it with torch"
+                f"{src} has an unknown byteorder {_shown(raw_order)}; re-save it with torch"
             )
         byteorder = raw_order.decode()
 

@@ -22,7 +22,7 @@ from typing import BinaryIO, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from .errors import VoiceError
+from .errors import InputError, VoiceError
 from .fileio import atomic_write, one_line, owned_name, remove_orphans, usable_path
 from .output_dir import directory_path, make_dirs, remove_dirs
 from .torch_pickle import PtTensor, read_pt, to_mlx
@@ -442,6 +442,8 @@ def convert_voice_files(
     tensor no model could load (not ``[rows, dim]``, empty, not floats, not finite, more
     than :data:`MAX_VOICE_ROWS` rows).
     """
+    if not isinstance(overwrite, (bool, np.bool_)):  # "no" must not mean yes
+        raise InputError(f"overwrite must be True or False, got {one_line(repr(overwrite), 60)}")
     files = _voice_sources(sources)
     out_dir = directory_path(out_dir, error=VoiceError)
     targets = [out_dir / f"{src.stem}.safetensors" for src in files]
