@@ -297,6 +297,18 @@ def test_opus_rejects_unsupported_sample_rate(tmp_path):
     assert hidden_leftovers(tmp_path) == []
 
 
+def test_vorbis_refuses_rates_libsndfile_would_crash_on(tmp_path):
+    """Above 200 kHz (a checkpoint's params.json may say so) libsndfile's Vorbis encoder
+    segfaulted, leaving a hidden partial file."""
+    with AudioFileWriter(tmp_path / "ok.ogg", 200_000) as w:
+        w.write(np.zeros(1000, np.float32))
+    assert sf.info(str(tmp_path / "ok.ogg")).samplerate == 200_000
+    with pytest.raises(AudioOutputError, match="Ogg Vorbis cannot hold 384000 Hz") as exc:
+        AudioFileWriter(tmp_path / "a.ogg", 384_000)
+    assert "\n" not in str(exc.value)
+    assert hidden_leftovers(tmp_path) == [] and not (tmp_path / "a.ogg").exists()
+
+
 # -- atomic behaviour ----------------------------------------------------------------
 
 

@@ -38,6 +38,8 @@ FORMATS: dict[str, tuple[str, str]] = {
 }
 LOSSLESS_EXTENSIONS = frozenset(ext for ext, (_, sub) in FORMATS.items() if sub == "PCM_16")
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
+# libvorbis's encoder takes up to 200 kHz; libsndfile crashes (SIGSEGV) above it.
+VORBIS_MAX_RATE = 200_000
 
 _INT16_SCALE = 32768.0
 _WAV_UNKNOWN_SIZE = 0xFFFFFFFF
@@ -166,6 +168,11 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
         raise AudioOutputError(
             f"Opus cannot hold {sample_rate} Hz audio (only {OPUS_SAMPLE_RATES} Hz); "
             "write .ogg, .flac or .wav instead"
+        )
+    if subtype == "VORBIS" and sample_rate is not None and sample_rate > VORBIS_MAX_RATE:
+        raise AudioOutputError(
+            f"Ogg Vorbis cannot hold {sample_rate} Hz audio (at most {VORBIS_MAX_RATE} Hz); "
+            "write .flac or .wav instead"
         )
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.exists():
