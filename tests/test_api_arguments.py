@@ -242,3 +242,22 @@ def test_destructive_flags_take_only_booleans(tmp_path):
     with pytest.raises(InputError, match="force must be True or False"):
         convert_model(tmp_path / "none", tmp_path / "out", force="no")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_text_far_too_long_is_refused_before_it_is_tokenized(tts, monkeypatch):
+    """A run of ten million letters made the tokenizer's regex give up (a Rust panic
+    printed on stderr, and an error blaming tekken.json); the text's length alone shows
+    it cannot fit, so it never reaches the tokenizer."""
+    seen: list[int] = []
+    encode = tts.tokenizer.encode
+    monkeypatch.setattr(tts.tokenizer, "encode", lambda t: seen.append(len(t)) or encode(t))
+    huge = "A" * 12_000_000
+    with pytest.raises(InputError, match=r"too long for one utterance \(at least \d+ tokens"):
+        tts.synthesize(huge, VOICE)
+    with pytest.raises(InputError, match=r"a segment of the text is too long .*lower max_chars"):
+        tts.synthesize(huge, VOICE, split=True, max_chars=len(huge))
+    assert seen == []
+    fits = "A" * (8192 * tts.tokenizer.max_token_bytes // 2)  # long, but may fit: tokenized
+    with pytest.raises(InputError, match=r"too long for one utterance \(\d+ tokens"):
+        tts.synthesize(fits, VOICE, max_frames=1)
+    assert seen == [len(fits)]

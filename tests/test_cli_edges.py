@@ -802,3 +802,14 @@ def test_control_characters_in_a_path_stay_escaped_on_one_line(tmp_path):
     """A terminal escape in -m reached the terminal raw (only newlines were escaped)."""
     err = one_line_error(run("speak", "-m", str(tmp_path / "no\x1b[2Jpe\nx"), "Hi.", "-o", "x.wav"))
     assert "\x1b" not in err and "\\x1b[2Jpe\\nx" in err
+
+
+def test_no_split_on_a_huge_word_is_refused_by_its_length(model_dir, tmp_path):
+    """12 million letters made the tokenizer's regex give up: Rust's panic text on stderr
+    and an error blaming tekken.json."""
+    text = tmp_path / "word.txt"
+    text.write_text("A" * 12_000_000)
+    out = tmp_path / "x.wav"
+    err = one_line_error(speak(model_dir, "-f", str(text), "--no-split", "-o", str(out)))
+    assert "at least" in err and "drop --no-split" in err and "tekken" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["word.txt"]

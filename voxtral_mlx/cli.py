@@ -343,10 +343,13 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if args.no_split:
             from .tts import MAX_TEXT_TOKENS
 
-            n_tokens = len(tts.tokenizer.encode(text))
+            least = tts.tokenizer.min_tokens(text)  # a huge text is never tokenized
+            exact = least <= MAX_TEXT_TOKENS
+            n_tokens = len(tts.tokenizer.encode(text)) if exact else least
             if n_tokens > MAX_TEXT_TOKENS:
+                count = str(n_tokens) if exact else f"at least {n_tokens}"
                 raise InputError(
-                    f"text is too long to speak as one utterance ({n_tokens} tokens, limit "
+                    f"text is too long to speak as one utterance ({count} tokens, limit "
                     f"{MAX_TEXT_TOKENS}): drop --no-split"
                 )
 

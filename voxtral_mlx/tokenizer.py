@@ -44,7 +44,7 @@ from .fileio import (
 )
 
 # Bump when the cached file's layout or the way the model is built changes.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: max_token_bytes
 MAX_TEKKEN_BYTES = 256 << 20  # the real tekken.json holds 19 MB
 RELEASE_GIL_CHARS = 1024  # longer texts are tokenized with the GIL released
 
@@ -121,8 +121,11 @@ class TekkenTokenizer:
         version: str | None,
         audio: dict[str, Any],
         path: Path | None = None,
+        max_token_bytes: int | None = None,
     ):
         self._backend = backend
+        # The most bytes of text one token stands for (a floor on a text's token count).
+        self.max_token_bytes = max_token_bytes or max(map(len, backend.get_vocab()), default=1)
         self.vocab_size = vocab_size
         self.num_special_tokens = len(special_tokens)
         self.version = version
@@ -174,6 +177,7 @@ class TekkenTokenizer:
             version=meta["version"],
             audio=meta["audio"],
             path=path,
+            max_token_bytes=meta["max_token_bytes"],
         )
 
     # ------------------------------------------------------------------ text
@@ -245,6 +249,12 @@ class TekkenTokenizer:
                 f"special token {one_line(token_str, 60)} is not in tokenizer{where}: "
                 "use the tekken.json shipped with Voxtral-4B-TTS"
             ) from None
+
+    def min_tokens(self, text: str) -> int:
+        """A floor on ``len(encode(text))`` found without tokenizing: a text far too long
+        is refused before the tokenizer's regex, which gives up on runs of some ten
+        million characters, ever sees it."""
+        return -(-len(text) // self.max_token_bytes)  # at least a byte per character
 
     @property
     def backend(self) -> Tokenizer:
@@ -350,12 +360,14 @@ def _build(raw: bytes, path: Path) -> tuple[dict[str, Any], Tokenizer]:
     except TokenizerError as e:
         raise TokenizerError(f"{path}: {e}") from None
 
-    backend = _build_backend(_vocab_strings(vocab[:n_text], path), pattern, n_special, path)
+    strings = _vocab_strings(vocab[:n_text], path)
+    backend = _build_backend(strings, pattern, n_special, path)
     meta = {
         "vocab_size": vocab_size,
         "special_tokens": special_tokens,
         "version": version,
         "audio": audio,
+        "max_token_bytes": max(map(len, strings), default=1) or 1,  # a character per byte
     }
     return meta, backend
 
@@ -477,7 +489,10 @@ def _read_cache(file: Path, digest: str) -> tuple[dict[str, Any], Tokenizer] | N
         meta = json.loads(head)
         if meta.get("sha256") != digest or meta.get("format") != CACHE_FORMAT:
             return None
-        if not all(k in meta for k in ("vocab_size", "special_tokens", "version", "audio")):
+        keys = ("vocab_size", "special_tokens", "version", "audio", "max_token_bytes")
+        if not all(k in meta for k in keys):
+            return None
+        if not isinstance(meta["max_token_bytes"], int) or meta["max_token_bytes"] < 1:
             return None
         return meta, Tokenizer.from_str(body)
     except Exception:
