@@ -811,4 +811,5 @@ def test_empty_tensor_of_absurd_shape_is_refused(tmp_path: Path, shape) -> None:
     path = make_pt(tmp_path / "huge.pt", pkl.replace(dims, huge, 1), {"data/0": b""})
     with pytest.raises(VoiceError) as exc:
         read_pt(path)
-    assert "absurdly large" in one_line(exc)
+    message = one_line(exc)  # a size beyond int64 is no size torch writes
+    assert "absurdly large" in message or "non-negative integers" in message

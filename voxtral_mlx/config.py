@@ -300,6 +300,17 @@ class ModelConfig:
     def from_params(cls, params: Mapping[str, Any], source: str = "params.json") -> ModelConfig:
         """Build the config from a parsed ``params.json`` (Mistral layout); ``source`` names
         the file in error messages (``config.json`` holds the same keys in MLX layouts)."""
+        try:
+            return cls._from_params(params, source)
+        except ConfigError as e:
+            if ";" in str(e):  # it names its fix
+                raise
+            raise ConfigError(
+                f"{e}; restore {source} from the model's download (or correct that value)"
+            ) from None
+
+    @classmethod
+    def _from_params(cls, params: Mapping[str, Any], source: str) -> ModelConfig:
         top = _Reader(params, "", source)
         backbone = BackboneArgs(
             dim=top.get("dim", int, positive=True),

@@ -430,7 +430,9 @@ def read_model_config(model_dir: Path) -> ModelConfig:
         )
     if params is None:
         raise ModelNotFoundError(
-            f"{model_dir} has no params.json: it is not a Voxtral TTS model directory"
+            f"{model_dir} has no params.json: it is not a Voxtral TTS model directory; pass "
+            "the folder holding params.json, tekken.json and the weights, or a Hugging Face "
+            "repo id"
         )
     return ModelConfig.from_params(params, "config.json")
 

@@ -300,6 +300,15 @@ def speech_prompt_ids(tokenizer: TekkenTokenizer, text: str, num_voice_tokens: i
 def _build(raw: bytes, path: Path) -> tuple[dict[str, Any], Tokenizer]:
     """Validate a tekken.json's bytes and build its metadata and BPE tokenizer."""
     try:
+        return _build_checked(raw, path)
+    except TokenizerError as e:
+        if ";" in str(e) or "tekken.json" in str(e).removeprefix(str(path)):  # names a fix
+            raise
+        raise TokenizerError(f"{e}; restore tekken.json from the model's download") from None
+
+
+def _build_checked(raw: bytes, path: Path) -> tuple[dict[str, Any], Tokenizer]:
+    try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(

@@ -437,11 +437,17 @@ def _read_zip(zf: zipfile.ZipFile, src: str, key: str | None) -> PtTensor:
             f"re-save it with torch.save"
         )
     if len(pickles) > 1:
-        raise VoiceError(f"{src} holds {len(pickles)} data.pkl records; expected exactly one")
+        raise VoiceError(
+            f"{src} holds {len(pickles)} data.pkl records, not one: it is no torch.save file; "
+            "re-save the tensor with torch.save"
+        )
     info = pickles[0]
     prefix = info.filename[: -len("data.pkl")]
     if info.file_size > _MAX_PICKLE_BYTES:
-        raise VoiceError(f"{src}: data.pkl is {info.file_size} bytes, too large for a tensor file")
+        raise VoiceError(
+            f"{src}: data.pkl is {info.file_size} bytes, too large for a tensor file; re-save "
+            "the tensor alone with torch.save"
+        )
 
     unpickler = _RestrictedUnpickler(io.BytesIO(_read_record(zf, info, src)), src)
     try:

@@ -384,7 +384,10 @@ def _voice_sources(sources: object) -> list[Path]:
             files.extend(found)
         elif source.is_file():
             if source.suffix != ".pt":
-                raise VoiceError(f"{one_line(str(source))} is not a .pt voice file")
+                raise VoiceError(
+                    f"{one_line(str(source))} is not a .pt voice file; name .pt files or "
+                    "directories holding them"
+                )
             files.append(source)
         elif source.exists() or _dangling(source):
             raise VoiceError(f"{unreadable(source)}; name .pt files or directories holding them")
