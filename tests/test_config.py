@@ -329,7 +329,11 @@ def test_messages_name_the_file_the_keys_came_from() -> None:
     ]:
         with pytest.raises(ConfigError) as exc:
             ModelConfig.from_params(params, "config.json")
-        assert words in one_line(exc.value) and "params.json" not in one_line(exc.value)
+        message = one_line(exc.value)
+        assert words in message and "params.json" not in message
+        assert message.endswith(
+            "; restore config.json from the model's download (or correct that value)"
+        ), message
 
 
 @pytest.mark.parametrize("params", [[], "params", 5, None], ids=["list", "str", "int", "null"])
