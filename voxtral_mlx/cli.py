@@ -28,6 +28,7 @@ from .errors import (
     VoxtralError,
     is_mlx_import_error,
     mlx_import_error,
+    printable,
 )
 from .fileio import one_line
 from .interrupts import (
@@ -57,12 +58,7 @@ def _default_model() -> str:
 
 
 def _err(message: str) -> None:
-    # One line whatever a path in it holds (a newline, a terminal escape).
-    if not message.isprintable():
-        message = "".join(
-            c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in message
-        )
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    print(f"{PROG}: error: {printable(message)}", file=sys.stderr)
 
 
 def _info(message: str) -> None:
@@ -341,17 +337,9 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if args.voice is not None:
             tts.voices.get_voice(args.voice)
         if args.no_split:
-            from .tts import MAX_TEXT_TOKENS
+            from .tts import utterance_ids
 
-            least = tts.tokenizer.min_tokens(text)  # a huge text is never tokenized
-            exact = least <= MAX_TEXT_TOKENS
-            n_tokens = len(tts.tokenizer.encode(text)) if exact else least
-            if n_tokens > MAX_TEXT_TOKENS:
-                count = str(n_tokens) if exact else f"at least {n_tokens}"
-                raise InputError(
-                    f"text is too long to speak as one utterance ({count} tokens, limit "
-                    f"{MAX_TEXT_TOKENS}): drop --no-split"
-                )
+            utterance_ids(tts.tokenizer, text, "text", "drop --no-split")
 
         started = time.monotonic()  # the player's clock
         # The stream checks the remaining arguments: nothing may be written before it exists.

@@ -7,17 +7,21 @@ the CLI prints it as is.
 from __future__ import annotations
 
 
+def printable(text: str) -> str:
+    """``text`` with its unprintable characters (newlines, terminal escapes) escaped: one
+    line whatever a path or name in a message holds."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )
+
+
 class VoxtralError(Exception):
     """Base class of every error voxtral_mlx raises on purpose."""
 
     def __str__(self) -> str:
-        # One line whatever a path or name in it holds (newlines, terminal escapes).
-        text = super().__str__()
-        if text.isprintable():
-            return text
-        return "".join(
-            c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
-        )
+        return printable(super().__str__())
 
 
 class ConfigError(VoxtralError, ValueError):

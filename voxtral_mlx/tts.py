@@ -71,6 +71,20 @@ class Speech:
         return len(self.audio) / self.sample_rate
 
 
+def utterance_ids(tokenizer: TekkenTokenizer, text: str, what: str, fix: str) -> list[int]:
+    """The token ids of ``text``, or a one-line :class:`InputError` (naming ``what`` and
+    ``fix``) if they cannot fit one utterance; a text whose length alone shows it is never
+    tokenized."""
+    n = tokenizer.min_tokens(text)
+    ids = None if n > MAX_TEXT_TOKENS else tokenizer.encode(text)
+    if ids is None or len(ids) > MAX_TEXT_TOKENS:
+        count = f"at least {n}" if ids is None else str(len(ids))
+        raise InputError(
+            f"{what} is too long for one utterance ({count} tokens, limit {MAX_TEXT_TOKENS}): {fix}"
+        )
+    return ids
+
+
 class VoxtralTTS:
     """Voxtral-4B-TTS loaded for inference. Create it with :func:`voxtral_mlx.load`.
 
@@ -288,19 +302,6 @@ class VoxtralTTS:
         start = ids.index(self.config.audio_token_id)
         return self.call(self.model.embed_prompt, ids, rows, start)
 
-    def _text_ids(self, text: str, what: str, fix: str) -> list[int]:
-        """The ids of ``text``, or a one-line :class:`InputError` if they cannot fit one
-        utterance (a text far too long is refused before it is tokenized)."""
-        n = self.tokenizer.min_tokens(text)
-        ids = None if n > MAX_TEXT_TOKENS else self.tokenizer.encode(text)
-        if ids is None or len(ids) > MAX_TEXT_TOKENS:
-            count = f"at least {n}" if ids is None else str(len(ids))
-            raise InputError(
-                f"{what} is too long for one utterance ({count} tokens, limit "
-                f"{MAX_TEXT_TOKENS}): {fix}"
-            )
-        return ids
-
     def job(
         self,
         text: str,
@@ -321,7 +322,9 @@ class VoxtralTTS:
             raise InputError("text is empty: give some words to speak")
         max_frames, chunk_frames, alpha = _job_options(max_frames, chunk_frames, cfg_alpha)
         v = self._voice(voice)
-        text_ids = self._text_ids(text, "text", "pass split=True to speak it in segments")
+        text_ids = utterance_ids(
+            self.tokenizer, text, "text", "pass split=True to speak it in segments"
+        )
         tail = speech_prompt_ids(self.tokenizer, "", 0)[-2:]  # [REPEAT_AUDIO_TEXT, BEGIN_AUDIO]
         source = NoiseSource(self.config.flow.n_acoustic_codebook, seed=seed, noise=noise)
         seq = Sequence(source, max_frames, alpha)
@@ -378,7 +381,7 @@ class VoxtralTTS:
                 for seg in segments:
                     if 4 * len(seg.spoken) > MAX_TEXT_TOKENS:
                         fix = f"lower max_chars (now {max_chars})"
-                        self._text_ids(seg.spoken, "a segment of the text", fix)
+                        utterance_ids(self.tokenizer, seg.spoken, "a segment of the text", fix)
                 return segments
 
             # A chapter takes ~0.1 s: an async stream splits it in a thread at its first
