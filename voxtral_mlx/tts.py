@@ -71,6 +71,12 @@ class Speech:
         return len(self.audio) / self.sample_rate
 
 
+def _may_not_fit(text: str) -> bool:
+    """Whether ``text`` could hold more tokens than one utterance takes: a token is at least
+    one byte and a character at most four, so shorter texts need no tokenizing to know."""
+    return 4 * len(text) > MAX_TEXT_TOKENS
+
+
 def utterance_ids(tokenizer: TekkenTokenizer, text: str, what: str, fix: str) -> list[int]:
     """The token ids of ``text``, or a one-line :class:`InputError` (naming ``what`` and
     ``fix``) if they cannot fit one utterance; a text whose length alone shows it is never
@@ -376,10 +382,9 @@ class VoxtralTTS:
                     text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
                 )
                 # Every segment is checked before the first is submitted: a too-long one
-                # must not fail mid-stream. A token is at least one byte and a character at
-                # most four: short ones need no encoding.
+                # must not fail mid-stream.
                 for seg in segments:
-                    if 4 * len(seg.spoken) > MAX_TEXT_TOKENS:
+                    if _may_not_fit(seg.spoken):
                         fix = f"lower max_chars (now {max_chars})"
                         utterance_ids(self.tokenizer, seg.spoken, "a segment of the text", fix)
                 return segments
@@ -387,9 +392,9 @@ class VoxtralTTS:
             # A chapter takes ~0.1 s: an async stream splits it in a thread at its first
             # item and say() on its playback thread, not on an event loop or a UI thread.
             segments = plan if defer_split else plan()
-        elif defer_split and 4 * len(text) > MAX_TEXT_TOKENS:
-            # It may be too long: finding out means tokenizing it all (0.3 s for 100,000
-            # words), which an async stream does in a thread at its first item too.
+        elif defer_split and _may_not_fit(text):
+            # Finding out means tokenizing it all (0.3 s for 100,000 words), which an async
+            # stream does in a thread at its first item too.
             segments = lambda: [Segment(text, 0, len(text), 0.0, text)]  # noqa: E731
         else:
             segments = [Segment(text, 0, len(text), 0.0, text)]
