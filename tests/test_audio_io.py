@@ -91,13 +91,17 @@ def test_float_to_pcm16_bytes_are_little_endian():
 # -- formats ------------------------------------------------------------------------
 
 
+def test_lossless_formats_include_the_ones_macos_say_writes():
+    assert {".wav", ".flac", ".aiff", ".aif", ".caf"} <= aio.LOSSLESS_EXTENSIONS
+
+
 def test_this_libsndfile_writes_every_format():
     # Everything in FORMATS is expected from the soundfile wheels this project uses
     # (libsndfile >= 1.1); a missing one would show up as a clear AudioOutputError.
     assert set(aio.available_formats()) == set(FORMATS)
 
 
-@pytest.mark.parametrize("ext", [".wav", ".flac"])
+@pytest.mark.parametrize("ext", sorted(aio.LOSSLESS_EXTENSIONS))
 def test_lossless_round_trip_is_exact_to_16_bits(tmp_path, ext):
     x = speechlike()
     x[100] = 1.7  # out of range: clipped, not wrapped
@@ -386,7 +390,7 @@ def test_keep_partial_on_interrupt_leaves_valid_file(tmp_path, ext):
     assert hidden_leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("ext", [".wav", ".flac"])
+@pytest.mark.parametrize("ext", [".wav", ".flac", ".aiff", ".caf"])
 @pytest.mark.parametrize("written", [True, False], ids=["after-write", "before-write"])
 def test_interrupt_around_libsndfiles_write_keeps_a_valid_file(tmp_path, monkeypatch, ext, written):
     """Ctrl-C is raised between bytecodes: right after (or before) libsndfile's write of a
@@ -473,7 +477,7 @@ def test_check_output_path_accepts_good_paths(tmp_path, monkeypatch):
     check_output_path("relative.wav")
 
 
-@pytest.mark.parametrize("name", ["x.txt", "x", "x.wav.bak", "x.aiff"])
+@pytest.mark.parametrize("name", ["x.txt", "x", "x.wav.bak", "x.m4a"])
 def test_check_output_path_unknown_extension(tmp_path, name):
     with pytest.raises(AudioOutputError) as e:
         check_output_path(tmp_path / name)

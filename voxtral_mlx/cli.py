@@ -775,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     speak.add_argument(
         "-o",
         "--output",
-        help="write audio to FILE (.wav .flac .ogg .mp3 .opus; "
+        help="write audio to FILE (.wav .flac .aiff .caf .ogg .mp3 .opus; "
         "'-' writes WAV to stdout) instead of playing",
     )
     speak.add_argument("--play", action="store_true", help="play even when writing a file")

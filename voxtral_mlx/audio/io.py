@@ -28,10 +28,14 @@ import soundfile as sf
 from ..errors import AudioOutputError
 from ..fileio import full_fsync, one_line, owned_name, remove_orphans
 
-# extension -> (libsndfile major format, subtype)
+# extension -> (libsndfile major format, subtype). AIFF and CAF are what macOS `say -o`
+# writes, so a Mac user's `-o hello.aiff` works as it does there.
 FORMATS: dict[str, tuple[str, str]] = {
     ".wav": ("WAV", "PCM_16"),
     ".flac": ("FLAC", "PCM_16"),
+    ".aiff": ("AIFF", "PCM_16"),
+    ".aif": ("AIFF", "PCM_16"),
+    ".caf": ("CAF", "PCM_16"),
     ".ogg": ("OGG", "VORBIS"),
     ".mp3": ("MP3", "MPEG_LAYER_III"),
     ".opus": ("OGG", "OPUS"),
@@ -244,7 +248,7 @@ def _check_complete(path: Path, tmp: Path, fmt: str, frames: int, pending: int =
         # also print a warning on stderr when opening a cut-short file
         expected = _mp3_stream_bytes(tmp)
         complete = expected is None or expected == tmp.stat().st_size
-    elif fmt in ("WAV", "FLAC"):
+    elif fmt in ("WAV", "FLAC", "AIFF", "CAF"):
         complete = sf.info(str(tmp)).frames in (frames, frames + pending)
     else:  # lossy codecs: a truncated stream has fewer frames; a longer one is padding
         complete = sf.info(str(tmp)).frames >= frames
