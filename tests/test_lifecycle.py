@@ -265,3 +265,67 @@ def test_say_with_a_damaged_voice_file_raises_and_opens_no_audio(
         assert opened == [] and model.engine.stats()["waiting"] == 0
     finally:
         model.close()
+
+
+class _Sink:
+    def feed(self, audio, **_):
+        pass
+
+    def finish(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+def test_say_and_async_requests_from_the_worker_thread_are_refused(tts):
+    """say(), an event loop run inside tts.call(), and a warmup future waited on there all
+    waited for the worker from the worker: the model hung for good (and the process
+    aborted at exit)."""
+
+    def say_wait():
+        return tts.say("Hi.", VOICE, player=_Sink(), max_frames=2)
+
+    def say_then_wait():
+        return tts.say("Hi.", VOICE, wait=False, player=_Sink(), max_frames=2).wait()
+
+    def async_synth():
+        return asyncio.run(tts.asynthesize("Hi.", VOICE, max_frames=2))
+
+    def warmup_result():
+        return tts.warmup(VOICE, wait=False).result()
+
+    for request in (say_wait, say_then_wait, async_synth, warmup_result):
+        with pytest.raises(VoxtralError, match="worker thread"):
+            tts.worker.submit(request).result(timeout=60)
+    assert len(tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2).codes) == 2
+
+
+def test_a_timed_out_wait_for_a_chunk_stops_the_stream_and_says_so(tts):
+    """asyncio.wait_for(stream.__anext__(), t) timing out cancels generation; the next
+    __anext__ ended the stream quietly, passing a cut-off stream for a finished one."""
+
+    async def main():
+        stream = tts.astream("A long one.", VOICE, seed=1, max_frames=200)
+        with pytest.raises(asyncio.TimeoutError):
+            while True:
+                await asyncio.wait_for(stream.__anext__(), 0.0001)
+        with pytest.raises(VoxtralError, match="shield"):
+            await stream.__anext__()
+
+        # Shielded, the same wait keeps the stream going.
+        stream = tts.astream("A long one.", VOICE, seed=1, max_frames=5)
+        frames, pending = 0, None
+        while True:
+            pending = pending or asyncio.ensure_future(stream.__anext__())
+            try:
+                chunk = await asyncio.wait_for(asyncio.shield(pending), 0.0001)
+            except asyncio.TimeoutError:
+                continue
+            except StopAsyncIteration:
+                break
+            pending = None
+            frames += chunk.frames
+        return frames
+
+    assert asyncio.run(main()) == 5

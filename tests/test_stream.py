@@ -5,13 +5,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
 
 import voxtral_mlx
 from voxtral_mlx.engine import DONE, AudioChunk, Job, Timings
-from voxtral_mlx.errors import InputError
+from voxtral_mlx.errors import InputError, VoxtralError
 from voxtral_mlx.segment import Segment
 from voxtral_mlx.textstream import TextStream
 
@@ -361,3 +362,64 @@ def test_jobs_generated_ahead_are_marked_until_the_consumer_reaches_them():
     assert pause.segment == 0 and not pause.frames
     assert [j.ahead for j in made] == [False, False, True]
     assert len(list(stream)) > 0 and not any(j.ahead for j in made)
+
+
+def test_a_player_whose_stop_fails_too_reports_the_first_error_and_wait_repeats_it():
+    """The device went away: feed() and then stop() raise. stop()'s error escaped the
+    playback thread as a traceback on stderr, and each wait() grew the error's traceback."""
+    from voxtral_mlx.tts import Playback
+
+    class Player:
+        def feed(self, audio, **_):
+            raise RuntimeError("the device went away")
+
+        def finish(self):
+            pass
+
+        def stop(self):
+            raise OSError("no such device")
+
+    escaped: list[object] = []
+    old_hook = threading.excepthook
+    threading.excepthook = escaped.append
+    try:
+        stream = TextStream(_answer, lambda i, seg: FakeJob(i), _segments(2), 24000, 1, None)
+        playback = Playback(stream, Player())
+        playback._thread.join(10)
+    finally:
+        threading.excepthook = old_hook
+    assert playback.done and escaped == []
+    depths = []
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="device went away") as e:
+            playback.wait(10)
+        depths.append(len(traceback.extract_tb(e.value.__traceback__)))
+    assert depths[0] == depths[1] == depths[2]
+
+
+def test_waiting_for_playback_on_the_model_worker_raises_instead_of_hanging():
+    from voxtral_mlx.tts import Playback
+    from voxtral_mlx.worker import worker_wait_error
+
+    def refuse():
+        raise worker_wait_error()
+
+    gate = threading.Event()
+
+    class Player:
+        def feed(self, audio, **_):
+            gate.wait(10)
+
+        def finish(self):
+            pass
+
+        def stop(self):
+            gate.set()
+
+    stream = TextStream(_answer, lambda i, seg: FakeJob(i), _segments(2), 24000, 1, None)
+    playback = Playback(stream, Player(), refuse_wait=refuse)
+    with pytest.raises(VoxtralError, match="worker thread"):
+        playback.wait()
+    playback.stop()
+    playback._thread.join(10)
+    assert playback.wait() is True  # done: nothing left to wait for, so no refusal

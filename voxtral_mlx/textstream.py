@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .engine import DONE, AudioChunk, Job, Timings, finite_float
-from .errors import InputError
+from .errors import InputError, VoxtralError
 from .segment import Segment
 
 MAX_PAUSE_S = 60.0
@@ -215,11 +215,20 @@ class AsyncTextStream(_Reader):
         self._ready: deque[AudioChunk] = deque()
         self._queues: dict[int, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._wait_cancelled = False
 
     def __aiter__(self) -> AsyncTextStream:
         return self
 
     async def __anext__(self) -> AudioChunk:
+        if self._wait_cancelled:
+            # Ending quietly here would pass a cut-off stream for a whole one.
+            raise VoxtralError(
+                "this audio stream stopped when a wait for its next chunk was cancelled "
+                "(a timeout such as asyncio.wait_for's cancels it): to time out without "
+                "stopping it, wait on asyncio.shield(task) of the pending __anext__(), or "
+                "start a new stream"
+            )
         try:
             while not self._ready:
                 if self._finished:
@@ -255,7 +264,11 @@ class AsyncTextStream(_Reader):
             return self._ready.popleft()
         except StopAsyncIteration:
             raise
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
+            self._wait_cancelled = not self._finished
+            self.cancel()
+            raise
+        except GeneratorExit:
             self.cancel()
             raise
         except BaseException:  # Ctrl-C, a failed segment

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import threading
 import time
@@ -12,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -40,7 +42,7 @@ from .segment import Segment, is_blank, is_silent, split_text
 from .textstream import AsyncTextStream, TextStream
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
 from .voices import Voice, VoiceRegistry
-from .worker import Worker, closed_error
+from .worker import Worker, WorkerFuture, closed_error
 
 T = TypeVar("T")
 
@@ -192,7 +194,7 @@ class VoxtralTTS:
         else:
             raise InputError(f"voices must be a voice name or several, got {type(voices).__name__}")
         names = list(dict.fromkeys(self._voice(v).name for v in names))
-        future: Future[float] = Future()
+        future: Future[float] = WorkerFuture(self.worker)
 
         def run() -> None:
             if not future.set_running_or_notify_cancel():
@@ -509,6 +511,7 @@ class VoxtralTTS:
         raises there. Every other bad argument raises here."""
 
         async def submit(jobs: list[Job]) -> None:
+            self.worker.refuse_wait()  # an event loop run inside tts.call() or a callback
             await asyncio.wrap_future(self.worker.submit(lambda: self._enqueue(jobs)))
 
         return self._reader(
@@ -541,11 +544,7 @@ class VoxtralTTS:
     def _submit_all(self, jobs: list[Job]) -> None:
         # One hand-over to the worker, which takes tasks only between frames: one per job
         # would hold the caller (and so the first job's audio) for a frame each.
-        if self.worker.in_worker:  # it would wait for itself, and so would every request
-            raise VoxtralError(
-                "a blocking speech request cannot be made on the model's worker thread (inside "
-                "tts.call() or a job's on_output callback): make it from another thread"
-            )
+        self.worker.refuse_wait()  # it would wait for itself, and so would every request
         self.worker.submit(lambda: self._enqueue(jobs)).result()
 
     def _enqueue(self, jobs: list[Job]) -> None:
@@ -647,6 +646,8 @@ class VoxtralTTS:
         processes do): ``stop()`` the first to replace it.
         """
         wait = check_flag("wait", wait)
+        if wait:
+            self.worker.refuse_wait()  # before anything opens: playing needs the worker
         if player is not None:
             needed = ("feed", "finish", "stop")
             missing = [m for m in needed if not callable(getattr(player, m, None))]
@@ -696,7 +697,7 @@ class VoxtralTTS:
             def horizon() -> PlaybackHorizon:
                 return PlaybackHorizon(self, stream, max_frames, pause, started)
 
-        playback = Playback(stream, player, horizon)
+        playback = Playback(stream, player, horizon, refuse_wait=self.worker.refuse_wait)
         if wait:
             playback.wait()
         return playback
@@ -786,12 +787,18 @@ class Playback:
     blocks until the last sample has played (re-raising any error)."""
 
     def __init__(
-        self, stream: TextStream, player: Any, horizon: Callable[[], Callable] | None = None
+        self,
+        stream: TextStream,
+        player: Any,
+        horizon: Callable[[], Callable] | None = None,
+        refuse_wait: Callable[[], None] = lambda: None,
     ) -> None:
         self.stream = stream
         self.player = player
         self._horizon = horizon  # makes the per-chunk expected_total_s (for AudioPlayer)
+        self._refuse_wait = refuse_wait  # raises on the model's worker thread
         self.error: BaseException | None = None  # raised before stop(), if any
+        self._error_tb: TracebackType | None = None
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="voxtral-mlx-say", daemon=True)
         self._thread.start()
@@ -814,9 +821,10 @@ class Playback:
                 self.player.finish()
         except BaseException as e:  # handed to wait()
             if not self._stopped:  # what stop() itself causes is not an error
-                self.error = e
+                self.error, self._error_tb = e, e.__traceback__
             self.stream.cancel()  # e.g. the device went away: stop generating too
-            self.player.stop()
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                self.player.stop()
 
     @property
     def done(self) -> bool:
@@ -829,11 +837,14 @@ class Playback:
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once playback has ended (False on timeout). Ctrl-C stops playback."""
+        if not self.done:
+            self._refuse_wait()
         try:
             self._thread.join(timeout)
         except KeyboardInterrupt:
             self.stop()
             raise
         if self.error is not None:
-            raise self.error
+            # As it was first raised: re-raising the same object would grow its traceback.
+            raise self.error.with_traceback(self._error_tb)
         return self.done

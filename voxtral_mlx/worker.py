@@ -99,6 +99,12 @@ class Worker:
     def in_worker(self) -> bool:
         return self._serving and threading.current_thread() is self._thread
 
+    def refuse_wait(self) -> None:
+        """Raise :func:`worker_wait_error` when called on the worker thread: whatever the
+        caller would wait for next needs that thread."""
+        if self.in_worker:
+            raise worker_wait_error()
+
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn()`` on the worker; the future holds its result or exception."""
         future: Future[T] = Future()
@@ -159,6 +165,35 @@ def _run_task(fn: Callable[[], Any], future: Future) -> None:
             future.set_result(fn())
         except BaseException as e:  # handed to the caller
             future.set_exception(e)
+
+
+def worker_wait_error() -> VoxtralError:
+    """What a request that would wait for the worker gets when made on the worker itself."""
+    return VoxtralError(
+        "a blocking speech request cannot be made on the model's worker thread (inside "
+        "tts.call() or a job's on_output callback): make it from another thread"
+    )
+
+
+class WorkerFuture(Future):
+    """A future whose result the worker computes: waiting for it on the worker thread
+    itself, which would never end (and stall every request), raises instead."""
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__()
+        self._worker = worker
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._refuse()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._refuse()
+        return super().exception(timeout)
+
+    def _refuse(self) -> None:
+        if not self.done() and self._worker.in_worker:
+            raise worker_wait_error()
 
 
 def closed_error() -> VoxtralError:
