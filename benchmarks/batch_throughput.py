@@ -7,6 +7,9 @@ Sequential: the same segments one after another (batch of 1). Same seeds, same f
     python benchmarks/batch_throughput.py [--config wide|CHECKPOINT_DIR] [--batch 4] [--frames 6]
                                           [--dtype bfloat16|float32] [--repeats 5]
 
+A built-in config computes in bfloat16 unless ``--dtype`` says otherwise; a checkpoint
+directory in its own dtype (``--dtype`` converts it on load).
+
 Wall times are medians of ``--repeats`` runs of each mode, interleaved.
 """
 
@@ -19,6 +22,7 @@ import time
 
 from common import (
     SENTENCES,
+    at_least_one,
     command_line,
     label,
     pick_voice,
@@ -36,15 +40,21 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="wide", help=f"{sorted(CONFIGS)} or a directory")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--frames", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=5, help="runs per mode (median)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--batch", type=at_least_one, default=4)
+    parser.add_argument("--frames", type=at_least_one, default=6)
+    parser.add_argument("--repeats", type=at_least_one, default=5, help="runs per mode (median)")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="compute dtype (default: bfloat16 for a built-in config, a directory's own)",
+    )
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
-    path = resolve(args.config, CONFIGS, args.dtype)
+    path = resolve(args.config, CONFIGS, args.dtype or "bfloat16")
     voice = pick_voice(path)
     tts = voxtral_mlx.load(path, dtype=args.dtype)
+    dtype = str(tts.dtype).removeprefix("mlx.core.")
+    print(f"{label(args.config)}: {dtype} compute", flush=True)
     suppress_end(tts)
     kwargs = {"seed": 1, "split": True, "max_chars": 80, "max_frames": args.frames, "pause": 0.0}
     tts.synthesize(SENTENCES[:200], voice, **kwargs)  # warm-up
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_record:
         print(
             record(
-                f"Batched throughput, 20 sentences ({label(args.config)}, {args.dtype})",
+                f"Batched throughput, 20 sentences ({label(args.config)}, {dtype})",
                 command_line(__file__, argv or sys.argv[1:]),
                 rows,
             )

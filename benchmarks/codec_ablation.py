@@ -16,7 +16,7 @@ import time
 import mlx.core as mx
 import numpy as np
 from codec_bench import build, random_codes
-from common import command_line, record, run_script, show_row
+from common import at_least_one, command_line, record, run_script, show_row
 
 import voxtral_mlx.model.codec as codec_module
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=["tiny", "full"], choices=sorted(CHUNKS))
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=at_least_one, default=3)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
     dtype = getattr(mx, args.dtype)

@@ -295,7 +295,7 @@ def main() -> None:
         slow = min(frames, args.slow_frames or default[1])
         if slow <= MLX_AUDIO_CONTEXT or frames < 2 * 25:
             parser.error("need --slow-frames > 16 and --frames >= 50 (steady state is timed)")
-        rows += bench(size, frames, slow, dtype, args.streams, max(1, args.repeats))
+        rows += bench(size, frames, slow, dtype, max(1, args.streams), max(1, args.repeats))
 
     frame_ms = sorted({f"{r[4]:g}" for r in rows})
     print(f"\nbackend: {mx.default_device()}; real time = {', '.join(frame_ms)} ms per frame\n")

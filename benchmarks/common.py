@@ -54,6 +54,19 @@ def checkpoint(
 BUILT_IN = ("tiny", "wide", "full")  # the configs' names (each script has its own subset)
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1 (repeats, frames, batch sizes)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def is_model_dir(config: str) -> bool:
     """A ``--config`` value naming a checkpoint directory rather than a built-in config. A
     built-in name means the built-in config even beside a directory of that name (which
@@ -70,11 +83,26 @@ def resolve(config: str, configs: dict[str, tuple], dtype: str = "bfloat16") -> 
         path = Path(config).expanduser()
         if not path.is_dir():
             raise SystemExit(f"{config}: no such checkpoint directory")
+        check_model_dir(path)
         return path
     if config not in configs:
         raise SystemExit(f"unknown config {config!r}: use one of {sorted(configs)} or a directory")
     size, layers, flow_layers = configs[config][:3]
     return checkpoint(size, dtype=dtype, n_layers=layers, flow_layers=flow_layers)
+
+
+def check_model_dir(path: Path) -> None:
+    """Stop in one line unless ``path`` holds a model's config (params.json or config.json),
+    before anything else about it is looked at."""
+    from voxtral_mlx.errors import ModelNotFoundError, VoxtralError
+
+    try:
+        model_config(path)
+    except ModelNotFoundError as e:
+        # The loader's advice mentions Hugging Face repo ids, which benchmarks do not take.
+        raise SystemExit(str(e).split("; ")[0] + "; give a checkpoint directory") from None
+    except VoxtralError as e:
+        raise SystemExit(str(e)) from None
 
 
 def is_narrow(path: Path) -> bool:

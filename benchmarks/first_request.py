@@ -29,6 +29,7 @@ from pathlib import Path
 
 from common import (
     TEXT,
+    at_least_one,
     check_comparable,
     command_line,
     config_list,
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="tiny")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=at_least_one, default=5)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(args_in)
     rows = [

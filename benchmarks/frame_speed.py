@@ -22,6 +22,7 @@ import time
 
 from common import (
     TEXT,
+    at_least_one,
     command_line,
     config_list,
     frame_ms,
@@ -112,7 +113,7 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="tiny,wide")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=at_least_one, default=5)
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument(
         "--dtype",

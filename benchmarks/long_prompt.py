@@ -27,6 +27,7 @@ import threading
 import time
 
 from common import (
+    at_least_one,
     command_line,
     config_list,
     label,
@@ -109,7 +110,7 @@ def short_first_audio(tts, text: str, voice: str, part_s: float) -> float:
 def set_parts(engine, mode: str, defaults: tuple[int, int]) -> None:
     """Sized parts ("parts", the engine's way), one pass ("one"), or fixed N-token parts."""
     sizes = {"parts": defaults, "one": (ONE_PASS, ONE_PASS)}
-    low, high = sizes.get(mode, (int(mode), int(mode)))
+    low, high = sizes[mode] if mode in sizes else (int(mode), int(mode))
     engine.MIN_PREFILL_PART_TOKENS, engine.PREFILL_PART_TOKENS = low, high
 
 
@@ -152,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="tiny")
     parser.add_argument("--tokens", default="1000,2000", help="text tokens of the long prompt")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=at_least_one, default=5)
     parser.add_argument("--no-record", action="store_true")
-    parser.add_argument("--fixed", type=int, help="also measure fixed parts of N tokens")
+    parser.add_argument("--fixed", type=at_least_one, help="also measure fixed parts of N tokens")
     args = parser.parse_args(argv)
     fixed = [] if args.fixed is None else [str(args.fixed)]
     header = ["config", "text tokens"]

@@ -17,6 +17,7 @@ import sys
 import time
 
 from common import (
+    at_least_one,
     command_line,
     config_list,
     label,
@@ -66,7 +67,7 @@ def measure(name: str, repeats: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="tiny")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=at_least_one, default=5)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
     rows = [

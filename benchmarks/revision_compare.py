@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 
-from common import TEXT, VOICE, checkpoint, command_line, record, run_script
+from common import TEXT, VOICE, at_least_one, checkpoint, command_line, record, run_script
 
 CHILD = """
 import json, sys, time
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("before")
     parser.add_argument("after")
     parser.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=at_least_one, default=3)
     parser.add_argument("--streams", type=int, default=0, help="concurrent streaming requests")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)

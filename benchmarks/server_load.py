@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from common import checkpoint, command_line, run_script
+from common import at_least_one, checkpoint, command_line, run_script
 
 TEXTS = [
     "Hello there! How are you today?",
@@ -169,12 +169,12 @@ def pct(values: list[float], q: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="model directory (default: random tiny)")
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--clients", type=at_least_one, default=8)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--cancel-fraction", type=float, default=0.2)
-    parser.add_argument("--max-batch", type=int, default=4)
+    parser.add_argument("--max-batch", type=at_least_one, default=4)
     parser.add_argument("--max-queue", type=int, default=64)
-    parser.add_argument("--max-frames", type=int, default=40, help="per text segment")
+    parser.add_argument("--max-frames", type=at_least_one, default=40, help="per text segment")
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--no-record", action="store_true", help="the default")

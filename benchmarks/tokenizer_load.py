@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("tekken", nargs="?", type=Path, help="a tekken.json or a model directory")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.tekken is not None and args.tekken.is_dir():
         args.tekken = args.tekken / "tekken.json"
     if args.tekken is not None and not args.tekken.is_file():

@@ -23,6 +23,7 @@ import time
 from common import (
     SENTENCES,
     TEXT,
+    at_least_one,
     command_line,
     config_list,
     injected_noise,
@@ -124,7 +125,7 @@ def measure(name: str, repeats: int, default_interval: bool = True) -> dict[str,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="tiny,wide")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=at_least_one, default=5)
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument(
         "--no-default-interval",

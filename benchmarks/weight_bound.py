@@ -24,6 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from common import (
     TEXT,
+    at_least_one,
     command_line,
     is_narrow,
     label,
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="wide", help=f"{sorted(CONFIGS)} or a directory")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=at_least_one, default=5)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
     path = resolve(args.config, CONFIGS)

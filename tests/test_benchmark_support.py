@@ -306,3 +306,46 @@ def test_the_suite_on_a_quantized_checkpoint_leaves_out_the_quantization_agreeme
     on_converted = scripts_of(converted)
     assert "quant_agreement.py" not in on_converted
     assert {"frame_speed.py", "ttfa.py", "codec_bench.py"} <= set(on_converted)
+
+
+def test_repeats_and_frames_must_be_at_least_one(scripts, capsys):
+    from frame_speed import main as frame_speed
+    from ttfa import main as ttfa
+
+    for main in (frame_speed, ttfa):
+        with pytest.raises(SystemExit):
+            main(["--repeats", "0", "--no-record"])
+        assert "must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_long_prompt_sets_every_part_mode(scripts):
+    """The "parts" and "one" modes crashed on int("parts") before sizes were looked at."""
+    from long_prompt import ONE_PASS, set_parts
+
+    class Engine:
+        MIN_PREFILL_PART_TOKENS = PREFILL_PART_TOKENS = 0
+
+    for mode, want in (("parts", (16, 256)), ("one", (ONE_PASS, ONE_PASS)), ("64", (64, 64))):
+        set_parts(Engine, mode, (16, 256))
+        got = (Engine.MIN_PREFILL_PART_TOKENS, Engine.PREFILL_PART_TOKENS)
+        assert got == want, mode
+
+
+def test_a_directory_that_is_no_model_is_named_as_such(tmp_path, scripts):
+    from batch_throughput import main as batch_throughput
+    from first_request import main as first_request
+
+    (tmp_path / "voice_embedding").mkdir()
+    for main, flag in ((first_request, "--configs"), (batch_throughput, "--config")):
+        with pytest.raises(SystemExit, match=r"no params\.json: it is not a Voxtral TTS model"):
+            main([flag, str(tmp_path), "--no-record"])
+
+
+def test_batch_throughput_measures_a_directory_in_its_own_dtype(tmp_path, scripts, capsys):
+    from batch_throughput import main
+
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+
+    path = build_random_checkpoint(tmp_path / "f32", "tiny", dtype="float32")
+    assert main(["--config", str(path), "--frames", "1", "--repeats", "1", "--no-record"]) == 0
+    assert "f32: float32 compute" in capsys.readouterr().out

@@ -206,9 +206,11 @@ def test_quant_agreement_runs_on_other_codebook_counts(odd: Path, bench_env) -> 
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     skipped = next(line for line in lines if line.startswith("8-bit "))
-    assert "skipped" in skipped and "--q-group-size 32" in skipped
+    # The reason, without convert's advice: this script takes no --q-group-size.
+    assert "skipped" in skipped and "not multiples of 64" in skipped
+    assert "--q-group-size" not in skipped
     measured = next(line for line in lines if line.startswith("4-bit g32"))
-    assert measured.count("%") == 2, measured
+    assert measured.count("%") == 1 and measured.count("frames") == 2, measured
 
 
 def test_codec_bench_uses_the_checkpoints_frame_duration(odd: Path, bench_env) -> None:
