@@ -405,3 +405,30 @@ def test_say_plans_its_pre_roll_for_the_text_as_speak_does(tts, monkeypatch):
     (player,) = players
     assert player.finished and len(player.expected) == len(player.fed) > 1
     assert all(isinstance(e, float) and e > 0 for e in player.expected), player.expected
+
+
+def test_stopping_say_while_it_splits_a_book_abandons_the_split(tts):
+    """stop() right after say(wait=False): the playback thread went on splitting (about a
+    second for 100,000 words) and tokenizing every segment before it noticed."""
+    book = " ".join(f"w{i % 89}" if i % 13 else f"word{i}, and more." for i in range(200_000))
+    player = RecordingPlayer()
+    playback = tts.say(book, VOICE, seed=1, wait=False, player=player, max_frames=2)
+    playback.stop()
+    assert playback.wait(timeout=60)
+    assert playback.stream.segments == [] and player.fed == [] and playback.error is None
+
+
+def test_cancelling_an_async_stream_while_it_splits_a_book_abandons_the_split(tts):
+    book = " ".join(f"w{i % 89}" if i % 13 else f"word{i}, and more." for i in range(200_000))
+
+    async def main():
+        stream = tts.astream(book, VOICE, seed=1, split=True, max_frames=2)
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)  # the split has started in its thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return stream
+
+    stream = asyncio.run(main())  # asyncio.run waits for the split's thread to end
+    assert stream.segments == [] and not stream.jobs

@@ -548,3 +548,29 @@ def test_ten_thousand_words() -> None:
     segs = split_text(text)
     check_invariants(text, segs, 400)
     assert len(segs) > 100
+
+
+def _book(words: int) -> str:
+    return " ".join(
+        f"word{i % 97}, and more." if i % 13 == 0 else f"w{i % 89}" for i in range(words)
+    )
+
+
+def test_a_split_told_to_stop_raises_and_one_never_told_is_unchanged():
+    text = _book(30_000)
+    asked: list[int] = []
+
+    def never() -> bool:
+        asked.append(1)
+        return False
+
+    assert split_text(text, stop=never) == split_text(text)
+    assert len(asked) > 10  # asked all along the text, not only at the end
+    with pytest.raises(segment.SplitStopped):
+        split_text(text, stop=lambda: True)
+
+
+def test_a_split_is_told_to_stop_inside_a_long_run_without_candidates():
+    """A word of 200,000 characters has no whitespace to stop at: its hard cuts ask."""
+    with pytest.raises(segment.SplitStopped):
+        split_text("x" * 200_000 + ".", stop=lambda: True)

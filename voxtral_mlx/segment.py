@@ -24,7 +24,7 @@ import re
 import unicodedata
 from array import array
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .errors import InputError
@@ -86,6 +86,7 @@ _PROTECTED = re.compile(
 # holds the GIL (160 ms for 100,000 words) and with it an event loop or a UI thread.
 _SCAN_BREAK = re.compile(r"[^\S ]| (?!\d)")
 _SCAN_CHARS = 4096
+_STOP_EVERY = 4096  # candidate splits between two calls of split_text's ``stop``
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
 _NO_SPACE_BREAK = re.compile(r"[。！？｡．؟۔।॥，；：、､—―]+")
 
@@ -147,14 +148,25 @@ def _visible(ch: str) -> bool:
     return category[0] != "Z" and category not in ("Cc", "Cf")
 
 
+class SplitStopped(Exception):
+    """:func:`split_text` was told to stop (its ``stop`` returned True) before it finished."""
+
+
 def split_text(
-    text: str, *, target_chars: int = 200, max_chars: int = 400, add_period: bool = True
+    text: str,
+    *,
+    target_chars: int = 200,
+    max_chars: int = 400,
+    add_period: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> list[Segment]:
     """Split ``text`` into segments of about ``target_chars`` and at most ``max_chars``.
 
     Segments are stripped, non-empty, in order and non-overlapping; only whitespace between
     them is dropped. ``spoken`` is the segment with a script-appropriate period when it lacks
     terminal punctuation and ``add_period`` (a trailing comma/colon/dash becomes the period).
+    ``stop`` is called every few thousand words: when it returns True, :class:`SplitStopped`
+    is raised (a book's split takes about a second, which a Stop button should not wait for).
     """
     if not isinstance(text, str):
         raise InputError(f"text must be a str, got {type(text).__name__}: pass the text itself")
@@ -168,11 +180,13 @@ def split_text(
         )
     if not text or text.isspace():
         return []
-    paragraphs, cands, forbid = _find_splits(text)
+    check = _stop_check(stop)
+    paragraphs, cands, forbid = _find_splits(text, check)
     pieces: list[tuple[int, int, str]] = []  # (start, end, how it ended)
     for p0, p1 in paragraphs:
         cur = p0
         while p1 - cur > target_chars:
+            check(64)  # a segment's choice weighs its window's candidates
             e, s, kind = _best_split(text, cur, p1, cands, forbid, target_chars, max_chars)
             if e == p1:
                 break
@@ -187,12 +201,37 @@ def split_text(
     return segments
 
 
-def _scan(pattern: re.Pattern[str], text: str, chunk: int = _SCAN_CHARS) -> Iterator[re.Match]:
+def _stop_check(stop: Callable[[], bool] | None) -> Callable[[int], None]:
+    """A function to call with each piece of work done (1 per candidate split, more for a
+    scanned piece of text): every ``_STOP_EVERY`` units it asks ``stop`` and raises
+    :class:`SplitStopped` if it says so."""
+    if stop is None:
+        return lambda units=1: None
+    count = 0
+
+    def check(units: int = 1) -> None:
+        nonlocal count
+        count += units
+        if count >= _STOP_EVERY:
+            count = 0
+            if stop():
+                raise SplitStopped
+
+    return check
+
+
+def _scan(
+    pattern: re.Pattern[str],
+    text: str,
+    chunk: int = _SCAN_CHARS,
+    check: Callable[[int], None] = lambda units: None,
+) -> Iterator[re.Match]:
     """``pattern.finditer(text)`` in pieces of about ``chunk`` characters, for patterns
     whose matches hold no whitespace but a space before a digit (the same matches: the
-    lookbehinds still see the text before each piece)."""
+    lookbehinds still see the text before each piece). ``check`` is told of each piece."""
     n, pos = len(text), 0
     while pos < n:
+        check(chunk // 8)  # a piece scanned costs about what an eighth of its words do
         brk = _SCAN_BREAK.search(text, pos + chunk) if pos + chunk < n else None
         end = brk.start() if brk else n
         yield from pattern.finditer(text, pos, end)
@@ -219,11 +258,15 @@ class _Splits:
             yield e, s, _KINDS[k]
 
 
-def _find_splits(text: str) -> tuple[list[tuple[int, int]], _Splits, bytearray]:
-    """Paragraph spans, allowed splits in order, and the forbid mask."""
+def _find_splits(
+    text: str, check: Callable[[int], None]
+) -> tuple[list[tuple[int, int]], _Splits, bytearray]:
+    """Paragraph spans, allowed splits in order, and the forbid mask (``check`` is called
+    per candidate: see :func:`_stop_check`)."""
     n = len(text)
     forbid = bytearray(n + 1)  # forbid[e]: no segment may end at e
-    for m in _scan(_PROTECTED, text):
+    for m in _scan(_PROTECTED, text, check=check):
+        check()
         a, b = m.start(), m.start() + len(m.group().rstrip(_TRAILING_PUNCT))
         forbid[a + 1 : b] = b"\x01" * max(b - a - 1, 0)
 
@@ -231,6 +274,7 @@ def _find_splits(text: str) -> tuple[list[tuple[int, int]], _Splits, bytearray]:
     cands = _Splits()  # at whitespace, in order
     start = 0
     for m in _WS.finditer(text):
+        check()
         e, s = m.span()
         if e == 0:
             start = s
@@ -253,7 +297,8 @@ def _find_splits(text: str) -> tuple[list[tuple[int, int]], _Splits, bytearray]:
     paragraphs.append((start, len(text.rstrip())))
 
     glued = _Splits()  # CJK punctuation, dashes: no space needed
-    for m in _scan(_NO_SPACE_BREAK, text):
+    for m in _scan(_NO_SPACE_BREAK, text, check=check):
+        check()
         a, q = m.span()
         if a == 0 or text[a - 1].isspace():
             continue
@@ -265,6 +310,7 @@ def _find_splits(text: str) -> tuple[list[tuple[int, int]], _Splits, bytearray]:
 
     allowed = _Splits()  # never at the same place: a glued split is before a non-space
     for e, s, kind in heapq.merge(cands, glued):
+        check()
         if not forbid[e] and _cuttable(text, s):
             allowed.add(e, s, kind)
     return paragraphs, allowed, forbid

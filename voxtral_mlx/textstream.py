@@ -16,7 +16,7 @@ import numpy as np
 
 from .engine import DONE, AudioChunk, Job, Timings, finite_float
 from .errors import InputError, VoxtralError
-from .segment import Segment
+from .segment import Segment, SplitStopped
 
 MAX_PAUSE_S = 60.0
 
@@ -25,7 +25,7 @@ class _Reader:
     def __init__(
         self,
         make_job: Callable[[int, Segment], Job],
-        segments: list[Segment] | Callable[[], list[Segment]],
+        segments: list[Segment] | Callable[[Callable[[], bool]], list[Segment]],
         sample_rate: int,
         lookahead: int,
         pause: float | None,
@@ -49,7 +49,8 @@ class _Reader:
             )
         self._unsubmitted: list[Job] = []
         # A callable splits the text later, at the first item or prepare(): ``segments`` is
-        # empty until then.
+        # empty until then. It is given a function saying whether the stream was stopped
+        # meanwhile (a book takes a second to split).
         self._plan = segments if callable(segments) else None
         if self._plan is None:
             self._start(segments)
@@ -58,7 +59,12 @@ class _Reader:
         """Split the text now if that was left for later (on the calling thread; a failure
         is the caller's to handle, as iteration's and Playback's handlers do)."""
         if self._plan is not None:
-            self._start(self._plan())
+            try:
+                segments = self._plan(lambda: self._finished)
+            except SplitStopped:
+                self._plan = None
+                return
+            self._start(segments)
 
     def _start(self, segments: list[Segment]) -> None:
         """Take the text's segments and make the first jobs (validating their requests), so

@@ -38,7 +38,7 @@ from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA, MAX_CFG_ALPHA
 from .prefix_store import PrefixStore
 from .residency import Residency
-from .segment import Segment, is_blank, is_silent, split_text
+from .segment import Segment, SplitStopped, is_blank, is_silent, split_text
 from .textstream import AsyncTextStream, TextStream
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
 from .voices import Voice, VoiceRegistry
@@ -379,14 +379,20 @@ class VoxtralTTS:
             if noise is not None:
                 raise InputError("noise= gives one utterance's noise: it cannot be split")
 
-            def plan() -> list[Segment]:
+            def plan(stop: Callable[[], bool] = lambda: False) -> list[Segment]:
                 segments = split_text(
-                    text, target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
+                    text,
+                    target_chars=max_chars // 2,
+                    max_chars=max_chars,
+                    add_period=add_period,
+                    stop=stop,
                 )
                 # Every segment is checked before the first is submitted: a too-long one
                 # must not fail mid-stream.
                 for seg in segments:
                     if _may_not_fit(seg.spoken):
+                        if stop():
+                            raise SplitStopped
                         fix = f"lower max_chars (now {max_chars})"
                         utterance_ids(self.tokenizer, seg.spoken, "a segment of the text", fix)
                 return segments
@@ -397,7 +403,7 @@ class VoxtralTTS:
         elif defer_split and _may_not_fit(text):
             # Finding out means tokenizing it all (0.3 s for 100,000 words), which an async
             # stream does in a thread at its first item too.
-            segments = lambda: [Segment(text, 0, len(text), 0.0, text)]  # noqa: E731
+            segments = lambda stop: [Segment(text, 0, len(text), 0.0, text)]  # noqa: E731
         else:
             segments = [Segment(text, 0, len(text), 0.0, text)]
         base = secrets.randbits(62) if seed is None and noise is None else seed
@@ -806,6 +812,8 @@ class Playback:
     def _run(self) -> None:
         try:
             self.stream.prepare()
+            if self._stopped:  # while the text was being split
+                return
             # Made here, not in say(): it tokenizes every segment (a chapter's worth).
             horizon = self._horizon() if self._horizon is not None else None
             for chunk in self.stream:
