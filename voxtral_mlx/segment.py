@@ -86,7 +86,7 @@ _PROTECTED = re.compile(
 # holds the GIL (160 ms for 100,000 words) and with it an event loop or a UI thread.
 _SCAN_BREAK = re.compile(r"[^\S ]| (?!\d)")
 _SCAN_CHARS = 4096
-_STOP_EVERY = 4096  # candidate splits between two calls of split_text's ``stop``
+_STOP_EVERY = 4096  # units of work (about one per word) between two calls of ``stop``
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
 _NO_SPACE_BREAK = re.compile(r"[。！？｡．؟۔।॥，；：、､—―]+")
 
