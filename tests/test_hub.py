@@ -18,6 +18,7 @@ import pytest
 from huggingface_hub import constants as hf_constants
 
 import voxtral_mlx
+import voxtral_mlx.hub as hub_module
 from voxtral_mlx.errors import ModelNotFoundError, VoxtralError
 from voxtral_mlx.hub import (
     DEFAULT_REPO,
@@ -49,8 +50,12 @@ def no_hub(monkeypatch: pytest.MonkeyPatch) -> list:
         pytest.fail(f"the Hub was called with {args} {kwargs}")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", forbidden)
+    monkeypatch.setattr(huggingface_hub, "model_info", forbidden)
     monkeypatch.setattr(huggingface_hub, "list_repo_files", forbidden)
     return calls
+
+
+_LIST_FILES = hub_module._list_files
 
 
 def _unreachable(*args, **kwargs):
@@ -60,7 +65,7 @@ def _unreachable(*args, **kwargs):
 @pytest.fixture
 def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[tuple, dict]]:
     """snapshot_download recording its arguments and returning an empty snapshot directory;
-    the Hub cannot list repos (tests that need a listing patch list_repo_files), and the
+    the Hub cannot list repos (tests that need a listing patch _list_files), and the
     local cache is empty."""
     calls: list[tuple[tuple, dict]] = []
     snapshot = tmp_path / "snapshot"
@@ -71,7 +76,7 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[tupl
         return str(snapshot)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
-    monkeypatch.setattr(huggingface_hub, "list_repo_files", _unreachable)
+    monkeypatch.setattr(hub_module, "_list_files", _unreachable)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     return calls
 
@@ -316,7 +321,7 @@ def test_other_repos_are_fetched_by_what_they_hold(
         listed.append(repo_id)
         return list(files)
 
-    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(hub_module, "_list_files", list_repo_files)
     monkeypatch.chdir(tmp_path)
     resolve_model_dir(repo)
     assert listed == [repo]
@@ -348,14 +353,14 @@ def _server_error() -> Exception:
 def test_a_hub_that_cannot_be_reached_is_not_asked_twice(
     make_error, cache_only: bool, fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Listing has already waited through huggingface_hub's retries when the network is down:
-    the download then only looks in the cache instead of retrying as long again."""
+    """When the listing finds the network down, the download only looks in the cache
+    (huggingface_hub would retry its connection for some 25 s)."""
     error = make_error()
 
     def list_repo_files(repo_id, **kwargs):
         raise error
 
-    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(hub_module, "_list_files", list_repo_files)
     monkeypatch.chdir(tmp_path)
     resolve_model_dir("someone/voxtral-tts")
     ((_, kwargs),) = fake_hub
@@ -369,7 +374,7 @@ def test_known_owners_are_not_listed(
     def forbidden(*args, **kwargs):
         pytest.fail("listed a repo whose layout its owner gives")
 
-    monkeypatch.setattr(huggingface_hub, "list_repo_files", forbidden)
+    monkeypatch.setattr(hub_module, "_list_files", forbidden)
     monkeypatch.chdir(tmp_path)
     resolve_model_dir(repo)
     assert len(fake_hub) == 1
@@ -391,7 +396,7 @@ def test_listing_a_missing_or_gated_repo_is_one_line(
     def list_repo_files(repo_id, **kwargs):
         raise error
 
-    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(hub_module, "_list_files", list_repo_files)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelNotFoundError) as exc:
         resolve_model_dir(REPO)
@@ -722,3 +727,35 @@ def test_a_cached_sharded_conversion_is_not_listed_on_the_hub(
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(offline_cache))
     resolve_model_dir("bob/voxtral-q4-sharded")  # list_repo_files would fail the test
     assert "model*.safetensors" in fake_hub[0][1]["allow_patterns"]
+
+
+def test_a_repo_is_listed_in_one_request_without_retries(
+    fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Offline, a mistyped repo id waited ~24 s through list_repo_files' five retries (each
+    logged on stderr) before its one-line error: the listing is one model_info request."""
+    from types import SimpleNamespace
+
+    calls: list[str] = []
+
+    def down(repo_id, **kwargs):
+        calls.append(repo_id)
+        raise _connect_error()
+
+    def forbidden(*args, **kwargs):
+        pytest.fail("list_repo_files retries a refused connection")
+
+    monkeypatch.setattr(hub_module, "_list_files", _LIST_FILES)  # fake_hub's stand-in out
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", forbidden)
+    monkeypatch.setattr(huggingface_hub, "model_info", down)
+    monkeypatch.chdir(tmp_path)
+    resolve_model_dir("someone/voxtral-tts")
+    assert calls == ["someone/voxtral-tts"]
+    assert fake_hub[0][1]["local_files_only"] is True
+
+    names = ["params.json", "consolidated.safetensors", "tekken.json"]
+    siblings = [SimpleNamespace(rfilename=n) for n in names]
+    monkeypatch.setattr(
+        huggingface_hub, "model_info", lambda repo_id, **kw: SimpleNamespace(siblings=siblings)
+    )
+    assert hub_module._list_files("someone/voxtral-tts") == names

@@ -111,11 +111,21 @@ def _repo_files(repo_id: str) -> tuple[list[str] | None, bool]:
     if layout_patterns(cached) is not None:
         return cached, True
     try:
-        return list(huggingface_hub.list_repo_files(repo_id)), True
+        return _list_files(repo_id), True
     except RepositoryNotFoundError:  # gated repos too (a subclass)
         raise
     except Exception as e:  # offline, no network, Hub down: the download reports it
         return None, not _unreachable(e)
+
+
+def _list_files(repo_id: str) -> list[str]:
+    """The repo's file names, in one Hub request: ``list_repo_files`` retries a refused
+    connection for some 25 s, logging each retry, before a mistyped repo id offline could
+    be reported."""
+    import huggingface_hub
+
+    info = huggingface_hub.model_info(repo_id)
+    return [s.rfilename for s in info.siblings or []]
 
 
 def looks_like_repo_id(spec: str) -> bool:
