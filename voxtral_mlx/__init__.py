@@ -12,7 +12,10 @@ import os
 from typing import TYPE_CHECKING
 
 from .errors import InputError, VoxtralError, is_mlx_import_error, mlx_import_error
-from .hub import DEFAULT_REPO
+
+# Here rather than in .hub: the command line takes over Ctrl-C once this package has been
+# imported, and importing .hub (pathlib, shutil and what they import) took ~15 ms of that.
+DEFAULT_REPO = "mistralai/Voxtral-4B-TTS-2603"
 
 if TYPE_CHECKING:
     import mlx.core as mx

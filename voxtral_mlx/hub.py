@@ -9,10 +9,10 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from . import DEFAULT_REPO  # defined by the package, for a quick start-up
 from .errors import ModelNotFoundError
 from .fileio import one_line, usable_path
 
-DEFAULT_REPO = "mistralai/Voxtral-4B-TTS-2603"
 KNOWN_OWNERS = ("mistralai", "mlx-community")  # their repos' layouts follow from the owner
 
 # Only what inference reads; the Mistral repo also carries README and license files.
