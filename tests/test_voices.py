@@ -566,3 +566,29 @@ def test_convert_script(tmp_path: Path) -> None:
     failed = run_script(str(tmp_path / "missing.pt"), "-o", str(tmp_path / "out"))
     assert failed.returncode == 1
     assert len(failed.stderr.strip().splitlines()) == 1 and "missing.pt" in failed.stderr
+
+
+def test_an_unknown_voice_suggests_the_names_it_looks_like():
+    from voxtral_mlx.voices import _close_names
+
+    names = ["casual_female", "casual_male", "fr_female", "fr_male", "neutral_male"]
+    assert _close_names("casual_mal", names)[0] == "casual_male"
+    assert _close_names("fr-female", names) == ["fr_female"]
+    assert _close_names("Neutral Male", names) == ["neutral_male"]
+    assert _close_names("bob", names) == [] and _close_names("  ", names) == []
+
+
+def test_the_unknown_voice_error_names_the_likely_one_and_an_empty_name(tmp_path: Path) -> None:
+    vdir = tmp_path / "voice_embedding"
+    vdir.mkdir()
+    for name in ["casual_male", "fr_female"]:
+        (vdir / f"{name}.pt").write_bytes(b"not read")
+    reg = VoiceRegistry.from_dir(vdir, expected_tokens(), DIM)
+    with pytest.raises(VoiceError, match="did you mean casual_male\\?") as e:
+        reg.get_voice("casual_mal")
+    assert "\n" not in str(e.value)
+    with pytest.raises(VoiceError, match="empty \\(an unset shell variable\\?\\)"):
+        reg.get_voice("")
+    with pytest.raises(VoiceError) as e:
+        reg.get_voice("bob")
+    assert "did you mean" not in str(e.value) and "available voices" in str(e.value)

@@ -96,6 +96,21 @@ def _dangling(path: Path) -> bool:
     return os.path.islink(path) and not os.path.exists(path)
 
 
+def _close_names(name: str, names: list[str]) -> list[str]:
+    """Up to three voice names that ``name`` looks like a typo of (``casual_mal``,
+    ``fr-female``, ``French female``), compared without case and with ``-`` and spaces
+    read as ``_``."""
+    import difflib
+
+    key = name.strip().lower().replace("-", "_").replace(" ", "_")
+    if not key:
+        return []
+    by_key = {n.lower(): n for n in names}
+    if key in by_key:  # the name but for its separators
+        return [by_key[key]]
+    return [by_key[k] for k in difflib.get_close_matches(key, list(by_key), n=3, cutoff=0.75)]
+
+
 class VoiceRegistry(Mapping[str, Voice]):
     """The voices found in a directory, by name; embeddings are read lazily and cached."""
 
@@ -204,8 +219,14 @@ class VoiceRegistry(Mapping[str, Voice]):
                 f"`voxtral-mlx convert-voices`"
             )
         names = one_line(", ".join(self._voices), 4000)
+        if not name.strip():
+            raise VoiceError(
+                f"the voice name is empty (an unset shell variable?); name one of: {names}"
+            )
+        close = _close_names(name, list(self._voices))
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise VoiceError(
-            f"unknown voice {one_line(repr(name))}; available voices: {names} "
+            f"unknown voice {one_line(repr(name))}; {hint}available voices: {names} "
             f"(run `voxtral-mlx voices` to list them with their languages)"
         )
 
