@@ -495,3 +495,31 @@ def test_a_second_process_reuses_the_voice_prefix_from_disk(model_dir, reference
     assert np.array_equal(np.frombuffer(proc.stdout, dtype="<i2"), pcm)
     warning = [line for line in proc.stderr.decode().splitlines() if "warning" in line]
     assert len(warning) == 1 and "voice-prefix cache" in warning[0], proc.stderr.decode()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["speak", "Hi.", "-o", ""], "-o FILE is empty (an unset shell variable?)"),
+        (["speak", "Hi.", "-m", " "], "the model (-m) is empty"),
+        (["convert-voices", "x.pt", "-o", ""], "-o OUT_DIR is empty"),
+        (["convert-voices", "", "-o", "out"], "SRC is empty"),
+        (["random-checkpoint", ""], "OUT_DIR is empty"),
+        (["convert", "model", "-o", ""], "-o OUT_DIR is empty"),
+        (["-m", "model", "speak", "Hi."], "-m goes after the command: voxtral-mlx speak -m"),
+        (["speak", "-hello"], "text that starts with '-' goes last, after --"),
+        (["speak", "Hi.", "-r", "200"], "unrecognized arguments: -r 200; see `voxtral-mlx speak"),
+    ],
+)
+def test_argument_mistakes_are_named_in_one_line(argv, words, capsys):
+    """An empty path (an unset shell variable) meant the current directory: convert-voices
+    -o "" wrote there and exited 0. Options before the command, text starting with '-' and
+    a speak option the parser does not know got misleading messages."""
+    from voxtral_mlx.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and words in err and err.count("\n") == 1, err
+    if argv[:2] == ["speak", "Hi."] and "-r" in argv:
+        assert "goes last" not in err  # an unknown option is not taken for text

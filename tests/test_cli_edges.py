@@ -310,7 +310,7 @@ def test_text_that_is_not_utf8_and_an_empty_model_are_one_line(model_dir, tmp_pa
         cwd=tmp_path,
     )
     assert "arguments is not UTF-8" in one_line_error(proc)
-    assert "empty name" in one_line_error(run("voices", "-m", ""))
+    assert "the model (-m) is empty" in one_line_error(run("voices", "-m", ""))
     assert list(tmp_path.iterdir()) == [bad]
 
 

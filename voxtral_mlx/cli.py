@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -724,23 +725,61 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _path(what: str, fix: str = "give a path") -> Callable[[str], str]:
+    """An argparse type for a path argument: an empty one (an unset shell variable) would
+    otherwise be the current directory."""
+
+    def check(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(f"{what} is empty (an unset shell variable?): {fix}")
+        return value
+
+    return check
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the project's error format: one line, exit status 1 (argparse prints
     the usage block and exits with 2)."""
 
-    def error(self, message: str) -> NoReturn:
-        _err(f"{one_line(message, 300)}; see `{self.prog} --help`")
+    def error(self, message: str, help_prog: str | None = None) -> NoReturn:
+        hint = ""
+        # "-hello" is read as -h with "ello"; "-hello" unknown as a whole is likely text too.
+        if "ignored explicit argument" in message or re.search(
+            r"unrecognized arguments: (.* )?-[^-\s]\S{2,}", message
+        ):
+            hint = " (text that starts with '-' goes last, after --)"
+        _err(f"{one_line(message, 300)}{hint}; see `{help_prog or self.prog} --help`")
         sys.exit(1)
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        argv = sys.argv[1:] if args is None else list(args)
+        commands = self._commands()
+        first = next((i for i, a in enumerate(argv) if a in commands), None)
+        known = commands[argv[first]]._option_string_actions if first else {}
+        if first and argv[0].split("=")[0] in known and argv[0] not in ("-h", "--help"):
+            # `voxtral-mlx -m DIR speak ...`: argparse would call DIR an invalid command.
+            self.error(
+                f"{argv[0]} goes after the command: {PROG} {argv[first]} {argv[0]} ...",
+                f"{PROG} {argv[first]}",
+            )
         # The command is checked here, not by argparse: it would report a missing COMMAND
         # for `voxtral-mlx --bogus`, hiding the option it did not know.
         parsed, unknown = self.parse_known_args(args, namespace)
+        command = getattr(parsed, "command", "")
         if unknown:
-            self.error(f"unrecognized arguments: {' '.join(unknown)}")
-        if getattr(parsed, "command", "") is None:
+            self.error(
+                f"unrecognized arguments: {' '.join(unknown)}",
+                f"{PROG} {command}" if command else None,
+            )
+        if command is None:
             self.error("the following arguments are required: COMMAND")
         return parsed
+
+    def _commands(self) -> dict[str, argparse.ArgumentParser]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -754,6 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "-m",
             "--model",
+            type=_path("the model (-m)", "give a directory or a Hugging Face repo id"),
             default=_default_model(),
             help=f"local directory or Hugging Face repo (default: ${MODEL_ENV} or "
             "mistralai/Voxtral-4B-TTS-2603)",
@@ -770,11 +810,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     speak = sub.add_parser("speak", help="speak text (plays it, or writes it with -o)")
     speak.add_argument("text", nargs="*", help="text to speak")
-    speak.add_argument("-f", "--file", help="read the text from FILE ('-' for stdin)")
+    speak.add_argument(
+        "-f", "--file", type=_path("-f FILE"), help="read the text from FILE ('-' for stdin)"
+    )
     speak.add_argument("-v", "--voice", help="voice name (default: casual_male; '?' lists them)")
     speak.add_argument(
         "-o",
         "--output",
+        type=_path("-o FILE"),
         help="write audio to FILE (.wav .flac .aiff .caf .ogg .mp3 .opus; "
         "'-' writes WAV to stdout) instead of playing",
     )
@@ -815,8 +858,10 @@ def build_parser() -> argparse.ArgumentParser:
     voices.set_defaults(func=cmd_voices)
 
     conv = sub.add_parser("convert-voices", help="convert voice .pt files to .safetensors")
-    conv.add_argument("sources", nargs="+", metavar="SRC", help=".pt files or directories")
-    conv.add_argument("-o", "--output", required=True, metavar="OUT_DIR")
+    conv.add_argument(
+        "sources", nargs="+", type=_path("SRC"), metavar="SRC", help=".pt files or directories"
+    )
+    conv.add_argument("-o", "--output", type=_path("-o OUT_DIR"), required=True, metavar="OUT_DIR")
     conv.add_argument(
         "--force", action="store_true", help="overwrite voice files already in OUT_DIR"
     )
@@ -825,7 +870,7 @@ def build_parser() -> argparse.ArgumentParser:
     rnd = sub.add_parser(
         "random-checkpoint", help="build a random checkpoint in Mistral's layout (for tests)"
     )
-    rnd.add_argument("output", metavar="OUT_DIR")
+    rnd.add_argument("output", type=_path("OUT_DIR"), metavar="OUT_DIR")
     rnd.add_argument(
         "--size",
         choices=["tiny", "wide", "full"],
@@ -851,8 +896,10 @@ def build_parser() -> argparse.ArgumentParser:
     cvt = sub.add_parser(
         "convert", help="convert a checkpoint to an MLX directory (optionally quantized)"
     )
-    cvt.add_argument("model", metavar="MODEL", help="local directory or Hugging Face repo")
-    cvt.add_argument("-o", "--output", required=True, metavar="OUT_DIR")
+    cvt.add_argument(
+        "model", type=_path("MODEL"), metavar="MODEL", help="local directory or Hugging Face repo"
+    )
+    cvt.add_argument("-o", "--output", type=_path("-o OUT_DIR"), required=True, metavar="OUT_DIR")
     cvt.add_argument(
         "--q-bits", type=int, help="quantize the backbone's Linear layers to 4, 6 or 8 bits"
     )

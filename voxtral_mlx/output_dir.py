@@ -97,7 +97,10 @@ def check_output_dir(out: Path, force: bool) -> Path:
         out = target
     if out.exists():
         if not out.is_dir():
-            raise InputError(f"output {one_line(str(out))} exists and is not a directory")
+            raise InputError(
+                f"output {one_line(str(out))} exists and is not a directory: choose another "
+                "output directory, or remove that file"
+            )
         try:
             empty = not _has_content(out)
         except OSError as e:
