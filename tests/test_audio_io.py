@@ -6,6 +6,7 @@ import gc
 import io
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -759,3 +760,26 @@ def test_a_link_into_dev_fd_is_refused_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "resolve", resolve)
     with pytest.raises(AudioOutputError, match=r"a file descriptor without a file name.*-o -"):
         audio_io.output_target(link)
+
+
+def test_a_replaced_file_keeps_its_permissions(tmp_path):
+    """The atomic replace gave a private (0600) file the umask's 0644."""
+    target = tmp_path / "private.wav"
+    target.write_bytes(b"old")
+    target.chmod(0o600)
+    write_audio(target, speechlike(0.1), SR)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert sf.info(target).frames == int(0.1 * SR)
+
+
+def test_a_read_only_file_is_not_replaced(tmp_path, monkeypatch):
+    target = tmp_path / "keep.wav"
+    target.write_bytes(b"old")
+    target.chmod(0o444)
+    real = os.access
+    # As a user without the right to write it (root may, as a shell's > would let it).
+    monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) == target else real(p, m))
+    with pytest.raises(AudioOutputError, match="is read-only; make it writable") as e:
+        write_audio(target, speechlike(0.1), SR)
+    assert _one_line(e) and target.read_bytes() == b"old"
+    assert hidden_leftovers(tmp_path) == []

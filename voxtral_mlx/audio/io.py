@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import struct
 import time
 import weakref
@@ -149,6 +150,11 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
         raise AudioOutputError(
             f"output path {str(p)!r} is not a regular file (a device, pipe or socket); "
             "write to a file, or to stdout with -o -"
+        )
+    if p.is_file() and not os.access(p, os.W_OK):  # as a shell's > would refuse it
+        raise AudioOutputError(
+            f"output file {str(p)!r} is read-only; make it writable (chmod u+w), remove it, "
+            "or choose another path"
         )
     # The name given says the format, even through a link; a name without an extension
     # (/dev/stdout redirected to a file) takes the one of the file it leads to.
@@ -324,6 +330,8 @@ class AudioFileWriter:
                 f"cannot create a file in {str(self._target.parent)!r}: {e.strerror}; "
                 "choose another location"
             ) from e
+        with contextlib.suppress(OSError):  # a file replaced keeps its permissions (0600...)
+            os.fchmod(fd, stat.S_IMODE(os.stat(self._target).st_mode))
         try:
             self._sf: sf.SoundFile | None = sf.SoundFile(
                 fd,
