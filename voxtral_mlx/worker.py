@@ -192,8 +192,8 @@ class WorkerFuture(Future):
         return super().exception(timeout)
 
     def _refuse(self) -> None:
-        if not self.done() and self._worker.in_worker:
-            raise worker_wait_error()
+        if not self.done():
+            self._worker.refuse_wait()
 
 
 def closed_error() -> VoxtralError:
