@@ -300,11 +300,6 @@ def cmd_speak(args: argparse.Namespace) -> int:
                 f"-o {args.output} is the text file given with -f: write the audio to another file"
             )
     play = args.play or (args.output is None and not raw_out)
-    if args.device is not None and not args.device.strip():
-        raise InputError(
-            "--device is empty (an unset shell variable?): name a device (-a '?' lists them), "
-            "or leave -a out for the default one"
-        )
     if args.device is not None and not play:
         raise InputError(
             f"-a {one_line(args.device, 60)} picks the device to play on, but nothing is "
@@ -725,9 +720,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _path(what: str, fix: str = "give a path") -> Callable[[str], str]:
-    """An argparse type for a path argument: an empty one (an unset shell variable) would
-    otherwise be the current directory."""
+def _given(what: str, fix: str = "give a path") -> Callable[[str], str]:
+    """An argparse type for an argument that must not be blank (an unset shell variable):
+    an empty path would be the current directory, an empty device the first one."""
 
     def check(value: str) -> str:
         if not value.strip():
@@ -793,7 +788,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "-m",
             "--model",
-            type=_path("the model (-m)", "give a directory or a Hugging Face repo id"),
+            type=_given("the model (-m)", "give a directory or a Hugging Face repo id"),
             default=_default_model(),
             help=f"local directory or Hugging Face repo (default: ${MODEL_ENV} or "
             "mistralai/Voxtral-4B-TTS-2603)",
@@ -811,13 +806,13 @@ def build_parser() -> argparse.ArgumentParser:
     speak = sub.add_parser("speak", help="speak text (plays it, or writes it with -o)")
     speak.add_argument("text", nargs="*", help="text to speak")
     speak.add_argument(
-        "-f", "--file", type=_path("-f FILE"), help="read the text from FILE ('-' for stdin)"
+        "-f", "--file", type=_given("-f FILE"), help="read the text from FILE ('-' for stdin)"
     )
     speak.add_argument("-v", "--voice", help="voice name (default: casual_male; '?' lists them)")
     speak.add_argument(
         "-o",
         "--output",
-        type=_path("-o FILE"),
+        type=_given("-o FILE"),
         help="write audio to FILE (.wav .flac .aiff .caf .ogg .mp3 .opus; "
         "'-' writes WAV to stdout) instead of playing",
     )
@@ -827,7 +822,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write raw 16-bit little-endian mono PCM to stdout as it is generated",
     )
-    speak.add_argument("-a", "--device", help="output device index or name ('?' lists them)")
+    speak.add_argument(
+        "-a",
+        "--device",
+        type=_given("--device", "name a device (-a '?' lists them), or leave -a out"),
+        help="output device index or name ('?' lists them)",
+    )
     speak.add_argument("--seed", type=int, help="seed of the flow-matching noise")
     speak.add_argument(
         "--max-frames",
@@ -859,9 +859,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = sub.add_parser("convert-voices", help="convert voice .pt files to .safetensors")
     conv.add_argument(
-        "sources", nargs="+", type=_path("SRC"), metavar="SRC", help=".pt files or directories"
+        "sources", nargs="+", type=_given("SRC"), metavar="SRC", help=".pt files or directories"
     )
-    conv.add_argument("-o", "--output", type=_path("-o OUT_DIR"), required=True, metavar="OUT_DIR")
+    conv.add_argument("-o", "--output", type=_given("-o OUT_DIR"), required=True, metavar="OUT_DIR")
     conv.add_argument(
         "--force", action="store_true", help="overwrite voice files already in OUT_DIR"
     )
@@ -870,7 +870,7 @@ def build_parser() -> argparse.ArgumentParser:
     rnd = sub.add_parser(
         "random-checkpoint", help="build a random checkpoint in Mistral's layout (for tests)"
     )
-    rnd.add_argument("output", type=_path("OUT_DIR"), metavar="OUT_DIR")
+    rnd.add_argument("output", type=_given("OUT_DIR"), metavar="OUT_DIR")
     rnd.add_argument(
         "--size",
         choices=["tiny", "wide", "full"],
@@ -897,9 +897,9 @@ def build_parser() -> argparse.ArgumentParser:
         "convert", help="convert a checkpoint to an MLX directory (optionally quantized)"
     )
     cvt.add_argument(
-        "model", type=_path("MODEL"), metavar="MODEL", help="local directory or Hugging Face repo"
+        "model", type=_given("MODEL"), metavar="MODEL", help="local directory or Hugging Face repo"
     )
-    cvt.add_argument("-o", "--output", type=_path("-o OUT_DIR"), required=True, metavar="OUT_DIR")
+    cvt.add_argument("-o", "--output", type=_given("-o OUT_DIR"), required=True, metavar="OUT_DIR")
     cvt.add_argument(
         "--q-bits", type=int, help="quantize the backbone's Linear layers to 4, 6 or 8 bits"
     )
