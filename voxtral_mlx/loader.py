@@ -53,6 +53,7 @@ from .mlx_layout import (
     INDEX_NAME,
     QuantConfig,
     check_format,
+    loose_weight_files,
     params_from_config,
     read_config,
     read_quantization,
@@ -190,10 +191,7 @@ def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] 
     weights into its output, and the converted (often quantized) model is the one meant.
     """
     consolidated = model_dir / CONSOLIDATED
-    has_mlx = (model_dir / INDEX_NAME).is_file() or any(
-        p.name != CONSOLIDATED and not p.name.startswith(".") and p.is_file()
-        for p in model_dir.glob("*.safetensors")
-    )
+    has_mlx = (model_dir / INDEX_NAME).is_file() or bool(loose_weight_files(model_dir))
     if consolidated.is_file() and not (has_mlx and (model_dir / "config.json").is_file()):
         return "mistral", [consolidated], None
     files, index = weight_files(model_dir)

@@ -114,6 +114,16 @@ def uses_mlx_audio_names(names: Iterable[str]) -> bool:
 # --------------------------------------------------------------------------- weight files
 
 
+def loose_weight_files(model_dir: Path) -> list[Path]:
+    """The directory's ``*.safetensors`` files that could hold MLX weights under any name:
+    not hidden, not Mistral's ``consolidated.safetensors``; sorted."""
+    return sorted(
+        p
+        for p in model_dir.glob("*.safetensors")
+        if not p.name.startswith(".") and p.name != CONSOLIDATED and p.is_file()
+    )
+
+
 def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The ``model*.safetensors`` files of an MLX directory and the index's weight map.
 
@@ -139,12 +149,7 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     if single.is_file():
         return [single, *shards], None
     if not shards:
-        others = model_dir.glob("*.safetensors")
-        return sorted(
-            p
-            for p in others
-            if not p.name.startswith(".") and p.name != CONSOLIDATED and p.is_file()
-        ), None
+        return loose_weight_files(model_dir), None
     totals = {int(m.group(2)) for p in shards if (m := _SHARD_RE.match(p.name))}
     if len(totals) == 1:
         total = totals.pop()
