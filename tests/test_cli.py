@@ -94,6 +94,30 @@ def test_speak_verbose_reports_timings(model_dir, tmp_path):
     err = proc.stderr.decode()
     for needle in ("loaded", "prefill", "ms/frame", "real-time factor", "peak memory"):
         assert needle in err, err
+    assert "mistral layout (consolidated.safetensors), bfloat16 compute" in err, err
+
+
+def test_verbose_names_the_weights_read():
+    """Which of two layouts in one directory was loaded was not said anywhere."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from voxtral_mlx.checkpoint import QuantSpec
+    from voxtral_mlx.cli import _weights_summary
+
+    tts = SimpleNamespace(
+        layout="mlx-community",
+        weight_files=tuple(Path(f"model-0000{i}-of-00003.safetensors") for i in (1, 2, 3)),
+        quantized={"a": QuantSpec(4, 64), "b": QuantSpec(4, 64), "c": QuantSpec(8, 64)}
+        | {"d": QuantSpec(4, 32, "mxfp4")},
+        dtype=mx.bfloat16,
+    )
+    assert _weights_summary(tts) == (
+        "mlx-community layout (model-00001-of-00003.safetensors, "
+        "model-00002-of-00003.safetensors and 1 more), 2 layers 4-bit, 1 layer 8-bit, "
+        "1 layer mxfp4, bfloat16 compute"
+    )
 
 
 def test_text_from_file_and_stdin(model_dir, reference, tmp_path):

@@ -514,6 +514,23 @@ def test_use_biases_true_is_refused(path: str) -> None:
     assert f"'{path}'" in message and "bias" in message
 
 
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("causal", False),
+        (f"{TOK}.causal", False),
+        (f"{AM}.input_embedding_concat_type", "concat"),
+        (f"{ENC}.codebook_pattern", "delay"),
+    ],
+)
+def test_a_model_variant_that_is_not_implemented_is_refused(path: str, value: Any) -> None:
+    """These were read by nobody: a params.json selecting another variant loaded and spoke
+    as the release's model."""
+    message = config_error(with_value(path, value))
+    assert f"'{path}'" in message and "restore params.json" in message
+    assert (str(value).lower() if isinstance(value, bool) else repr(value)) in message
+
+
 def test_flow_dim_must_equal_input_dim() -> None:
     # The semantic head is [rows, flow dim] and reads the backbone's hidden state.
     params = make_params("tiny", dim=96)

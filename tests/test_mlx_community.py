@@ -280,6 +280,32 @@ def test_weight_files_of_any_name_load_without_an_index(
         assert mx.array_equal(ours[name], value), name
 
 
+def test_an_index_listing_no_tensors_says_so(broken: Path) -> None:
+    """It was called a directory without weights, beside model-*.safetensors."""
+    path = broken / "model.safetensors.index.json"
+    path.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert "lists no tensors" in message and "delete the index" in message
+
+
+def test_a_stray_weight_file_is_named_with_its_tensors(broken: Path, source: Path) -> None:
+    """Loose weight files were all called model-*.safetensors in a mismatch, whatever their
+    names, and an unexpected tensor did not say which file holds it."""
+    for i, shard in enumerate(sorted(broken.glob("model-*.safetensors"))):
+        shard.rename(broken / f"weights.{i:02d}.safetensors")
+    (broken / "model.safetensors.index.json").unlink()
+    shutil.copy(
+        broken / "voice_embedding" / "casual_male.safetensors", broken / "stray.safetensors"
+    )
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert "model-*" not in message and "stray.safetensors" in message
+    assert "unexpected (embedding in stray.safetensors)" in message
+
+
 def test_wrong_bits_in_config_are_reported_by_name(broken: Path) -> None:
     config = json.loads((broken / "config.json").read_text())
     config["quantization"]["bits"] = 8

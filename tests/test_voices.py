@@ -262,6 +262,17 @@ def test_a_float64_voice_converts_to_a_file_the_model_reads(tmp_path: Path) -> N
     assert emb.dtype == mx.float32 and np.array_equal(np.array(emb), served)
 
 
+def test_a_float64_safetensors_voice_is_served_as_float32(tmp_path: Path) -> None:
+    """mx.load refuses F64 safetensors; the voice was reported as damaged ("re-download")."""
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    t = torch.randn(4, DIM, dtype=torch.float64)
+    save_file({"embedding": t}, str(vdir / "x_f64.safetensors"))
+    emb = VoiceRegistry.from_dir(vdir, {}, DIM).embedding("x_f64")
+    assert emb.dtype == mx.float32
+    assert np.array_equal(np.array(emb), t.numpy().astype(np.float32))
+
+
 def test_a_voice_of_thousands_of_rows_is_refused(tmp_path: Path) -> None:
     """A 70,000-row voice was prefilled as one prompt: tens of GB, then a segfault."""
     vdir = tmp_path / "v"

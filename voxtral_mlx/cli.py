@@ -237,8 +237,21 @@ def _load(args: argparse.Namespace):
     prefixes = None if getattr(args, "no_prefix_cache", False) else "auto"
     tts = _interruptibly(lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes))
     if getattr(args, "verbose", False):
-        _info(f"loaded {tts.path} ({tts.dtype}) in {time.perf_counter() - t0:.2f} s")
+        _info(f"loaded {tts.path} in {time.perf_counter() - t0:.2f} s: {_weights_summary(tts)}")
     return tts
+
+
+def _weights_summary(tts) -> str:
+    """Which files were read, in which layout, quantized how, computing in which dtype."""
+    files = [p.name for p in tts.weight_files]
+    shown = ", ".join(files[:2]) + (f" and {len(files) - 2} more" if len(files) > 2 else "")
+    bits: dict[str, int] = {}
+    for spec in tts.quantized.values():
+        kind = f"{spec.bits}-bit" if spec.mode == "affine" else spec.mode
+        bits[kind] = bits.get(kind, 0) + 1
+    quant = ", ".join(f"{n} layer{'s' * (n != 1)} {kind}" for kind, n in sorted(bits.items()))
+    dtype = str(tts.dtype).removeprefix("mlx.core.")
+    return f"{tts.layout} layout ({shown}), {quant + ', ' if quant else ''}{dtype} compute"
 
 
 def _print_voices(tts) -> None:

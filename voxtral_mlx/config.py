@@ -99,6 +99,15 @@ class _Reader:
             raise ConfigError(f"{where} must be positive, got {value!r}")
         return value
 
+    def only(self, key: str, kind: type, value: Any, why: str) -> None:
+        """Refuse any value of ``key`` but ``value`` (also its default): one that selects a
+        variant of the model this code does not implement."""
+        got = self.get(key, kind, value)
+        if got != value:
+            raise ConfigError(
+                f"{self.source} key '{self._name(key)}' is {_json(got)}, not {_json(value)}: {why}"
+            )
+
     def int_list(
         self, key: str, maximum: int = MAX_INT, default: Any = ...
     ) -> tuple[int, ...] | Any:
@@ -123,6 +132,11 @@ class _Reader:
         if any(v > maximum for v in values):
             raise ConfigError(f"{where} is out of range: every value must be at most {maximum}")
         return values
+
+
+def _json(value: Any) -> str:
+    """``value`` as the JSON file spells it (true, not True), shortened."""
+    return _short(value) if not isinstance(value, bool) else str(value).lower()
 
 
 def _short(value: Any) -> str:
@@ -325,12 +339,26 @@ class ModelConfig:
         )
         if top.get("use_biases", bool, False):
             raise ConfigError(f"{source} key 'use_biases' is true: Voxtral TTS has no biases")
+        top.only("causal", bool, True, "Voxtral TTS's backbone is causal")
 
         mm = top.section("multimodal")
         audio = mm.section("audio_model_args")
         enc = audio.section("audio_encoding_args")
         at = audio.section("acoustic_transformer_args")
         codec_r = mm.section("audio_tokenizer_args")
+        audio.only(
+            "input_embedding_concat_type",
+            str,
+            "sum",
+            "Voxtral TTS sums a frame's code embeddings and that is what is implemented",
+        )
+        enc.only(
+            "codebook_pattern",
+            str,
+            "parallel",
+            "Voxtral TTS generates a frame's 37 codes together and that is what is implemented",
+        )
+        codec_r.only("causal", bool, True, "Voxtral TTS's codec decoder is causal")
 
         flow = FlowArgs(
             input_dim=at.get("input_dim", int, backbone.dim, positive=True),

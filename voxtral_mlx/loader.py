@@ -89,6 +89,7 @@ class LoadedModel:
     path: Path
     layout: str = "mistral"
     quantized: dict[str, QuantSpec] = field(default_factory=dict)
+    weight_files: tuple[Path, ...] = ()
 
     @property
     def weight_bytes(self) -> int:
@@ -338,7 +339,7 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
     """
     kind, files, index = find_weight_files(model_dir)
     refs = _read_headers(files, index, model_dir)
-    source = str(files[0]) if len(files) == 1 else f"{model_dir}/model-*.safetensors"
+    source = weight_source(model_dir, files)
     if kind == "mistral":
         layout, tensors, qconfig, mlx_audio = "mistral", refs, None, False
     else:
@@ -361,9 +362,9 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
             against="params.json" if qconfig is None else "params.json and config.json",
         )
     except CheckpointMismatch as e:
-        if not mlx_audio:
+        if not mlx_audio and len(files) == 1:
             raise
-        raise _in_file_names(e, tensors) from None
+        raise _in_file_names(e, tensors, len(files) > 1) from None
     return WeightSet(model_dir, layout, files, tensors, quantized, source)
 
 
@@ -381,17 +382,33 @@ def _check_scales(tensors: Mapping[str, TensorRef], source: str) -> None:
             )
 
 
-def _in_file_names(e: CheckpointMismatch, tensors: Mapping[str, TensorRef]) -> CheckpointMismatch:
-    """``e`` with the tensors named as the files name them (mlx-audio's names)."""
+def weight_source(model_dir: Path, files: list[Path]) -> str:
+    """How errors name the weight files: the one file, or the directory and a few names."""
+    if len(files) == 1:
+        return str(files[0])
+    shown = ", ".join(p.name for p in files[:3])
+    more = f", ... {len(files) - 3} more" if len(files) > 3 else ""
+    return f"{model_dir}/{{{shown}{more}}}"
+
+
+def _in_file_names(
+    e: CheckpointMismatch, tensors: Mapping[str, TensorRef], say_file: bool = False
+) -> CheckpointMismatch:
+    """``e`` with the tensors named as the files name them (mlx-audio's names), and with
+    ``say_file`` the file holding each unexpected one."""
 
     def key(name: str) -> str:
         ref = tensors.get(name)
         return ref.key if ref is not None else (to_mlx_audio_name(name) or name)
 
+    def found(name: str) -> str:
+        ref = tensors.get(name)
+        return f"{key(name)} in {ref.path.name}" if say_file and ref is not None else key(name)
+
     return CheckpointMismatch(
         e.source,
         [key(n) for n in e.missing],
-        [key(n) for n in e.unexpected],
+        [found(n) for n in e.unexpected],
         [(key(n), shape, want) for n, shape, want in e.misshaped],
         [(key(n), dtype, want) for n, dtype, want in e.mistyped],
         e.against,
@@ -509,4 +526,5 @@ def load_model_dir(model_dir: Path, dtype: str | mx.Dtype | None = None) -> Load
         model_dir,
         layout=weights.layout,
         quantized=dict(weights.quantized),
+        weight_files=tuple(weights.files),
     )

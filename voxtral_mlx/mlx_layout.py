@@ -172,6 +172,11 @@ def read_index(path: Path) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise CheckpointError(f"{path} has no valid 'weight_map': re-download or re-convert it")
+    if not weight_map:
+        raise CheckpointError(
+            f"{path} lists no tensors (its 'weight_map' is empty): re-download or re-convert "
+            "the model (or delete the index to load the *.safetensors files beside it)"
+        )
     for file in set(weight_map.values()):
         if "/" in file or "\\" in file or not file.endswith(".safetensors") or file[0] == ".":
             raise CheckpointError(

@@ -306,6 +306,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
+class _UnreadDtype(VoiceError):
+    """A plain tensor of a dtype without a reader here (float8, uint16, complex)."""
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, file: BinaryIO, source: str):
         super().__init__(file)
@@ -317,6 +321,14 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if placeholder is not None:
             return placeholder
         what = one_line(f"{module}.{name}", 100)
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3") or (
+            module == "torch" and name.endswith("Storage")
+        ):  # a plain tensor file, of a dtype without a reader here (float8, uint16, complex)
+            raise _UnreadDtype(
+                f"cannot load {self._source}: it holds a tensor of a dtype this reader does "
+                f"not support (its pickle asks for {what}); save it as one of {_SUPPORTED} "
+                "(e.g. torch.save(tensor.float(), path))"
+            )
         if module == "torch" or module.startswith("torch."):
             raise UnsafePickleError(
                 f"refusing to load {self._source}: its pickle asks for {what}, which is not "
@@ -452,7 +464,7 @@ def _read_zip(zf: zipfile.ZipFile, src: str, key: str | None) -> PtTensor:
     unpickler = _RestrictedUnpickler(io.BytesIO(_read_record(zf, info, src)), src)
     try:
         payload = unpickler.load()
-    except UnsafePickleError:
+    except (UnsafePickleError, _UnreadDtype):
         raise
     except _Malformed as e:
         raise VoiceError(

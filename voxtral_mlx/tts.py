@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 
+from .checkpoint import QuantSpec
 from .config import ModelConfig
 from .engine import (
     DONE,
@@ -115,6 +116,11 @@ class VoxtralTTS:
         self.voices: VoiceRegistry = loaded.voices
         self.dtype: mx.Dtype = loaded.dtype
         self.path: Path = loaded.path
+        # Which weights were read: "mistral" (consolidated.safetensors), "voxtral-mlx" (our
+        # conversion) or "mlx-community" (mlx-audio's names); quantized layers by Mistral name.
+        self.layout: str = loaded.layout
+        self.weight_files: tuple[Path, ...] = loaded.weight_files
+        self.quantized: dict[str, QuantSpec] = dict(loaded.quantized)
         # The prompt up to the text: [BOS, BEGIN_AUDIO, AUDIO, NEXT_AUDIO_TEXT] with the one
         # AUDIO standing for the voice's rows.
         prefix = speech_prompt_ids(self.tokenizer, "", 1)[:-2]
