@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from test_player import FRAME, FRAME_S, SR, FakeClock, frame, make_player
 
-from voxtral_mlx.audio.horizon import PlaybackHorizon
+from voxtral_mlx.audio.horizon import TOKENIZED_AHEAD, PlaybackHorizon
 
 SEGMENTS = 3
 FRAMES = 25  # per segment (2 s): --max-frames 25
@@ -104,3 +104,27 @@ def test_slower_than_real_time_overall_plans_for_the_whole_text():
     assert horizon(chunk, now=0.1) == pytest.approx(2.0)  # 2.4x: fed + the rest of segment 0
     single = SimpleNamespace(segments=stream.segments[:1], timings=stream.timings, ahead_s=0.0)
     assert PlaybackHorizon(fake_tts(), single, FRAMES, None, 0.0)(chunk, now=0.1) == 2.0
+
+
+def test_a_long_text_is_not_tokenized_before_it_plays():
+    """A book's segments were all tokenized before its first chunk could play (0.26 s for
+    100,000 words here); later ones are guessed from their length until they start."""
+    calls: list[str] = []
+
+    def encode(text: str) -> list[str]:
+        calls.append(text)
+        return text.split()
+
+    tts = fake_tts()
+    tts.tokenizer = SimpleNamespace(encode=encode)
+    n = TOKENIZED_AHEAD + 100
+    spoken = ["word " * 3] * TOKENIZED_AHEAD + ["word " * 3] * 99 + ["longer word " * 3]
+    segments = [SimpleNamespace(spoken=s, pause_after=0.0) for s in spoken]
+    stream = SimpleNamespace(segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0)
+    horizon = PlaybackHorizon(tts, stream, FRAMES, None, started=0.0)
+    assert len(calls) == TOKENIZED_AHEAD
+    # 0.2 tokens per character: the last segment guessed at 7.2 tokens, capped at 2 s
+    assert horizon.total_s == pytest.approx((n - 1) * 0.9 + 2.0)
+    stream.timings.audio_s = stream.ahead_s = 100.0
+    horizon(SimpleNamespace(audio=frame(0), segment=n - 1), now=1.0)
+    assert len(calls) == TOKENIZED_AHEAD + 1 and horizon.segment_s[n - 1] == pytest.approx(1.8)

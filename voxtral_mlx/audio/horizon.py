@@ -12,6 +12,10 @@ if TYPE_CHECKING:
     from ..tts import VoxtralTTS
 
 SECONDS_PER_TEXT_TOKEN = 0.3  # rough speaking rate, only a hint for the player's pre-roll
+# Segments tokenized up front; the rest are guessed from their length in characters at the
+# tokens per character of these, and tokenized when they start playing (a book's 100,000
+# words took 0.26 s to tokenize before its first chunk could play).
+TOKENIZED_AHEAD = 32
 
 
 class PlaybackHorizon:
@@ -35,22 +39,33 @@ class PlaybackHorizon:
         started: float,
     ):
         self.tts, self.stream, self.started = tts, stream, started
-        cap = max_frames * tts.samples_per_frame / tts.sample_rate
-        self.segment_s = [
-            min(cap, len(tts.tokenizer.encode(seg.spoken)) * SECONDS_PER_TEXT_TOKEN)
-            for seg in stream.segments
+        self._cap = max_frames * tts.samples_per_frame / tts.sample_rate
+        segments = stream.segments
+        head = [len(tts.tokenizer.encode(seg.spoken)) for seg in segments[:TOKENIZED_AHEAD]]
+        per_char = sum(head) / max(1, sum(len(seg.spoken) for seg in segments[:TOKENIZED_AHEAD]))
+        self.segment_s = [self._seconds(n) for n in head] + [
+            self._seconds(len(seg.spoken) * per_char) for seg in segments[TOKENIZED_AHEAD:]
         ]
-        pauses = [seg.pause_after if pause is None else pause for seg in stream.segments[:-1]]
+        self._exact = len(head)  # segment_s[i] is from the tokenizer for i < _exact
+        pauses = [seg.pause_after if pause is None else pause for seg in segments[:-1]]
         self.total_s = max(1.0, sum(self.segment_s) + sum(pauses))
         self._segment = -1
         self._segment_fed = 0.0
         self._fed = 0.0
+
+    def _seconds(self, tokens: float) -> float:
+        return min(self._cap, tokens * SECONDS_PER_TEXT_TOKEN)
 
     def __call__(self, chunk: AudioChunk, now: float | None = None) -> float:
         seconds = len(chunk.audio) / self.tts.sample_rate
         self._fed += seconds
         if chunk.segment != self._segment:
             self._segment, self._segment_fed = chunk.segment, 0.0
+            if chunk.segment >= self._exact:
+                spoken = self.stream.segments[chunk.segment].spoken
+                self.segment_s[chunk.segment] = self._seconds(
+                    len(self.tts.tokenizer.encode(spoken))
+                )
         self._segment_fed += seconds
         elapsed = (time.monotonic() if now is None else now) - self.started
         generated = self.stream.timings.audio_s + self.stream.ahead_s
