@@ -105,6 +105,38 @@ def test_a_request_during_warmup_goes_first(fresh):
     np.testing.assert_array_equal(codes, alone)
 
 
+def test_requests_keeping_the_batch_full_do_not_hold_warmup_back_for_ever(fresh, monkeypatch):
+    """Requests go first, but only for WARMUP_YIELDS_S: under a load that kept the batch
+    full, a background warmup was still pending when the load stopped (17 minutes in an
+    app-like run)."""
+    import threading
+
+    import voxtral_mlx.tts as tts_module
+
+    monkeypatch.setattr(tts_module, "WARMUP_YIELDS_S", 0.3)
+    tts = fresh(max_batch=1)
+    tts.warmup()  # compiled: the load below is steady from the start
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            tts.synthesize(TEXT, "neutral_male", seed=1, max_frames=20)
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.3)
+        future = tts.warmup(["fr_female", "ar_male"], wait=False)
+        seconds = future.result(timeout=60)  # forever, before
+        assert not stop.is_set() and all(t.is_alive() for t in threads)
+        assert 0.3 <= seconds < 30
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
 def test_prefixes_are_kept_on_disk(fresh, tmp_path):
     tts = fresh(prefix_cache_dir=tmp_path)
     tts.warmup(["neutral_male", "ar_male"])

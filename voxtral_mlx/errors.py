@@ -52,6 +52,11 @@ class InputError(VoxtralError, ValueError):
     """Bad request input: empty or oversized text, bad arguments."""
 
 
+class UsageError(VoxtralError, RuntimeError):
+    """A call the object cannot serve in its state: an async stream continued on another
+    event loop, or after a cancelled wait for its next chunk."""
+
+
 class AudioOutputError(VoxtralError):
     """No audio device, no PortAudio library, or an output file that cannot be written."""
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .engine import DONE, AudioChunk, Job, Timings, finite_float
-from .errors import InputError, VoxtralError
+from .errors import InputError, UsageError
 from .segment import Segment, SplitStopped
 
 MAX_PAUSE_S = 60.0
@@ -229,7 +229,7 @@ class AsyncTextStream(_Reader):
     async def __anext__(self) -> AudioChunk:
         if self._wait_cancelled:
             # Ending quietly here would pass a cut-off stream for a whole one.
-            raise VoxtralError(
+            raise UsageError(
                 "this audio stream stopped when a wait for its next chunk was cancelled "
                 "(a timeout such as asyncio.wait_for's cancels it): to time out without "
                 "stopping it, wait on asyncio.shield(task) of the pending __anext__(), or "
@@ -243,7 +243,7 @@ class AsyncTextStream(_Reader):
                 if self._loop is None:
                     self._loop = loop
                 elif loop is not self._loop:  # its segments report to the first loop
-                    raise RuntimeError(
+                    raise UsageError(
                         "this audio stream was started on another event loop: iterate it "
                         "within one loop (call astream() again inside each asyncio.run())"
                     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import secrets
 import threading
 import time
@@ -56,6 +57,8 @@ SYNTH_CHUNK_FRAMES = 16
 DECODE_PART_FRAMES = 16  # decode() runs this many frames per worker call
 DEFAULT_MAX_CHARS = 400  # longest segment when splitting text (target: half of it)
 WARMUP_TEXT = "Hello."
+# How long warmup() lets requests made meanwhile go first before it takes its turn.
+WARMUP_YIELDS_S = 2.0
 
 
 @dataclass
@@ -178,7 +181,9 @@ class VoxtralTTS:
 
         Call it when an app or server starts. It generates a few throwaway frames and
         changes no later output. ``wait=False`` returns at once; requests made meanwhile go
-        first (warmup's own work waits, set aside, while they run). The 8 most recent
+        first (warmup's own work waits, set aside, while they run) for up to 2 s, then
+        warm-up takes its turn among them (so a stream of requests cannot hold it back for
+        ever). The 8 most recent
         prefixes stay in memory, the others are read back from disk on use. Returns a future
         holding the seconds it took (or the error that stopped it, e.g. ``close()``);
         unknown voices are reported here, before anything runs.
@@ -242,8 +247,20 @@ class VoxtralTTS:
         for job in jobs:
             job.ahead = True  # nobody waits for its audio: a real request goes first
         self._submit_all(jobs)
+        # Requests go first for a while; then warm-up takes its turn among them, or a batch
+        # kept full by requests would keep it waiting for as long as they come.
+        yield_until = time.monotonic() + WARMUP_YIELDS_S
         for job in jobs:
-            while (item := job.output.get()) is not DONE:
+            while True:
+                left = yield_until - time.monotonic() if job.ahead else None
+                try:
+                    item = job.output.get(timeout=max(0.0, left) if left is not None else None)
+                except queue.Empty:
+                    for j in jobs:
+                        j.needed()
+                    continue
+                if item is DONE:
+                    break
                 if isinstance(item, BaseException):
                     raise item
         return time.perf_counter() - t0
