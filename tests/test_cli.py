@@ -115,7 +115,7 @@ def test_verbose_names_the_weights_read():
     )
     assert _weights_summary(tts) == (
         "mlx-community layout (model-00001-of-00003.safetensors, "
-        "model-00002-of-00003.safetensors and 1 more), 2 layers 4-bit, 1 layer 8-bit, "
+        "model-00002-of-00003.safetensors, ... 1 more), 2 layers 4-bit, 1 layer 8-bit, "
         "1 layer mxfp4, bfloat16 compute"
     )
 

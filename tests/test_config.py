@@ -521,11 +521,13 @@ def test_use_biases_true_is_refused(path: str) -> None:
         (f"{TOK}.causal", False),
         (f"{AM}.input_embedding_concat_type", "concat"),
         (f"{ENC}.codebook_pattern", "delay"),
+        (f"{TOK}.channels", 2),
     ],
 )
 def test_a_model_variant_that_is_not_implemented_is_refused(path: str, value: Any) -> None:
-    """These were read by nobody: a params.json selecting another variant loaded and spoke
-    as the release's model."""
+    """A params.json selecting a variant this code does not implement is refused, naming the
+    key (all but channels were read by nobody: such a file loaded and spoke as the release's
+    model)."""
     message = config_error(with_value(path, value))
     assert f"'{path}'" in message and "restore params.json" in message
     assert (str(value).lower() if isinstance(value, bool) else repr(value)) in message

@@ -12,7 +12,7 @@ import functools
 import itertools
 import json
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -392,9 +392,9 @@ class CheckpointMismatch(CheckpointError):
         self.source, self.against = source, against
         parts = []
         if missing:
-            parts.append(f"{len(missing)} missing ({_names(missing)})")
+            parts.append(f"{len(missing)} missing ({some_names(missing)})")
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected ({_names(unexpected)})")
+            parts.append(f"{len(unexpected)} unexpected ({some_names(unexpected)})")
         if misshaped:
             shown = ", ".join(
                 f"{one_line(n, 80)} {list(s)} expected {e}" for n, s, e in misshaped[:4]
@@ -414,7 +414,8 @@ class CheckpointMismatch(CheckpointError):
         )
 
 
-def _names(names: list[str], limit: int = 4) -> str:
+def some_names(names: list[str], limit: int = 4) -> str:
+    """The first ``limit`` names, then how many more."""
     shown = ", ".join(one_line(n, 80) for n in names[:limit])
     return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
 
@@ -455,17 +456,22 @@ def verify_tensors(
         raise CheckpointMismatch(source, missing, unexpected, misshaped, mistyped, against)
 
 
-def load_tensors(path: str | Path, names: Iterable[str] | None = None) -> dict[str, mx.array]:
-    """Lazily load tensors (memory-mapped by MLX; nothing is read until evaluated)."""
+def load_tensors(
+    path: str | Path, infos: Mapping[str, TensorInfo] | None = None
+) -> dict[str, mx.array]:
+    """The tensors of ``path`` named in ``infos`` (its header entries, default all of them):
+    memory-mapped by MLX and read when evaluated, or, for a file holding a dtype ``mx.load``
+    refuses (F64), read now through numpy (F64 as float32). Raises :class:`CheckpointError`."""
     path = Path(path)
+    if infos is None:
+        infos = read_safetensors_header(path)
+    if any(info.dtype in UNLOADABLE_DTYPES for info in infos.values()):
+        return read_tensors_numpy(path, infos)
     try:
         arrays = mx.load(str(path))
     except Exception as e:  # MLX raises RuntimeError/ValueError with long messages
         raise CheckpointError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
-    if names is not None:
-        wanted = set(names)
-        arrays = {k: v for k, v in arrays.items() if k in wanted}
-    return arrays
+    return {name: array for name, array in arrays.items() if name in infos}
 
 
 def read_tensors_numpy(path: str | Path, infos: Mapping[str, TensorInfo]) -> dict[str, mx.array]:

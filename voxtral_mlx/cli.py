@@ -243,8 +243,9 @@ def _load(args: argparse.Namespace):
 
 def _weights_summary(tts) -> str:
     """Which files were read, in which layout, quantized how, computing in which dtype."""
-    files = [p.name for p in tts.weight_files]
-    shown = ", ".join(files[:2]) + (f" and {len(files) - 2} more" if len(files) > 2 else "")
+    from .checkpoint import some_names
+
+    shown = some_names([p.name for p in tts.weight_files], 2)
     bits: dict[str, int] = {}
     for spec in tts.quantized.values():
         kind = f"{spec.bits}-bit" if spec.mode == "affine" else spec.mode

@@ -337,8 +337,7 @@ class ModelConfig:
             norm_eps=top.get("norm_eps", float, positive=True),
             vocab_size=top.get("vocab_size", int, positive=True),
         )
-        if top.get("use_biases", bool, False):
-            raise ConfigError(f"{source} key 'use_biases' is true: Voxtral TTS has no biases")
+        top.only("use_biases", bool, False, "Voxtral TTS has no biases")
         top.only("causal", bool, True, "Voxtral TTS's backbone is causal")
 
         mm = top.section("multimodal")
@@ -380,12 +379,7 @@ class ModelConfig:
                 "n_acoustic_codebook", int, positive=True, maximum=MAX_CODEBOOKS
             ),
         )
-        if at.get("use_biases", bool, False):
-            raise ConfigError(
-                f"{source} key "
-                "'multimodal.audio_model_args.acoustic_transformer_args.use_biases' "
-                "is true: Voxtral TTS has no biases"
-            )
+        at.only("use_biases", bool, False, "Voxtral TTS has no biases")
 
         codec = CodecArgs(
             dim=codec_r.get("dim", int, positive=True),
@@ -418,13 +412,8 @@ class ModelConfig:
             encoder_conv_kernels=codec_r.int_list("encoder_convs_kernels_str", default=None),
             encoder_conv_strides=codec_r.int_list("encoder_convs_strides_str", default=None),
         )
-        if codec_r.get("use_biases", bool, False):
-            raise ConfigError(
-                f"{source} key 'multimodal.audio_tokenizer_args.use_biases' is true: "
-                "Voxtral TTS has no biases"
-            )
-        if codec_r.get("channels", int, 1) != 1:
-            raise ConfigError(f"{source} key 'multimodal.audio_tokenizer_args.channels' must be 1")
+        codec_r.only("use_biases", bool, False, "Voxtral TTS has no biases")
+        codec_r.only("channels", int, 1, "Voxtral TTS's codec is mono")
 
         voice_index = {}
         raw_voice = codec_r.data.get("voice", {})

@@ -31,7 +31,6 @@ from .checkpoint import (
     FLOAT_QUANT_MODES,
     IGNORED_TENSORS,
     QUANT_GROUP_SIZES,
-    UNLOADABLE_DTYPES,
     CheckpointMismatch,
     Expected,
     QuantSpec,
@@ -39,9 +38,10 @@ from .checkpoint import (
     affine_bits,
     checkpoint_dtype,
     expected_tensors,
+    load_tensors,
     read_safetensors_header,
-    read_tensors_numpy,
     sanitize,
+    some_names,
     verify_tensors,
 )
 from .config import ModelConfig
@@ -171,13 +171,7 @@ class WeightSet:
         out: dict[str, mx.array] = {}
         for path, names in wanted.items():
             infos = {key: self.tensors[name].info for key, name in names.items()}
-            if any(info.dtype in UNLOADABLE_DTYPES for info in infos.values()):
-                arrays = read_tensors_numpy(path, infos)  # eager, but mx.load cannot
-            else:
-                try:
-                    arrays = mx.load(str(path))
-                except Exception as e:  # MLX raises RuntimeError/ValueError, long messages
-                    raise CheckpointError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+            arrays = load_tensors(path, infos)
             for key, name in names.items():
                 out[name] = arrays[key]
         return out
@@ -386,9 +380,7 @@ def weight_source(model_dir: Path, files: list[Path]) -> str:
     """How errors name the weight files: the one file, or the directory and a few names."""
     if len(files) == 1:
         return str(files[0])
-    shown = ", ".join(p.name for p in files[:3])
-    more = f", ... {len(files) - 3} more" if len(files) > 3 else ""
-    return f"{model_dir}/{{{shown}{more}}}"
+    return f"{model_dir}/{{{some_names([p.name for p in files], 3)}}}"
 
 
 def _in_file_names(

@@ -22,7 +22,7 @@ from typing import BinaryIO, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import UNLOADABLE_DTYPES, read_safetensors_header, read_tensors_numpy
+from .checkpoint import load_tensors
 from .errors import InputError, VoiceError
 from .fileio import atomic_write, one_line, owned_name, remove_orphans, usable_path
 from .output_dir import directory_path, make_dirs, remove_dirs
@@ -318,14 +318,7 @@ def _first_line(e: Exception) -> str:
 
 def _load_safetensors(path: Path, src: str) -> mx.array:
     try:
-        header = read_safetensors_header(path)
-    except Exception:  # mx.load below says what is wrong with the file
-        header = {}
-    try:
-        if any(info.dtype in UNLOADABLE_DTYPES for info in header.values()):
-            tensors = read_tensors_numpy(path, header)  # float64, which mx.load refuses
-        else:
-            tensors = mx.load(str(path))
+        tensors = load_tensors(path)
     except Exception as e:  # mlx raises RuntimeError/ValueError with multi-line texts
         raise VoiceError(
             f"cannot read voice file {src} ({_first_line(e)}); re-download or re-convert it"
