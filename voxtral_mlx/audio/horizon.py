@@ -40,13 +40,12 @@ class PlaybackHorizon:
     ):
         self.tts, self.stream, self.started = tts, stream, started
         self._cap = max_frames * tts.samples_per_frame / tts.sample_rate
-        segments = stream.segments
-        head = [len(tts.tokenizer.encode(seg.spoken)) for seg in segments[:TOKENIZED_AHEAD]]
-        per_char = sum(head) / max(1, sum(len(seg.spoken) for seg in segments[:TOKENIZED_AHEAD]))
-        self.segment_s = [self._seconds(n) for n in head] + [
+        segments, head = stream.segments, stream.segments[:TOKENIZED_AHEAD]
+        tokens = [len(tts.tokenizer.encode(seg.spoken)) for seg in head]
+        per_char = sum(tokens) / max(1, sum(len(seg.spoken) for seg in head))
+        self.segment_s = [self._seconds(n) for n in tokens] + [
             self._seconds(len(seg.spoken) * per_char) for seg in segments[TOKENIZED_AHEAD:]
         ]
-        self._exact = len(head)  # segment_s[i] is from the tokenizer for i < _exact
         pauses = [seg.pause_after if pause is None else pause for seg in segments[:-1]]
         self.total_s = max(1.0, sum(self.segment_s) + sum(pauses))
         self._segment = -1
@@ -61,7 +60,7 @@ class PlaybackHorizon:
         self._fed += seconds
         if chunk.segment != self._segment:
             self._segment, self._segment_fed = chunk.segment, 0.0
-            if chunk.segment >= self._exact:
+            if chunk.segment >= TOKENIZED_AHEAD:  # a guess until now
                 spoken = self.stream.segments[chunk.segment].spoken
                 self.segment_s[chunk.segment] = self._seconds(
                     len(self.tts.tokenizer.encode(spoken))
