@@ -94,8 +94,23 @@ def ref(tekken_file):
 
 
 @pytest.fixture(scope="session")
-def tok(tekken_file, cache_dir) -> TekkenTokenizer:
+def built_tok(tekken_file, cache_dir) -> TekkenTokenizer:
+    """The first load: built from tekken.json, and written to the (empty) cache."""
     return TekkenTokenizer.from_file(tekken_file, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="session", params=["built", "cached"])
+def tok(request, built_tok, tekken_file, cache_dir) -> TekkenTokenizer:
+    """Both forms a process meets: the first load's build, and every later load's read of the
+    cache entry (which stores the model in its own, faster-to-read serialization)."""
+    if request.param == "built":
+        return built_tok
+    build = tokenizer_mod._build
+    tokenizer_mod._build = _no_build
+    try:
+        return TekkenTokenizer.from_file(tekken_file, cache_dir=cache_dir)
+    finally:
+        tokenizer_mod._build = build
 
 
 @pytest.fixture(scope="session")
@@ -381,11 +396,12 @@ def _cache_files(cache_dir: Path) -> list[Path]:
     return sorted((cache_dir / "tokenizers").glob("tekken-*.json"))
 
 
-def _forbid_build(monkeypatch):
-    def fail(*_args, **_kwargs):
-        raise AssertionError("tokenizer was rebuilt instead of loaded from the cache")
+def _no_build(*_args, **_kwargs):
+    raise AssertionError("tokenizer was rebuilt instead of loaded from the cache")
 
-    monkeypatch.setattr(tokenizer_mod, "_build", fail)
+
+def _forbid_build(monkeypatch):
+    monkeypatch.setattr(tokenizer_mod, "_build", _no_build)
 
 
 def test_second_load_uses_the_cache(tok, tekken_file, cache_dir, monkeypatch):
@@ -398,6 +414,20 @@ def test_second_load_uses_the_cache(tok, tekken_file, cache_dir, monkeypatch):
     assert again.voice_num_audio_tokens == VOICES
     assert again.audio == tok.audio
     assert (again.vocab_size, again.version) == (131072, "v7")
+
+
+def test_cache_serialization_keeps_pairs_a_string_could_not_hold():
+    from tokenizers import Tokenizer, models
+
+    def merges(backend: Tokenizer) -> list:
+        return json.loads(tokenizer_mod._serialized(backend))["model"]["merges"]
+
+    plain = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    assert merges(plain) == ["a b"]
+    spaced = Tokenizer(models.BPE(vocab={"a": 0, " ": 1, "a ": 2}, merges=[("a", " ")]))
+    assert merges(spaced) == [["a", " "]]
+    again = Tokenizer.from_str(tokenizer_mod._serialized(spaced))
+    assert again.encode("a ", add_special_tokens=False).ids == [2]
 
 
 def test_unwritable_cache_dir_still_loads(byte_tekken_file, tmp_path):

@@ -74,7 +74,7 @@ class Timings:
 class AudioChunk:
     """A piece of a streamed utterance, playable as soon as it arrives."""
 
-    audio: np.ndarray  # [frames * samples_per_frame] float32
+    audio: np.ndarray  # [frames * samples_per_frame] float32 (silence between segments: frames 0)
     sample_rate: int
     frame_index: int  # index of the chunk's first frame in its utterance (segment, with split)
     frames: int
