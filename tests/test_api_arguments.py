@@ -127,7 +127,10 @@ def test_convert_voice_files_takes_one_path_or_a_list(tiny_checkpoint, tmp_path)
             convert_voice_files(sources, tmp_path / "c")
     with pytest.raises(VoiceError, match="out_dir must be a directory path"):
         convert_voice_files(folder, None)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(VoiceError, match=r"holds no \.pt voice files: pass the model.s voice_emb"):
+        convert_voice_files(tmp_path / "empty", tmp_path / "d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "empty"]
 
 
 @pytest.mark.parametrize(

@@ -173,7 +173,8 @@ def test_voices_of_a_model_without_voices_is_an_error(model_dir, tmp_path):
     [
         (["-v", "nobody", "Hi."], "unknown voice 'nobody'"),
         (["   "], "text is empty"),
-        (["-f", "/nonexistent/text.txt"], "not found"),
+        (["-f", "/nonexistent/text.txt"], "not found: check the path"),
+        (["-f", "/"], "cannot read text file /: Is a directory; pass a readable text file"),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_no_file(model_dir, tmp_path, args, needle):

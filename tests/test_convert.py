@@ -195,6 +195,27 @@ def test_a_format_version_this_release_does_not_know_is_refused(
     assert words in one_line(exc.value)
 
 
+@pytest.mark.parametrize(
+    ("quantization", "words"),
+    [
+        ("yes", "key 'quantization' must be an object"),
+        ({"bits": 0}, "key 'quantization.bits' must be a positive integer, got 0"),
+    ],
+)
+def test_a_broken_quantization_section_names_the_file_and_the_fix(
+    converted, tmp_path: Path, quantization, words: str
+) -> None:
+    out = Path(shutil.copytree(converted["q4"], tmp_path / "m"))
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization": quantization}))
+    with pytest.raises(ConfigError) as exc:
+        load_model_dir(out)
+    assert one_line(exc.value) == (
+        f"{out / 'config.json'}: {words}; convert the model again or restore config.json "
+        "from its download"
+    )
+
+
 def test_voices_are_converted_from_pt(converted: dict[str, Path], source: Path) -> None:
     out = converted["q4"] / "voice_embedding"
     assert sorted(p.name for p in out.iterdir()) == sorted(f"{v}.safetensors" for v in VOICES)

@@ -452,6 +452,7 @@ def test_tekken_special_ids_must_agree_with_params(small_copy: Path, key: str, v
         voxtral_mlx.load(small_copy)
     message = one_line(exc.value)
     assert key in message and "tekken.json" in message
+    assert message.endswith("use the tekken.json and params.json of one download")
 
 
 def test_vocab_larger_than_the_embeddings(small_copy: Path) -> None:
@@ -459,6 +460,7 @@ def test_vocab_larger_than_the_embeddings(small_copy: Path) -> None:
     with pytest.raises(ConfigError) as exc:
         voxtral_mlx.load(small_copy)
     assert "vocab_size" in one_line(exc.value)
+    assert one_line(exc.value).endswith("use the tekken.json and params.json of one download")
 
 
 def test_no_voice_directory(small_copy: Path) -> None:

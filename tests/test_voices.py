@@ -346,6 +346,26 @@ def test_safetensors_keys(tmp_path: Path) -> None:
     assert "broken.safetensors" in one_line(exc)
 
 
+def test_a_truncated_safetensors_voice_is_named_once_in_full(tmp_path: Path) -> None:
+    """The header reader's own message (file, what is wrong, the fix) was wrapped in
+    "cannot read voice file X (X is truncated: ... the file ha...)", cut off mid-word."""
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    whole = vdir / "whole.safetensors"
+    mx.save_safetensors(str(whole), {"embedding": mx.ones((3, DIM), dtype=mx.bfloat16)})
+    data = whole.read_bytes()
+    (vdir / "cut.safetensors").write_bytes(data[:-10])
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    with pytest.raises(VoiceError) as exc:
+        reg.embedding("cut")
+    message = one_line(exc)
+    cut = vdir / "cut.safetensors"
+    assert message == (
+        f"voice file {cut} is truncated: tensor 'embedding' ends at byte {len(data)} but the "
+        f"file has {len(data) - 10} bytes; re-download it"
+    )
+
+
 def test_full_preset_layout(tmp_path: Path) -> None:
     tokens = expected_tokens()
     vdir = make_voice_dir(tmp_path / "voice_embedding", tokens)

@@ -182,14 +182,17 @@ def _read_text(args: argparse.Namespace) -> str:
             # utf-8-sig: editors that save a byte-order mark must not make it spoken text
             return raw.decode("utf-8-sig")
         except FileNotFoundError:
-            raise InputError(f"text file {one_line(args.file)} not found") from None
+            raise InputError(f"text file {one_line(args.file)} not found: check the path") from None
         except UnicodeDecodeError:
             raise InputError(
                 f"text file {one_line(args.file)} is not UTF-8 text; convert it first (e.g. "
                 "with iconv)"
             ) from None
         except OSError as e:
-            raise InputError(f"cannot read {one_line(args.file)}: {e.strerror}") from None
+            raise InputError(
+                f"cannot read text file {one_line(args.file)}: {e.strerror}; pass a readable "
+                "text file, or - for stdin"
+            ) from None
     if args.text:
         text = " ".join(args.text)
         try:

@@ -124,12 +124,14 @@ def check_tokenizer(config: ModelConfig, tokenizer: TekkenTokenizer) -> None:
         if got != expected:
             raise ConfigError(
                 f"tekken.json puts {token} at id {got} but params.json key '{key}' says "
-                f"{expected}: the tokenizer and the weights come from different models"
+                f"{expected}: the tokenizer and the weights come from different models; use the "
+                "tekken.json and params.json of one download"
             )
     if tokenizer.vocab_size > config.backbone.vocab_size:
         raise ConfigError(
             f"tekken.json has {tokenizer.vocab_size} ids but params.json key 'vocab_size' is "
-            f"{config.backbone.vocab_size}: the tokenizer and the weights do not match"
+            f"{config.backbone.vocab_size}: the tokenizer and the weights do not match; use the "
+            "tekken.json and params.json of one download"
         )
 
 
@@ -343,7 +345,13 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
         ours = not mlx_audio or (config_json or {}).get("format") == FORMAT
         layout = "voxtral-mlx" if ours else "mlx-community"
         tensors = _rename_refs(refs) if mlx_audio else refs
-        qconfig = read_quantization(config_json, rename=mlx_audio)
+        try:
+            qconfig = read_quantization(config_json, rename=mlx_audio)
+        except ConfigError as e:
+            raise ConfigError(
+                f"{model_dir / 'config.json'}: {str(e).removeprefix('config.json ')}; convert "
+                "the model again or restore config.json from its download"
+            ) from None
     base = expected_tensors(config)
     quantized = _quantized_layers(tensors, qconfig, base, source)
     expected = expected_tensors(config, quantized)

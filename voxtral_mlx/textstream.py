@@ -7,16 +7,19 @@ long the text is. The same logic serves blocking iteration and ``async for``.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .engine import DONE, AudioChunk, Job, Timings, finite_float
 from .errors import InputError, UsageError
 from .segment import Segment, SplitStopped
+
+if TYPE_CHECKING:  # imported where used: a process that never awaits skips its import time
+    import asyncio
 
 MAX_PAUSE_S = 60.0
 
@@ -227,6 +230,8 @@ class AsyncTextStream(_Reader):
         return self
 
     async def __anext__(self) -> AudioChunk:
+        import asyncio
+
         if self._wait_cancelled:
             # Ending quietly here would pass a cut-off stream for a whole one.
             raise UsageError(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import queue
 import secrets
@@ -540,6 +539,8 @@ class VoxtralTTS:
         raises there. Every other bad argument raises here."""
 
         async def submit(jobs: list[Job]) -> None:
+            import asyncio  # here: the CLI and blocking callers skip its import time
+
             self.worker.refuse_wait()  # an event loop run inside tts.call() or a callback
             await asyncio.wrap_future(self.worker.submit(lambda: self._enqueue(jobs)))
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .checkpoint import load_tensors
-from .errors import InputError, VoiceError
+from .errors import CheckpointError, InputError, VoiceError
 from .fileio import atomic_write, one_line, owned_name, remove_orphans, usable_path
 from .output_dir import directory_path, make_dirs, remove_dirs
 from .torch_pickle import PtTensor, read_pt, to_mlx
@@ -319,6 +319,12 @@ def _first_line(e: Exception) -> str:
 def _load_safetensors(path: Path, src: str) -> mx.array:
     try:
         tensors = load_tensors(path)
+    except CheckpointError as e:
+        if str(e).startswith(f"{path} "):  # says what is wrong with the file, and the fix
+            raise VoiceError(f"voice file {e}") from None
+        raise VoiceError(
+            f"cannot read voice file {src} ({_first_line(e)}); re-download or re-convert it"
+        ) from e
     except Exception as e:  # mlx raises RuntimeError/ValueError with multi-line texts
         raise VoiceError(
             f"cannot read voice file {src} ({_first_line(e)}); re-download or re-convert it"
@@ -402,7 +408,10 @@ def _voice_sources(sources: object) -> list[Path]:
                         f"{unreadable(path)}; restore it, or convert the other files one by one"
                     )
             if not found:
-                raise VoiceError(f"{one_line(str(source))} holds no .pt voice files")
+                raise VoiceError(
+                    f"{one_line(str(source))} holds no .pt voice files: pass the model's "
+                    "voice_embedding folder or .pt files"
+                )
             files.extend(found)
         elif source.is_file():
             if source.suffix != ".pt":
