@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from voxtral_mlx.errors import InputError
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -813,3 +815,34 @@ def test_no_split_on_a_huge_word_is_refused_by_its_length(model_dir, tmp_path):
     err = one_line_error(speak(model_dir, "-f", str(text), "--no-split", "-o", str(out)))
     assert "at least" in err and "drop --no-split" in err and "tekken" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["word.txt"]
+
+
+@pytest.mark.parametrize(
+    ("chars", "tty", "flags", "shown"),
+    [
+        (600_000, True, {}, True),
+        (400_000, True, {}, False),  # split in well under a second
+        (600_000, False, {}, False),  # a log file gets no line to erase
+        (600_000, True, {"quiet": True}, False),
+        (600_000, True, {"no_split": True}, False),
+    ],
+)
+def test_a_long_text_says_it_is_being_split(monkeypatch, chars, tty, flags, shown):
+    """Splitting 29 MB took 33 s with nothing on the terminal; the line goes once the text
+    is split (or the split failed), before the progress line or an error line."""
+    import io
+    from types import SimpleNamespace
+
+    from voxtral_mlx import cli
+
+    class Stderr(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    err = Stderr()
+    monkeypatch.setattr(cli.sys, "stderr", err)
+    args = SimpleNamespace(**{"no_split": False, "quiet": False, **flags})
+    with pytest.raises(InputError), cli._splitting_notice(args, "x" * chars):
+        raise InputError("a failed split")
+    expected = f"\rvoxtral-mlx: splitting {chars:,} characters into segments\x1b[K\r\x1b[K"
+    assert err.getvalue() == (expected if shown else "")

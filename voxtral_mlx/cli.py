@@ -49,6 +49,7 @@ PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
 MAX_TIMEOUT_S = 86400.0  # serve's --body-timeout and --send-timeout
 MAX_TEXT_BYTES = 64 << 20  # -f FILE or stdin: more is not text to speak
+SPLIT_NOTICE_CHARS = 500_000  # splitting takes ~1.7 s a million characters: say so first
 T = TypeVar("T")
 
 
@@ -356,16 +357,17 @@ def cmd_speak(args: argparse.Namespace) -> int:
 
         started = time.monotonic()  # the player's clock
         # The stream checks the remaining arguments: nothing may be written before it exists.
-        stream = tts.stream(
-            text,
-            voice=args.voice,
-            seed=args.seed,
-            chunk_frames=1,
-            max_frames=args.max_frames,
-            split=not args.no_split,
-            pause=args.pause,
-            add_period=not args.no_period,
-        )
+        with _splitting_notice(args, text):
+            stream = tts.stream(
+                text,
+                voice=args.voice,
+                seed=args.seed,
+                chunk_frames=1,
+                max_frames=args.max_frames,
+                split=not args.no_split,
+                pause=args.pause,
+                add_period=not args.no_period,
+            )
     except BaseException:
         if player is not None:  # opened early to fail early: not left open on bad input
             player.stop()
@@ -461,6 +463,28 @@ def cmd_speak(args: argparse.Namespace) -> int:
     if args.verbose:
         _report(timings, player, started)
     return 0
+
+
+@contextlib.contextmanager
+def _splitting_notice(args: argparse.Namespace, text: str) -> Iterator[None]:
+    """A line saying why a long text is silent for a while (tens of seconds for tens of
+    megabytes) on a terminal, erased once the text is split."""
+    show = (
+        len(text) > SPLIT_NOTICE_CHARS
+        and not args.no_split
+        and not args.quiet
+        and sys.stderr is not None
+        and sys.stderr.isatty()
+    )
+    if show:
+        sys.stderr.write(f"\r{PROG}: splitting {len(text):,} characters into segments\x1b[K")
+        sys.stderr.flush()
+    try:
+        yield
+    finally:
+        if show:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
 
 
 def _show_progress(args: argparse.Namespace, stream) -> bool:
