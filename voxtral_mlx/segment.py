@@ -282,9 +282,12 @@ def _find_splits(
         if s == n:
             break
         run = m.group()
-        if not run.strip(_NO_BREAK_SPACES):
+        if run == " ":  # most runs: a plain space, no line break
+            breaks = 0
+        elif not run.strip(_NO_BREAK_SPACES):
             continue
-        breaks = _line_breaks(run)
+        else:
+            breaks = _line_breaks(run)
         if breaks > 1:
             paragraphs.append((start, e))
             start = s
@@ -437,6 +440,8 @@ def _cuttable(text: str, i: int, start: int = 0) -> bool:
     if i <= 0 or i >= len(text):
         return True
     p, c = text[i - 1], text[i]
+    if c < "\u0300" and p < "\u0300" and p != "\r":  # nothing below U+0300 joins but CR LF
+        return True
     op, oc = ord(p), ord(c)
     # Between two ZWJs nothing is joined (no emoji sequence has them): a long run of them
     # may be cut rather than a word beside it.
