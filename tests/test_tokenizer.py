@@ -430,6 +430,23 @@ def test_cache_serialization_keeps_pairs_a_string_could_not_hold():
     assert again.encode("a ", add_special_tokens=False).ids == [2]
 
 
+def test_writing_an_entry_removes_older_formats_of_the_same_file(byte_tekken_file, tmp_path):
+    """Each format bump left a 7 MB entry behind that nothing reads any more."""
+    import hashlib
+
+    digest = hashlib.sha256(byte_tekken_file.read_bytes()).hexdigest()
+    folder = tmp_path / "tokenizers"
+    folder.mkdir()
+    older = [folder / f"tekken-{digest}-f{n}.json" for n in range(1, tokenizer_mod.CACHE_FORMAT)]
+    newer = folder / f"tekken-{digest}-f{tokenizer_mod.CACHE_FORMAT + 1}.json"  # a later release's
+    other = folder / f"tekken-{'0' * 64}-f1.json"  # another tekken.json's
+    for path in [*older, newer, other]:
+        path.write_text("{}")
+    TekkenTokenizer.from_file(byte_tekken_file, cache_dir=tmp_path)
+    current = f"tekken-{digest}-f{tokenizer_mod.CACHE_FORMAT}.json"
+    assert sorted(p.name for p in folder.iterdir()) == sorted([current, newer.name, other.name])
+
+
 def test_unwritable_cache_dir_still_loads(byte_tekken_file, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache folder would go")

@@ -22,6 +22,7 @@ result is cached, keyed by the file's SHA-256 (see :func:`default_cache_dir`).
 from __future__ import annotations
 
 import binascii
+import contextlib
 import hashlib
 import json
 import operator
@@ -527,5 +528,8 @@ def _write_cache(file: Path, meta: dict[str, Any], backend: Tokenizer) -> None:
         remove_orphans(file.parent, None, TEMP_KIND)  # of writers killed meanwhile
         payload = json.dumps(meta, ensure_ascii=False) + "\n" + _serialized(backend)
         atomic_write_text(file, payload)
+        for old in range(1, CACHE_FORMAT):  # this file's entries in formats no longer read
+            with contextlib.suppress(OSError):
+                file.with_name(f"tekken-{meta['sha256']}-f{old}.json").unlink(missing_ok=True)
     except OSError:
         pass  # an unwritable cache only costs the build time on the next load
