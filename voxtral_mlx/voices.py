@@ -319,13 +319,9 @@ def _first_line(e: Exception) -> str:
 def _load_safetensors(path: Path, src: str) -> mx.array:
     try:
         tensors = load_tensors(path)
-    except CheckpointError as e:
-        if str(e).startswith(f"{path} "):  # says what is wrong with the file, and the fix
-            raise VoiceError(f"voice file {e}") from None
-        raise VoiceError(
-            f"cannot read voice file {src} ({_first_line(e)}); re-download or re-convert it"
-        ) from e
     except Exception as e:  # mlx raises RuntimeError/ValueError with multi-line texts
+        if isinstance(e, CheckpointError) and str(e).startswith(f"{path} "):
+            raise VoiceError(f"voice file {e}") from None  # the file, what is wrong, the fix
         raise VoiceError(
             f"cannot read voice file {src} ({_first_line(e)}); re-download or re-convert it"
         ) from e
