@@ -180,6 +180,17 @@ def test_format_version_1_still_loads(converted, loaded, tmp_path: Path) -> None
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
 
 
+def config_error(model: Path, out: Path, **edits: Any) -> str:
+    """The one-line ConfigError of loading a copy of ``model`` (at ``out``) whose config.json
+    has ``edits``."""
+    shutil.copytree(model, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **edits}))
+    with pytest.raises(ConfigError) as exc:
+        load_model_dir(out)
+    return one_line(exc.value)
+
+
 @pytest.mark.parametrize(
     ("version", "words"),
     [(3, "converted by a newer voxtral_mlx (format version 3"), ("2", "positive integer")],
@@ -187,12 +198,7 @@ def test_format_version_1_still_loads(converted, loaded, tmp_path: Path) -> None
 def test_a_format_version_this_release_does_not_know_is_refused(
     converted, tmp_path: Path, version, words: str
 ) -> None:
-    out = Path(shutil.copytree(converted["q4"], tmp_path / "m"))
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "format_version": version}))
-    with pytest.raises(ConfigError) as exc:
-        load_model_dir(out)
-    assert words in one_line(exc.value)
+    assert words in config_error(converted["q4"], tmp_path / "m", format_version=version)
 
 
 @pytest.mark.parametrize(
@@ -205,12 +211,8 @@ def test_a_format_version_this_release_does_not_know_is_refused(
 def test_a_broken_quantization_section_names_the_file_and_the_fix(
     converted, tmp_path: Path, quantization, words: str
 ) -> None:
-    out = Path(shutil.copytree(converted["q4"], tmp_path / "m"))
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "quantization": quantization}))
-    with pytest.raises(ConfigError) as exc:
-        load_model_dir(out)
-    assert one_line(exc.value) == (
+    out = tmp_path / "m"
+    assert config_error(converted["q4"], out, quantization=quantization) == (
         f"{out / 'config.json'}: {words}; convert the model again or restore config.json "
         "from its download"
     )
