@@ -56,6 +56,11 @@ PROTECTED = [
     "z. B. Birnen",
     "bzw. Kirschen",
     "Nr. 7",
+    "3：30",  # a full-width colon in a time
+    "Gen. Patton",
+    "Capt. Hook",
+    "Abs. 3",
+    "EE. UU.",
     "Sra. Ruiz",
     "Ud. tiene",
     "Sig. Rossi",
@@ -453,6 +458,33 @@ def test_numbers_urls_emails() -> None:
     assert any(s.text.endswith("jane.doe@example.com.") for s in segs)
 
 
+def test_a_url_ends_where_cjk_text_follows_it() -> None:
+    sentence = "今天天气很好我们去公园散步吧。"
+    text = "请访问https://example.com了解详情。" + sentence * 20
+    segs = split_text(text, target_chars=60, max_chars=120)
+    check_invariants(text, segs, 120)
+    assert segs[0].text.startswith("请访问https://example.com了解详情。")
+    assert all(s.text.endswith("。") for s in segs)  # at sentence ends, as without the URL
+    assert all(s.pause_after == PAUSE_AFTER["sentence"] for s in segs[:-1])
+
+
+def test_a_period_after_a_short_number_is_no_sentence_end() -> None:
+    # German ordinals and dates; a comma is preferred, a space would do as well
+    text = (
+        "Die Stadt wuchs schnell zu einem Zentrum heran, das bis zum 1. Weltkrieg wuchs "
+        "und am 3. Mai feierte, wie die Chronik berichtet."
+    )
+    segs = split_text(text, target_chars=60, max_chars=100)
+    assert texts(segs)[0] == "Die Stadt wuchs schnell zu einem Zentrum heran,"
+    assert not any(s.text.endswith(("1.", "3.")) for s in segs)
+    segs = split_text("Er kam am 3. Mai nach Hause und blieb.", target_chars=12, max_chars=14)
+    ends = {s.text[-2:]: s.pause_after for s in segs}
+    assert ends.get("3.", PAUSE_AFTER["word"]) == PAUSE_AFTER["word"]
+    # a sentence that ends with a year or a longer number still ends there
+    segs = split_text("It began in 1999. The year was good.", target_chars=10, max_chars=30)
+    assert segs[0].text == "It began in 1999." and segs[0].pause_after == PAUSE_AFTER["sentence"]
+
+
 def test_ellipsis() -> None:
     segs = split_text("I was thinking... maybe not. I waited… Then it came.", target_chars=5)
     assert texts(segs) == ["I was thinking... maybe not.", "I waited…", "Then it came."]
@@ -478,6 +510,17 @@ def test_dashes() -> None:
     assert texts(segs)[:5] == ["He paused —", "then spoke.", "It was big -", "really big.", "Word—"]
     assert texts(segs)[-1] == "10–20."  # an en dash between numbers is a range, not a split
     assert segs[0].spoken == "He paused."
+
+
+def test_double_hyphen_is_a_dash() -> None:
+    text = "He paused -- then spoke. It was big--really big."
+    segs = split_text(text, target_chars=5, max_chars=15)
+    assert texts(segs) == ["He paused --", "then spoke.", "It was big--", "really big."]
+    assert [s.pause_after for s in segs[::2]] == [PAUSE_AFTER["clause"]] * 2
+    assert [segs[0].spoken, segs[2].spoken] == ["He paused.", "It was big."]
+    # an option on a command line is no dash
+    segs = split_text("Run it with --verbose please", target_chars=5, max_chars=15)
+    assert "--verbose" in " ".join(texts(segs)).split()
 
 
 def test_numbers_grouped_with_spaces_stay_whole() -> None:

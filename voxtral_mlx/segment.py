@@ -5,7 +5,8 @@ silence. Split points, best first:
 
 * paragraph: a blank line (or form feed / U+2029) - always a split;
 * sentence (HARD): ``. ! ? …`` ``。！？`` ``؟ ۔`` ``। ॥`` (and a few other scripts' stops);
-* clause (MID): ``, ; :`` ``，；：、`` ``، ؛``, dashes (em/en, spaced hyphen), a single line break;
+* clause (MID): ``, ; :`` ``，；：、`` ``، ؛``, dashes (em/en, spaced hyphen, ``--``), a single
+  line break;
 * word (WEAK): any other space;
 * cut: no usable split within ``max_chars``; cut at ``max_chars``, outside grapheme clusters and
   protected spans when possible.
@@ -13,7 +14,8 @@ silence. Split points, best first:
 No split ever falls inside a number, URL or e-mail address, between a title-like abbreviation
 ("Mr.", "e.g.", "z.B."), an initial or a line-start list marker ("1.") and the next word, or
 after an ellipsis followed by a lowercase word. Any other period ends a sentence only when the
-next word is not lowercase: "etc. and" continues, "Apple Inc. The" ends.
+next word is not lowercase: "etc. and" continues, "Apple Inc. The" ends; after a number of up
+to three digits it may be an ordinal ("am 3. Mai") and counts as a word split.
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ _MARKS = _ATTACHED | _OPENERS | _DASHES | frozenset("-")
 
 # A period after these never ends a sentence: they precede what they qualify.
 _TITLES_BY_LANGUAGE = {
-    "en": "mr mrs ms mx dr prof st mt rev fr sr vs e.g i.e cf approx fig vol ch pp ca",
+    "en": "mr mrs ms mx dr prof st mt rev fr sr vs e.g i.e cf approx fig vol ch pp ca "
+    "gen col capt lt sgt cpl maj cmdr adm gov sen rep pres supt insp hon",
     "fr": "mme mlle ste p.ex c.-à-d",
-    "de": "z.b bzw d.h vgl ggf sog inkl evtl bspw hr",
-    "es": "sra srta dra ud uds vd dña p.ej pág",
+    "de": "z.b bzw d.h vgl ggf sog inkl evtl bspw hr hrn abs bd",
+    "es": "sra srta dra ud uds vd dña p.ej pág ee",
     "it": "sig sigg dott ing avv p.es",
     "pt": "exmo exma",
     "nl": "dhr mevr bijv d.w.z m.b.t t.a.v",
@@ -71,13 +74,19 @@ _WS = re.compile(r"\s+")
 _LINE_BREAK = re.compile(r"\r\n|[\n\r\x0b\x85\u2028]")
 _PARAGRAPH_SEPARATORS = frozenset("\x0c\x1c\x1d\x1e\u2029")
 _NO_BREAK_SPACES = "\xa0\u2007\u202f"
+# What a URL runs on through: not CJK text or full-width punctuation, which follow a URL
+# with no space between ("请访问https://example.com了解详情。").
+_URL_BODY = (
+    r"[^\s<>\"\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af"
+    r"\uf900-\ufaff\ufe30-\ufe4f\uff00-\uffef]+"
+)
 # The lookbehinds make each pattern start only at the beginning of a run: linear time on long
 # unbroken input.
 _PROTECTED = re.compile(
-    r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://[^\s<>\"]+"
-    r"|(?<![\w.])www\.[^\s<>\"]+"
-    r"|(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+"
-    r"|(?<!\d)\d+(?:[.,:/\-–—٫٬，．]\d+)+"  # full-width separators too: "1，000"
+    r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://" + _URL_BODY + "|"
+    r"(?<![\w.])www\." + _URL_BODY + "|"
+    r"(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+"
+    r"|(?<!\d)\d+(?:[.,:/\-–—٫٬，．：]\d+)+"  # full-width separators too: "1，000", "3：30"
     r"|(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d)",  # thousands grouped with spaces: "1 000 000"
     re.IGNORECASE,
 )
@@ -88,7 +97,7 @@ _SCAN_BREAK = re.compile(r"[^\S ]| (?!\d)")
 _SCAN_CHARS = 4096
 _STOP_EVERY = 4096  # units of work (about one per word) between two calls of ``stop``
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
-_NO_SPACE_BREAK = re.compile(r"[。！？｡．؟۔।॥，；：、､—―]+")
+_NO_SPACE_BREAK = re.compile(r"(?:[。！？｡．؟۔।॥，；：、､—―]|--)+")
 
 # Appended period by the script of the last letter; default ".". Arabic-script text uses the
 # Latin "." in Arabic and Persian, and U+06D4 in Urdu (detected by Urdu-only letters).
@@ -330,8 +339,12 @@ def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
     """Kind of split at the whitespace ``text[e:s]``; None, with ``forbid`` marked, if protected."""
     j = _before_closers(text, e)
     c = text[j - 1] if j else ""
-    if c in _MID or c in _DASHES or (c == "-" and (j < 2 or text[j - 2].isspace())):
-        return CLAUSE
+    if (
+        c in _MID
+        or c in _DASHES
+        or (c == "-" and (j < 2 or text[j - 2].isspace() or text[j - 2] == "-"))
+    ):
+        return CLAUSE  # a spaced hyphen, or "--", a plain-text book's dash
     if c not in TERMINALS:
         return WORD
     if c not in ".…":
@@ -343,7 +356,16 @@ def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
     if _protected_period(text, t0, j, s, nxt):
         forbid[t0 + 1 : s + 1] = b"\x01" * (s - t0)
         return None
-    return WORD if nxt.islower() else SENTENCE
+    if nxt.islower() or (nxt.isupper() and _maybe_ordinal(text, t0, j)):
+        return WORD
+    return SENTENCE
+
+
+def _maybe_ordinal(text: str, t0: int, j: int) -> bool:
+    """A period after a number of one to three digits, before a capital, may end a sentence
+    ("He scored 3. Then") or write an ordinal ("am 3. Mai", "der 1. Weltkrieg"): splitting
+    there is allowed, as at a space, but never preferred to a real sentence end or a comma."""
+    return j - t0 <= 4 and text[t0 : j - 1].isdigit()
 
 
 def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
@@ -494,7 +516,10 @@ def _spoken(seg: str, add_period: bool) -> str:
     while j > 0 and unicodedata.category(seg[j - 1]) == "Cf":
         j -= 1
     if j and (seg[j - 1] in _MID or seg[j - 1] in _DASHES or seg[j - 1] == "-"):
-        head = seg[: j - 1].rstrip()
+        head = seg[: j - 1]
+        if seg[j - 1] == "-":  # "--" too
+            head = head.rstrip("-")
+        head = head.rstrip()
         if head:  # "Note:" -> "Note."; "Really?! —" -> "Really?!"
             return head if _ends_terminal(head) else head + _period_for(head)
     return seg + _period_for(seg)
