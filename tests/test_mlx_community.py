@@ -520,11 +520,16 @@ def test_converting_the_bf16_conversion_equals_converting_the_original(
     community, source: Path, tmp_path: Path
 ) -> None:
     """mlx-community bf16 is a valid `voxtral-mlx convert` source, even with its params only
-    in config.json: same tensors as converting Mistral's original."""
+    in config.json: same tensors as converting Mistral's original. A quantization section
+    that quantized nothing (mlx-audio writes one when no layer fits the group size) was
+    copied into the output's params.json."""
     from voxtral_mlx.convert import convert_model
 
     mc = Path(shutil.copytree(community["bf16"], tmp_path / "mc"))
     (mc / "params.json").unlink()
+    config = json.loads((mc / "config.json").read_text())
+    config["quantization"] = config["quantization_config"] = {"group_size": 128, "bits": 4}
+    (mc / "config.json").write_text(json.dumps(config))
     a = convert_model(mc, tmp_path / "a", q_bits=4).path
     b = convert_model(source, tmp_path / "b", q_bits=4).path
     ta, tb = mx.load(str(a / "model.safetensors")), mx.load(str(b / "model.safetensors"))

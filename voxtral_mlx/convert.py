@@ -412,6 +412,10 @@ def _write_shard(
 # --------------------------------------------------------------------------- config
 
 
+def _without_quantization(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k not in ("quantization", "quantization_config")}
+
+
 def _config_json(
     params: dict,
     source: str,
@@ -421,7 +425,7 @@ def _config_json(
     jobs: list[_Job],
 ) -> dict:
     config: dict = {
-        **{k: v for k, v in params.items() if k not in ("quantization", "quantization_config")},
+        **_without_quantization(params),
         "model_type": "voxtral_tts",
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -558,7 +562,8 @@ def convert_model(
         if (src / "params.json").is_file():
             shutil.copyfile(src / "params.json", tmp / "params.json")
         else:  # an MLX directory keeping its params in config.json only
-            atomic_write_text(tmp / "params.json", json.dumps(config.raw, indent=4) + "\n")
+            params = _without_quantization(config.raw)  # the source's, not this output's
+            atomic_write_text(tmp / "params.json", json.dumps(params, indent=4) + "\n")
         shutil.copyfile(src / "tekken.json", tmp / "tekken.json")
         _copy_voices(src, tmp, voice_registry)
 
