@@ -130,6 +130,63 @@ def test_submissions_racing_close_all_resolve():
                 assert "closed" in str(e)
 
 
+def test_close_inside_submit_on_the_same_thread_neither_hangs_nor_strands_the_task():
+    """A finalizer or a signal handler calling close() while its thread is inside submit()
+    (holding the worker's lock): it waited for that lock forever; and a task queued after
+    the closing marker was never run nor refused."""
+    from concurrent.futures import Future
+
+    worker = Worker()
+    future: Future = Future()
+    with worker._lock:  # inside submit(), after its check that the worker is open
+        worker.close(wait=False)  # the finalizer: returns, as the lock is reentrant
+        worker._tasks.put((lambda: 1, future))  # submit() goes on
+    with pytest.raises(VoxtralError, match="closed"):
+        future.result(timeout=30)
+
+
+def test_each_consumer_of_a_close_gets_its_own_error(tts):
+    """One exception object raised in every consumer's thread collected all their
+    tracebacks (and kept their frames alive)."""
+    streams = [tts.stream(f"Utterance {i}.", VOICE, seed=i, max_frames=500) for i in range(3)]
+    for stream in streams:
+        next(stream)
+    tts.close()
+    errors = []
+    for stream in streams:
+        with pytest.raises(VoxtralError, match="closed") as info:
+            list(stream)
+        errors.append(info.value)
+    assert len({id(e) for e in errors}) == 3
+    assert all(str(e) == str(errors[0]) and type(e) is type(errors[0]) for e in errors)
+
+
+def test_a_callback_that_exits_ends_its_job_not_the_worker(tts):
+    """An on_output callback raising SystemExit (or KeyboardInterrupt) ended the worker
+    thread: every later request waited for ever."""
+    for exc in (SystemExit, KeyboardInterrupt):
+        job = tts.job("Call back.", VOICE, seed=1, max_frames=50)
+
+        def on_output(item, exc=exc):
+            raise exc()
+
+        job.on_output = on_output
+        tts.submit(job)
+        out = tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2)
+        assert len(out.codes) == 2
+        assert job.done
+
+
+def test_a_stream_continued_on_the_worker_thread_is_refused(tts):
+    """A stream whose segment was already in flight blocked the worker on its own output
+    when iterated there: the model hung."""
+    stream = tts.stream("Hello there.", VOICE, seed=1, max_frames=40)
+    next(stream)
+    with pytest.raises(VoxtralError, match="worker thread"):
+        tts.worker.submit(lambda: list(stream)).result(timeout=60)
+    assert len(tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2).codes) == 2
+
+
 def test_close_frees_the_model(tiny_checkpoint_noend):
     model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
     model.synthesize("Hi.", VOICE, seed=1, max_frames=2)

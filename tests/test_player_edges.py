@@ -111,6 +111,53 @@ def test_callback_error_without_callback_abort_still_ends_finish():
     assert s.closed
 
 
+_STOP_IN_A_SIGNAL_HANDLER = """
+import random, signal, sys, time
+import numpy as np
+from voxtral_mlx.audio.player import AudioPlayer
+
+class Stream:
+    latency = 0.05
+    def __init__(self, **kwargs): pass
+    def start(self): pass
+    def abort(self): pass
+    def close(self): pass
+
+class SD:
+    PortAudioError = OSError
+    OutputStream = Stream
+    def query_devices(self, kind=None):
+        d = {"name": "fake", "index": 0, "max_output_channels": 2}
+        return d if kind else [d]
+
+current = [None]
+signal.signal(signal.SIGALRM, lambda *a: current[0].stop())
+end, n = time.monotonic() + 1.5, 0
+while time.monotonic() < end:
+    # The fake device never takes audio: feed() waits for room until stop() ends it.
+    current[0] = AudioPlayer(24000, sd=SD(), clock=lambda: 0.0, max_buffer_s=0.01)
+    signal.setitimer(signal.ITIMER_REAL, 1e-6 + random.random() * 3e-4)
+    current[0].feed(np.zeros(2400, np.float32))
+    n += 1
+print(n)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_stop_from_a_signal_handler_interrupting_a_wait_returns():
+    """stop() is documented as safe in a signal handler; one landing while feed() waited
+    for room waited for ever for the lock threading.Event holds inside its wait (this
+    loop hung within 2 s every time)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _STOP_IN_A_SIGNAL_HANDLER],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout) > 10
+
+
 # -- the CLI under Ctrl-C and SIGTERM, in process, with a model that hangs -------------
 
 

@@ -120,9 +120,11 @@ def load(
         store = None
         if directory is not None:
             store = PrefixStore(directory, model_fingerprint(loaded.path))
+        residency = Residency(loaded.weight_bytes)
+        residency.check_fit()  # a warning, an exception under -W error
+        return VoxtralTTS(
+            loaded, worker, max_batch=max_batch, prefix_store=store, residency=residency
+        )
     except BaseException:
         worker.close()
         raise
-    residency = Residency(loaded.weight_bytes)
-    residency.check_fit()
-    return VoxtralTTS(loaded, worker, max_batch=max_batch, prefix_store=store, residency=residency)

@@ -8,6 +8,7 @@ corrupt each other. Chunks go back through each job's thread-safe queue (or a ca
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import queue
@@ -164,10 +165,24 @@ class Job:
             return
         try:
             self.on_output(item)
-        except Exception:
-            # The consumer is gone (e.g. its event loop closed): stop generating for it,
-            # never let it break the engine that serves the other jobs.
+        except BaseException:
+            # The consumer is gone (e.g. its event loop closed), or its callback failed,
+            # even with sys.exit(): stop generating for it, never let it end the worker
+            # thread that serves the other jobs.
             self.cancel()
+
+
+def _own_copy(error: BaseException) -> BaseException:
+    """``error`` for one consumer: the consumers raise what they get in their own threads,
+    and one object raised by all collects all their tracebacks (keeping their frames
+    alive). An original raised on the worker, with that traceback, is the copy's cause."""
+    try:
+        twin = copy.copy(error)
+    except Exception:  # an exception class that cannot be rebuilt from its args
+        return error
+    twin.__cause__ = error if error.__traceback__ is not None else error.__cause__
+    twin.__traceback__ = None
+    return twin
 
 
 def check_whole(name: str, value: object, minimum: int) -> int:
@@ -551,7 +566,7 @@ class Engine:
         for job in failed.values():
             if not job.done:
                 job.seq.finished = job.done = True
-                job._emit(error)
+                job._emit(_own_copy(error))
         self._jobs.clear()
         self._waiting.clear()
         self._inflight, self._first = [], []

@@ -32,8 +32,10 @@ class _Reader:
         sample_rate: int,
         lookahead: int,
         pause: float | None,
+        refuse_wait: Callable[[], None] = lambda: None,
     ):
         self._make_job = make_job
+        self._refuse_wait = refuse_wait  # raises on the model's worker thread
         self.segments: list[Segment] = []
         self.sample_rate = sample_rate
         self.lookahead = lookahead  # at least 1 (checked by VoxtralTTS)
@@ -189,6 +191,7 @@ class TextStream(_Reader):
                 if self._finished:  # cancel() from another thread meanwhile
                     continue
                 _, job = self.jobs[0]
+                self._refuse_wait()  # the worker would wait for itself
                 self._ready.extend(self._on_item(job.output.get()))
         except StopIteration:
             raise

@@ -453,7 +453,15 @@ class VoxtralTTS:
 
         if lookahead is None:
             lookahead = self.engine.max_batch if split else 1
-        return cls(submit, make_job, segments, self.sample_rate, lookahead, pause)
+        return cls(
+            submit,
+            make_job,
+            segments,
+            self.sample_rate,
+            lookahead,
+            pause,
+            refuse_wait=self.worker.refuse_wait,
+        )
 
     def stream(
         self,

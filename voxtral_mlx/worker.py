@@ -84,7 +84,9 @@ class Worker:
         self._busy = False
         self._closed = False
         self._serving = True  # until closed: its thread then serves other workers
-        self._lock = threading.Lock()  # a task is never queued behind the closing marker
+        # A task is never queued behind the closing marker. Reentrant: close() can run
+        # inside submit() on the same thread (a finalizer run by the garbage collector).
+        self._lock = threading.RLock()
         self._parked = threading.Event()
         self._runner = _Runner.serve(self, name)
         self._thread = self._runner.thread
@@ -108,9 +110,10 @@ class Worker:
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn()`` on the worker; the future holds its result or exception."""
         future: Future[T] = Future()
+        task = (fn, future)  # made before the lock: an allocation can run a finalizer
         with self._lock:
             if not self._closed:
-                self._tasks.put((fn, future))
+                self._tasks.put(task)
                 return future
         future.set_exception(closed_error())
         return future
@@ -150,13 +153,27 @@ class Worker:
                 _run_task(*item)
             item = None  # the waiting frame must not keep the last task's objects alive
             self._busy = self.pump()
-        with contextlib.suppress(Exception):  # the thread must park regardless
+        with contextlib.suppress(BaseException):  # the thread must park regardless
             self.on_close()
+        with self._lock:  # taken once a submit() that close() interrupted has queued
+            self._refuse_rest()
         self.pump = lambda: False
         self.on_close = lambda: None
         self._serving = False
         self._runner.idle()
         self._parked.set()
+
+    def _refuse_rest(self) -> None:
+        # Queued behind the closing marker only by a submit() that close() interrupted on
+        # its own thread (from a finalizer or a signal handler): its caller gets the closed
+        # error, not a wait without end.
+        while True:
+            try:
+                item = self._tasks.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(closed_error())
 
 
 def _run_task(fn: Callable[[], Any], future: Future) -> None:

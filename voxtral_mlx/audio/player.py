@@ -182,6 +182,26 @@ class PlaybackStats:
     device_xruns: int = 0  # callbacks PortAudio flagged as output underflow (late callback)
 
 
+class _StopFlag:
+    """``threading.Event``'s ``set``/``is_set``/``wait`` without its lock, which a blocking
+    wait holds for moments: ``stop()`` from a signal handler that interrupted such a wait on
+    the same thread would wait for that lock forever. Waits poll (``timeout`` <= a poll)."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        if not self._set:
+            time.sleep(timeout)
+        return self._set
+
+
 class AudioPlayer:
     """Plays fed audio through a sounddevice OutputStream with an adaptive jitter buffer.
 
@@ -233,7 +253,7 @@ class AudioPlayer:
         self._started = False
         self._closed = False
         self._stream_lock = threading.RLock()
-        self._stopped = threading.Event()
+        self._stopped = _StopFlag()
         self._drained = threading.Event()  # the callback has handed out the last sample
         self._finished = threading.Event()  # PortAudio says the stream has ended
 
