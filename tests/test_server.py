@@ -615,7 +615,11 @@ def test_transport_level_mistakes(server, http):
     assert _assert_openai_error(empty, 401)["code"] == "missing_api_key"
     basic = httpx.post(speech, json={"input": "Hi."}, headers={"Authorization": "Basic eDp5"})
     basic_error = _assert_openai_error(basic, 401)
-    assert basic_error["code"] == "invalid_api_key" and "'Basic'" in basic_error["message"]
+    assert basic_error["code"] == "invalid_api_key" and "Bearer scheme" in basic_error["message"]
+    for bare in (KEY, f"Token\t{KEY}"):  # a key sent without its scheme is not echoed back
+        response = httpx.post(speech, json={"input": "Hi."}, headers={"Authorization": bare})
+        assert _assert_openai_error(response, 401)["code"] == "invalid_api_key"
+        assert KEY not in response.text
     assert _assert_openai_error(http.get("/v1/nothing"), 404)["code"] == "not_found"
     assert _assert_openai_error(http.get("/nothing"), 404)["code"] == "not_found"
     slash = http.post("/v1/audio/speech/", json={"input": "Hi."}, headers={"host": "evil.example"})

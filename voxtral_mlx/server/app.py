@@ -485,10 +485,12 @@ class BearerAuth:
         missing = "you didn't provide an API key: send it as 'Authorization: Bearer KEY'"
         if not header or not header.strip():
             return _unauthorized(missing, "missing_api_key")
-        scheme, _, token = header.strip().partition(b" ")
+        scheme, token = [*header.split(None, 1), b""][:2]
         if scheme.lower() != b"bearer":
+            # Not echoed: a key sent without its scheme would come back in the error body,
+            # which clients and proxies log.
             return _unauthorized(
-                f"the Authorization header uses the scheme {shown(scheme.decode('latin-1'))}: send "
+                "the Authorization header does not use the Bearer scheme: send "
                 "'Authorization: Bearer KEY'",
                 "invalid_api_key",
             )
