@@ -485,6 +485,49 @@ def test_a_period_after_a_short_number_is_no_sentence_end() -> None:
     assert segs[0].text == "It began in 1999." and segs[0].pause_after == PAUSE_AFTER["sentence"]
 
 
+@pytest.mark.parametrize(
+    ("text", "phrase"),
+    [
+        ("Call ext. 1234 now, please.", "ext. 1234"),
+        ("The memo went to Messrs. Smith and Jones.", "Messrs. Smith"),
+        ("Es war im Jahr 44 av. J.-C. in Rom.", "av. J.-C."),
+        ("On peut citer p. ex. les pommes.", "p. ex. les"),
+        ("Das ist d. h. ganz gut so.", "d. h. ganz"),
+        ("Der Schaden beträgt 12 Mio. Euro laut Bericht.", "Mio. Euro"),
+        ("Sie hat u.a. Museen besucht.", "u.a. Museen"),
+        ("Vive en la Av. Corrientes desde hace años.", "Av. Corrientes"),
+        ("Mora na Av. Paulista há muitos anos.", "Av. Paulista"),
+        ("Hij woont o.a. Amsterdam en Utrecht.", "o.a. Amsterdam"),
+        ("On May 3, 2024, the company grew.", "May 3, 2024"),
+        ("قال د. محمد إن الوضع جيد جدا.", "د. محمد"),
+        ("قال أ.د. خالد إن الوضع جيد جدا.", "أ.د. خالد"),
+        ("डॉ. शर्मा ने कहा कि स्थिति अच्छी है।", "डॉ. शर्मा"),
+        ("1947 ई. में भारत आज़ाद हुआ।", "ई. में"),
+    ],
+)
+def test_abbreviations_of_the_nine_languages_stay_with_their_word(text: str, phrase: str) -> None:
+    for target in range(3, 40, 4):
+        segs = split_text(text, target_chars=target, max_chars=max(2 * target, 30))
+        check_invariants(text, segs, max(2 * target, 30))
+        assert any(phrase in s.text for s in segs), (target, texts(segs))
+
+
+def test_a_period_before_a_digit_is_no_sentence_end() -> None:
+    text = "Siehe Anh. 3 und die Tabelle, dann Anl. 4 und den Rest."
+    for target in range(3, 30, 3):
+        for seg in split_text(text, target_chars=target, max_chars=2 * target + 10)[:-1]:
+            assert seg.pause_after < PAUSE_AFTER["sentence"], (target, seg)
+
+
+def test_a_price_without_cents_keeps_its_dash() -> None:
+    assert split_text("Der Preis beträgt nur 5,-")[0].spoken == "Der Preis beträgt nur 5,-."
+    text = "Der Preis beträgt nur 5,– Euro und nicht mehr."
+    for target in range(3, 30, 3):
+        segs = split_text(text, target_chars=target, max_chars=2 * target + 10)
+        after = [s.pause_after for s in segs if s.text.endswith("5,–")]
+        assert after in ([], [PAUSE_AFTER["word"]]), (target, texts(segs))  # no dash pause
+
+
 def test_ellipsis() -> None:
     segs = split_text("I was thinking... maybe not. I waited… Then it came.", target_chars=5)
     assert texts(segs) == ["I was thinking... maybe not.", "I waited…", "Then it came."]

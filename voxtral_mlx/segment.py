@@ -55,22 +55,33 @@ _ATTACHED = TERMINALS | _MID | _CLOSERS  # belong to the word before them
 _MARKS = _ATTACHED | _OPENERS | _DASHES | frozenset("-")
 
 # A period after these never ends a sentence: they precede what they qualify.
+# Missing a sentence end costs little (the model reads it within the segment); splitting
+# inside a phrase costs a pause in the middle of it: the lists err on the side of words.
 _TITLES_BY_LANGUAGE = {
     "en": "mr mrs ms mx dr prof st mt rev fr sr vs e.g i.e cf approx fig vol ch pp ca "
-    "gen col capt lt sgt cpl maj cmdr adm gov sen rep pres supt insp hon",
-    "fr": "mme mlle ste p.ex c.-à-d",
-    "de": "z.b bzw d.h vgl ggf sog inkl evtl bspw hr hrn abs bd",
-    "es": "sra srta dra ud uds vd dña p.ej pág ee",
-    "it": "sig sigg dott ing avv p.es",
-    "pt": "exmo exma",
-    "nl": "dhr mevr bijv d.w.z m.b.t t.a.v",
+    "gen col capt lt sgt cpl maj cmdr adm gov sen rep pres supt insp hon messrs dept univ",
+    "fr": "mme mlle ste p.ex c.-à-d mm av apr éd",
+    "de": "z.b bzw d.h vgl ggf sog inkl evtl bspw hr hrn abs bd u.a z.t v.a i.d.r u.u o.g geb "
+    "verh med dipl dipl.-ing fa zzgl mio mrd",
+    "es": "sra srta dra ud uds vd dña p.ej pág ee lic arq gral sta sto avda cía",
+    "it": "sig sigg dott ing avv p.es spett gent egr geom rag",
+    "pt": "exmo exma eng séc exa srs",
+    "nl": "dhr mevr bijv d.w.z m.b.t t.a.v o.a drs ir i.v.m i.p.v m.a.w t.o.v n.a.v incl "
+    "excl evt resp zgn",
+    "ar": "أ.د",
+    "hi": "डॉ प्रो रु ई.पू कि.मी नं सं पृ",
 }
 _TITLES = frozenset(w + "." for words in _TITLES_BY_LANGUAGE.values() for w in words.split())
 # ... only when a number follows ("No. 5", "Jan. 3"; but "No. Thanks." ends a sentence).
-_BEFORE_NUMBERS = "no nos nr núm art jan feb mar apr jun jul aug sep sept oct nov dec"
+_BEFORE_NUMBERS = (
+    "no nos nr núm art jan feb mar apr jun jul aug sep sept oct nov dec ext tel págs pag blz "
+    "kap abb tab chap env aprox janv févr avr juil déc okt dez mrz febr ene abr ago dic ott "
+    "febbr giu lug sett fev set out mrt"
+)
 _NUMBER_ABBREVIATIONS = frozenset(w + "." for w in _BEFORE_NUMBERS.split())
 
 _WS = re.compile(r"\s+")
+_SHORT_ABBREVIATION = re.compile(r"[^\W\d_]{1,2}\.(?!\S)")
 _LINE_BREAK = re.compile(r"\r\n|[\n\r\x0b\x85\u2028]")
 _PARAGRAPH_SEPARATORS = frozenset("\x0c\x1c\x1d\x1e\u2029")
 _NO_BREAK_SPACES = "\xa0\u2007\u202f"
@@ -87,6 +98,7 @@ _PROTECTED = re.compile(
     r"(?<![\w.])www\." + _URL_BODY + "|"
     r"(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+"
     r"|(?<!\d)\d+(?:[.,:/\-–—٫٬，．：]\d+)+"  # full-width separators too: "1，000", "3：30"
+    r"|(?<![\d.,])\d{1,2}, (?:1\d|20)\d\d(?!\d)"  # a day and its year: "May 3, 2024"
     r"|(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d)",  # thousands grouped with spaces: "1 000 000"
     re.IGNORECASE,
 )
@@ -339,12 +351,11 @@ def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
     """Kind of split at the whitespace ``text[e:s]``; None, with ``forbid`` marked, if protected."""
     j = _before_closers(text, e)
     c = text[j - 1] if j else ""
-    if (
-        c in _MID
-        or c in _DASHES
-        or (c == "-" and (j < 2 or text[j - 2].isspace() or text[j - 2] == "-"))
+    if c in _MID or (
+        (c in _DASHES or (c == "-" and (j < 2 or text[j - 2].isspace() or text[j - 2] == "-")))
+        and not _price_dash(text, j)
     ):
-        return CLAUSE  # a spaced hyphen, or "--", a plain-text book's dash
+        return CLAUSE  # a dash: a spaced hyphen, or "--", a plain-text book's dash
     if c not in TERMINALS:
         return WORD
     if c not in ".…":
@@ -356,9 +367,14 @@ def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
     if _protected_period(text, t0, j, s, nxt):
         forbid[t0 + 1 : s + 1] = b"\x01" * (s - t0)
         return None
-    if nxt.islower() or (nxt.isupper() and _maybe_ordinal(text, t0, j)):
-        return WORD
+    if nxt.islower() or nxt.isdigit() or (nxt.isupper() and _maybe_ordinal(text, t0, j)):
+        return WORD  # "etc. and"; "ext. 1234", "Hauptstr. 5", "3 déc. 2024"
     return SENTENCE
+
+
+def _price_dash(text: str, j: int) -> bool:
+    """The dash ending ``text[:j]`` writes no cents ("5,-", "20,–"): no pause, kept."""
+    return j >= 3 and text[j - 2] in ",." and text[j - 3].isdigit()
 
 
 def _maybe_ordinal(text: str, t0: int, j: int) -> bool:
@@ -376,20 +392,33 @@ def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
     word = text[k:j].lower()
     if word.endswith(("..", "…")):
         return nxt.islower()
-    if word in _TITLES:
+    if word in _TITLES or _second_part(text, k, word):
         return True
     if word in _NUMBER_ABBREVIATIONS:
         return nxt.isdigit()
     if len(word) == 2 and word[0].isalpha():  # an initial: "J. R. R. Tolkien", "z. B."
+        if not (text[k].isupper() or text[k].islower()):  # no case: Arabic "د. محمد"
+            return nxt.isalpha()
         if word[0] in "ia" and text[k].isupper():  # "So did I. Then" but "I. M. Pei"
             return nxt.isupper() and text[s + 1 : s + 2] == "."
-        return nxt.isupper() or nxt.isdigit()
+        # the first of two ("p. ex.", "d. h.") or before a name or a number
+        return bool(_SHORT_ABBREVIATION.match(text, s)) or nxt.isupper() or nxt.isdigit()
     if word[:-1].isdigit():  # "1. First item" at the start of a line
         b = t0
         while b > 0 and text[b - 1] in " \t":
             b -= 1
         return b == 0 or text[b - 1] in _LINE_ENDS
     return False
+
+
+def _second_part(text: str, k: int, word: str) -> bool:
+    """``word`` completes a listed abbreviation written with a space: "p. ex.", "d. h."."""
+    if len(word) > 3 or k < 3 or text[k - 1] != " " or text[k - 2] != ".":
+        return False
+    b = k - 2
+    while b > 0 and not text[b - 1].isspace():
+        b -= 1
+    return text[b : k - 1].lower() + word in _TITLES
 
 
 def _next_char(text: str, s: int) -> str:
@@ -517,8 +546,10 @@ def _spoken(seg: str, add_period: bool) -> str:
         j -= 1
     if j and (seg[j - 1] in _MID or seg[j - 1] in _DASHES or seg[j - 1] == "-"):
         head = seg[: j - 1]
-        if seg[j - 1] == "-":  # "--" too
-            head = head.rstrip("-")
+        if seg[j - 1] not in _MID:
+            if _price_dash(seg, j):  # "5,-": the dash is read, the period added
+                return seg + _period_for(seg)
+            head = head.rstrip("-" + "".join(_DASHES))  # "--" too
         head = head.rstrip()
         if head:  # "Note:" -> "Note."; "Really?! —" -> "Really?!"
             return head if _ends_terminal(head) else head + _period_for(head)
