@@ -57,6 +57,10 @@ PROTECTED = [
     "bzw. Kirschen",
     "Nr. 7",
     "3：30",  # a full-width colon in a time
+    "3,5 %",
+    "5 €",
+    "€ 5,50",
+    "R$ 1.500,00",
     "Gen. Patton",
     "Capt. Hook",
     "Abs. 3",
@@ -311,7 +315,7 @@ def test_a_long_run_of_joiners_is_cut_rather_than_a_word(text: str) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    text=st.text(st.sampled_from("12 3,.:\n\t\xa0ab@/w-—。"), max_size=400),
+    text=st.text(st.sampled_from("12 3,.:\n\t\xa0ab@/w-—。%€$"), max_size=400),
     chunk=st.integers(1, 40),
 )
 def test_the_text_is_scanned_in_pieces_with_the_same_matches(text: str, chunk: int) -> None:

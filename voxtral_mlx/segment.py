@@ -97,15 +97,20 @@ _PROTECTED = re.compile(
     r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://" + _URL_BODY + "|"
     r"(?<![\w.])www\." + _URL_BODY + "|"
     r"(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+"
+    # a number and its percent or currency sign, spaced as French and German write them:
+    # "3,5 %", "5 €", "€ 5", "R$ 1.500,00" (before the bare numbers: the first match wins)
+    r"|(?<![\d.,])\d+(?:[.,]\d+)* [%‰€$£¥₹](?!\w)"
+    r"|(?<![€$£¥₹])[€$£¥₹] \d+(?:[.,]\d+)*"
     r"|(?<!\d)\d+(?:[.,:/\-–—٫٬，．：]\d+)+"  # full-width separators too: "1，000", "3：30"
     r"|(?<![\d.,])\d{1,2}, (?:1\d|20)\d\d(?!\d)"  # a day and its year: "May 3, 2024"
     r"|(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d)",  # thousands grouped with spaces: "1 000 000"
     re.IGNORECASE,
 )
-# Whitespace no protected span holds (a space before a digit may be inside "1 000 000"):
+# Whitespace no protected span holds (a space before a digit may be inside "1 000 000", one
+# before a percent or currency sign inside "5 %"):
 # the text is scanned in pieces ending there, as one scan of a long text in one C call
 # holds the GIL (160 ms for 100,000 words) and with it an event loop or a UI thread.
-_SCAN_BREAK = re.compile(r"[^\S ]| (?!\d)")
+_SCAN_BREAK = re.compile(r"[^\S ]| (?![\d%‰€$£¥₹])")
 _SCAN_CHARS = 4096
 _STOP_EVERY = 4096  # units of work (about one per word) between two calls of ``stop``
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
