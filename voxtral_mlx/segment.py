@@ -366,9 +366,7 @@ def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
     if c not in ".…":
         return SENTENCE
     nxt = _next_char(text, s)
-    t0 = j - 1
-    while t0 > 0 and not text[t0 - 1].isspace():
-        t0 -= 1
+    t0 = _word_start(text, j - 1)
     if _protected_period(text, t0, j, s, nxt):
         forbid[t0 + 1 : s + 1] = b"\x01" * (s - t0)
         return None
@@ -420,10 +418,14 @@ def _second_part(text: str, k: int, word: str) -> bool:
     """``word`` completes a listed abbreviation written with a space: "p. ex.", "d. h."."""
     if len(word) > 3 or k < 3 or text[k - 1] != " " or text[k - 2] != ".":
         return False
-    b = k - 2
-    while b > 0 and not text[b - 1].isspace():
-        b -= 1
-    return text[b : k - 1].lower() + word in _TITLES
+    return text[_word_start(text, k - 2) : k - 1].lower() + word in _TITLES
+
+
+def _word_start(text: str, i: int) -> int:
+    """Start of the run of non-space characters that ``text[i]`` belongs to."""
+    while i > 0 and not text[i - 1].isspace():
+        i -= 1
+    return i
 
 
 def _next_char(text: str, s: int) -> str:
