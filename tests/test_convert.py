@@ -483,6 +483,76 @@ def test_output_inside_the_source_is_refused(source: Path) -> None:
     assert not (source / "mlx").exists()
 
 
+def test_the_source_under_another_name_is_refused(source: Path, tmp_path: Path) -> None:
+    # On a Mac's case-insensitive disk `-o ~/Models/Voxtral` names the source folder
+    # `~/models/voxtral`: the guard compares folders on disk, not their names (a bind
+    # mount gives a second name here, where a mount namespace can be made).
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    script = textwrap.dedent(
+        f"""
+        set -e
+        mount --bind {source.parent} {alias}
+        {sys.executable} -m voxtral_mlx convert {alias / source.name} --force \\
+            -o {source} 2>&1 || true
+        {sys.executable} -m voxtral_mlx convert {source} --force \\
+            -o {alias / source.name / "mlx"} 2>&1 || true
+        """
+    )
+    before = tree_bytes(source)
+    try:
+        run = subprocess.run(
+            ["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, timeout=300
+        )
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    if "mount" in run.stdout + run.stderr and "overlaps" not in run.stdout:
+        pytest.skip(f"no mount namespace here: {(run.stdout + run.stderr).strip()[-200:]}")
+    lines = [line for line in run.stdout.splitlines() if line.strip()]
+    assert len(lines) == 2 and all("overlaps the source model" in line for line in lines), lines
+    assert tree_bytes(source) == before
+
+
+def test_overlap_is_judged_by_identity_not_by_name(tmp_path: Path, monkeypatch) -> None:
+    real = tmp_path / "models" / "voxtral"
+    (real / "sub").mkdir(parents=True)
+    other = tmp_path / "Models" / "Voxtral"  # another name of `real`, as on a Mac
+    other.parent.mkdir()
+    stat = Path.stat
+
+    def same_folder(self: Path, **kwargs: Any):
+        text = str(self)
+        if text.startswith(str(other)):
+            self = Path(str(real) + text[len(str(other)) :])
+        return stat(self, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", same_folder)
+    assert convert_mod._overlaps(other, real)
+    assert convert_mod._overlaps(other / "sub" / "new", real)  # output inside the source
+    assert convert_mod._overlaps(other, real / "sub")  # source inside the output
+    assert not convert_mod._overlaps(tmp_path / "elsewhere", real)
+    assert not convert_mod._overlaps(other.parent / "voxtral-4bit", real)
+
+
+def test_every_written_file_is_made_durable_before_it_is_published(
+    source: Path, tmp_path: Path, monkeypatch
+) -> None:
+    import voxtral_mlx.output_dir as output_dir
+
+    synced: set[int] = set()
+    sync = output_dir.full_fsync
+
+    def record(fd: int) -> None:
+        synced.add(os.fstat(fd).st_ino)
+        sync(fd)
+
+    monkeypatch.setattr(output_dir, "full_fsync", record)
+    out = convert_model(source, tmp_path / "out", q_bits=4).path
+    written = [out, *out.rglob("*")]
+    assert len(written) > 5
+    assert [p for p in written if p.stat().st_ino not in synced] == []
+
+
 def test_unwritable_output(source: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -247,6 +247,22 @@ def test_config_json_params_may_differ_in_what_does_not_shape_the_model(broken: 
     assert load_model_dir(broken).config == ModelConfig.from_file(broken / "params.json")
 
 
+def test_decoding_steps_edited_in_params_json_are_used(broken: Path) -> None:
+    """SPEC: users raise the Euler steps by editing params.json; config.json that does not
+    set them (it takes the default) does not contradict that. One that sets them does."""
+    params = json.loads((broken / "params.json").read_text())
+    params["multimodal"]["audio_model_args"]["acoustic_transformer_args"]["n_decoding_steps"] = 10
+    (broken / "params.json").write_text(json.dumps(params))
+    config = json.loads((broken / "config.json").read_text())
+    assert "n_decoding_steps" not in json.dumps(config)
+    assert load_model_dir(broken).config.flow.n_decoding_steps == 10
+    config["multimodal"]["audio_model_args"]["acoustic_transformer_args"]["n_decoding_steps"] = 7
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as exc:
+        load_model_dir(broken)
+    assert "disagree on flow.n_decoding_steps (10 vs 7)" in one_line(exc.value)
+
+
 def test_missing_shard_is_an_incomplete_download(broken: Path) -> None:
     shard = sorted(broken.glob("model-*.safetensors"))[-1]
     shard.unlink()

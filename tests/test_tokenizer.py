@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -646,6 +647,21 @@ def test_error_bad_vocab_entries(tmp_path):
         data["config"]["default_vocab_size"] += 1
         message = _load_error(_write_json(tmp_path / "d.json", data), tmp_path)
         assert f"vocab[256] has {words}" in message and "re-download" in message
+
+
+def test_a_tekken_json_too_big_to_build_quickly_is_refused(tmp_path):
+    # A token of megabytes (building merges costs its length squared: hours) or a billion
+    # special token names would hang or exhaust memory: refused at once, in one line.
+    data = _byte_tekken()
+    token = base64.b64encode(b"ab" * 600).decode()
+    data["vocab"].append({"rank": 256, "token_bytes": token, "token_str": "?"})
+    data["config"]["default_vocab_size"] += 1
+    message = _load_error(_write_json(tmp_path / "a.json", data), tmp_path)
+    assert "vocab[256] is 1200 bytes long" in message and "re-download" in message
+    data = _byte_tekken(config__default_num_special_tokens=10**9)
+    data["config"]["default_vocab_size"] += 10**9
+    message = _load_error(_write_json(tmp_path / "b.json", data), tmp_path)
+    assert "default_num_special_tokens is 1000000000" in message
 
 
 def test_legacy_file_without_special_tokens_gets_mistral_common_defaults(tmp_path):

@@ -38,6 +38,7 @@ place at the end: a failed or interrupted conversion leaves nothing that would l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -195,9 +196,38 @@ class ConvertResult:
 # --------------------------------------------------------------------------- checks
 
 
+def _identities(path: Path) -> set[tuple[int, int]]:
+    """(device, inode) of ``path`` and of each of its parents that exists."""
+    found = set()
+    for p in (path, *path.parents):
+        with contextlib.suppress(OSError):
+            st = p.stat()
+            found.add((st.st_dev, st.st_ino))
+    return found
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    """Whether directory ``a`` is ``b``, inside it, or holds it: compared as directories on
+    disk, not as names (on a Mac's case-insensitive disk ``~/Models/Voxtral`` and
+    ``~/models/voxtral`` are one folder; so are two paths through a mount)."""
+    if a == b or b in a.parents or a in b.parents:
+        return True
+    try:
+        sb = b.stat()
+    except OSError:
+        return False
+    if (sb.st_dev, sb.st_ino) in _identities(a):
+        return True
+    try:
+        sa = a.stat()
+    except OSError:  # not there yet: it cannot hold b
+        return False
+    return (sa.st_dev, sa.st_ino) in _identities(b)
+
+
 def _check_output(out: Path, src: Path, force: bool) -> Path:
     real = resolve_output(out)
-    if real == src or src in real.parents or real in src.parents:
+    if _overlaps(real, src):
         raise InputError(
             f"output {one_line(str(out))} overlaps the source model {one_line(str(src))}: "
             "choose another output directory"

@@ -427,6 +427,11 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             other = None if in_config is None else ModelConfig.from_params(in_config, "config.json")
         except ConfigError:  # not a model config to compare with; reported where it is needed
             other = None
+        if other is not None and not _sets_decoding_steps(in_config):
+            # The one knob users turn by editing params.json (SPEC): a config.json that
+            # only takes the default does not contradict it.
+            flow = dataclasses.replace(other.flow, n_decoding_steps=config.flow.n_decoding_steps)
+            other = dataclasses.replace(other, flow=flow)
         if other is not None and (diff := _first_difference(config, other)) is not None:
             name, mine, theirs = diff
             raise ConfigError(
@@ -450,6 +455,13 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             "repo id"
         )
     return ModelConfig.from_params(params, "config.json")
+
+
+def _sets_decoding_steps(params: Mapping[str, Any]) -> bool:
+    section: Any = params
+    for key in ("multimodal", "audio_model_args", "acoustic_transformer_args"):
+        section = section.get(key) if isinstance(section, Mapping) else None
+    return isinstance(section, Mapping) and "n_decoding_steps" in section
 
 
 def _first_difference(a: Any, b: Any, name: str = "") -> tuple[str, Any, Any] | None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import InputError
-from .fileio import hidden_name, one_line, owned_name, remove_orphans, usable_path
+from .fileio import full_fsync, hidden_name, one_line, owned_name, remove_orphans, usable_path
 
 _MODEL_FILES = {"config.json", "params.json", "tekken.json", "model.safetensors.index.json"}
 # What --force may delete with a model directory: its files, and what a Hub download or a
@@ -173,6 +173,7 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
         ) from None
     try:
         yield tmp
+        _sync_tree(tmp)
         with _signals_deferred() as received:
             _swap_into_place(tmp, out, force)
     except BaseException as e:
@@ -192,6 +193,19 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
             ) from None
         raise
     _deliver(received, written_detail(out))
+
+
+def _sync_tree(root: Path) -> None:
+    """Make every file under ``root``, and the directories naming them, durable before the
+    rename that publishes them: otherwise a power cut soon after a finished conversion can
+    leave empty or short files in a directory that looks complete."""
+    for parent, _dirs, files in os.walk(root):
+        for name in [*files, "."]:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            try:
+                full_fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def written_detail(out: str | Path) -> str:

@@ -47,6 +47,8 @@ from .fileio import (
 # Bump when the cached file's layout or the way the model is built changes.
 CACHE_FORMAT = 3  # 2: max_token_bytes; 3: merges as "a b" strings
 MAX_TEKKEN_BYTES = 256 << 20  # the real tekken.json holds 19 MB
+MAX_TOKEN_BYTES = 1024  # Tekken's longest token has 78 bytes
+MAX_SPECIAL_TOKENS = 100_000  # Tekken has 1000
 RELEASE_GIL_CHARS = 1024  # longer texts are tokenized with the GIL released
 
 BOS = "<s>"
@@ -346,6 +348,12 @@ def _build_checked(raw: bytes, path: Path) -> tuple[dict[str, Any], Tokenizer]:
         raise TokenizerError(f"{path}: config.pattern is missing or not a string")
     vocab_size = _config_int(config, "default_vocab_size", path)
     n_special = _config_int(config, "default_num_special_tokens", path)
+    if n_special > MAX_SPECIAL_TOKENS:  # each gets a name string, built up front
+        raise TokenizerError(
+            f"{path}: config.default_num_special_tokens is {n_special} (Tekken has 1000; "
+            f"at most {MAX_SPECIAL_TOKENS} are accepted): restore tekken.json from the "
+            "model's download"
+        )
     version = config.get("version")
     if version is not None and not isinstance(version, str):
         raise TokenizerError(f"{path}: config.version must be a string, got {version!r}")
@@ -450,6 +458,11 @@ def _vocab_strings(vocab: list[Any], path: Path) -> list[str]:
                 "empty token_bytes" if not b64 else f"token_bytes {b64!r:.40} that are not base64"
             )
             raise TokenizerError(f"{path}: vocab[{i}] has {what}; re-download tekken.json")
+        if len(token) > MAX_TOKEN_BYTES:  # building merges costs its length squared
+            raise TokenizerError(
+                f"{path}: vocab[{i}] is {len(token)} bytes long (at most {MAX_TOKEN_BYTES} are "
+                "accepted; Tekken's longest has 78): the file is damaged; re-download tekken.json"
+            )
         out.append(token.decode("latin-1").translate(_LATIN1_TO_ALPHABET))
     return out
 
