@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
@@ -141,6 +142,54 @@ def test_trailing_slash_names_a_directory(model_dir, tmp_path):
     proc = speak(model_dir, "Hi.", "-o", f"{tmp_path}/out.wav/")
     assert "slash" in one_line_error(proc)
     assert list(tmp_path.iterdir()) == []
+
+
+def _no_stderr() -> None:
+    os.close(2)
+
+
+def test_closed_or_full_stderr_changes_nothing_but_the_messages(model_dir, tmp_path):
+    """With stderr closed (``2>&-``: Python's ``print`` would write to stdout) or full, the
+    job's outcome stands: the same audio on stdout and nothing else, the same exit code."""
+    text = "One sentence. And another one."  # two segments: a progress check, a cut warning
+    want = speak(model_dir, "-o", "-", text)
+    assert want.returncode == 0 and b"reached --max-frames" in want.stderr
+    closed = speak(model_dir, "-o", "-", text, stdout=subprocess.PIPE, preexec_fn=_no_stderr)
+    assert closed.returncode == 0 and closed.stdout == want.stdout
+    bad = speak(
+        model_dir, "-v", "nosuch", "--raw", text, stdout=subprocess.PIPE, preexec_fn=_no_stderr
+    )
+    assert bad.returncode == 1 and bad.stdout == b""
+    out = tmp_path / "full.wav"
+    with open("/dev/full", "wb") as full:
+        proc = speak(model_dir, "-o", str(out), text, stderr=full)
+    assert proc.returncode == 0
+    assert sf.info(out).frames == len(sf.read(io.BytesIO(want.stdout))[0])
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        (["--seed", "-1"], "--seed must be an integer from 0 to 2**64 - 1, got -1"),
+        (["--pause", "-5"], "--pause must be a number of seconds from 0 to 60, got -5.0"),
+        (["--pause", "nan"], "--pause must be a number of seconds from 0 to 60, got nan"),
+        (["--dtype", "int8"], "--dtype int8 is not supported: use bfloat16"),
+    ],
+)
+def test_bad_options_are_refused_before_the_model_is_looked_for(tmp_path, option, needle):
+    # A model that is not there (offline): the option's error comes first, not after a
+    # download or a load.
+    proc = run(
+        "speak",
+        "-m",
+        "nobody/no-such-model",
+        *option,
+        "Hello.",
+        "-o",
+        str(tmp_path / "a.wav"),
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    assert needle in one_line_error(proc)
 
 
 # --------------------------------------------------------------------------- serve

@@ -638,6 +638,50 @@ def test_an_interrupt_while_swapping_in_is_delivered_after_it(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_hang_up_while_swapping_in_is_held_too(converted, source, tmp_path, monkeypatch):
+    """SIGHUP (a closed terminal; the CLI turns it into an exception) during the removal
+    of the replaced model: held back like Ctrl-C, so no hidden copy of it stays."""
+    import voxtral_mlx.output_dir as output_dir
+
+    class HungUp(Exception):
+        pass
+
+    def hang_up(*_args):
+        raise HungUp
+
+    out = Path(shutil.copytree(converted["bf16"], tmp_path / "out"))
+    real_rmtree = shutil.rmtree
+
+    def interrupted_rmtree(path, *args, **kwargs):
+        if Path(path).name.startswith(".out.old-"):
+            signal.raise_signal(signal.SIGHUP)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(output_dir.shutil, "rmtree", interrupted_rmtree)
+    saved = signal.signal(signal.SIGHUP, hang_up)
+    try:
+        with pytest.raises(HungUp) as exc:
+            convert_model(source, out, q_bits=4, force=True)
+    finally:
+        signal.signal(signal.SIGHUP, saved)
+    assert "was written (it is complete)" in exc.value.detail
+    assert tree_bytes(out) == tree_bytes(converted["q4"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_replaced_model_left_by_a_killed_run_is_removed(converted, source, tmp_path):
+    """A run killed (kill -9, power cut) between moving the old model aside and removing
+    it leaves it hidden beside the output; the next run there removes it."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left = tmp_path / f".out.old-{gone.pid}-0123abcd"
+    shutil.copytree(converted["bf16"], left)
+    kept = tmp_path / f".out.old-{os.getpid()}-0123abcd"  # a running process's: kept
+    kept.mkdir()
+    convert_model(source, tmp_path / "out", q_bits=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [kept.name, "out"]
+
+
 def test_a_second_interrupt_during_the_cleanup_leaves_nothing(source, tmp_path, monkeypatch):
     """Ctrl-C twice: the second comes while the staging directory is being removed; it is
     held back until the removal is done, so no hidden .partial directory stays."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from .audio.horizon import PlaybackHorizon
 from .errors import (
     AudioOutputError,
+    ConfigError,
     InputError,
     VoxtralError,
     is_mlx_import_error,
@@ -59,12 +60,23 @@ def _default_model() -> str:
     return os.environ.get(MODEL_ENV) or DEFAULT_REPO
 
 
+def _to_stderr(text: str) -> None:
+    """Write to stderr if there is one: closed (``2>&-``: ``print`` would then write to
+    stdout, into the audio of ``-o -``) or failing (``2>/dev/full``), messages are lost
+    and the job's outcome stands."""
+    if sys.stderr is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
 def _err(message: str) -> None:
-    print(f"{PROG}: error: {printable(message)}", file=sys.stderr)
+    _to_stderr(f"{PROG}: error: {printable(message)}\n")
 
 
 def _info(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    _to_stderr(f"{message}\n")
 
 
 _POLL_S = 0.05  # longest the main thread waits in one go: signals run between waits
@@ -234,9 +246,21 @@ def _read_stdin() -> str:
         raise InputError("stdin is not UTF-8 text; convert it first (e.g. with iconv)") from None
 
 
+def _check_dtype(args: argparse.Namespace) -> None:
+    from .loader import parse_dtype
+
+    try:
+        parse_dtype(args.dtype)
+    except ConfigError:
+        raise InputError(
+            f"--dtype {one_line(args.dtype, 40)} is not supported: use bfloat16, float16 or float32"
+        ) from None
+
+
 def _load(args: argparse.Namespace):
     from . import load
 
+    _check_dtype(args)
     t0 = time.perf_counter()
     prefixes = None if getattr(args, "no_prefix_cache", False) else "auto"
     tts = _interruptibly(lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes))
@@ -301,6 +325,16 @@ def cmd_speak(args: argparse.Namespace) -> int:
         return 0
     if args.max_frames < 1:
         raise InputError(f"--max-frames must be at least 1, got {args.max_frames}")
+    # Before the model is loaded (or downloaded): a typo costs nothing.
+    from .textstream import MAX_PAUSE_S
+
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise InputError(f"--seed must be an integer from 0 to 2**64 - 1, got {args.seed}")
+    if args.pause is not None and not 0 <= args.pause <= MAX_PAUSE_S:
+        raise InputError(
+            f"--pause must be a number of seconds from 0 to {MAX_PAUSE_S:g}, got {args.pause}"
+        )
+    _check_dtype(args)
     raw_out = args.raw
     to_stdout = args.output == "-"
     if raw_out and args.output is not None:
@@ -477,18 +511,21 @@ def _splitting_notice(args: argparse.Namespace, text: str) -> Iterator[None]:
         and sys.stderr.isatty()
     )
     if show:
-        sys.stderr.write(f"\r{PROG}: splitting {len(text):,} characters into segments\x1b[K")
-        sys.stderr.flush()
+        _to_stderr(f"\r{PROG}: splitting {len(text):,} characters into segments\x1b[K")
     try:
         yield
     finally:
         if show:
-            sys.stderr.write("\r\x1b[K")
-            sys.stderr.flush()
+            _to_stderr("\r\x1b[K")
 
 
 def _show_progress(args: argparse.Namespace, stream) -> bool:
-    return len(stream.segments) > 1 and sys.stderr.isatty() and not args.quiet
+    return (
+        len(stream.segments) > 1
+        and not args.quiet
+        and sys.stderr is not None
+        and sys.stderr.isatty()
+    )
 
 
 class Progress:
@@ -534,14 +571,12 @@ class Progress:
         self._shown, self._due = line, ""
         # Cut to the terminal: a line that wraps is rewritten below itself at each update.
         # \x1b[K clears what a longer previous line left at the end.
-        sys.stderr.write(f"\r{line[: max(1, _columns() - 1)]}\x1b[K")
-        sys.stderr.flush()
+        _to_stderr(f"\r{line[: max(1, _columns() - 1)]}\x1b[K")
 
     def close(self) -> None:
         if self._due:
             self._draw(self._due)
-        sys.stderr.write("\n")
-        sys.stderr.flush()
+        _to_stderr("\n")
 
 
 def _columns() -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import shutil
 import signal
 import threading
@@ -15,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import InputError
-from .fileio import full_fsync, hidden_name, one_line, owned_name, remove_orphans, usable_path
+from .fileio import full_fsync, one_line, owned_name, remove_orphans, usable_path
 
 _MODEL_FILES = {"config.json", "params.json", "tekken.json", "model.safetensors.index.json"}
 # What --force may delete with a model directory: its files, and what a Hub download or a
@@ -29,6 +28,7 @@ _REPLACEABLE = _MODEL_FILES | {
 }
 
 
+OLD_KIND = "old"  # an output being replaced, renamed aside until the new one is in place
 _LITTER = ".DS_Store"  # what the Finder leaves in any folder it has shown
 
 
@@ -157,6 +157,7 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
     try:
         created = make_parents(out)
         remove_orphans(out.parent, out.name, "partial")  # a killed run's staging directory
+        remove_orphans(out.parent, out.name, OLD_KIND)  # or the model it was replacing
         tmp = out.parent / owned_name(out.name, "partial")
         tmp.mkdir(mode=0o700)
     except OSError as e:
@@ -213,12 +214,15 @@ def written_detail(out: str | Path) -> str:
     return f"interrupted after {one_line(str(out))} was written (it is complete)"
 
 
-_DEFERRED = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP too: a terminal closed mid-swap must not leave the old model behind, hidden.
+_DEFERRED = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[list[int]]:
-    """Hold Ctrl-C and SIGTERM back (collected in the list it yields, for :func:`_deliver`)
+    """Hold Ctrl-C, SIGTERM and SIGHUP back (collected in the list it yields, for :func:`_deliver`)
     while the output is swapped in or the staging directory removed: an interrupt never
     leaves the old model half-deleted beside the new one, or half a staging directory.
     Only the main thread can do this (elsewhere Python delivers no signals anyway)."""
@@ -240,7 +244,7 @@ def _deliver(received: list[int], detail: str | None) -> None:
     try:
         for sig in dict.fromkeys(received):
             signal.raise_signal(sig)
-    except KeyboardInterrupt as e:
+    except BaseException as e:  # KeyboardInterrupt, or the CLI's Terminated
         if detail is not None:
             e.detail = detail
         raise
@@ -251,7 +255,8 @@ def _swap_into_place(tmp: Path, out: Path, force: bool) -> None:
     if out.is_dir() and not _has_content(out):
         (out / _LITTER).unlink(missing_ok=True)  # an empty folder the Finder has shown
     if force and out.exists() and any(out.iterdir()):
-        old = out.with_name(hidden_name(out.name, f".old-{secrets.token_hex(4)}"))
+        # Named for this process: if it is killed before removing it, the next run does.
+        old = out.with_name(owned_name(out.name, OLD_KIND))
         os.rename(out, old)
         try:
             os.rename(tmp, out)
