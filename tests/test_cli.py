@@ -308,6 +308,32 @@ def test_byte_order_mark_is_not_text(model_dir, reference, tmp_path):
         assert np.array_equal(float_to_int16(audio), float_to_int16(reference.audio))
 
 
+def test_a_windows_text_file_sounds_like_the_same_text_saved_on_a_mac(model_dir, tmp_path):
+    """CRLF (Windows) and CR (classic Mac) line ends, and Notepad's UTF-16 with its
+    byte-order mark: the same audio as the LF UTF-8 file (a \\r would be a prompt token)."""
+    lines = ["The first line is here.", "A second one follows it.", "And a third."]
+    base = ["speak", "-m", str(model_dir), "--seed", "5", "--max-frames", "4"]
+    files = {
+        "mac.txt": "\n".join(lines).encode(),
+        "crlf.txt": "\r\n".join(lines).encode(),
+        "cr.txt": "\r".join(lines).encode(),
+        "notepad.txt": "\r\n".join(lines).encode("utf-16"),
+        "utf16be.txt": b"\xfe\xff" + "\r\n".join(lines).encode("utf-16-be"),
+    }
+    audio = {}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        out = tmp_path / f"{name}.wav"
+        proc = run(*base, "-f", str(tmp_path / name), "-o", str(out))
+        assert proc.returncode == 0, (name, proc.stderr.decode())
+        audio[name] = sf.read(out, dtype="float32")[0]
+    proc = run(*base, "-o", str(tmp_path / "stdin.wav"), input=files["crlf.txt"])
+    assert proc.returncode == 0, proc.stderr.decode()
+    audio["stdin"] = sf.read(tmp_path / "stdin.wav", dtype="float32")[0]
+    for name, got in audio.items():
+        assert np.array_equal(got, audio["mac.txt"]), name
+
+
 def _fake_sounddevice(tmp_path: Path, body: str) -> dict:
     """An environment whose `import sounddevice` runs ``body`` instead of the real one."""
     d = tmp_path / "fake_sd"

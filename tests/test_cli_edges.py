@@ -733,6 +733,36 @@ def test_an_interrupt_right_after_the_output_is_in_place_says_it_is_complete(
     assert (out / "params.json").is_file()
 
 
+def test_an_interrupt_while_the_finished_audio_file_is_flushed_says_it_is_complete(
+    model_dir, tmp_path
+):
+    """Ctrl-C while the complete file is being made durable (macOS's F_FULLFSYNC of a long
+    file takes a while): it is kept whole, and the one error line says so."""
+    out = tmp_path / "a.flac"
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        import voxtral_mlx.audio.io as audio_io
+        real = audio_io.full_fsync
+        def fsync(fd):
+            os.kill(os.getpid(), signal.SIGINT)
+            real(fd)
+        audio_io.full_fsync = fsync
+        from voxtral_mlx.cli import main
+        sys.exit(main(["speak", "-m", {str(model_dir)!r}, "--max-frames", "3", "--seed", "1",
+                       "-o", {str(out)!r}, "One sentence. And another one."]))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().endswith(f"interrupted after {out} was written (it is complete)")
+    want = speak(model_dir, "-o", str(tmp_path / "b.flac"), "One sentence. And another one.")
+    assert want.returncode == 0
+    assert np.array_equal(sf.read(out)[0], sf.read(tmp_path / "b.flac")[0])
+
+
 def _as_user(args: list[str]) -> list[str]:
     """``args`` run so that file permissions apply (root's bypass dropped)."""
     if os.geteuid() != 0:

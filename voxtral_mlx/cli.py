@@ -192,8 +192,7 @@ def _read_text(args: argparse.Namespace) -> str:
             with open(args.file, "rb") as f:  # a FIFO is read like cat reads it
                 raw = f.read(MAX_TEXT_BYTES + 1)
             _check_size(raw, f"text file {one_line(args.file)}")
-            # utf-8-sig: editors that save a byte-order mark must not make it spoken text
-            return raw.decode("utf-8-sig")
+            return _decode_text(raw)
         except FileNotFoundError:
             raise InputError(f"text file {one_line(args.file)} not found: check the path") from None
         except UnicodeDecodeError:
@@ -220,6 +219,22 @@ def _read_text(args: argparse.Namespace) -> str:
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
 
 
+def _decode_text(raw: bytes) -> str:
+    """A text file's bytes as text: UTF-8, or UTF-16 when it starts with that byte-order mark
+    (Windows' "Unicode" text files). A UTF-8 byte-order mark is dropped and line ends become
+    ``\n``: neither is meant to be spoken, and a Windows file must sound like the same text
+    saved on a Mac (each ``\r`` would be a token of the prompt)."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        text = raw.decode("utf-16")
+    else:
+        text = raw.decode("utf-8-sig")  # editors that save a byte-order mark
+    return _one_newline(text)
+
+
+def _one_newline(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def _check_size(raw: bytes | str, what: str) -> None:
     if len(raw) > MAX_TEXT_BYTES:
         raise InputError(
@@ -239,9 +254,9 @@ def _read_stdin() -> str:
         raise InputError(f"cannot read stdin: {e.strerror}") from None
     _check_size(raw, "stdin")
     if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
-        return raw.removeprefix("\ufeff")
+        return _one_newline(raw.removeprefix("\ufeff"))
     try:
-        return raw.decode("utf-8-sig")
+        return _decode_text(raw)
     except UnicodeDecodeError:
         raise InputError("stdin is not UTF-8 text; convert it first (e.g. with iconv)") from None
 
@@ -462,27 +477,37 @@ def cmd_speak(args: argparse.Namespace) -> int:
         interrupted = e
         raise
     finally:
-        with held_after(interrupted):  # a second Ctrl-C must not leave the temp file behind
-            stream.cancel()
-            if chunks is not None:
-                chunks.close()
-            if progress is not None:
-                progress.close()
-            if player is not None and not ok:
-                player.stop()
-            if file_writer is not None:
-                if ok:
-                    file_writer.close()
-                elif interrupted is not None and file_writer.commit_partial():
-                    kept = file_writer.duration_s
-                    # The one error line main() prints says what was kept.
-                    interrupted.detail = (
-                        f"interrupted: kept {kept:.1f} s of audio in {one_line(str(args.output))}"
-                    )
-                else:
-                    file_writer.abort()
-            if wav is not None:
-                wav.close()
+        written = False
+        try:
+            with held_after(interrupted):  # a second Ctrl-C must not leave the temp file
+                stream.cancel()
+                if chunks is not None:
+                    chunks.close()
+                if progress is not None:
+                    progress.close()
+                if player is not None and not ok:
+                    player.stop()
+                if file_writer is not None:
+                    if ok:
+                        file_writer.close()
+                        written = True
+                    elif interrupted is not None and file_writer.commit_partial():
+                        kept = file_writer.duration_s
+                        # The one error line main() prints says what was kept.
+                        interrupted.detail = (
+                            f"interrupted: kept {kept:.1f} s of audio in "
+                            f"{one_line(str(args.output))}"
+                        )
+                    else:
+                        file_writer.abort()
+                if wav is not None:
+                    wav.close()
+        except KeyboardInterrupt as e:  # held while the finished file was flushed
+            if written and getattr(e, "detail", None) is None:
+                from .output_dir import written_detail
+
+                e.detail = written_detail(args.output)
+            raise
     hold_from_now()
     timings = stream.timings
     if timings.cut_short:
