@@ -264,3 +264,37 @@ def test_a_text_far_too_long_is_refused_before_it_is_tokenized(tts, monkeypatch)
     with pytest.raises(InputError, match=r"too long for one utterance \(\d+ tokens"):
         tts.synthesize(fits, VOICE, max_frames=1)
     assert seen == [len(fits)]
+
+
+def test_warmup_wait_takes_only_a_boolean(tts):
+    """warmup(wait="no") used to block (a truthy string), wait=[] to run in the background."""
+    for wait in ("no", [], 1, None):
+        with pytest.raises(InputError, match="wait must be True or False"):
+            tts.warmup(VOICE, wait=wait)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"noise": np.zeros((3, 35), np.float32)},
+        {"noise": np.full((3, 36), np.nan, np.float32)},
+        {"noise": np.zeros((3, 36), np.float32), "seed": 1},
+    ],
+)
+@pytest.mark.parametrize("words", [2, 500], ids=["short", "long"])
+def test_astream_refuses_bad_noise_at_the_call_whatever_the_text_length(tts, kwargs, words):
+    """A text that may not fit one utterance is tokenized in a thread at the first item;
+    its noise used to be checked only then, unlike a short text's."""
+    with pytest.raises(InputError, match="noise"):
+        tts.astream("word " * words, VOICE, split=False, **kwargs)
+
+
+def test_a_bad_value_is_shown_shortly_in_its_error(tts):
+    for call in (
+        lambda: tts.synthesize("Hi.", VOICE, max_frames="x" * 5000),
+        lambda: tts.synthesize("Hi.", VOICE, seed="x" * 5000),
+        lambda: tts.stream("Hi.", VOICE, pause="x" * 5000),
+    ):
+        with pytest.raises(InputError) as exc:
+            call()
+        assert len(str(exc.value)) < 200 and "\n" not in str(exc.value)

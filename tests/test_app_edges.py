@@ -792,6 +792,28 @@ def test_running_streams_get_frames_while_decode_runs(tts, monkeypatch):
     assert sum("audio" in gap for gap in gaps) >= 8, events
 
 
+def test_decode_of_a_split_texts_codes_restarts_the_codec_at_each_segment(tts):
+    """Each segment was decoded from a fresh codec state; decode() ran one state over all
+    of them, so every later segment began in the previous one's context."""
+    text = "The first sentence is here. A second one follows. And a third one ends it."
+    speech = tts.synthesize(text, VOICE, seed=2, max_frames=5, split=True, max_chars=30)
+    assert len(speech.segment_frames) >= 3 and sum(speech.segment_frames) == len(speech.codes)
+    chunks = list(tts.stream(text, VOICE, seed=2, max_frames=5, split=True, max_chars=30))
+    spoken = np.concatenate([c.audio for c in chunks if c.frames])  # without the pauses
+    np.testing.assert_array_equal(tts.decode(speech.codes, speech.segment_frames), spoken)
+    assert not np.array_equal(tts.decode(speech.codes), spoken)  # one state throughout
+    one = tts.synthesize("Just one.", VOICE, seed=2, max_frames=5)
+    assert one.segment_frames == (len(one.codes),)
+    np.testing.assert_array_equal(tts.decode(one.codes, one.segment_frames), one.audio)
+    for bad, words in (
+        ([1, 2], "add up to 3 frames"),
+        (5, "list of frame counts"),
+        ([-1, len(speech.codes) + 1], "whole number >= 0"),
+    ):
+        with pytest.raises(InputError, match=words):
+            tts.decode(speech.codes, bad)
+
+
 # A one-frame request's only chunk (decoded as a first chunk), a 3-frame one's last chunk.
 @pytest.mark.parametrize(("failing_call", "frames"), [(1, 1), (2, 3)])
 def test_a_failed_decode_reaches_the_consumer(tts, monkeypatch, failing_call, frames):

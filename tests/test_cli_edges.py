@@ -365,6 +365,21 @@ def test_text_that_is_not_utf8_and_an_empty_model_are_one_line(model_dir, tmp_pa
     assert list(tmp_path.iterdir()) == [bad]
 
 
+def test_a_damaged_voice_file_is_not_listed_as_usable(model_dir, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(model_dir, model)
+    voice = model / "voice_embedding" / "casual_male.pt"
+    voice.write_bytes(voice.read_bytes()[:1000])  # truncated
+    (model / "voice_embedding" / "weird.pt").write_bytes(b"not a voice")
+    proc = run("voices", "-m", str(model))
+    assert proc.returncode == 0
+    listed = proc.stdout.decode()
+    assert "casual_female" in listed and "casual_male" not in listed and "weird" not in listed
+    notes = proc.stderr.decode().splitlines()
+    assert len(notes) == 2 and all(line.startswith("note: voice '") for line in notes)
+    assert "'casual_male' is unusable" in notes[0] and "'weird' is unusable" in notes[1]
+
+
 def test_a_voice_file_that_is_a_broken_link_is_named(model_dir, tmp_path):
     model = tmp_path / "m"
     shutil.copytree(model_dir, model)

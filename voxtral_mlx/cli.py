@@ -302,12 +302,20 @@ def _print_voices(tts) -> None:
     from .voices import LANGUAGE_NAMES, unreadable
 
     tts.default_voice  # noqa: B018 - raises the one-line "no voices" error for an empty list
+    damaged = []
     for name in sorted(tts.voices):
+        try:  # a voice file is a megabyte or two: read each, list only what speak can use
+            tts.load_voice(name)
+        except VoxtralError as e:
+            damaged.append(f"voice {one_line(repr(name))} is unusable: {e}")
+            continue
         voice = tts.voices[name]
         lang = voice.language or "?"
         _out(f"{one_line(name, 80):<20} {lang:<3} {LANGUAGE_NAMES.get(lang, 'unknown')}")
     for name, path in sorted(tts.voices.broken.items()):
         _info(f"note: voice {one_line(repr(name))} is unusable: {unreadable(path)}")
+    for message in damaged:
+        _info(f"note: {printable(message)}")
 
 
 def cmd_voices(args: argparse.Namespace) -> int:
@@ -514,8 +522,9 @@ def cmd_speak(args: argparse.Namespace) -> int:
         n, of = timings.cut_short, len(stream.segments)
         what = "the text" if of == 1 else f"{n} of {of} segments"
         seconds = args.max_frames * tts.samples_per_frame / tts.sample_rate
+        frames = f"{args.max_frames} frame{'s' * (args.max_frames != 1)}"
         _info(
-            f"{PROG}: warning: {what} reached --max-frames ({args.max_frames} frames, "
+            f"{PROG}: warning: {what} reached --max-frames ({frames}, "
             f"{seconds:g} s) before the model ended {'it' if of == 1 else 'them'}: the audio "
             f"is cut short; raise --max-frames{' or drop --no-split' if args.no_split else ''}"
         )
@@ -914,6 +923,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-o",
         "--output",
         type=_given("-o FILE"),
+        metavar="FILE",
         help="write audio to FILE (.wav .flac .aiff .caf .ogg .mp3 .opus; "
         "'-' writes WAV to stdout) instead of playing",
     )

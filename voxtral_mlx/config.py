@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .fileio import MAX_JSON_BYTES, read_limited
+from .fileio import MAX_JSON_BYTES, one_line, read_limited
 
 N_SPECIAL_AUDIO_CODES = 2  # 0 = EMPTY_AUDIO, 1 = END_AUDIO; real codes start at 2
 END_AUDIO = 1
@@ -75,13 +75,14 @@ class _Reader:
         where = f"{self.source} key '{self._name(key)}'"
         if kind is bool:
             if not isinstance(value, bool):
-                raise ConfigError(f"{where} must be true or false, got {value!r}")
+                raise ConfigError(f"{where} must be true or false, got {one_line(repr(value), 60)}")
         elif kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 if isinstance(value, float) and value.is_integer():
                     value = int(value)
                 else:
-                    raise ConfigError(f"{where} must be an integer, got {value!r}")
+                    shown = one_line(repr(value), 60)
+                    raise ConfigError(f"{where} must be an integer, got {shown}")
             lowest = 1 if positive else -MAX_INT
             if not lowest <= value <= maximum:
                 raise ConfigError(
@@ -89,14 +90,14 @@ class _Reader:
                 )
         elif kind is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{where} must be a number, got {value!r}")
+                raise ConfigError(f"{where} must be a number, got {one_line(repr(value), 60)}")
             value = float(value)
             if not math.isfinite(value):
-                raise ConfigError(f"{where} must be finite, got {value!r}")
+                raise ConfigError(f"{where} must be finite, got {one_line(repr(value), 60)}")
         elif kind is str and not isinstance(value, str):
-            raise ConfigError(f"{where} must be a string, got {value!r}")
+            raise ConfigError(f"{where} must be a string, got {one_line(repr(value), 60)}")
         if positive and not value > 0:
-            raise ConfigError(f"{where} must be positive, got {value!r}")
+            raise ConfigError(f"{where} must be positive, got {one_line(repr(value), 60)}")
         return value
 
     def only(self, key: str, kind: type, value: Any, why: str) -> None:

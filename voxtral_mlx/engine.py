@@ -189,7 +189,8 @@ def check_whole(name: str, value: object, minimum: int) -> int:
     """``value`` as an int if it is a whole number >= ``minimum``, else a one-line
     :class:`InputError` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise InputError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+        shown = one_line(repr(value), 60)
+        raise InputError(f"{name} must be a whole number >= {minimum}, got {shown}")
     return int(value)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from .config import END_AUDIO
 from .errors import InputError
+from .fileio import one_line
 from .model.cache import BatchKVCache, KVCache
 from .model.flow import NOT_FINITE, cfg_weights
 from .model.voxtral import VoxtralModel
@@ -29,7 +30,8 @@ def check_seed(seed: object) -> None:
     if seed is not None and (
         isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64
     ):
-        raise InputError(f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
+        shown = one_line(repr(seed), 60)
+        raise InputError(f"seed must be an integer from 0 to 2**64 - 1, got {shown}")
 
 
 def to_numpy(value: object, what: str) -> np.ndarray:
@@ -57,33 +59,42 @@ class NoiseSource:
 
     def __init__(self, width: int, seed: int | None = None, noise: np.ndarray | None = None):
         self.width = width
-        if noise is not None and seed is not None:
-            raise InputError("seed and noise both set the start noise: pass one of them")
-        if noise is not None:
-            arr = to_numpy(noise, "noise")
-            if arr.ndim != 2 or arr.shape[1] != width or not np.issubdtype(arr.dtype, np.floating):
-                raise InputError(
-                    f"noise must be a float array of shape [frames, {width}], got "
-                    f"{arr.dtype} {list(arr.shape)}: pass one row of start noise per frame, "
-                    "or a seed instead"
-                )
-            with np.errstate(over="ignore"):
-                arr = arr.astype(np.float32)  # checked as used: 1e300 becomes inf here
-            if not np.all(np.isfinite(arr)):
-                raise InputError(
-                    "noise contains NaN or infinite values (as float32): pass finite start "
-                    "noise (standard normal), or a seed instead"
-                )
+        arr = self.checked(width, seed, noise)
+        if arr is not None:
             self.seed = None
             self.limit: int | None = arr.shape[0]
             self._explicit = mx.array(arr)
         else:
-            check_seed(seed)
             self.seed = secrets.randbits(63) if seed is None else int(seed)
             self.limit = None
             self._explicit = None
             self._key: mx.array | None = None  # made on first use, on the worker thread
             self._blocks: list[mx.array] = []
+
+    @staticmethod
+    def checked(width: int, seed: object, noise: object) -> np.ndarray | None:
+        """``noise`` as float32 ``[frames, width]`` (None without it), or the one-line
+        :class:`InputError` saying what is wrong with it or with ``seed``."""
+        if noise is not None and seed is not None:
+            raise InputError("seed and noise both set the start noise: pass one of them")
+        if noise is None:
+            check_seed(seed)
+            return None
+        arr = to_numpy(noise, "noise")
+        if arr.ndim != 2 or arr.shape[1] != width or not np.issubdtype(arr.dtype, np.floating):
+            raise InputError(
+                f"noise must be a float array of shape [frames, {width}], got "
+                f"{arr.dtype} {list(arr.shape)}: pass one row of start noise per frame, "
+                "or a seed instead"
+            )
+        with np.errstate(over="ignore"):
+            arr = arr.astype(np.float32)  # checked as used: 1e300 becomes inf here
+        if not np.all(np.isfinite(arr)):
+            raise InputError(
+                "noise contains NaN or infinite values (as float32): pass finite start "
+                "noise (standard normal), or a seed instead"
+            )
+        return arr
 
     def row(self, i: int) -> mx.array:
         """Noise of frame ``i`` as ``[1, width]`` float32."""

@@ -277,7 +277,8 @@ def _int(value: Any, key: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"config.json key '{key}' must be a positive integer, got {value!r}")
+        shown = one_line(repr(value), 60)
+        raise ConfigError(f"config.json key '{key}' must be a positive integer, got {shown}")
     return value
 
 

@@ -67,7 +67,7 @@ def directory_path(value: object, name: str = "out_dir", error: type = InputErro
     """``value`` as a Path if it is a path (a ``str`` or ``os.PathLike``, not empty: Path("")
     is the current directory), else a one-line ``error`` naming ``name``."""
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise error(f"{name} must be a directory path, got {value!r}")
+        raise error(f"{name} must be a directory path, got {one_line(repr(value), 60)}")
     return usable_path(value, name, error)
 
 

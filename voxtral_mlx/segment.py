@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .errors import InputError
+from .fileio import one_line
 
 PARAGRAPH, SENTENCE, CLAUSE, WORD, CUT = "paragraph", "sentence", "clause", "word", "cut"
 
@@ -198,7 +199,8 @@ def split_text(
         raise InputError(f"text must be a str, got {type(text).__name__}: pass the text itself")
     for name, value in (("target_chars", target_chars), ("max_chars", max_chars)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise InputError(f"{name} must be a whole number of characters, got {value!r}")
+            shown = one_line(repr(value), 60)
+            raise InputError(f"{name} must be a whole number of characters, got {shown}")
     target_chars, max_chars = int(target_chars), int(max_chars)
     if not 1 <= target_chars <= max_chars:
         raise InputError(

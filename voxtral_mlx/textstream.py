@@ -16,6 +16,7 @@ import numpy as np
 
 from .engine import DONE, AudioChunk, Job, Timings, finite_float
 from .errors import InputError, UsageError
+from .fileio import one_line
 from .segment import Segment, SplitStopped
 
 if TYPE_CHECKING:  # imported where used: a process that never awaits skips its import time
@@ -50,7 +51,8 @@ class _Reader:
         seconds = None if pause is None else finite_float(pause)
         if pause is not None and (seconds is None or not 0 <= seconds <= MAX_PAUSE_S):
             raise InputError(
-                f"pause must be a number of seconds from 0 to {MAX_PAUSE_S:g}, got {pause!r}"
+                f"pause must be a number of seconds from 0 to {MAX_PAUSE_S:g}, got "
+                f"{one_line(repr(pause), 60)}"
             )
         self._unsubmitted: list[Job] = []
         # A callable splits the text later, at the first item or prepare(): ``segments`` is

@@ -393,7 +393,8 @@ def _build_checked(raw: bytes, path: Path) -> tuple[dict[str, Any], Tokenizer]:
 def _config_int(config: Mapping[str, Any], key: str, path: Path) -> int:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise TokenizerError(f"{path}: config.{key} must be a positive integer, got {value!r}")
+        shown = one_line(repr(value), 60)
+        raise TokenizerError(f"{path}: config.{key} must be a positive integer, got {shown}")
     return value
 
 

@@ -34,7 +34,7 @@ from .engine import (
 )
 from .errors import InputError, VoxtralError
 from .fileio import one_line
-from .generate import NoiseSource, Sequence, check_seed, to_numpy
+from .generate import NoiseSource, Sequence, to_numpy
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA, MAX_CFG_ALPHA
 from .prefix_store import PrefixStore
@@ -70,6 +70,9 @@ class Speech:
     voice: str
     seed: int | None  # None when the noise was given explicitly
     timings: Timings = field(default_factory=Timings)
+    # Frames of each segment, in order (of a split text; one entry otherwise): where
+    # decode() starts the codec afresh, as generation did.
+    segment_frames: tuple[int, ...] = ()
 
     @property
     def duration(self) -> float:
@@ -192,7 +195,7 @@ class VoxtralTTS:
         otherwise spend before it returns); a missing PortAudio or output device is then the
         future's error, after the voices have been warmed up all the same.
         """
-        playback = check_flag("playback", playback)
+        playback, wait = check_flag("playback", playback), check_flag("wait", wait)
         if voices is None:
             names = [self.default_voice]
         elif isinstance(voices, str):
@@ -390,8 +393,10 @@ class VoxtralTTS:
             )
         if is_blank(text):
             raise InputError("text is empty: give some words to speak")
-        check_seed(seed)
-        _job_options(max_frames, chunk_frames, cfg_alpha)  # each job checks them again
+        # Each job checks these again; checked here too, so that every bad argument is
+        # refused by the call itself (an async stream's jobs may be made at its first item).
+        NoiseSource.checked(self.config.flow.n_acoustic_codebook, seed, noise)
+        _job_options(max_frames, chunk_frames, cfg_alpha)
         split, add_period = check_flag("split", split), check_flag("add_period", add_period)
         voice = self._voice(voice).name
         if lookahead is not None:
@@ -740,9 +745,16 @@ class VoxtralTTS:
             playback.wait()
         return playback
 
-    def decode(self, codes: np.ndarray | mx.array) -> np.ndarray:
-        """Waveform (float32, 24 kHz) of a ``[frames, 37]`` array of +2-offset codes. For a
-        split text's ``Speech.codes``, that is its segments' audio without the pauses."""
+    def decode(
+        self, codes: np.ndarray | mx.array, segment_frames: Iterable[int] | None = None
+    ) -> np.ndarray:
+        """Waveform (float32, 24 kHz) of a ``[frames, 37]`` array of +2-offset codes.
+
+        The codec runs over all frames as one utterance, unless ``segment_frames`` (frames
+        per segment, summing to ``frames``) says where it starts afresh: a split text's
+        ``decode(speech.codes, speech.segment_frames)`` is its segments' audio exactly,
+        without the pauses (each segment was decoded on its own).
+        """
         arr = to_numpy(codes, "codes")
         n = self.config.num_codebooks
         if arr.ndim != 2 or arr.shape[1] != n or not np.issubdtype(arr.dtype, np.integer):
@@ -764,12 +776,13 @@ class VoxtralTTS:
                 f"[2, {f.acoustic_codebook_size + 1}] (END=1 is not audio)"
             )
 
+        bounds = _segment_bounds(segment_frames, len(arr))
         codec = self.model.audio_tokenizer
         state = None
 
-        def run(part: np.ndarray) -> np.ndarray:
+        def run(part: np.ndarray, fresh: bool) -> np.ndarray:
             nonlocal state
-            if state is None:
+            if state is None or fresh:
                 state = codec.new_state()
             audio = codec.decode_chunk(mx.array(part.astype(np.int32))[None], state)
             mx.eval(audio, state.arrays())
@@ -778,8 +791,9 @@ class VoxtralTTS:
         # One worker call per part (exact: the state carries over): running requests get a
         # frame between parts, and a cancel() or close() need not wait for the whole decode.
         parts = [
-            self.worker.call(run, arr[i : i + DECODE_PART_FRAMES])
-            for i in range(0, len(arr), DECODE_PART_FRAMES)
+            self.worker.call(run, arr[i : min(i + DECODE_PART_FRAMES, end)], i == start)
+            for start, end in bounds
+            for i in range(start, end, DECODE_PART_FRAMES)
         ]
         audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         bad = np.flatnonzero(~np.isfinite(audio))
@@ -787,6 +801,26 @@ class VoxtralTTS:
             frame = bad[0] * len(arr) // len(audio) + 1
             raise not_finite_error(self.dtype, "the codec", int(frame))
         return audio
+
+
+def _segment_bounds(segment_frames: object, frames: int) -> list[tuple[int, int]]:
+    """``[start, end)`` frames of each segment for :meth:`VoxtralTTS.decode`."""
+    if segment_frames is None:
+        return [(0, frames)]
+    shown = one_line(repr(segment_frames), 60)
+    try:
+        counts = [check_whole("segment_frames", n, 0) for n in segment_frames]  # type: ignore[attr-defined]
+    except TypeError:
+        raise InputError(
+            f"segment_frames must be a list of frame counts (Speech.segment_frames), got {shown}"
+        ) from None
+    if sum(counts) != frames:
+        raise InputError(
+            f"segment_frames {shown} add up to {sum(counts)} frames, but the codes hold "
+            f"{frames}: pass the Speech.segment_frames that came with these codes"
+        )
+    ends = np.cumsum(counts).tolist()
+    return [(end - n, end) for n, end in zip(counts, ends)]
 
 
 class _ClosedModel:
@@ -817,7 +851,12 @@ def speech_from_chunks(
     single = len(stream.segments) == 1
     timings = chunks[-1].timings if single else stream.timings
     seed = chunks[-1].seed if single else chunks[0].seed
-    return Speech(audio, stream.sample_rate, codes.astype(np.int32), voice, seed, timings)
+    frames = [0] * len(stream.segments)
+    for c in chunks:
+        frames[c.segment] += c.frames
+    return Speech(
+        audio, stream.sample_rate, codes.astype(np.int32), voice, seed, timings, tuple(frames)
+    )
 
 
 class Playback:
