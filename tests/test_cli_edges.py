@@ -853,10 +853,11 @@ def test_a_damaged_voice_file_fails_before_the_streamed_header(model_dir, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "bad", [["-v", "nosuchvoice"], ["--pause", "100"], ["-m", "/nonexistent/model"]]
+    ("bad", "opens"),
+    [(["-v", "nosuchvoice"], 1), (["--pause", "100"], 0), (["-m", "/nonexistent/model"], 1)],
 )
 def test_speak_closes_the_audio_output_it_opened_early_on_bad_input(
-    model_dir, monkeypatch, capsys, bad
+    model_dir, monkeypatch, capsys, bad, opens
 ):
     """The output is opened before the model loads (to fail early without a device); a
     bad voice or argument found after that left it open for in-process callers of main()."""
@@ -877,7 +878,7 @@ def test_speak_closes_the_audio_output_it_opened_early_on_bad_input(
     code = cli.main(["speak", "-m", str(model_dir), "Hello there.", *bad])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and err[0].startswith("voxtral-mlx: error:")
-    assert len(opened) == 1 and opened[0].stopped
+    assert len(opened) == opens and all(p.stopped for p in opened)  # --pause: refused first
 
 
 @pytest.mark.parametrize("args", [("voices",), ("speak", "-v", "?")])
