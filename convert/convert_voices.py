@@ -1,6 +1,6 @@
 """Convert Mistral's ``voice_embedding/*.pt`` voices to ``<name>.safetensors`` (key ``embedding``).
 
-Usage: python convert/convert_voices.py SRC... -o OUT_DIR
+Usage: python convert/convert_voices.py SRC... -o OUT_DIR [--force]
 Each SRC is a .pt file or a directory of them. Needs no torch: the .pt pickle is read by a
 restricted reader that refuses anything but tensors.
 """
@@ -36,13 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         help="directory to write <name>.safetensors into (created if needed)",
     )
     parser.add_argument(
-        "--no-overwrite",
+        "--force",
         action="store_true",
-        help="fail instead of replacing existing .safetensors files",
+        help="replace .safetensors files already in OUT_DIR (as `voxtral-mlx convert-voices`)",
     )
     args = parser.parse_args(argv)
     try:
-        written = convert_voice_files(args.sources, args.out, overwrite=not args.no_overwrite)
+        written = convert_voice_files(args.sources, args.out, overwrite=args.force)
     except VoxtralError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -594,6 +594,9 @@ def test_convert_script(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and lines[0].endswith("a.safetensors")
+    again = run_script(str(tmp_path), "-o", str(tmp_path / "out"))  # as the CLI: --force
+    assert again.returncode == 1 and "--force" in again.stderr
+    assert run_script(str(tmp_path), "-o", str(tmp_path / "out"), "--force").returncode == 0
     failed = run_script(str(tmp_path / "missing.pt"), "-o", str(tmp_path / "out"))
     assert failed.returncode == 1
     assert len(failed.stderr.strip().splitlines()) == 1 and "missing.pt" in failed.stderr
