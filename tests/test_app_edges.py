@@ -325,9 +325,8 @@ def test_a_segment_its_consumer_reached_is_not_overtaken_by_every_new_request(
             done.append(name)
             if name == "a0":
                 jobs["a1"].needed()  # A's consumer reached a1
-        elif name == "b0" and "d0" not in jobs:
-            jobs["d0"] = make("d0", 0)
-            tts.engine.submit(jobs["d0"])
+                jobs["d0"] = make("d0", 0)  # and a new request comes
+                tts.engine.submit(jobs["d0"])
 
     def make(name: str, segment: int):
         job = tts.job("Words to say.", VOICE, seed=1, max_frames=2, chunk_frames=1)

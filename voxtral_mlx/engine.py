@@ -405,13 +405,16 @@ class Engine:
                 self._start(short)
                 return
             if not (self._prefilling.job.ahead and self._someone_waits()):
+                # Set-aside jobs need no prefill: they take the free slots meanwhile
+                # (one is kept for the job being prefilled).
+                self._rejoin_parked(reserve=1)
                 self._prefill_next()
                 return
             # A long prompt generated ahead must not hold up a job someone waits for: its
             # prefill goes back to the queue, to resume where it stopped.
             self._suspend_prefill()
         self._make_room()
-        while len(self._batch) < self.max_batch and (self._waiting or self._parked):
+        while self._batch.live() < self.max_batch and (self._waiting or self._parked):
             queue = [*self._parked, *self._waiting]  # set-aside jobs first among equals
             k = min(range(len(queue)), key=lambda k: _priority(queue[k]))
             if k < len(self._parked):
@@ -426,6 +429,13 @@ class Engine:
             # others, which join at the following frames.
             if self._start(job):
                 break
+
+    def _rejoin_parked(self, reserve: int) -> None:
+        """Set-aside jobs back into the batch, in :func:`_priority` order, while it has
+        room beyond ``reserve`` slots."""
+        while self._parked and self._batch.live() + reserve < self.max_batch:
+            k = min(range(len(self._parked)), key=lambda k: _priority(self._parked[k]))
+            self._batch.add(self._parked.pop(k).seq)
 
     def _start(self, job: Job) -> bool:
         """Begin (or resume) ``job``'s prefill and run its first part; False if it failed
@@ -453,13 +463,15 @@ class Engine:
         self._waiting.append(p.job)
 
     def _short_newcomer(self) -> Job | None:
-        """A waiting job someone waits for whose prompt is one part, to go before the long
-        prompt being prefilled (see :meth:`_admit`), if it may."""
+        """A waiting job someone waits for whose prompt is short (at most
+        :data:`PREFILL_PART_TOKENS` tokens: one part, or a few where parts are sized down
+        to a frame), to go before the long prompt being prefilled (see :meth:`_admit`), if
+        it may."""
         p = self._prefilling
         if (
             p is None
             or p.overtaken >= MAX_OVERTAKES
-            or len(self._batch) + 2 > self.max_batch  # room for the newcomer and for it
+            or self._batch.live() + 2 > self.max_batch  # room for the newcomer and for it
         ):
             return None
         short = [
@@ -479,7 +491,7 @@ class Engine:
     def _make_room(self) -> None:
         """With the batch full and a job someone waits for outside it, set aside the running
         job generated furthest ahead (it leaves at the next frame)."""
-        if len(self._batch) < self.max_batch or not self._someone_waits():
+        if self._batch.live() < self.max_batch or not self._someone_waits():
             return
         ahead = [
             self._jobs[id(seq)]
@@ -532,8 +544,14 @@ class Engine:
         job.timings.prefix_cached = p.hit
         job.timings.prompt_tokens = job.seq.prompt_tokens
         job.timings.prefill_s = time.perf_counter() - job.submitted_at
-        job._codec_state = self.model.audio_tokenizer.new_state(1)
-        self._batch.add(job.seq)
+        try:
+            job._codec_state = self.model.audio_tokenizer.new_state(1)
+            self._batch.add(job.seq)
+        except Exception as e:  # in no list of the engine's any more: fail_all would miss it
+            job.seq._h = job.seq._cache = None
+            job.seq.finished = job.done = True
+            job._emit(e)
+            return
         if job.seq.finished:
             self._finish(job)
         else:
@@ -565,6 +583,7 @@ class Engine:
             self._prefilling = None
         failed.update((id(r[0]), r[0]) for r in [*self._inflight, *self._first])
         for job in failed.values():
+            job.seq._h = job.seq._cache = job._suspended = None  # their KV rows: let go
             if not job.done:
                 job.seq.finished = job.done = True
                 job._emit(_own_copy(error))

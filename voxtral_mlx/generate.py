@@ -195,12 +195,21 @@ class FrameBatch:
             raise ValueError("prefill() the sequence before adding it")
         if seq.max_frames <= 0:
             seq.finished, seq.stop_reason = True, "max_frames"
+            seq._h = seq._cache = None  # its prompt's KV rows are not needed
             return
         self._joining.append(seq)
 
     def __len__(self) -> int:
         """Sequences in the batch from the next step on (set-aside ones not counted)."""
         return len(self.rows) + len(self._joining) - len(self._aside)
+
+    def live(self) -> int:
+        """Sequences that run at the next step: those joining, and the running ones that
+        neither finished at this frame nor are set aside (``len()`` still counts the
+        finished ones until :meth:`advance` lets them go)."""
+        leaving = {id(s) for s in self._aside}
+        running = sum(1 for s in self.rows if not s.finished and id(s) not in leaving)
+        return running + len(self._joining)
 
     def running(self) -> list[Sequence]:
         """The rows that generate the next frame (not set aside)."""
@@ -248,6 +257,7 @@ class FrameBatch:
         for seq in joining:
             if seq.cancelled:
                 seq.finished, seq.stop_reason = True, "cancelled"
+                seq._h = seq._cache = None
                 continue
             single = [
                 c if isinstance(c, BatchKVCache) else BatchKVCache.from_single(c)

@@ -185,13 +185,19 @@ class PrefixStore:
         if self._warned:  # once per store: it would repeat for every voice
             return
         self._warned = True
+        # Warnings turned into errors must not fail the frame (and every running request)
+        # over a cache that is only lost: the requests go on, prefilled each time.
+        with contextlib.suppress(Exception):
+            self._warn_now(what, error)
+
+    def _warn_now(self, what: str, error: BaseException) -> None:
         warnings.warn(
             f"cannot {what} the voice-prefix cache in {one_line(str(self.directory))}: "
             f"{one_line(str(error))}; voices are prefilled again in each process "
             "(turn the cache off with --no-prefix-cache, or prefix_cache_dir=None "
             "in load())",
             PrefixCacheWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
     def clear(self) -> None:

@@ -1,0 +1,195 @@
+"""The engine's scheduling, driven pump by pump on the model's worker thread (no timing):
+free slots are used, no segment is set aside for nothing, ended jobs let go of their KV
+rows, and no failure leaves a consumer waiting."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import voxtral_mlx
+import voxtral_mlx.engine as engine_mod
+from voxtral_mlx.prefix_store import PrefixCacheWarning
+
+VOICE = "casual_male"
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoint_noend):
+    model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None, max_batch=2)
+    yield model
+    model.close()
+
+
+def job(tts, text: str, segment: int, ahead: bool, **kwargs):
+    """A job as a split text makes it (``segment``, generated ``ahead`` of its listener)."""
+    made = tts.job(text, VOICE, **kwargs)
+    made.segment, made.ahead = segment, ahead
+    made.claim()
+    return made
+
+
+def codes(made) -> np.ndarray:
+    items = []
+    while not made.output.empty():
+        items.append(made.output.get())
+    chunks = [i for i in items if isinstance(i, engine_mod.AudioChunk)]
+    assert items[-1] is engine_mod.DONE, items[-1]
+    return np.concatenate([c.codes for c in chunks])
+
+
+def solo(tts, text: str, **kwargs) -> np.ndarray:
+    return tts.synthesize(text, VOICE, **kwargs).codes
+
+
+def test_a_set_aside_segment_rejoins_while_another_prompt_is_prefilled(tts, monkeypatch):
+    """A set-aside segment needs no prefill: it waited for every part of another job's
+    long prompt, with a slot free all along and nothing generating."""
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 16)
+    monkeypatch.setattr(engine_mod, "MIN_PREFILL_PART_TOKENS", 16)
+    long_text = " ".join(f"Sentence number {i} goes on a little." for i in range(30))
+    jobs = {}
+
+    def scenario() -> int:
+        e = tts.engine
+        e._part_tokens = 16
+        jobs["a0"] = a0 = job(tts, "Text A first segment.", 0, False, seed=1, max_frames=12)
+        jobs["a1"] = a1 = job(tts, "Text A second segment.", 1, True, seed=2, max_frames=40)
+        for j in (a0, a1):
+            e.submit(j)
+        for _ in range(6):
+            e.pump()
+        jobs["b0"] = b0 = job(tts, "Quick one.", 0, False, seed=3, max_frames=3)
+        e.submit(b0)
+        while not e._parked:
+            e.pump()
+        jobs["c0"] = c0 = job(tts, long_text, 0, False, seed=4, max_frames=3)
+        e.submit(c0)
+        while e._prefilling is None:
+            e.pump()
+        while not a0.seq.finished:
+            e.pump()
+        a1.needed()  # A's listener has reached its second segment
+        pumps = 0
+        while a1 in e._parked:
+            e.pump()
+            pumps += 1
+        parts_left = e._prefilling is not None
+        while e.busy:
+            e.pump()
+        return pumps, parts_left
+
+    pumps, parts_left = tts.call(scenario)
+    assert pumps <= 2 and parts_left  # back at once, while the long prompt was prefilling
+    for name, text, seed, frames in (
+        ("a0", "Text A first segment.", 1, 12),
+        ("a1", "Text A second segment.", 2, 40),
+        ("b0", "Quick one.", 3, 3),
+        ("c0", long_text, 4, 3),
+    ):
+        np.testing.assert_array_equal(
+            codes(jobs[name]), solo(tts, text, seed=seed, max_frames=frames), err_msg=name
+        )
+
+
+def test_a_row_ending_at_this_frame_frees_its_slot_for_a_newcomer(tts):
+    """A segment generated ahead was set aside for a newcomer although the row ending at
+    that frame freed the slot it needed (a copy of its KV rows and a frame lost)."""
+
+    def scenario() -> tuple[bool, bool]:
+        e = tts.engine
+        a0 = job(tts, "Text A first segment.", 0, False, seed=1, max_frames=10)
+        a1 = job(tts, "Text A second segment.", 1, True, seed=2, max_frames=20)
+        for j in (a0, a1):
+            e.submit(j)
+        while a0.seq.frames < 9:
+            e.pump()
+        e.submit(job(tts, "Quick one.", 0, False, seed=3, max_frames=3))
+        e.pump()  # a0's last frame, and the newcomer's prefill
+        ended, parked = a0.seq.finished, a1 in e._parked
+        while e.busy:
+            e.pump()
+        return ended, parked
+
+    ended, parked = tts.call(scenario)
+    assert ended and not parked
+
+
+def test_jobs_that_end_without_a_frame_let_go_of_their_kv_rows(tts, monkeypatch):
+    """max_frames=0 (a pause-only segment, warmup's other voices) and a job cancelled as
+    its prefill ended kept the whole prompt's KV cache for as long as the Job lived."""
+
+    def scenario():
+        e = tts.engine
+        zero = job(tts, "A pause.", 0, False, seed=1, max_frames=0)
+        e.submit(zero)
+        while e.busy:
+            e.pump()
+        cancelled = job(tts, "Cancelled as it joins.", 0, False, seed=2, max_frames=50)
+        prefill = engine_mod.prefill
+
+        def prefill_then_cancel(*args):
+            prefill(*args)
+            cancelled.cancel()
+
+        monkeypatch.setattr(engine_mod, "prefill", prefill_then_cancel)
+        e.submit(cancelled)
+        while e.busy:
+            e.pump()
+        return zero, cancelled
+
+    for ended in tts.call(scenario):
+        assert ended.done and ended.seq._cache is None and ended.seq._h is None
+
+
+def test_a_failure_as_a_prefilled_job_joins_reaches_its_consumer(tts, monkeypatch):
+    """Between leaving the prefill and entering the engine's books a job was in no list:
+    an error there (e.g. out of memory) left its consumer waiting for ever."""
+    codec = tts.model.audio_tokenizer
+
+    def out_of_memory(*_args, **_kwargs):
+        raise MemoryError("out of memory (injected)")
+
+    def scenario():
+        e = tts.engine
+        made = job(tts, "Some words.", 0, False, seed=1, max_frames=5)
+        monkeypatch.setattr(codec, "new_state", out_of_memory)
+        e.submit(made)
+        e.pump()
+        monkeypatch.undo()
+        while e.busy:
+            e.pump()
+        return made
+
+    made = tts.call(scenario)
+    assert made.done and isinstance(made.output.get_nowait(), MemoryError)
+
+
+def test_warnings_as_errors_and_a_cache_that_cannot_be_written_fail_no_request(
+    tiny_checkpoint_noend, tmp_path
+):
+    """Under ``-W error`` the prefix cache's warning was raised inside the frame, and every
+    running request failed with it: a lost cache must cost only the cache."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    tts = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=blocker / "prefixes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            running = tts.stream("A long running request.", VOICE, seed=2, max_frames=30)
+            first = next(running)
+            other = tts.synthesize("A new voice.", "fr_female", seed=3, max_frames=5)
+            rest = list(running)
+        assert len(other.codes) == 5 and first.frames + sum(c.frames for c in rest) == 30
+    finally:
+        tts.close()
+    with warnings.catch_warnings(record=True) as caught:  # otherwise it is still said
+        warnings.simplefilter("always")
+        tts = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=blocker / "prefixes")
+        try:
+            tts.synthesize("Hi.", VOICE, seed=1, max_frames=2)
+        finally:
+            tts.close()
+    assert any(issubclass(w.category, PrefixCacheWarning) for w in caught)
