@@ -553,6 +553,26 @@ def test_every_written_file_is_made_durable_before_it_is_published(
     assert [p for p in written if p.stat().st_ino not in synced] == []
 
 
+def test_a_file_system_that_cannot_sync_directories_still_converts(
+    source: Path, tmp_path: Path, monkeypatch
+) -> None:
+    import errno
+    import stat
+
+    import voxtral_mlx.output_dir as output_dir
+
+    sync = output_dir.full_fsync
+
+    def no_directories(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):  # as some network and FUSE file systems
+            raise OSError(errno.EINVAL, "Invalid argument")
+        sync(fd)
+
+    monkeypatch.setattr(output_dir, "full_fsync", no_directories)
+    out = convert_model(source, tmp_path / "out").path
+    assert (out / "config.json").is_file()
+
+
 def test_unwritable_output(source: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -201,8 +201,16 @@ def _sync_tree(root: Path) -> None:
     rename that publishes them: otherwise a power cut soon after a finished conversion can
     leave empty or short files in a directory that looks complete."""
     for parent, _dirs, files in os.walk(root):
-        for name in [*files, "."]:
+        for name in files:
             fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            try:
+                full_fsync(fd)
+            finally:
+                os.close(fd)
+        # A directory's entries: best effort, as some file systems (network, FUSE) refuse
+        # to sync a directory (EINVAL) and a conversion must not fail over it.
+        with contextlib.suppress(OSError):
+            fd = os.open(parent, os.O_RDONLY)
             try:
                 full_fsync(fd)
             finally:
