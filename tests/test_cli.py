@@ -319,6 +319,7 @@ def test_a_windows_text_file_sounds_like_the_same_text_saved_on_a_mac(model_dir,
         "cr.txt": "\r".join(lines).encode(),
         "notepad.txt": "\r\n".join(lines).encode("utf-16"),
         "utf16be.txt": b"\xfe\xff" + "\r\n".join(lines).encode("utf-16-be"),
+        "utf32.txt": "\r\n".join(lines).encode("utf-32"),  # its mark begins as UTF-16's
     }
     audio = {}
     for name, data in files.items():
@@ -332,6 +333,9 @@ def test_a_windows_text_file_sounds_like_the_same_text_saved_on_a_mac(model_dir,
     audio["stdin"] = sf.read(tmp_path / "stdin.wav", dtype="float32")[0]
     for name, got in audio.items():
         assert np.array_equal(got, audio["mac.txt"]), name
+    (tmp_path / "odd.txt").write_bytes(files["notepad.txt"][:-1])  # cut inside a character
+    proc = run(*base, "-f", str(tmp_path / "odd.txt"), "-o", str(tmp_path / "odd.wav"))
+    assert "odd.txt is not UTF-16 text" in one_line_error(proc)
 
 
 def _fake_sounddevice(tmp_path: Path, body: str) -> dict:

@@ -689,16 +689,26 @@ def test_a_hang_up_while_swapping_in_is_held_too(converted, source, tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_a_replaced_model_left_by_a_killed_run_is_removed(converted, source, tmp_path):
-    """A run killed (kill -9, power cut) between moving the old model aside and removing
-    it leaves it hidden beside the output; the next run there removes it."""
+def test_a_replaced_model_left_by_a_killed_run_is_removed_or_put_back(converted, source, tmp_path):
+    """A run killed (kill -9, power cut) while replacing a model leaves the old one hidden
+    beside the output. Once the new one is in place it is garbage: the next run there
+    removes it. Killed before that, it is the only model: it is put back, not removed."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
+    out = Path(shutil.copytree(converted["q4"], tmp_path / "out"))
     left = tmp_path / f".out.old-{gone.pid}-0123abcd"
     shutil.copytree(converted["bf16"], left)
     kept = tmp_path / f".out.old-{os.getpid()}-0123abcd"  # a running process's: kept
     kept.mkdir()
-    convert_model(source, tmp_path / "out", q_bits=4)
+    convert_model(source, out, q_bits=8, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [kept.name, "out"]
+    assert tree_bytes(out) == tree_bytes(converted["q8"])
+
+    shutil.rmtree(out)  # killed between moving the old model aside and the new one in
+    shutil.copytree(converted["bf16"], left)
+    with pytest.raises(InputError, match="exists and is not empty"):
+        convert_model(source, out, q_bits=4)  # the model is there again
+    assert tree_bytes(out) == tree_bytes(converted["bf16"])
     assert sorted(p.name for p in tmp_path.iterdir()) == [kept.name, "out"]
 
 

@@ -759,3 +759,14 @@ def test_a_repo_is_listed_in_one_request_without_retries(
         huggingface_hub, "model_info", lambda repo_id, **kw: SimpleNamespace(siblings=siblings)
     )
     assert hub_module._list_files("someone/voxtral-tts") == names
+
+
+def test_download_bars_with_stderr_closed_draw_nothing(monkeypatch):
+    """`voxtral-mlx speak ... 2>&-` on a first run: Python sets sys.stderr to None and the
+    download's byte bar crashed the download (AttributeError), with no message."""
+    from voxtral_mlx.hub import _silent_tqdm
+
+    monkeypatch.setattr(sys, "stderr", None)
+    with _silent_tqdm()(total=10, desc="model.safetensors", unit="B") as bar:
+        bar.update(5)
+    assert bar.disable

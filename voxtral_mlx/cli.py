@@ -195,10 +195,10 @@ def _read_text(args: argparse.Namespace) -> str:
             return _decode_text(raw)
         except FileNotFoundError:
             raise InputError(f"text file {one_line(args.file)} not found: check the path") from None
-        except UnicodeDecodeError:
+        except UnicodeDecodeError as e:
             raise InputError(
-                f"text file {one_line(args.file)} is not UTF-8 text; convert it first (e.g. "
-                "with iconv)"
+                f"text file {one_line(args.file)} is not {_encoding(e)} text; convert it first "
+                "(e.g. with iconv)"
             ) from None
         except OSError as e:
             raise InputError(
@@ -220,15 +220,22 @@ def _read_text(args: argparse.Namespace) -> str:
 
 
 def _decode_text(raw: bytes) -> str:
-    """A text file's bytes as text: UTF-8, or UTF-16 when it starts with that byte-order mark
-    (Windows' "Unicode" text files). A UTF-8 byte-order mark is dropped and line ends become
-    ``\n``: neither is meant to be spoken, and a Windows file must sound like the same text
-    saved on a Mac (each ``\r`` would be a token of the prompt)."""
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+    """A text file's bytes as text: UTF-8, or UTF-16 or UTF-32 when it starts with their
+    byte-order mark (Windows' "Unicode" text files are UTF-16). A UTF-8 byte-order mark is
+    dropped and line ends become ``\n``: neither is meant to be spoken, and a Windows file
+    must sound like the same text saved on a Mac (each ``\r`` would be a prompt token)."""
+    if raw.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):  # before UTF-16's
+        text = raw.decode("utf-32")
+    elif raw.startswith((b"\xff\xfe", b"\xfe\xff")):
         text = raw.decode("utf-16")
     else:
         text = raw.decode("utf-8-sig")  # editors that save a byte-order mark
     return _one_newline(text)
+
+
+def _encoding(error: UnicodeDecodeError) -> str:
+    """The encoding a text was read as, as its users name it (UTF-8, UTF-16, UTF-32)."""
+    return error.encoding.upper().replace("-SIG", "")[:6]
 
 
 def _one_newline(text: str) -> str:
@@ -257,8 +264,10 @@ def _read_stdin() -> str:
         return _one_newline(raw.removeprefix("\ufeff"))
     try:
         return _decode_text(raw)
-    except UnicodeDecodeError:
-        raise InputError("stdin is not UTF-8 text; convert it first (e.g. with iconv)") from None
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"stdin is not {_encoding(e)} text; convert it first (e.g. with iconv)"
+        ) from None
 
 
 def _check_dtype(args: argparse.Namespace) -> None:

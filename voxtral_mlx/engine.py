@@ -432,9 +432,13 @@ class Engine:
 
     def _rejoin_parked(self, reserve: int) -> None:
         """Set-aside jobs back into the batch, in :func:`_priority` order, while it has
-        room beyond ``reserve`` slots."""
+        room beyond ``reserve`` slots; only those that would go before every waiting job
+        (a slot taken now must not be one a job before them needs next)."""
+        first_waiting = min(map(_priority, self._waiting), default=None)
         while self._parked and self._batch.live() + reserve < self.max_batch:
             k = min(range(len(self._parked)), key=lambda k: _priority(self._parked[k]))
+            if first_waiting is not None and _priority(self._parked[k]) > first_waiting:
+                return
             self._batch.add(self._parked.pop(k).seq)
 
     def _start(self, job: Job) -> bool:

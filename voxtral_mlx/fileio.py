@@ -150,24 +150,31 @@ def owned_name(stem: str, kind: str, ext: str = "") -> str:
     return hidden_name(stem, f".{kind}-{os.getpid()}-{secrets.token_hex(4)}{ext}")
 
 
-def remove_orphans(directory: Path, stem: str | None, kind: str, ext: str = "") -> list[Path]:
-    """Remove what :func:`owned_name` named for ``stem`` (None: for any target) in
-    ``directory`` whose process no longer runs: a killed conversion's hidden staging
-    directory can hold gigabytes. Returns what was removed; errors are ignored (this is
-    tidying up, never the job)."""
+def orphans(directory: Path, stem: str | None, kind: str, ext: str = "") -> list[os.DirEntry]:
+    """What :func:`owned_name` named for ``stem`` (None: for any target) in ``directory``
+    whose process no longer runs."""
     tail = re.compile(rf"\.{re.escape(kind)}-(\d{{1,10}})-[0-9a-f]{{8}}{re.escape(ext)}$")
-    removed: list[Path] = []
     try:
         with os.scandir(directory) as it:
             entries = [e for e in it if e.name.startswith(".")]
     except OSError:
-        return removed
+        return []
+    found = []
     for entry in entries:
         match = tail.search(entry.name)
         if match is None or (stem is not None and entry.name != hidden_name(stem, match[0])):
             continue
-        if _process_exists(int(match.group(1))):
-            continue
+        if not _process_exists(int(match.group(1))):
+            found.append(entry)
+    return found
+
+
+def remove_orphans(directory: Path, stem: str | None, kind: str, ext: str = "") -> list[Path]:
+    """Remove the :func:`orphans`: a killed conversion's hidden staging directory can hold
+    gigabytes. Returns what was removed; errors are ignored (this is tidying up, never the
+    job)."""
+    removed: list[Path] = []
+    for entry in orphans(directory, stem, kind, ext):
         with contextlib.suppress(OSError):
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path)

@@ -6,6 +6,7 @@ import contextlib
 import fnmatch
 import os
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -320,6 +321,8 @@ def _silent_tqdm() -> type:
     class Quiet(tqdm):
         def __init__(self, *args, **kwargs) -> None:
             if str(kwargs.get("desc") or "").startswith("Fetching"):
+                kwargs["disable"] = True
+            if kwargs.get("file") is None and sys.stderr is None:  # 2>&-: nowhere to draw
                 kwargs["disable"] = True
             super().__init__(*args, **kwargs)
 

@@ -14,7 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import InputError
-from .fileio import full_fsync, one_line, owned_name, remove_orphans, usable_path
+from .fileio import (
+    full_fsync,
+    one_line,
+    orphans,
+    owned_name,
+    remove_orphans,
+    usable_path,
+)
 
 _MODEL_FILES = {"config.json", "params.json", "tekken.json", "model.safetensors.index.json"}
 # What --force may delete with a model directory: its files, and what a Hub download or a
@@ -95,6 +102,7 @@ def check_output_dir(out: Path, force: bool) -> Path:
                 "which is not a directory: choose another output directory"
             )
         out = target
+    _put_back_replaced(out)  # before the checks: it is what is there
     if out.exists():
         if not out.is_dir():
             raise InputError(
@@ -157,7 +165,7 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
     try:
         created = make_parents(out)
         remove_orphans(out.parent, out.name, "partial")  # a killed run's staging directory
-        remove_orphans(out.parent, out.name, OLD_KIND)  # or the model it was replacing
+        remove_orphans(out.parent, out.name, OLD_KIND)  # or the model it replaced
         tmp = out.parent / owned_name(out.name, "partial")
         tmp.mkdir(mode=0o700)
     except OSError as e:
@@ -194,6 +202,18 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
             ) from None
         raise
     _deliver(received, written_detail(out))
+
+
+def _put_back_replaced(out: Path) -> None:
+    """A run killed between moving the old ``out`` aside and renaming the new one in left
+    no ``out``, only the old one hidden beside it: the last complete model, put back (this
+    run may fail too), rather than removed."""
+    if os.path.lexists(out):
+        return
+    left = sorted(orphans(out.parent, out.name, OLD_KIND), key=lambda e: e.stat().st_mtime)
+    if left:
+        with contextlib.suppress(OSError):
+            os.rename(left[-1].path, out)
 
 
 def _sync_tree(root: Path) -> None:
