@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "-o",
+        "--output",
         "--out",
+        dest="out",
         required=True,
         type=Path,
         metavar="OUT_DIR",

@@ -981,7 +981,14 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "sources", nargs="+", type=_given("SRC"), metavar="SRC", help=".pt files or directories"
     )
-    conv.add_argument("-o", "--output", type=_given("-o OUT_DIR"), required=True, metavar="OUT_DIR")
+    conv.add_argument(
+        "-o",
+        "--output",
+        type=_given("-o OUT_DIR"),
+        required=True,
+        metavar="OUT_DIR",
+        help="directory to write <name>.safetensors into (created if needed)",
+    )
     conv.add_argument(
         "--force", action="store_true", help="overwrite voice files already in OUT_DIR"
     )
@@ -1019,7 +1026,14 @@ def build_parser() -> argparse.ArgumentParser:
     cvt.add_argument(
         "model", type=_given("MODEL"), metavar="MODEL", help="local directory or Hugging Face repo"
     )
-    cvt.add_argument("-o", "--output", type=_given("-o OUT_DIR"), required=True, metavar="OUT_DIR")
+    cvt.add_argument(
+        "-o",
+        "--output",
+        type=_given("-o OUT_DIR"),
+        required=True,
+        metavar="OUT_DIR",
+        help="directory to write the converted model into (written aside, renamed in at the end)",
+    )
     cvt.add_argument(
         "--q-bits", type=int, help="quantize the backbone's Linear layers to 4, 6 or 8 bits"
     )
