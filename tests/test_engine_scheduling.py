@@ -193,3 +193,34 @@ def test_warnings_as_errors_and_a_cache_that_cannot_be_written_fail_no_request(
         finally:
             tts.close()
     assert any(issubclass(w.category, PrefixCacheWarning) for w in caught)
+
+
+def test_set_aside_jobs_rejoin_only_ahead_of_every_waiting_job():
+    """A free slot during a prefill goes to a set-aside job only if no waiting job comes
+    before it: otherwise that job would find the batch full when the prefill ends."""
+    from types import SimpleNamespace
+
+    class Batch:
+        def __init__(self):
+            self.added = []
+
+        def live(self):
+            return len(self.added)
+
+        def add(self, seq):
+            self.added.append(seq)
+
+    def fake(name, segment, ahead=True, since=0.0):
+        return SimpleNamespace(seq=name, segment=segment, ahead=ahead, waited_since=since)
+
+    engine = engine_mod.Engine.__new__(engine_mod.Engine)
+    engine._max_batch = 4
+    engine._batch = Batch()
+    engine._parked = [fake("later", 6), fake("needed", 9, ahead=False, since=1.0)]
+    engine._waiting = [fake("earlier", 2)]
+    engine._rejoin_parked(reserve=1)
+    assert engine._batch.added == ["needed"]  # "later" would take the slot "earlier" needs
+    assert [j.seq for j in engine._parked] == ["later"]
+    engine._waiting = []
+    engine._rejoin_parked(reserve=1)
+    assert engine._batch.added == ["needed", "later"]
