@@ -358,14 +358,14 @@ def cmd_speak(args: argparse.Namespace) -> int:
     if args.max_frames < 1:
         raise InputError(f"--max-frames must be at least 1, got {args.max_frames}")
     # Before the model is loaded (or downloaded): a typo costs nothing.
-    from .textstream import MAX_PAUSE_S
+    from .generate import check_seed
+    from .textstream import check_pause
 
-    if args.seed is not None and not 0 <= args.seed < 2**64:
-        raise InputError(f"--seed must be an integer from 0 to 2**64 - 1, got {args.seed}")
-    if args.pause is not None and not 0 <= args.pause <= MAX_PAUSE_S:
-        raise InputError(
-            f"--pause must be a number of seconds from 0 to {MAX_PAUSE_S:g}, got {args.pause}"
-        )
+    try:
+        check_seed(args.seed)
+        check_pause(args.pause)
+    except InputError as e:  # the library's words, with the option's name
+        raise InputError(f"--{e}") from None
     _check_dtype(args)
     raw_out = args.raw
     to_stdout = args.output == "-"
@@ -550,8 +550,7 @@ def _splitting_notice(args: argparse.Namespace, text: str) -> Iterator[None]:
         len(text) > SPLIT_NOTICE_CHARS
         and not args.no_split
         and not args.quiet
-        and sys.stderr is not None
-        and sys.stderr.isatty()
+        and _stderr_is_terminal()
     )
     if show:
         _to_stderr(f"\r{PROG}: splitting {len(text):,} characters into segments\x1b[K")
@@ -563,12 +562,11 @@ def _splitting_notice(args: argparse.Namespace, text: str) -> Iterator[None]:
 
 
 def _show_progress(args: argparse.Namespace, stream) -> bool:
-    return (
-        len(stream.segments) > 1
-        and not args.quiet
-        and sys.stderr is not None
-        and sys.stderr.isatty()
-    )
+    return len(stream.segments) > 1 and not args.quiet and _stderr_is_terminal()
+
+
+def _stderr_is_terminal() -> bool:
+    return sys.stderr is not None and sys.stderr.isatty()
 
 
 class Progress:

@@ -222,19 +222,19 @@ def _sync_tree(root: Path) -> None:
     leave empty or short files in a directory that looks complete."""
     for parent, _dirs, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
-            try:
-                full_fsync(fd)
-            finally:
-                os.close(fd)
+            _sync_path(os.path.join(parent, name))
         # A directory's entries: best effort, as some file systems (network, FUSE) refuse
         # to sync a directory (EINVAL) and a conversion must not fail over it.
         with contextlib.suppress(OSError):
-            fd = os.open(parent, os.O_RDONLY)
-            try:
-                full_fsync(fd)
-            finally:
-                os.close(fd)
+            _sync_path(parent)
+
+
+def _sync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        full_fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def written_detail(out: str | Path) -> str:
@@ -250,10 +250,11 @@ _DEFERRED = tuple(
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[list[int]]:
-    """Hold Ctrl-C, SIGTERM and SIGHUP back (collected in the list it yields, for :func:`_deliver`)
-    while the output is swapped in or the staging directory removed: an interrupt never
-    leaves the old model half-deleted beside the new one, or half a staging directory.
-    Only the main thread can do this (elsewhere Python delivers no signals anyway)."""
+    """Hold Ctrl-C, SIGTERM and SIGHUP back (collected in the list it yields, for
+    :func:`_deliver`) while the output is swapped in or the staging directory removed: an
+    interrupt never leaves the old model half-deleted beside the new one, or half a
+    staging directory. Only the main thread can do this (elsewhere Python delivers no
+    signals anyway)."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received

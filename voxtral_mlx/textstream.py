@@ -48,12 +48,7 @@ class _Reader:
         self._codes_width = 0  # codes per frame, as the segments' own chunks have them
         self._t0 = time.perf_counter()
         self.timings = Timings()  # the whole text's figures
-        seconds = None if pause is None else finite_float(pause)
-        if pause is not None and (seconds is None or not 0 <= seconds <= MAX_PAUSE_S):
-            raise InputError(
-                f"pause must be a number of seconds from 0 to {MAX_PAUSE_S:g}, got "
-                f"{one_line(repr(pause), 60)}"
-            )
+        check_pause(pause)
         self._unsubmitted: list[Job] = []
         # A callable splits the text later, at the first item or prepare(): ``segments`` is
         # empty until then. It is given a function saying whether the stream was stopped
@@ -168,6 +163,16 @@ class _Reader:
         # A snapshot: the consumer's thread may be adding or removing jobs meanwhile.
         for _, job in list(self.jobs):
             job.cancel()
+
+
+def check_pause(pause: object) -> None:
+    """Raise InputError unless ``pause`` is None or a number of seconds a pause may last."""
+    seconds = None if pause is None else finite_float(pause)
+    if pause is not None and (seconds is None or not 0 <= seconds <= MAX_PAUSE_S):
+        raise InputError(
+            f"pause must be a number of seconds from 0 to {MAX_PAUSE_S:g}, got "
+            f"{one_line(repr(pause), 60)}"
+        )
 
 
 class TextStream(_Reader):

@@ -803,14 +803,14 @@ class VoxtralTTS:
         return audio
 
 
-def _segment_bounds(segment_frames: object, frames: int) -> list[tuple[int, int]]:
+def _segment_bounds(segment_frames: Iterable[int] | None, frames: int) -> list[tuple[int, int]]:
     """``[start, end)`` frames of each segment for :meth:`VoxtralTTS.decode`."""
     if segment_frames is None:
         return [(0, frames)]
     shown = one_line(repr(segment_frames), 60)
     try:
-        counts = [check_whole("segment_frames", n, 0) for n in segment_frames]  # type: ignore[attr-defined]
-    except TypeError:
+        counts = [check_whole("segment_frames", n, 0) for n in segment_frames]
+    except TypeError:  # not iterable
         raise InputError(
             f"segment_frames must be a list of frame counts (Speech.segment_frames), got {shown}"
         ) from None
