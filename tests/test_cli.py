@@ -173,6 +173,7 @@ def test_voices_of_a_model_without_voices_is_an_error(model_dir, tmp_path):
     [
         (["-v", "nobody", "Hi."], "unknown voice 'nobody'"),
         (["   "], "text is empty"),
+        (["-v is cool"], "'-v is cool' was read as the option -v: text that starts with '-' goes"),
         (["-f", "/nonexistent/text.txt"], "not found: check the path"),
         (["-f", "/"], "cannot read text file /: Is a directory; pass a readable text file"),
     ],

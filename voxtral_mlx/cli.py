@@ -182,6 +182,27 @@ def _out(line: str) -> None:
         raise StdoutError(f"writing to stdout failed: {e.strerror or e}") from None
 
 
+_ATTACHED_OPTIONS = (
+    ("-v", "voice"),
+    ("-f", "file"),
+    ("-o", "output"),
+    ("-a", "device"),
+    ("-m", "model"),
+)
+
+
+def _text_as_option_hint(args: argparse.Namespace) -> str:
+    """Text such as "-v is cool" reaches argparse as -v with the value " is cool"; say so."""
+    for flag, dest in _ATTACHED_OPTIONS:
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and value[:1].isspace():
+            return (
+                f" ({one_line(flag + value, 60)!r} was read as the option {flag}: text that "
+                "starts with '-' goes last, after --)"
+            )
+    return ""
+
+
 def _read_text(args: argparse.Namespace) -> str:
     if args.file is not None and args.text:
         raise InputError("give the text either as arguments or with -f FILE, not both")
@@ -405,7 +426,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
     from .segment import is_blank
 
     if is_blank(text):
-        raise InputError("text is empty: give some words to speak")
+        raise InputError(f"text is empty: give some words to speak{_text_as_option_hint(args)}")
 
     player = None
     if play:
