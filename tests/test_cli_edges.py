@@ -18,6 +18,7 @@ import pytest
 import soundfile as sf
 
 from voxtral_mlx.errors import InputError
+from voxtral_mlx.torch_pickle import write_pt
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -371,13 +372,20 @@ def test_a_damaged_voice_file_is_not_listed_as_usable(model_dir, tmp_path):
     voice = model / "voice_embedding" / "casual_male.pt"
     voice.write_bytes(voice.read_bytes()[:1000])  # truncated
     (model / "voice_embedding" / "weird.pt").write_bytes(b"not a voice")
+    write_pt(model / "voice_embedding" / "de_male.pt", np.zeros((5, 7), np.float32))
     proc = run("voices", "-m", str(model))
     assert proc.returncode == 0
     listed = proc.stdout.decode()
     assert "casual_female" in listed and "casual_male" not in listed and "weird" not in listed
+    assert "de_female" in listed and "de_male" not in listed
     notes = proc.stderr.decode().splitlines()
-    assert len(notes) == 2 and all(line.startswith("note: voice '") for line in notes)
-    assert "'casual_male' is unusable" in notes[0] and "'weird' is unusable" in notes[1]
+    assert len(notes) == 3 and all(line.startswith("note: voice '") for line in notes)
+    by_name = {line.split("'")[1]: line for line in notes}
+    assert "'casual_male' is unusable" in by_name["casual_male"]
+    assert "'weird' is unusable" in by_name["weird"]
+    narrow = by_name["de_male"]
+    assert narrow.startswith("note: voice 'de_male' (") and "is 7 wide" in narrow
+    assert narrow.count("de_male'") == 1  # named once, not "voice X is unusable: voice X"
 
 
 def test_a_voice_file_that_is_a_broken_link_is_named(model_dir, tmp_path):

@@ -337,7 +337,9 @@ def _print_voices(tts) -> None:
         try:  # a voice file is a megabyte or two: read each, list only what speak can use
             tts.load_voice(name)
         except VoxtralError as e:
-            damaged.append(f"voice {one_line(repr(name))} is unusable: {e}")
+            named = f"voice {one_line(repr(name))}"
+            # Most voice errors already begin with the voice's name.
+            damaged.append(str(e) if str(e).startswith(named) else f"{named} is unusable: {e}")
             continue
         voice = tts.voices[name]
         lang = voice.language or "?"
