@@ -14,7 +14,7 @@ from voxtral_mlx import segment
 from voxtral_mlx.errors import InputError
 from voxtral_mlx.segment import PAUSE_AFTER, TERMINALS, Segment, is_silent, split_text
 
-CLOSERS = "\"'”’»›)]}」』）】〕〉》〗〙〛＂＇"
+CLOSERS = "\"'”’»›)]}」』）】〕〉》〗〙〛＂＇“‘«"  # “‘« close German and Danish quotes
 
 # Pieces that must never be split internally; the generator surrounds each with spaces.
 PROTECTED = [
@@ -291,6 +291,12 @@ def test_is_silent() -> None:
         ("❤\ufe0f", 2),  # variation selector
         ("e\u0301\u0323", 3),  # base + combining marks
         ("क्ष", 3),  # Devanagari conjunct: virama joins consonants
+        ("น้ำ", 3),  # Thai "am" is a spacing mark of category Lo
+        ("ｶﾞ", 2),  # half-width voiced sound mark
+        ("ب\u200c", 2),  # ZWNJ extends the letter before it
+        ("\u0600١", 2),  # a prepended Arabic number sign
+        ("\u1100\u1100\u1161", 3),  # Hangul leading jamo join each other and a vowel
+        ("\u1100\uac00", 2),  # ... and a precomposed syllable
         ("\ud83d\ude00", 2),  # a surrogate pair left as two code points
     ],
 )
@@ -537,6 +543,55 @@ def test_ellipsis() -> None:
     assert texts(segs) == ["I was thinking... maybe not.", "I waited…", "Then it came."]
 
 
+def test_a_spaced_ellipsis_is_one_mark() -> None:
+    """ ". . ." is never three sentence ends: no split inside it or before it, and after it
+    only as after "…"."""
+    text = "He paused . . . and went on. He paused . . . Then he left."
+    for target in range(8, 40, 3):  # max_chars fits "paused . . . and"
+        segs = split_text(text, target_chars=target, max_chars=2 * target)
+        assert all(s.text.count(" .") % 3 == 0 and s.text[0] != "." for s in segs), segs
+        assert any("paused . . . and" in s.text for s in segs)
+    segs = split_text(text, target_chars=10, max_chars=30)
+    assert texts(segs)[-2:] == ["He paused . . .", "Then he left."]
+    assert split_text("It ends here .")[0].spoken == "It ends here ."
+
+
+def test_german_and_danish_closing_quotes() -> None:
+    text = "Er sagte: „Wir gehen jetzt nach Hause.“ Dann ging er schnell los."
+    segs = split_text(text, target_chars=30, max_chars=50)
+    assert texts(segs) == ["Er sagte: „Wir gehen jetzt nach Hause.“", "Dann ging er schnell los."]
+    assert segs[0].pause_after == PAUSE_AFTER["sentence"] and segs[0].spoken == segs[0].text
+    segs = split_text("Han sagde »Nej.« Så gik han sin vej igen.", target_chars=10, max_chars=30)
+    assert texts(segs) == ["Han sagde »Nej.«", "Så gik han sin vej igen."]
+    # In Chinese “ opens a quote: it starts the next sentence.
+    segs = split_text("他说完了。“下一句话来了。”", target_chars=3, max_chars=10)
+    assert texts(segs) == ["他说完了。", "“下一句话来了。”"]
+
+
+def test_ascii_sentence_marks_between_cjk_characters() -> None:
+    segs = split_text("今日は晴れです.明日は雨です!明後日は曇りです?", target_chars=5, max_chars=12)
+    assert texts(segs) == ["今日は晴れです.", "明日は雨です!", "明後日は曇りです?"]
+    assert [s.pause_after for s in segs[:2]] == [PAUSE_AFTER["sentence"]] * 2
+    assert texts(split_text("円周率は3.14です", target_chars=3, max_chars=8))[0] != "円周率は3."
+
+
+def test_a_url_ends_before_a_danda() -> None:
+    segs = split_text("देखें https://example.com।अगला वाक्य यहाँ है।", target_chars=10, max_chars=30)
+    assert texts(segs) == ["देखें https://example.com।", "अगला वाक्य यहाँ है।"]
+
+
+def test_no_break_spaces_are_cut_at_rather_than_words() -> None:
+    """Text spaced with &nbsp; only has no split points; a forced cut still falls between
+    words, and a long run of them costs one step per run (it took minutes)."""
+    text = "\xa0".join(["wordy"] * 300)
+    segs = split_text(text, target_chars=100, max_chars=200)
+    check_invariants(text, segs, 200)
+    assert all(set(s.text.split("\xa0")) == {"wordy"} for s in segs)
+    assert min(len(s.text) for s in segs[:-1]) > 100
+    text = "a" + "\xa0" * 200_000 + "b."
+    assert texts(split_text(text)) == ["a", "b."]
+
+
 def test_numbered_list() -> None:
     text = "Shopping list:\n1. First item\n2. Second item\n  3. Third item\n10. Tenth item"
     segs = split_text(text, target_chars=5, max_chars=16)
@@ -621,6 +676,13 @@ def test_no_break_space_is_not_a_split() -> None:
         ("مرحبا بالعالم؟\u200f", "مرحبا بالعالم؟\u200f"),
         ("Stop.\u200b", "Stop.\u200b"),
         ("42", "42."),
+        ("人々", "人々。"),
+        ("コーヒー", "コーヒー。"),
+        ("ｶﾀｶﾅ", "ｶﾀｶﾅ｡"),
+        ("བཀྲ་ཤིས", "བཀྲ་ཤིས།"),
+        ("Τι κάνεις\u037e", "Τι κάνεις\u037e"),  # the Greek question mark
+        ("„Komm her!“", "„Komm her!“"),
+        ("Er sagte »Ja.«", "Er sagte »Ja.«"),
     ],
 )
 def test_spoken_terminal_punctuation(text: str, spoken: str) -> None:

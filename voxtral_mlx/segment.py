@@ -12,8 +12,8 @@ silence. Split points, best first:
   protected spans when possible.
 
 No split ever falls inside a number, URL or e-mail address, between a title-like abbreviation
-("Mr.", "e.g.", "z.B."), an initial or a line-start list marker ("1.") and the next word, or
-after an ellipsis followed by a lowercase word. Any other period ends a sentence only when the
+("Mr.", "e.g.", "z.B."), an initial or a line-start list marker ("1.") and the next word,
+inside a spaced ellipsis (". . ."), or after an ellipsis followed by a lowercase word. Any other period ends a sentence only when the
 next word is not lowercase: "etc. and" continues, "Apple Inc. The" ends; after a number of up
 to three digits it may be an ordinal ("am 3. Mai") and counts as a word split.
 """
@@ -43,7 +43,7 @@ PAUSE_AFTER: dict[str, float] = {
     CUT: 0.0,
 }
 
-TERMINALS = frozenset(".!?…‼⁇⁈⁉‽。！？｡．؟۔।॥։።፧။។៕།")
+TERMINALS = frozenset(".!?…‼⁇⁈⁉‽。！？｡．؟۔।॥։።፧။។៕།\u037e")  # U+037E: Greek question mark
 # Sentence ends that end a sentence with no space after them (CJK never spaces; Arabic and
 # Devanagari text usually does, but "؟" and "।" are unambiguous when it does not).
 _NO_SPACE_HARD = frozenset("。！？｡．؟۔।॥")
@@ -51,6 +51,9 @@ _MID = frozenset(",;:，；：、､،؛")
 _DASHES = frozenset("—–―")
 _CLOSERS = frozenset("\"'”’»›)]}」』）】〕〉》〗〙〛＂＇")
 _OPENERS = frozenset("\"'“‘„«‹([{「『（【〔〈《〖〘〚¿¡")
+# Openers elsewhere, closers in German and Danish quoting („so.“ ‚so.‘ »so.«): counted as
+# closers only after the end of a token (never in CJK text, where “ opens a quote).
+_LOW_CLOSERS = _CLOSERS | frozenset("“‘«")
 _LINE_ENDS = frozenset("\n\r\x0b\x0c\x85\u2028\u2029")
 _ATTACHED = TERMINALS | _MID | _CLOSERS  # belong to the word before them
 _MARKS = _ATTACHED | _OPENERS | _DASHES | frozenset("-")
@@ -87,9 +90,10 @@ _LINE_BREAK = re.compile(r"\r\n|[\n\r\x0b\x85\u2028]")
 _PARAGRAPH_SEPARATORS = frozenset("\x0c\x1c\x1d\x1e\u2029")
 _NO_BREAK_SPACES = "\xa0\u2007\u202f"
 # What a URL runs on through: not CJK text or full-width punctuation, which follow a URL
-# with no space between ("请访问https://example.com了解详情。").
+# with no space between ("请访问https://example.com了解详情。"), nor a danda or Arabic
+# punctuation, which no URL holds unescaped.
 _URL_BODY = (
-    r"[^\s<>\"\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af"
+    r"[^\s<>\"।॥؟،۔\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af"
     r"\uf900-\ufaff\ufe30-\ufe4f\uff00-\uffef]+"
 )
 # The lookbehinds make each pattern start only at the beginning of a run: linear time on long
@@ -115,14 +119,21 @@ _SCAN_BREAK = re.compile(r"[^\S ]| (?![\d%‰€$£¥₹])")
 _SCAN_CHARS = 4096
 _STOP_EVERY = 4096  # units of work (about one per word) between two calls of ``stop``
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
-_NO_SPACE_BREAK = re.compile(r"(?:[。！？｡．؟۔।॥，；：、､—―]|--)+")
+_CJK = r"\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+# ... and "." "!" "?" typed between two CJK characters ("晴れです.明日は"): a sentence end.
+_NO_SPACE_BREAK = re.compile(
+    r"(?:[。！？｡．؟۔।॥，；：、､—―]|--)+" rf"|(?<=[{_CJK}])[.!?]+(?=[{_CJK}])"
+)
 
 # Appended period by the script of the last letter; default ".". Arabic-script text uses the
 # Latin "." in Arabic and Persian, and U+06D4 in Urdu (detected by Urdu-only letters).
 _PERIOD_BY_SCRIPT = {
     "CJK": "。",
+    "IDEOGRAPHIC": "。",  # 々 〆
     "HIRAGANA": "。",
     "KATAKANA": "。",
+    "KATAKANA-HIRAGANA": "。",  # ー
+    "TIBETAN": "།",
     "DEVANAGARI": "।",
     "BENGALI": "।",
     "GURMUKHI": "।",
@@ -336,7 +347,7 @@ def _find_splits(
         while q < n and text[q] in _CLOSERS:
             q += 1
         if q < n and not text[q].isspace():
-            hard = any(ch in _NO_SPACE_HARD for ch in m.group())
+            hard = any(ch in _NO_SPACE_HARD or ch in ".!?" for ch in m.group())
             glued.add(q, q, SENTENCE if hard else CLAUSE)
 
     allowed = _Splits()  # never at the same place: a glued split is before a non-space
@@ -356,6 +367,9 @@ def _line_breaks(run: str) -> int:
 
 def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
     """Kind of split at the whitespace ``text[e:s]``; None, with ``forbid`` marked, if protected."""
+    if _lone_dot(text, s):  # before a dot of a spaced ellipsis ". . ."
+        forbid[e] = 1
+        return None
     j = _before_closers(text, e)
     c = text[j - 1] if j else ""
     if c in _MID or (
@@ -395,7 +409,7 @@ def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
     while k < j and text[k] in _OPENERS:
         k += 1
     word = text[k:j].lower()
-    if word.endswith(("..", "…")):
+    if word.endswith(("..", "…")) or (word == "." and _after_dot(text, k)):  # ". . ."
         return nxt.islower()
     if word in _TITLES or _second_part(text, k, word):
         return True
@@ -414,6 +428,19 @@ def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
             b -= 1
         return b == 0 or text[b - 1] in _LINE_ENDS
     return False
+
+
+def _lone_dot(text: str, i: int) -> bool:
+    """``text[i]`` is a period standing alone between spaces (or at the end)."""
+    return text[i : i + 1] == "." and (i + 1 == len(text) or text[i + 1].isspace())
+
+
+def _after_dot(text: str, k: int) -> bool:
+    """The token before the one starting at ``text[k]`` ends with a period."""
+    i = k
+    while i > 0 and text[i - 1].isspace():
+        i -= 1
+    return i < k and text[i - 1 : i] == "."
 
 
 def _second_part(text: str, k: int, word: str) -> bool:
@@ -469,9 +496,15 @@ def _length_cost(length: int, target: int, max_chars: int) -> float:
 
 def _hard_cut(text: str, cur: int, limit: int, forbid: bytearray) -> tuple[int, int, str]:
     """Cut near ``limit``; prefer outside grapheme clusters, then outside protected spans,
-    then not before punctuation that belongs to the word before it (a lone "." next)."""
+    then not before punctuation that belongs to the word before it (a lone "." next), then
+    at a no-break space in the window's second half rather than inside a word."""
+    # Other whitespace there would have been a split, or is protected.
+    half = limit - (limit - cur) // 2
+    spaced = any(ch in text[half:limit] for ch in _NO_BREAK_SPACES)
+    good = (True, True, True, True) if spaced else (True, True, True)
     best, best_rank = None, (-1,)
-    for i in range(limit, cur, -1):
+    i = limit
+    while i > cur:
         e, s = i, i
         while text[e - 1].isspace():
             e -= 1
@@ -485,8 +518,11 @@ def _hard_cut(text: str, cur: int, limit: int, forbid: bytearray) -> tuple[int, 
         )
         if rank > best_rank:
             best, best_rank = (e, s, CUT), rank
-            if rank[:3] == (True, True, True):
+            if rank[: len(good)] == good:
                 break
+        if spaced and i <= half and best_rank[:3] == (True, True, True):
+            break  # no no-break space close enough: the best cut inside a word
+        i = min(i, e) - 1  # every cut inside one run of whitespace is the same cut
     assert best is not None
     return best
 
@@ -507,14 +543,19 @@ def _cuttable(text: str, i: int, start: int = 0) -> bool:
     # may be cut rather than a word beside it.
     if (c == "\u200d") != (p == "\u200d") or (p == "\r" and c == "\n"):
         return False
-    # Variation selectors, skin-tone modifiers, tag characters, Hangul medial/final jamo.
+    # Variation selectors, skin-tone modifiers, tag characters, Hangul medial/final jamo, and
+    # what UAX #29 joins to the character before beyond the marks: ZWNJ, the half-width
+    # (semi-)voiced sound marks, Thai and Lao "am".
     if (
         0xFE00 <= oc <= 0xFE0F
         or 0x1F3FB <= oc <= 0x1F3FF
         or 0xE0020 <= oc <= 0xE01EF
         or 0x1160 <= oc <= 0x11FF
         or 0xD7B0 <= oc <= 0xD7FF
+        or oc in _EXTEND_OTHER
     ):
+        return False
+    if op in _PREPEND or (_is_leading_jamo(op) and (_is_leading_jamo(oc) or _is_syllable(oc))):
         return False
     if 0xD800 <= op <= 0xDBFF and 0xDC00 <= oc <= 0xDFFF:
         return False
@@ -530,6 +571,22 @@ def _cuttable(text: str, i: int, start: int = 0) -> bool:
     return True
 
 
+# Grapheme_Cluster_Break Extend / SpacingMark code points outside the Mn, Mc, Me categories
+# (besides the ranges _cuttable tests), and Prepend: what joins the character after it.
+_EXTEND_OTHER = frozenset((0x200C, 0xFF9E, 0xFF9F, 0x0E33, 0x0EB3))
+_PREPEND = frozenset(
+    (*range(0x0600, 0x0606), 0x06DD, 0x070F, 0x0890, 0x0891, 0x08E2, 0x0D4E, 0x110BD, 0x110CD)
+)
+
+
+def _is_leading_jamo(o: int) -> bool:
+    return 0x1100 <= o <= 0x115F or 0xA960 <= o <= 0xA97C
+
+
+def _is_syllable(o: int) -> bool:
+    return 0xAC00 <= o <= 0xD7A3
+
+
 def _is_regional(ch: str) -> bool:
     return 0x1F1E6 <= ord(ch) <= 0x1F1FF
 
@@ -537,7 +594,7 @@ def _is_regional(ch: str) -> bool:
 def _before_closers(text: str, j: int) -> int:
     """Where the closing quotes and brackets ending ``text[:j]`` begin; invisible format
     characters among them count too (a right-to-left mark after a Hebrew period)."""
-    while j > 0 and (text[j - 1] in _CLOSERS or unicodedata.category(text[j - 1]) == "Cf"):
+    while j > 0 and (text[j - 1] in _LOW_CLOSERS or unicodedata.category(text[j - 1]) == "Cf"):
         j -= 1
     return j
 
@@ -568,7 +625,10 @@ def _spoken(seg: str, add_period: bool) -> str:
 def _period_for(seg: str) -> str:
     for ch in reversed(seg):
         if ch.isalpha():
-            script = unicodedata.name(ch, "").split(" ", 1)[0]
+            name = unicodedata.name(ch, "")
+            if name.startswith("HALFWIDTH KATAKANA"):
+                return "｡"
+            script = name.split(" ", 1)[0]
             if script == "ARABIC":
                 return "۔" if any(c in _URDU_LETTERS for c in seg) else "."
             return _PERIOD_BY_SCRIPT.get(script, ".")
