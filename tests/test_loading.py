@@ -483,6 +483,21 @@ def test_mlx_converted_layout_is_not_called_an_incomplete_download(tmp_path: Pat
         assert "incomplete" not in message and "fetch it again" not in message
 
 
+@pytest.mark.parametrize("name", ["weights.npz", "model.gguf"])
+def test_weights_in_a_format_not_read_are_named_not_an_incomplete_download(
+    tmp_path: Path, name: str
+) -> None:
+    """mlx-audio reads .npz weights; llama.cpp writes .gguf: neither is a broken download."""
+    model = build_small(tmp_path / "m", voice_format="safetensors")
+    (model / "consolidated.safetensors").rename(model / name)
+    (model / "config.json").write_text(json.dumps({"model_type": "voxtral_tts"}))
+    with pytest.raises(CheckpointError) as exc:
+        voxtral_mlx.load(model, prefix_cache_dir=None)
+    message = one_line(exc.value)
+    assert f"holds weights only as {name}, a format voxtral_mlx does not read" in message
+    assert "fetch it again" not in message and ".safetensors" in message
+
+
 # --------------------------------------------------------------------------- voice file formats
 
 

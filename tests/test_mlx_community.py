@@ -491,6 +491,27 @@ def test_every_affine_width_mlx_supports_loads_and_matches_mlx_audio(source, tmp
     _assert_speaks_like_mlx_audio(path)
 
 
+def test_per_layer_entries_default_as_mlx_does(float_modes, tmp_path) -> None:
+    """An mlx-lm entry goes to ``to_quantized`` as it is: what it leaves out takes that
+    function's defaults (affine; the mode's bits and group size), not the section's."""
+    path = Path(shutil.copytree(float_modes["nvfp4"], tmp_path / "nvfp4"))
+    config = json.loads((path / "config.json").read_text())
+    layers = [
+        name.removesuffix(".scales")
+        for file in path.glob("model*.safetensors")
+        for name in mx.load(str(file))
+        if name.endswith(".scales")
+    ]
+    assert len(layers) > 10
+    for key in ("quantization", "quantization_config"):
+        config[key] = {"group_size": 64, "bits": 8, "mode": "affine"}
+        config[key].update({k: {"mode": "nvfp4"} for k in layers})
+    (path / "config.json").write_text(json.dumps(config))
+    loaded = load_model_dir(path, "float32")
+    assert loaded.quantized == load_model_dir(float_modes["nvfp4"], "float32").quantized
+    _assert_speaks_like_mlx_audio(path, _float32_text_table)
+
+
 def test_bits_mlx_does_not_support_are_one_line_errors(broken: Path) -> None:
     _edit_quantization(broken, lambda q: q.update(bits=7))
     with pytest.raises(CheckpointError) as exc:

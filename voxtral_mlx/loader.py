@@ -179,6 +179,10 @@ class WeightSet:
         return out
 
 
+# Weight files other tools write and read that voxtral_mlx does not.
+_UNREAD_WEIGHTS = frozenset({".npz", ".gguf", ".bin", ".pth", ".ckpt"})
+
+
 def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] | None]:
     """``("mistral", [consolidated], None)`` or ``("mlx", files, index weight map or None)``.
 
@@ -198,6 +202,13 @@ def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] 
         raise CheckpointError(
             f"{consolidated} is not a readable file (a directory, a pipe or device, or a "
             "broken link): restore it from the model's download"
+        )
+    other = sorted(p.name for p in model_dir.glob("*") if p.suffix in _UNREAD_WEIGHTS)
+    if other:
+        raise CheckpointError(
+            f"{model_dir} holds weights only as {some_names(other, 2)}, a format voxtral_mlx "
+            "does not read: use Mistral's download or an MLX conversion in .safetensors "
+            "(voxtral-mlx convert, mlx-audio's converter)"
         )
     raise ModelNotFoundError(
         f"{model_dir} has no {CONSOLIDATED} (Mistral's layout) and no *.safetensors weights "

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import FLOAT_QUANT_MODES
 from .errors import CheckpointError, ConfigError, ModelNotFoundError
 from .fileio import MAX_JSON_BYTES, one_line, read_limited
 
@@ -41,6 +42,8 @@ _SHARD_RE = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
 QUANT_MODES = ("affine",)
 # Keys of voxtral_mlx's quantization section that are not layers.
 _SUMMARY_KEYS = frozenset({"layers", "components"})
+# ``to_quantized``'s defaults by mode: (group size, bits).
+MODE_DEFAULTS = {"affine": (64, 4)} | {m: (g, b) for m, (b, g) in FLOAT_QUANT_MODES.items()}
 
 # --------------------------------------------------------------------------- rename table
 
@@ -301,13 +304,18 @@ def read_quantization(config: Mapping[str, Any] | None, rename: bool) -> QuantCo
     bits = _int(section.get("bits"), f"{key}.bits")
     group = _int(section.get("group_size"), f"{key}.group_size")
     entries: dict[str, Any] = {}
+    # An mlx-lm entry is what MLX passes to ``to_quantized``: what it leaves out is that
+    # function's default (affine; the mode's own bits and group size), not the section's.
+    own_defaults: set[str] = set()
     for path, value in section.items():
         if isinstance(value, (dict, bool)) and path not in _SUMMARY_KEYS:
             entries[path] = value
+            own_defaults.add(path)
     layers = section.get("layers", {})
     if not isinstance(layers, dict):
         raise ConfigError(f"config.json key '{key}.layers' must be an object")
     entries.update(layers)
+    own_defaults -= layers.keys()
 
     out: dict[str, LayerQuant | None] = {}
     for path, value in entries.items():
@@ -323,10 +331,15 @@ def read_quantization(config: Mapping[str, Any] | None, rename: bool) -> QuantCo
             value = {"bits": value}
         if not isinstance(value, dict):
             raise ConfigError(f"config.json key '{where}' must be an object, a bit count or false")
-        layer_mode = value.get("mode", mode)
+        if path in own_defaults and isinstance(value, dict):
+            layer_mode = value.get("mode", "affine")
+            default_group, default_bits = MODE_DEFAULTS.get(layer_mode, (None, None))
+        else:
+            layer_mode = value.get("mode", mode)
+            default_group, default_bits = group, bits
         out[name] = LayerQuant(
-            bits=_int(value.get("bits", bits), f"{where}.bits"),
-            group_size=_int(value.get("group_size", group), f"{where}.group_size"),
+            bits=_int(value.get("bits") or default_bits, f"{where}.bits"),
+            group_size=_int(value.get("group_size") or default_group, f"{where}.group_size"),
             mode=layer_mode,
         )
     return QuantConfig(bits, group, mode, out)

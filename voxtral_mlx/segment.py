@@ -13,9 +13,10 @@ silence. Split points, best first:
 
 No split ever falls inside a number, URL or e-mail address, between a title-like abbreviation
 ("Mr.", "e.g.", "z.B."), an initial or a line-start list marker ("1.") and the next word,
-inside a spaced ellipsis (". . ."), or after an ellipsis followed by a lowercase word. Any other period ends a sentence only when the
-next word is not lowercase: "etc. and" continues, "Apple Inc. The" ends; after a number of up
-to three digits it may be an ordinal ("am 3. Mai") and counts as a word split.
+inside a spaced ellipsis (". . ."), or after an ellipsis followed by a lowercase word. Any
+other period ends a sentence only when the next word is not lowercase: "etc. and" continues,
+"Apple Inc. The" ends; after a number of up to three digits it may be an ordinal ("am 3.
+Mai") and counts as a word split.
 """
 
 from __future__ import annotations
