@@ -718,6 +718,36 @@ def test_leaving_a_with_block_stops_the_stream(tts):
     assert job.seq.frames < 500
 
 
+def test_a_second_reader_of_one_stream_is_refused_not_left_waiting(tts):
+    """Two readers waited on one queue: the one not handed the end waited forever."""
+    expected = tts.synthesize(TEXT, VOICE, seed=4, max_frames=12).codes
+    stream = tts.stream(TEXT, VOICE, seed=4, max_frames=12)
+    chunks: list = []
+    reader = threading.Thread(target=lambda: chunks.extend(stream), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not stream._reading.locked() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert reader.is_alive()
+    with pytest.raises(VoxtralError, match="already being read"):
+        next(stream)
+    reader.join(60)
+    assert not reader.is_alive()
+    np.testing.assert_array_equal(np.concatenate([c.codes for c in chunks]), expected)
+
+    async def main():
+        stream = tts.astream(TEXT, VOICE, seed=4, max_frames=12)
+        first = asyncio.ensure_future(stream.__anext__())
+        while not stream._reading:
+            await asyncio.sleep(0)
+        with pytest.raises(VoxtralError, match="already being read"):
+            await stream.__anext__()
+        return [await first] + [chunk async for chunk in stream]
+
+    chunks = asyncio.run(main())
+    np.testing.assert_array_equal(np.concatenate([c.codes for c in chunks]), expected)
+
+
 def test_flags_and_the_start_noise_are_checked(tts):
     with pytest.raises(InputError, match="wait must be True or False"):
         tts.say("Hello.", VOICE, wait="no", player=object())

@@ -213,6 +213,9 @@ def test_close_frees_the_model_while_the_object_is_still_held(tiny_checkpoint_no
         model.prompt_embeddings("Hi.", VOICE)
     with pytest.raises(VoxtralError, match="this model was closed"):
         model.synthesize("Hi.", VOICE, seed=1, max_frames=2)
+    for make_stream in (model.stream, model.astream):  # at the call, not at the first item
+        with pytest.raises(VoxtralError, match="this model was closed"):
+            make_stream("Hi.", VOICE, seed=1, max_frames=2)
     assert model.sample_rate == 24000 and VOICE in model.voices
 
 

@@ -7,6 +7,7 @@ long the text is. The same logic serves blocking iteration and ``async for``.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -175,18 +176,35 @@ def check_pause(pause: object) -> None:
         )
 
 
+_ONE_READER = (
+    "this audio stream is already being read (by another thread or task): read each stream "
+    "in one loop; for another listener, start another stream"
+)
+
+
 class TextStream(_Reader):
-    """Blocking iterator of :class:`AudioChunk`; ``cancel()`` or ``close()`` stops it."""
+    """Blocking iterator of :class:`AudioChunk`; ``cancel()`` or ``close()`` stops it. One
+    reader at a time: a second thread asking while the first waits gets a ``UsageError``."""
 
     def __init__(self, submit: Callable[[list[Job]], object], *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._submit = submit
         self._ready: deque[AudioChunk] = deque()
+        self._reading = threading.Lock()
 
     def __iter__(self) -> TextStream:
         return self
 
     def __next__(self) -> AudioChunk:
+        # Two readers would wait on one queue: the one not given its end would wait forever.
+        if not self._reading.acquire(blocking=False):
+            raise UsageError(_ONE_READER)
+        try:
+            return self._next_chunk()
+        finally:
+            self._reading.release()
+
+    def _next_chunk(self) -> AudioChunk:
         try:
             while not self._ready:
                 if self._finished:
@@ -235,11 +253,21 @@ class AsyncTextStream(_Reader):
         self._queues: dict[int, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wait_cancelled = False
+        self._reading = False
 
     def __aiter__(self) -> AsyncTextStream:
         return self
 
     async def __anext__(self) -> AudioChunk:
+        if self._reading:
+            raise UsageError(_ONE_READER)
+        self._reading = True
+        try:
+            return await self._next_chunk()
+        finally:
+            self._reading = False
+
+    async def _next_chunk(self) -> AudioChunk:
         import asyncio
 
         if self._wait_cancelled:

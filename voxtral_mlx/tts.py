@@ -387,6 +387,8 @@ class VoxtralTTS:
         lookahead: int | None = None,
         defer_split: bool = False,
     ):
+        if self.worker.closed:  # as synthesize() and say() do: at the call, not the first item
+            raise closed_error()
         if not isinstance(text, str):
             raise InputError(
                 f"text must be a string, got {type(text).__name__}: pass the text itself (str)"
