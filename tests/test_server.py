@@ -620,6 +620,11 @@ def test_transport_level_mistakes(server, http):
         response = httpx.post(speech, json={"input": "Hi."}, headers={"Authorization": bare})
         assert _assert_openai_error(response, 401)["code"] == "invalid_api_key"
         assert KEY not in response.text
+    for order in ((f"Bearer {KEY}", "Bearer no"), ("Bearer no", f"Bearer {KEY}")):
+        both = [("Authorization", v) for v in order]
+        response = http.post(speech, json={"input": "Hi."}, headers=both)
+        error = _assert_openai_error(response, 401)
+        assert "more than one Authorization header" in error["message"]
     assert _assert_openai_error(http.get("/v1/nothing"), 404)["code"] == "not_found"
     assert _assert_openai_error(http.get("/nothing"), 404)["code"] == "not_found"
     slash = http.post("/v1/audio/speech/", json={"input": "Hi."}, headers={"host": "evil.example"})
@@ -729,6 +734,26 @@ def test_ctrl_c_stops_the_server_cleanly_mid_stream(checkpoint, tmp_path):
     # the cut-off requests are said once, at INFO, not as an ASGI error per response
     assert "stopping: cutting off 2 speech request(s)" in log
     assert "ERROR" not in log and "without completing response" not in log
+
+
+def test_a_second_ctrl_c_cuts_the_grace_short(checkpoint, tmp_path):
+    """As uvicorn's own: the first Ctrl-C lets streams finish for 3 s, the second stops now."""
+    srv = start_server(tmp_path, checkpoint, "--max-frames", "400")
+    sock = _raw_request(srv.url, {"input": LONG, "response_format": "pcm"}, key=None)
+    try:
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # audio is flowing
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        wait_until(lambda: "letting 1 speech request(s) finish" in srv.log.read_text())
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 2.5  # the grace is 3 s
+    finally:
+        sock.close()
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "Finished server process" in log
 
 
 def test_ctrl_c_while_a_body_is_arriving_answers_503_at_once(checkpoint, tmp_path):

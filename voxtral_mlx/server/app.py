@@ -11,7 +11,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,10 +105,10 @@ class SpeechAPI:
         self._reading: set[anyio.CancelScope] = set()  # requests whose body is arriving
         self.stopping = False  # shutdown() has begun
 
-    async def shutdown(self, grace: float) -> None:
-        """Let speech requests in progress finish for ``grace`` seconds, then cut them off,
-        and wait until the engine has dropped their jobs (so no MLX work outlives the
-        server)."""
+    async def shutdown(self, grace: float, hurry: Callable[[], bool] = lambda: False) -> None:
+        """Let speech requests in progress finish for ``grace`` seconds (or until ``hurry()``
+        says so: a second Ctrl-C), then cut them off, and wait until the engine has dropped
+        their jobs (so no MLX work outlives the server)."""
         self.stopping = True
         for scope in list(self._reading):  # a body still arriving: answered 503 at once
             scope.cancel()
@@ -120,7 +120,7 @@ class SpeechAPI:
                 self.counters.in_progress,
                 grace,
             )
-        while self.counters.in_progress and loop.time() < deadline:
+        while self.counters.in_progress and loop.time() < deadline and not hurry():
             await asyncio.sleep(0.02)
         if self._responses:
             log.info("stopping: cutting off %d speech request(s)", len(self._responses))
@@ -475,7 +475,14 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            error = self._check(dict(scope["headers"]).get(b"authorization"))
+            given = [v for k, v in scope["headers"] if k == b"authorization"]
+            if len(given) > 1:  # which one counts would be up to each proxy on the way
+                error: APIError | None = _unauthorized(
+                    "the request has more than one Authorization header: send one",
+                    "invalid_api_key",
+                )
+            else:
+                error = self._check(given[0] if given else None)
             if error is not None:
                 await error.response()(scope, receive, send)
                 return

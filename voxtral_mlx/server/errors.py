@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from starlette.responses import JSONResponse
 
 from ..fileio import one_line
@@ -44,7 +46,12 @@ class APIError(Exception):
 
 def shown(value: object, limit: int = 60) -> str:
     """``repr(value)`` for an error message, cut to about ``limit`` characters (a client's
-    megabyte string or 4000-digit number is not echoed back whole)."""
+    megabyte string or 4000-digit number is not echoed back whole), in JSON's words where
+    Python's differ (true, null; 1e400 is read as infinity)."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    if isinstance(value, float) and not math.isfinite(value):
+        return "a number too large"
     return one_line(repr(value), limit)
 
 

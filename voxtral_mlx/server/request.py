@@ -105,7 +105,7 @@ def _text(body: dict, max_chars: int) -> str:
         raise bad_request("input is required: the text to speak", "input")
     text = body["input"]
     if not isinstance(text, str):
-        raise bad_request(f"input must be a string, got {type(text).__name__}", "input")
+        raise bad_request(f"input must be a string, got {_json_type(text)}", "input")
     if is_blank(text):
         raise bad_request("input is empty: give some text to speak", "input")
     if len(text) > max_chars:
@@ -166,6 +166,8 @@ def _json_type(value: Any) -> str:
         return "a boolean"
     if isinstance(value, (int, float)):
         return "a number"
+    if isinstance(value, dict):
+        return "an object"
     return "a string" if isinstance(value, str) else "an array"
 
 

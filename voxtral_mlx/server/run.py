@@ -56,7 +56,7 @@ class _Server(uvicorn.Server):
         self,
         config: uvicorn.Config,
         on_ready: Callable[[], None],
-        before_shutdown: Callable[[], Awaitable[None]] | None,
+        before_shutdown: Callable[[Callable[[], bool]], Awaitable[None]] | None,
     ) -> None:
         super().__init__(config)
         self._on_ready = on_ready
@@ -71,7 +71,7 @@ class _Server(uvicorn.Server):
         for server in self.servers:  # no new connections while requests wind down
             server.close()
         if self._before_shutdown is not None:
-            await self._before_shutdown()
+            await self._before_shutdown(lambda: self.force_exit)
         await super().shutdown(sockets=sockets)
 
 
@@ -91,9 +91,9 @@ def serve(
     url = url_of(sock)
     api = getattr(getattr(app, "state", None), "api", None)
 
-    async def before_shutdown() -> None:
+    async def before_shutdown(hurry: Callable[[], bool]) -> None:
         if api is not None:
-            await api.shutdown(SHUTDOWN_GRACE_S)
+            await api.shutdown(SHUTDOWN_GRACE_S, hurry)
 
     config = uvicorn.Config(
         app,
