@@ -19,7 +19,9 @@ except ImportError:  # run from a source checkout without installing the package
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli_main(["convert", *(sys.argv[1:] if argv is None else argv)])
+    if argv is None:  # run as a script: the process is the command's own
+        return cli_main(["convert", *sys.argv[1:]], own_process=True)
+    return cli_main(["convert", *argv])
 
 
 if __name__ == "__main__":

@@ -481,6 +481,35 @@ def hostile_payloads(marker: Path) -> dict[str, bytes]:
     return payloads
 
 
+@pytest.mark.parametrize("levels", [5_000, 200_000])
+def test_deeply_nested_pickles_are_refused_before_they_are_built(tmp_path: Path, levels) -> None:
+    """A tuple nested 5,000 deep as a dict key gave a RecursionError traceback; 200,000 deep
+    (a 200 KB file) crashed the process while hashing it."""
+    key = b"K" + b"\x85" * levels  # BININT1 0, then TUPLE1 again and again
+    pkl = b"\x80\x02}" + key + tensor_pickle()[2:-1] + b"s."
+    with pytest.raises(VoiceError) as exc:
+        read_pt(make_pt(tmp_path / "deep.pt", pkl))
+    assert "nests objects over 32 deep" in one_line(exc)
+    shallow = b"\x80\x02}" + b"K" + b"\x85" * 3 + tensor_pickle()[2:-1] + b"s."
+    assert read_pt(make_pt(tmp_path / "ok.pt", shallow)).data.tolist() == [0, 1, 2, 3]
+
+
+def test_a_pickle_building_a_million_objects_is_refused(tmp_path: Path) -> None:
+    """2.6 MB of deflated empty-set opcodes took 2.6 GB of memory."""
+    pkl = b"\x80\x02" + b"}0" * 600_000 + tensor_pickle()[2:]
+    with pytest.raises(VoiceError) as exc:
+        read_pt(make_pt(tmp_path / "many.pt", pkl))
+    assert "over 500000 operations" in one_line(exc)
+    pkl = b"\x80\x02" + b"}0" * 2_500_000 + tensor_pickle()[2:]
+    with pytest.raises(VoiceError, match="too large for a tensor file"):
+        read_pt(make_pt(tmp_path / "big.pt", pkl))
+
+
+def test_a_dict_of_many_tensors_is_within_the_limits(tmp_path: Path) -> None:
+    torch.save({f"t{i}": torch.full((2,), float(i)) for i in range(2000)}, tmp_path / "d.pt")
+    assert read_pt(tmp_path / "d.pt", key="t1999").data.tolist() == [1999.0, 1999.0]
+
+
 def test_hostile_pickles_refused_unexecuted(tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
     for label, pkl in hostile_payloads(marker).items():

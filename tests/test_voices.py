@@ -515,6 +515,36 @@ def test_convert_checks_every_target_before_writing(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["b.safetensors"]
 
 
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_convert_without_force_never_replaces_a_file_written_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
+) -> None:
+    """Two conversions into one new directory both passed the up-front check; the later
+    one replaced the other's files and said it had written them."""
+    for name in ("a", "b", "c"):
+        torch.save(bf16_voice(3, seed=ord(name)), tmp_path / f"{name}.pt")
+    out = tmp_path / "out"
+    real = voices_mod._write_safetensors
+
+    def and_another_run(path: Path, tensor: PtTensor) -> None:
+        real(path, tensor)
+        if path.name == "c.safetensors":  # the other run finishes first
+            (out / "b.safetensors").write_bytes(b"theirs")
+
+    monkeypatch.setattr(voices_mod, "_write_safetensors", and_another_run)
+    if not hard_links:
+
+        def no_links(src, dst):
+            raise OSError(1, "Operation not permitted")
+
+        monkeypatch.setattr(voices_mod.os, "link", no_links)
+    with pytest.raises(VoiceError) as exc:
+        convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out, overwrite=False)
+    assert "b.safetensors was written by something else" in one_line(exc)
+    assert sorted(p.name for p in out.iterdir()) == ["b.safetensors"]  # none of ours kept
+    assert (out / "b.safetensors").read_bytes() == b"theirs"
+
+
 def test_convert_failure_midway_writes_none_of_the_voices(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1005,6 +1005,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "-o",
         "--output",
+        "--out",
+        dest="output",
         type=_given("-o OUT_DIR"),
         required=True,
         metavar="OUT_DIR",
@@ -1138,19 +1140,21 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     _info(f"{PROG}: warning: {message}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, own_process: bool | None = None) -> int:
     """Run the command line; returns the exit status.
 
-    ``argv=None`` (the ``voxtral-mlx`` script, ``python -m voxtral_mlx``) means the process
-    is the command's own: once an interrupted command has cleaned up, it exits at once
-    (see :func:`_exit_now`).
+    ``argv=None`` (the ``voxtral-mlx`` script, ``python -m voxtral_mlx``), or
+    ``own_process=True`` (the scripts in ``convert/``), means the process is the command's
+    own: signals end it cleanly, and once an interrupted command has cleaned up, it exits
+    at once (see :func:`_exit_now`).
     """
-    if argv is None:  # the process is ours: before the command starts, a signal just ends it
+    own_process = argv is None if own_process is None else own_process
+    if own_process:  # the process is ours: before the command starts, a signal just ends it
         exit_on_signals(f"{PROG}: error: interrupted")
     args = build_parser().parse_args(argv)
     warnings.showwarning = _show_warning  # one line each, without Python's source echo
     try:
-        code = _run(args, own_process=argv is None)
+        code = _run(args, own_process=own_process)
     except VoxtralError as e:
         _release_stdout()
         _err(str(e))
@@ -1164,7 +1168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         _err(getattr(e, "detail", "interrupted"))
         code = 128 + e.signum if isinstance(e, Terminated) else 130
-        if argv is None:
+        if own_process:
             _exit_now(code)
         return code
     except BrokenPipeError:

@@ -20,6 +20,7 @@ import io
 import math
 import os
 import pickle
+import pickletools
 import re
 import struct
 import zipfile
@@ -77,7 +78,14 @@ _MX_DTYPES: dict[str, mx.Dtype] = {
 }
 
 _SUPPORTED = ", ".join(DTYPES)
-_MAX_PICKLE_BYTES = 64 << 20  # a tensor file's pickle is tiny; refuse a decompression bomb
+# A tensor file's pickle is tiny (a voice's: under 1 KB; a dict of a thousand tensors: about
+# 100 KB). Beyond these, a small file could build gigabytes of objects, or nest tuples so
+# deep that hashing one overflows the C stack (a crash no exception handler sees).
+_MAX_PICKLE_BYTES = 4 << 20
+_MAX_PICKLE_OPS = 500_000
+_MAX_NESTING = 32  # a tensor in a dict nests 4 deep
+# Opcodes that change the container below their arguments in place.
+_IN_PLACE_OPS = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"})
 _MAX_COMPRESSION_RATIO = 32  # inflated / deflated size of one zip record, beyond: a bomb
 _BOMB_MIN_BYTES = 1 << 20  # small records may compress well (a zero voice): no ratio check
 _MAX_EXPANSION = 16  # overlapping strides may not blow a storage up beyond this factor
@@ -213,7 +221,7 @@ def _shown(value: Any, limit: int = 160) -> str:
     """``repr(value)`` for a message; Python refuses to print integers of over 4,300 digits."""
     try:
         return one_line(repr(value), limit)
-    except ValueError:
+    except (ValueError, RecursionError):
         return f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else "<?>"
 
 
@@ -461,8 +469,10 @@ def _read_zip(zf: zipfile.ZipFile, src: str, key: str | None) -> PtTensor:
             "the tensor alone with torch.save"
         )
 
-    unpickler = _RestrictedUnpickler(io.BytesIO(_read_record(zf, info, src)), src)
+    data = _read_record(zf, info, src)
+    unpickler = _RestrictedUnpickler(io.BytesIO(data), src)
     try:
+        _check_shape(data)
         payload = unpickler.load()
     except (UnsafePickleError, _UnreadDtype):
         raise
@@ -478,6 +488,71 @@ def _read_zip(zf: zipfile.ZipFile, src: str, key: str | None) -> PtTensor:
 
     tensor = _select(payload, key, src)
     return _materialise(zf, prefix, tensor, src)
+
+
+def _check_shape(data: bytes) -> None:
+    """Walk the pickle's opcodes, building nothing, and refuse one that would make more
+    objects than :data:`_MAX_PICKLE_OPS` or nest them deeper than :data:`_MAX_NESTING`.
+
+    The stack holds object numbers; ``depth[n]`` is how deep object ``n`` nests. The memo
+    holds numbers too, so a container changed after it was memoised is still seen whole.
+    """
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: dict[Any, int] = {}
+    depth: list[int] = []
+    try:
+        ops = pickletools.genops(data)
+        for count, (op, arg, _) in enumerate(ops):
+            if count >= _MAX_PICKLE_OPS:
+                raise _Malformed(f"its pickle has over {_MAX_PICKLE_OPS} operations")
+            name = op.name
+            if name == "STOP":
+                return
+            if name == "MARK":
+                marks.append(len(stack))
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo[arg])
+            elif name == "POP":
+                if marks and marks[-1] == len(stack):
+                    marks.pop()
+                else:
+                    stack.pop()
+            elif name == "POP_MARK":
+                del stack[marks.pop() :]
+            elif name == "DUP":
+                stack.append(stack[-1])
+            else:
+                before = op.stack_before
+                if pickletools.markobject in before:
+                    start = marks.pop() - before.index(pickletools.markobject)
+                else:
+                    start = len(stack) - len(before)
+                if start < 0:
+                    raise _Malformed("its pickle takes more from its stack than it put there")
+                taken = stack[start:]
+                del stack[start:]
+                if not op.stack_after:
+                    continue
+                if name in _IN_PLACE_OPS:
+                    target, items = taken[0], taken[1:]
+                    inner = max((depth[i] for i in items), default=-1) + 1
+                    depth[target] = max(depth[target], inner)
+                else:
+                    target = len(depth)
+                    depth.append(max((depth[i] for i in taken), default=-1) + 1)
+                if depth[target] > _MAX_NESTING:
+                    raise _Malformed(f"its pickle nests objects over {_MAX_NESTING} deep")
+                stack.append(target)
+    except (IndexError, KeyError):
+        raise _Malformed("its pickle refers to objects it never made") from None
+    except ValueError as e:  # genops: an unknown opcode, or the data ends early
+        raise _Malformed(f"its pickle is damaged ({one_line(str(e), 80)})") from None
+    raise _Malformed("its pickle has no end (STOP)")
 
 
 def _describe(value: Any) -> str:

@@ -456,6 +456,25 @@ def _servable(tensor: PtTensor) -> PtTensor:
     return tensor
 
 
+def _place_new(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst`` unless ``dst`` exists, atomically where the file system has
+    hard links: another conversion may have written ``dst`` since it was checked."""
+    taken = VoiceError(
+        f"{one_line(str(dst))} was written by something else during the conversion; "
+        "nothing of this run was kept: remove it or pass --force to overwrite it"
+    )
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise taken from None
+    except OSError:  # no hard links here (FAT, some network shares): checked, then moved
+        if dst.exists() or dst.is_symlink():
+            raise taken from None
+        os.replace(src, dst)
+    else:
+        src.unlink()
+
+
 def convert_voice_files(
     sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
@@ -515,7 +534,10 @@ def convert_voice_files(
         for tensor, dst in zip(tensors, targets, strict=True):
             _write_safetensors(stage / dst.name, tensor)
         for dst in targets:
-            os.replace(stage / dst.name, dst)
+            if overwrite:
+                os.replace(stage / dst.name, dst)
+            else:
+                _place_new(stage / dst.name, dst)
             written.append(dst)
     except BaseException as e:
         for path in set(written) - replaced:  # only if a rename fails: no partial set
