@@ -584,6 +584,26 @@ def test_unwritable_output(source: Path, tmp_path: Path) -> None:
     assert "not a directory" in one_line(exc.value)
 
 
+def test_weights_beyond_float16_are_refused_not_written_as_infinity(source, tmp_path) -> None:
+    wide = convert_model(source, tmp_path / "f32", dtype="float32").path
+    file = wide / "model.safetensors"
+    weights = mx.load(str(file))
+    name = next(k for k, v in weights.items() if ".layers.0." in k and v.ndim == 2)
+    big = np.array(weights[name])
+    big[0, 0] = 1e6
+    weights[name] = mx.array(big)
+    mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
+    for q_bits in (None, 8):
+        with pytest.raises(InputError) as exc:
+            convert_model(wide, tmp_path / "f16", dtype="float16", q_bits=q_bits)
+        message = one_line(exc.value)
+        said = f"tensor '{to_mistral_name(name)}' holds values beyond float16's range (up to 1e+06"
+        assert said in message
+        assert "--dtype bfloat16 or float32" in message
+        assert not (tmp_path / "f16").exists()
+    assert convert_model(wide, tmp_path / "bf16", dtype="bfloat16").path.is_dir()
+
+
 @pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt])
 def test_failure_midway_leaves_nothing(source, tmp_path: Path, monkeypatch, error) -> None:
     def fail(*_args):

@@ -370,8 +370,10 @@ def _produce(
         return
     fd = os.open(job.ref.path, os.O_RDONLY)
     try:
-        for block in _blocks(job, chunk_bytes, fd):
-            block = block.astype(dtype)
+        for source in _blocks(job, chunk_bytes, fd):
+            block = source.astype(dtype)
+            if dtype == mx.float16 and source.dtype != mx.float16:
+                _check_float16_range(job.name, source, block)
             if job.spec is None:
                 mx.eval(block)
                 yield _to_bytes(block)
@@ -388,6 +390,16 @@ def _produce(
     finally:
         os.close(fd)
         mx.clear_cache()
+
+
+def _check_float16_range(name: str, source: mx.array, block: mx.array) -> None:
+    """float16 tops out at 65504: a larger weight would be written as infinity."""
+    if mx.any(mx.isinf(block) & mx.isfinite(source)).item():
+        largest = mx.max(mx.where(mx.isfinite(source), mx.abs(source), 0)).item()
+        raise InputError(
+            f"tensor '{name}' holds values beyond float16's range (up to {largest:.4g}; "
+            "float16 ends at 65504): convert with --dtype bfloat16 or float32"
+        )
 
 
 def _raw_copy(job: _Job, chunk_bytes: int) -> Iterator[bytes]:

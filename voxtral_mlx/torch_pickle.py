@@ -439,7 +439,8 @@ def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, src: str) -> bytes:
         data = zf.read(info)
     except Exception as e:  # zipfile raises many types for damaged members
         raise VoiceError(
-            f"cannot read record {one_line(info.filename)} of {src} ({one_line(str(e))}); "
+            f"cannot read record {one_line(info.filename)} of {src} "
+            f"({one_line(str(e)) or type(e).__name__}); "
             f"the file is corrupt: re-download or re-create it"
         ) from e
     if len(data) != info.file_size:
