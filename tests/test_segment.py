@@ -104,7 +104,11 @@ def check_invariants(text: str, segs: list[Segment], max_chars: int) -> None:
 def ends_terminal(s: str) -> bool:
     """Final punctuation, before closing quotes and invisible marks (RLM, ZWSP...)."""
     j = len(s)
-    while j and (s[j - 1] in CLOSERS or unicodedata.category(s[j - 1]) == "Cf"):
+    while j and (
+        s[j - 1] in CLOSERS
+        or unicodedata.category(s[j - 1]) == "Cf"
+        or (s[j - 1] == " " and 1 < j < len(s) and s[j] in CLOSERS)  # French "« Oui. »"
+    ):
         j -= 1
     return j > 0 and s[j - 1] in TERMINALS
 
@@ -554,6 +558,18 @@ def test_a_spaced_ellipsis_is_one_mark() -> None:
     segs = split_text(text, target_chars=10, max_chars=30)
     assert texts(segs)[-2:] == ["He paused . . .", "Then he left."]
     assert split_text("It ends here .")[0].spoken == "It ends here ."
+
+
+def test_french_spacing_keeps_punctuation_with_its_word() -> None:
+    """A space before "!", "?", ":" or a closing guillemet does not free them from the word
+    they end: no segment starts with them, and « Oui. » ends a sentence."""
+    text = "Il dit « Bonjour. » Puis il partit. Bonjour ! Comment allez-vous ? Bien : merci."
+    for target in range(5, 40, 2):
+        segs = split_text(text, target_chars=target, max_chars=2 * target + 12)
+        assert not any(s.text[0] in "»!?:" for s in segs), texts(segs)
+    segs = split_text(text, target_chars=12, max_chars=40)
+    assert texts(segs)[:3] == ["Il dit « Bonjour. »", "Puis il partit.", "Bonjour !"]
+    assert segs[0].pause_after == PAUSE_AFTER["sentence"] and segs[0].spoken == segs[0].text
 
 
 def test_german_and_danish_closing_quotes() -> None:

@@ -55,6 +55,9 @@ _OPENERS = frozenset("\"'“‘„«‹([{「『（【〔〈《〖〘〚¿¡")
 # Openers elsewhere, closers in German and Danish quoting („so.“ ‚so.‘ »so.«): counted as
 # closers only after the end of a token (never in CJK text, where “ opens a quote).
 _LOW_CLOSERS = _CLOSERS | frozenset("“‘«")
+# ... and may follow it after a space (French typography; a spaced ellipsis).
+_ATTACHED_AFTER_SPACE = TERMINALS | _MID | _CLOSERS
+_INNER_SPACES = frozenset(" \xa0\u202f\u2009")
 _LINE_ENDS = frozenset("\n\r\x0b\x0c\x85\u2028\u2029")
 _ATTACHED = TERMINALS | _MID | _CLOSERS  # belong to the word before them
 _MARKS = _ATTACHED | _OPENERS | _DASHES | frozenset("-")
@@ -368,7 +371,7 @@ def _line_breaks(run: str) -> int:
 
 def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
     """Kind of split at the whitespace ``text[e:s]``; None, with ``forbid`` marked, if protected."""
-    if _lone_dot(text, s):  # before a dot of a spaced ellipsis ". . ."
+    if _punctuation_only(text, s):  # "Oui ! » Puis", ". . .": they end the word before
         forbid[e] = 1
         return None
     j = _before_closers(text, e)
@@ -431,9 +434,17 @@ def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
     return False
 
 
-def _lone_dot(text: str, i: int) -> bool:
-    """``text[i]`` is a period standing alone between spaces (or at the end)."""
-    return text[i : i + 1] == "." and (i + 1 == len(text) or text[i + 1].isspace())
+def _punctuation_only(text: str, i: int) -> bool:
+    """The token at ``text[i]`` is punctuation that belongs to the word before it, set off by
+    a space (French "Oui !", "« Oui. »"; a spaced ellipsis)."""
+    if text[i : i + 1] not in _ATTACHED_AFTER_SPACE:
+        return False
+    j = i
+    while j < len(text) and not text[j].isspace():
+        if text[j].isalnum():
+            return False
+        j += 1
+    return True
 
 
 def _after_dot(text: str, k: int) -> bool:
@@ -594,8 +605,14 @@ def _is_regional(ch: str) -> bool:
 
 def _before_closers(text: str, j: int) -> int:
     """Where the closing quotes and brackets ending ``text[:j]`` begin; invisible format
-    characters among them count too (a right-to-left mark after a Hebrew period)."""
-    while j > 0 and (text[j - 1] in _LOW_CLOSERS or unicodedata.category(text[j - 1]) == "Cf"):
+    characters among them count too (a right-to-left mark after a Hebrew period), and so
+    does a space before a closer (French "« Oui. »")."""
+    end = j
+    while j > 0:
+        ch = text[j - 1]
+        spaced = ch in _INNER_SPACES and 1 < j < end and text[j] in _LOW_CLOSERS
+        if not (spaced or ch in _LOW_CLOSERS or unicodedata.category(ch) == "Cf"):
+            break
         j -= 1
     return j
 
