@@ -572,6 +572,23 @@ def test_french_spacing_keeps_punctuation_with_its_word() -> None:
     assert segs[0].pause_after == PAUSE_AFTER["sentence"] and segs[0].spoken == segs[0].text
 
 
+def test_an_opening_guillemet_starts_the_next_segment() -> None:
+    segs = split_text("Il part. « Non, jamais » dit-il.", target_chars=10, max_chars=40)
+    assert texts(segs) == ["Il part.", "« Non, jamais » dit-il."]
+    for target in range(4, 30, 3):
+        text = "Il part. « Non, jamais » dit-il. Elle répondit : « Oui. » Puis rien."
+        segs = split_text(text, target_chars=target, max_chars=2 * target + 12)
+        assert not any(s.text.endswith("«") for s in segs), texts(segs)
+
+
+@pytest.mark.parametrize("mark", ["« ", "“ ", "« » ", "» "])
+def test_runs_of_spaced_quotes_split_in_linear_time(mark: str) -> None:
+    """Each split point walked back through the whole run: 20 kB of "« " took 12 s."""
+    text = mark * 200_000
+    segs = split_text(text)
+    assert "".join(s.text for s in segs).replace(" ", "") == text.replace(" ", "")
+
+
 def test_german_and_danish_closing_quotes() -> None:
     text = "Er sagte: „Wir gehen jetzt nach Hause.“ Dann ging er schnell los."
     segs = split_text(text, target_chars=30, max_chars=50)
@@ -589,6 +606,9 @@ def test_ascii_sentence_marks_between_cjk_characters() -> None:
     assert texts(segs) == ["今日は晴れです.", "明日は雨です!", "明後日は曇りです?"]
     assert [s.pause_after for s in segs[:2]] == [PAUSE_AFTER["sentence"]] * 2
     assert texts(split_text("円周率は3.14です", target_chars=3, max_chars=8))[0] != "円周率は3."
+    assert texts(split_text("我想...不对,我们走吧。", target_chars=4, max_chars=20)) == [
+        "我想...不对,我们走吧。"
+    ]  # "..." is a pause inside a sentence
 
 
 def test_a_url_ends_before_a_danda() -> None:

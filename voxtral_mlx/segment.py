@@ -124,9 +124,10 @@ _SCAN_CHARS = 4096
 _STOP_EVERY = 4096  # units of work (about one per word) between two calls of ``stop``
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
 _CJK = r"\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
-# ... and "." "!" "?" typed between two CJK characters ("晴れです.明日は"): a sentence end.
+# ... and "." "!" "?" typed between two CJK characters ("晴れです.明日は"): a sentence end
+# (not "...": a pause inside one).
 _NO_SPACE_BREAK = re.compile(
-    r"(?:[。！？｡．؟۔।॥，；：、､—―]|--)+" rf"|(?<=[{_CJK}])[.!?]+(?=[{_CJK}])"
+    r"(?:[。！？｡．؟۔।॥，；：、､—―]|--)+" rf"|(?<=[{_CJK}])(?:[!?]+|\.)(?=[{_CJK}])"
 )
 
 # Appended period by the script of the last letter; default ".". Arabic-script text uses the
@@ -610,7 +611,8 @@ def _before_closers(text: str, j: int) -> int:
     end = j
     while j > 0:
         ch = text[j - 1]
-        spaced = ch in _INNER_SPACES and 1 < j < end and text[j] in _LOW_CLOSERS
+        # only before a mark that closes in every language: "« Non" opens after its space
+        spaced = ch in _INNER_SPACES and 1 < j < end and text[j] in _CLOSERS
         if not (spaced or ch in _LOW_CLOSERS or unicodedata.category(ch) == "Cf"):
             break
         j -= 1
