@@ -55,8 +55,6 @@ _OPENERS = frozenset("\"'“‘„«‹([{「『（【〔〈《〖〘〚¿¡")
 # Openers elsewhere, closers in German and Danish quoting („so.“ ‚so.‘ »so.«): counted as
 # closers only after the end of a token (never in CJK text, where “ opens a quote).
 _LOW_CLOSERS = _CLOSERS | frozenset("“‘«")
-# ... and may follow it after a space (French typography; a spaced ellipsis).
-_ATTACHED_AFTER_SPACE = TERMINALS | _MID | _CLOSERS
 _INNER_SPACES = frozenset(" \xa0\u202f\u2009")
 _LINE_ENDS = frozenset("\n\r\x0b\x0c\x85\u2028\u2029")
 _ATTACHED = TERMINALS | _MID | _CLOSERS  # belong to the word before them
@@ -438,7 +436,7 @@ def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
 def _punctuation_only(text: str, i: int) -> bool:
     """The token at ``text[i]`` is punctuation that belongs to the word before it, set off by
     a space (French "Oui !", "« Oui. »"; a spaced ellipsis)."""
-    if text[i : i + 1] not in _ATTACHED_AFTER_SPACE:
+    if text[i : i + 1] not in _ATTACHED:
         return False
     j = i
     while j < len(text) and not text[j].isspace():
