@@ -438,6 +438,25 @@ def test_abbreviations_and_initials() -> None:
     ]
 
 
+def test_initialism_ends_a_sentence_only_before_a_sentence_starter() -> None:
+    text = (
+        "He joined the U.S. Army in 1990. She lives in the U.S. The weather is fine. "
+        "We met at 5 p.m. Eastern time. We left at 6 p.m. Then it rained. "
+        "The U.N. 2030 agenda."
+    )
+    segs = split_text(text, target_chars=1, max_chars=60)
+    check_invariants(text, segs, 60)
+    assert texts(segs) == [
+        "He joined the U.S. Army in 1990.",
+        "She lives in the U.S.",
+        "The weather is fine.",
+        "We met at 5 p.m. Eastern time.",
+        "We left at 6 p.m.",
+        "Then it rained.",
+        "The U.N. 2030 agenda.",
+    ]
+
+
 def test_title_stays_with_next_word_even_when_forced() -> None:
     text = "Mr. Smith and Dr. Jones with Prof. Xavier and J. R. Ewing"
     segs = split_text(text, target_chars=1, max_chars=12)

@@ -88,6 +88,16 @@ _NUMBER_ABBREVIATIONS = frozenset(w + "." for w in _BEFORE_NUMBERS.split())
 
 _WS = re.compile(r"\s+")
 _SHORT_ABBREVIATION = re.compile(r"[^\W\d_]{1,2}\.(?!\S)")
+# Letters each with a period ("U.S.", "a.m."): before a name they qualify it ("the U.S.
+# Army", "5 p.m. Eastern"), before one of these words they end a sentence ("in the U.S.
+# The"). Such initialisms are mostly English.
+_INITIALISM = re.compile(r"(?:[^\W\d_]\.){2,}")
+_STARTERS = (
+    "the a an this that these those it its he she we they i you there then but and so yet "
+    "or if when while after before as in on at for from by with to his her our their my "
+    "your what who how why where however still now later today"
+)
+_SENTENCE_STARTERS = frozenset(_STARTERS.split())
 _LINE_BREAK = re.compile(r"\r\n|[\n\r\x0b\x85\u2028]")
 _PARAGRAPH_SEPARATORS = frozenset("\x0c\x1c\x1d\x1e\u2029")
 _NO_BREAK_SPACES = "\xa0\u2007\u202f"
@@ -418,6 +428,10 @@ def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
         return True
     if word in _NUMBER_ABBREVIATIONS:
         return nxt.isdigit()
+    if _INITIALISM.fullmatch(word):
+        if nxt.isdigit():
+            return True
+        return nxt.isalpha() and _next_word(text, s).lower() not in _SENTENCE_STARTERS
     if len(word) == 2 and word[0].isalpha():  # an initial: "J. R. R. Tolkien", "z. B."
         if not (text[k].isupper() or text[k].islower()):  # no case: Arabic "د. محمد"
             return nxt.isalpha()
@@ -466,6 +480,16 @@ def _word_start(text: str, i: int) -> int:
     while i > 0 and not text[i - 1].isspace():
         i -= 1
     return i
+
+
+def _next_word(text: str, s: int) -> str:
+    """The run of letters starting at ``text[s]`` (after any opening quotes)."""
+    while s < len(text) and text[s] in _OPENERS:
+        s += 1
+    e = s
+    while e < len(text) and text[e].isalpha():
+        e += 1
+    return text[s:e]
 
 
 def _next_char(text: str, s: int) -> str:
