@@ -4,6 +4,8 @@ is either taken as meant or refused with a one-line error from voxtral_mlx.error
 from __future__ import annotations
 
 import json
+import threading
+from decimal import Decimal
 from fractions import Fraction
 
 import mlx.core as mx
@@ -27,7 +29,9 @@ def tts(tiny_checkpoint_noend):
     model.close()
 
 
-@pytest.mark.parametrize("alpha", [np.float64(1.5), np.float32(1.5), Fraction(3, 2)])
+@pytest.mark.parametrize(
+    "alpha", [np.float64(1.5), np.float32(1.5), Fraction(3, 2), Decimal("1.5")]
+)
 def test_cfg_alpha_of_any_real_type_is_taken_as_its_value(tts, alpha):
     """A numpy scalar passed the check, then failed the whole batch inside MLX."""
     want = tts.synthesize("Hi there.", VOICE, seed=1, max_frames=3, cfg_alpha=1.5).codes
@@ -36,7 +40,8 @@ def test_cfg_alpha_of_any_real_type_is_taken_as_its_value(tts, alpha):
 
 
 @pytest.mark.parametrize(
-    "alpha", [10**400, Fraction(10**400), float("nan"), "1.5", True, None, 1e308, -100.5]
+    "alpha",
+    [10**400, Fraction(10**400), float("nan"), "1.5", True, None, 1e308, -100.5, Decimal("sNaN")],
 )
 def test_cfg_alpha_that_is_no_finite_number_is_refused(tts, alpha):
     """1e308 is finite, but its guidance overflowed the ODE: the request then failed as if
@@ -76,6 +81,39 @@ def test_codes_and_noise_numpy_cannot_hold_as_given(tts):
     got = tts.synthesize("Hi.", VOICE, noise=noise).codes
     want = tts.synthesize("Hi.", VOICE, noise=np.array(noise.astype(mx.float32))).codes
     assert np.array_equal(got, want)
+
+
+def test_split_options_are_checked_even_without_split_and_zero_frames_make_no_pauses(tts):
+    text = "First sentence here. Second one follows. And a third."
+    for split in (False, True):
+        with pytest.raises(InputError, match="max_chars"):
+            tts.synthesize(text, VOICE, seed=1, split=split, max_chars=0)
+    speech = tts.synthesize(text, VOICE, seed=1, split=True, max_chars=24, max_frames=0)
+    assert len(speech.audio) == 0 and len(speech.codes) == 0
+    spoken = tts.synthesize(text, VOICE, seed=1, split=True, max_chars=24, max_frames=2)
+    assert len(spoken.audio) > 6 * tts.samples_per_frame  # 3 segments and the pauses between
+
+
+def test_unevaluated_mlx_array_from_another_thread(tts):
+    """MLX evaluates an array only on the thread that built it: a one-line error, and the
+    same array works once evaluated there."""
+    noise = mx.random.normal((3, 36), key=mx.random.key(1))
+    codes = mx.full((2, 37), 2, dtype=mx.int32) + 0
+    errors = []
+
+    def app_thread():
+        for call in (lambda: tts.synthesize("Hi.", VOICE, noise=noise), lambda: tts.decode(codes)):
+            with pytest.raises(InputError, match="built on another thread and not evaluated") as e:
+                call()
+            errors.append(str(e.value))
+
+    thread = threading.Thread(target=app_thread)
+    thread.start()
+    thread.join()
+    assert [e.split(" ")[0] for e in errors] == ["noise", "codes"]
+    mx.eval(noise, codes)
+    assert len(tts.synthesize("Hi.", VOICE, noise=noise).codes) > 0
+    assert len(tts.decode(codes)) == 2 * tts.samples_per_frame
 
 
 def test_say_checks_its_player_before_anything_runs(tts):

@@ -9,6 +9,7 @@ corrupt each other. Chunks go back through each job's thread-safe queue (or a ca
 from __future__ import annotations
 
 import copy
+import decimal
 import math
 import numbers
 import queue
@@ -204,12 +205,12 @@ def check_flag(name: str, value: object) -> bool:
 
 def finite_float(value: object) -> float | None:
     """``value`` as a Python float if it is a finite real number (numpy scalars and
-    Fractions too, which MLX does not take as they are), else None."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    Fractions and Decimals too, which MLX does not take as they are), else None."""
+    if not isinstance(value, (numbers.Real, decimal.Decimal)) or isinstance(value, bool):
         return None
     try:
         number = float(value)
-    except OverflowError:  # 10**400
+    except (OverflowError, ValueError):  # 10**400, Decimal("sNaN")
         return None
     return number if math.isfinite(number) else None
 

@@ -38,14 +38,22 @@ def to_numpy(value: object, what: str) -> np.ndarray:
     """``value`` (numpy, MLX, nested lists) as a numpy array, MLX bfloat16 (which numpy cannot
     hold) as float32; a ragged list or an object that is no array is an :class:`InputError`
     naming ``what``."""
-    if isinstance(value, mx.array) and value.dtype == mx.bfloat16:
-        value = value.astype(mx.float32)
     try:
+        if isinstance(value, mx.array) and value.dtype == mx.bfloat16:
+            value = value.astype(mx.float32)
         return np.asarray(value)
     except (ValueError, TypeError):
         raise InputError(
             f"{what} must be a rectangular array, got a {type(value).__name__} numpy cannot "
             "make one of (rows of different lengths?)"
+        ) from None
+    except RuntimeError as e:
+        if not isinstance(value, mx.array) or "Stream" not in str(e):
+            raise
+        # MLX evaluates an array only on the thread that built it (its stream lives there).
+        raise InputError(
+            f"{what} is an MLX array built on another thread and not evaluated yet: call "
+            "mx.eval() on it in that thread first, or pass a numpy array"
         ) from None
 
 

@@ -403,8 +403,8 @@ class VoxtralTTS:
         voice = self._voice(voice).name
         if lookahead is not None:
             lookahead = check_whole("lookahead", lookahead, 1)
+        max_chars = check_whole("max_chars", max_chars, 2)  # as pause: even when unused
         if split:
-            max_chars = check_whole("max_chars", max_chars, 2)
             if noise is not None:
                 raise InputError("noise= gives one utterance's noise: it cannot be split")
 
@@ -466,7 +466,7 @@ class VoxtralTTS:
             segments,
             self.sample_rate,
             lookahead,
-            pause,
+            0.0 if max_frames == 0 else pause,  # nothing is spoken: no pauses either
             refuse_wait=self.worker.refuse_wait,
         )
 
