@@ -681,6 +681,7 @@ def test_server_errors_are_json_without_details():
     fake = SimpleNamespace(
         voices={"casual_male": SimpleNamespace(language="en")},
         default_voice="casual_male",
+        load_voice=lambda name: name,
         sample_rate=SR,
         worker=SimpleNamespace(submit=failing_submit),
         engine=SimpleNamespace(
@@ -693,6 +694,73 @@ def test_server_errors_are_json_without_details():
         error = _assert_openai_error(r, 500)
         assert error["type"] == "server_error" and "secret" not in r.text
         assert tc.get("/health").json()["requests"] == 0
+
+
+class _Reduce:
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def test_a_voice_whose_file_is_unusable_is_not_offered_and_fails_as_the_servers_fault(
+    tiny_checkpoint, tmp_path, caplog
+):
+    """Found when the app is made (as `voxtral-mlx voices` does): not listed, and a request
+    for it is a 500 (the request was valid), logged; the other voices still speak."""
+    import logging
+    import os
+    import shutil
+
+    import torch
+    from starlette.testclient import TestClient
+
+    from voxtral_mlx.server import ServerConfig, create_app
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    marker = tmp_path / "PWNED"
+    tts = voxtral_mlx.load(model, prefix_cache_dir=None)
+    bad = next(v for v in sorted(tts.voices) if v != tts.default_voice)
+    tts.close()
+    evil = _Reduce(os.system, f"touch {marker}")
+    torch.save({"embedding": torch.ones(3), "extra": evil}, model / "voice_embedding" / f"{bad}.pt")
+    tts = voxtral_mlx.load(model, prefix_cache_dir=None)
+    try:
+        assert bad in tts.voices  # the damage shows only when the file is read
+        with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
+            app = create_app(tts, ServerConfig(max_frames=3))
+        assert f"voice '{bad}' is unusable and not offered" in caplog.text
+        with TestClient(app, raise_server_exceptions=False) as tc:
+            listed = [v["id"] for v in tc.get("/v1/audio/voices").json()["data"]]
+            assert bad not in listed and tts.default_voice in listed
+            r = tc.post("/v1/audio/speech", json={"input": "Hi.", "voice": bad})
+            error = _assert_openai_error(r, 500)
+            assert error["type"] == "server_error"
+            assert f"voice '{bad}' is unavailable on this server" in error["message"]
+            assert str(model) not in r.text
+            r = tc.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
+            assert r.status_code == 200 and sf.info(io.BytesIO(r.content)).frames > 0
+    finally:
+        tts.close()
+    assert not marker.exists()
+
+
+def test_a_request_stopped_by_the_model_is_a_logged_500_and_bad_input_a_400(caplog):
+    """Errors met when a request's stream is opened: the request's fault or the server's."""
+    import logging
+
+    from voxtral_mlx.errors import CheckpointError, InputError
+    from voxtral_mlx.server.errors import request_failed
+
+    with caplog.at_level(logging.ERROR, logger="uvicorn.error"):
+        bad_input = request_failed(InputError("text is empty: give some words to speak"))
+        damaged = request_failed(CheckpointError("/srv/models/x/consolidated.safetensors: bad"))
+    assert bad_input.status == 400 and "text is empty" in bad_input.message
+    assert damaged.status == 500 and damaged.type == "server_error"
+    assert "/srv/models" not in damaged.message and "/srv/models" in caplog.text
+    assert b'{"error":{"message":' in damaged.response().body
 
 
 # -- lifecycle -----------------------------------------------------------------------------

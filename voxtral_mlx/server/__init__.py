@@ -19,6 +19,8 @@ Endpoints
     ``tts.synthesize(input, voice, seed=seed, split=True, max_frames=--max-frames)``.
     Other fields are refused (400) so that typos do not pass silently.
     ``GET /v1/audio/voices``  the voices with their languages, and the OpenAI aliases.
+    Every voice file is read when the server starts; one that cannot be used (damaged,
+    refused) is logged and left out, and a request naming it is a 500.
     ``GET /v1/models``  the loaded model (id: the directory name or repo given with -m);
     ``GET /v1/models/{id}`` that model (404 for another id).
     ``GET /health``  ``{"status": "ok", "requests": speech requests in progress,

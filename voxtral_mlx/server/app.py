@@ -27,7 +27,14 @@ from ..errors import VoxtralError
 from ..textstream import AsyncTextStream
 from ..tts import DEFAULT_MAX_FRAMES, SYNTH_CHUNK_FRAMES, VoxtralTTS
 from ..voices import LANGUAGE_NAMES
-from .errors import APIError, bad_request, server_error, shown, shutting_down
+from .errors import (
+    APIError,
+    bad_request,
+    request_failed,
+    server_error,
+    shown,
+    shutting_down,
+)
 from .formats import FORMATS, Encoder, make_encoder
 from .request import FIELDS, SpeechRequest, parse_speech_request, voice_aliases
 from .response import BodyResponse, sse_events
@@ -104,6 +111,17 @@ class SpeechAPI:
         self._responses: set[BodyResponse] = set()
         self._reading: set[anyio.CancelScope] = set()  # requests whose body is arriving
         self.stopping = False  # shutdown() has begun
+        # Voices whose files cannot be used (damaged, refused): not offered, and requests
+        # naming them fail as the server's fault. Each file is read once, here (a megabyte
+        # or two), as `voxtral-mlx voices` does.
+        self.unusable: dict[str, str] = {}
+        for name in tts.voices:
+            try:
+                tts.load_voice(name)
+            except VoxtralError as e:
+                self.unusable[name] = str(e)
+                log.warning("voice %r is unusable and not offered: %s", name, e)
+        self.usable = {n: v for n, v in tts.voices.items() if n not in self.unusable}
 
     async def shutdown(self, grace: float, hurry: Callable[[], bool] = lambda: False) -> None:
         """Let speech requests in progress finish for ``grace`` seconds (or until ``hurry()``
@@ -155,6 +173,11 @@ class SpeechAPI:
         req = parse_speech_request(
             body, self.tts.voices, self.tts.default_voice, self.config.max_input_chars
         )
+        if req.voice in self.unusable:  # named, or the default voice
+            raise server_error(
+                f"voice {shown(req.voice)} is unavailable on this server (its file cannot be "
+                "used; the server's log says why): choose another voice"
+            )
         c = self.counters
         if c.in_progress >= self.config.max_queue:
             c.rejected += 1
@@ -194,7 +217,7 @@ class SpeechAPI:
         try:
             return await asyncio.to_thread(open_stream)
         except VoxtralError as e:
-            raise bad_request(str(e)) from None
+            raise request_failed(e) from None
 
     async def _respond(self, req: SpeechRequest) -> Response:
         fmt = FORMATS[req.response_format]
@@ -279,7 +302,7 @@ class SpeechAPI:
     # -- the rest -----------------------------------------------------------------------
 
     async def voices(self, request: Request) -> Response:
-        voices = self.tts.voices
+        voices = self.usable
         data = []
         for name in voices:
             lang = voices[name].language

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 from starlette.responses import JSONResponse
 
+from ..errors import InputError, NonFiniteError, VoxtralError
 from ..fileio import one_line
+
+log = logging.getLogger("uvicorn.error")
 
 
 class APIError(Exception):
@@ -73,3 +77,16 @@ def shutting_down() -> APIError:
         code="server_shutting_down",
         headers={"Retry-After": "1"},
     )
+
+
+def request_failed(error: VoxtralError) -> APIError:
+    """The answer to a speech request that ``error`` stopped: the request's own fault (bad
+    input, found when its text is read) is a 400 saying why; anything else (a damaged voice
+    file, damaged weights) is the server's, logged here, a 500 whose details stay in the log
+    (they name the server's files)."""
+    if isinstance(error, InputError):
+        return bad_request(str(error))
+    log.error("speech request failed: %s", error)
+    if isinstance(error, NonFiniteError):  # names no file; says what to do about it
+        return server_error(str(error))
+    return server_error()

@@ -19,8 +19,8 @@ import anyio
 import anyio.lowlevel
 from starlette.types import Message, Receive, Scope, Send
 
-from ..errors import NonFiniteError, VoxtralError
-from .errors import APIError, bad_request, server_error, shutting_down
+from ..errors import VoxtralError
+from .errors import APIError, request_failed, server_error, shutting_down
 
 log = logging.getLogger("uvicorn.error")
 SSE_PIECE = 48 * 1024  # bytes of audio per SSE event at most
@@ -112,13 +112,9 @@ class BodyResponse:
                 except APIError as e:
                     outcome = "failed"
                     await self._fail(send, e)
-                except NonFiniteError as e:  # the model's fault, not the request's
+                except VoxtralError as e:  # bad input found late, or the model's fault
                     outcome = "failed"
-                    log.error("speech generation failed: %s", e)
-                    await self._fail(send, server_error(str(e)))
-                except VoxtralError as e:  # bad input found late (a later text segment)
-                    outcome = "failed"
-                    await self._fail(send, bad_request(str(e)))
+                    await self._fail(send, request_failed(e))
                 except Exception:
                     outcome = "failed"
                     log.exception("speech generation failed")
@@ -151,7 +147,7 @@ class BodyResponse:
             # close the connection, so the client sees a truncated transfer, not success.
             return
         self.started = True
-        data = json.dumps(error.body()).encode()
+        data = error.response().body  # spelled as every other error body
         head = {"type": "http.response.start", "status": error.status}
         head["headers"] = [
             (b"content-type", b"application/json"),
