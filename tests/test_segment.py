@@ -736,6 +736,9 @@ def test_no_break_space_is_not_a_split() -> None:
         ("ｶﾀｶﾅ", "ｶﾀｶﾅ｡"),
         ("བཀྲ་ཤིས", "བཀྲ་ཤིས།"),
         ("Τι κάνεις\u037e", "Τι κάνεις\u037e"),  # the Greek question mark
+        ("Τι κάνεις;", "Τι κάνεις;"),  # as Greek keyboards type it (and NFC writes it)
+        ("«Πού είσαι;»", "«Πού είσαι;»"),
+        ("Note this;", "Note this."),
         ("„Komm her!“", "„Komm her!“"),
         ("Er sagte »Ja.«", "Er sagte »Ja.«"),
     ],
@@ -745,6 +748,16 @@ def test_spoken_terminal_punctuation(text: str, spoken: str) -> None:
     assert seg.spoken == spoken
     (seg,) = split_text(text, add_period=False)
     assert seg.spoken == text
+
+
+def test_greek_semicolon_is_a_question_mark() -> None:
+    text = "Πού είσαι; Έλα εδώ τώρα. Note this; and that is all there is to it."
+    segs = split_text(text, target_chars=1, max_chars=30)
+    check_invariants(text, segs, 30)
+    assert texts(segs)[:2] == ["Πού είσαι;", "Έλα εδώ τώρα."]
+    assert segs[0].pause_after == segs[1].pause_after  # a sentence's pause, not a clause's
+    assert "Note this; and" in text and texts(segs)[2] == "Note this;"
+    assert segs[2].pause_after < segs[1].pause_after
 
 
 def test_ten_thousand_words() -> None:

@@ -385,6 +385,8 @@ def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
         return None
     j = _before_closers(text, e)
     c = text[j - 1] if j else ""
+    if c == ";" and _greek_before(text, j - 1):
+        return SENTENCE  # Greek's question mark ("Τι κάνεις;"), typed as ASCII ";"
     if c in _MID or (
         (c in _DASHES or (c == "-" and (j < 2 or text[j - 2].isspace() or text[j - 2] == "-")))
         and not _price_dash(text, j)
@@ -643,7 +645,19 @@ def _before_closers(text: str, j: int) -> int:
 
 def _ends_terminal(text: str) -> bool:
     j = _before_closers(text, len(text))
-    return j > 0 and text[j - 1] in TERMINALS
+    return j > 0 and (
+        text[j - 1] in TERMINALS or (text[j - 1] == ";" and _greek_before(text, j - 1))
+    )
+
+
+def _greek_before(text: str, i: int) -> bool:
+    """The last letter before ``text[i]`` (within a few characters: quotes, brackets) is
+    Greek, whose question mark is the semicolon (Greek keyboards type U+003B, and NFC makes
+    U+037E one)."""
+    for ch in reversed(text[max(0, i - 4) : i]):
+        if ch.isalpha():
+            return unicodedata.name(ch, "").startswith("GREEK")
+    return False
 
 
 def _spoken(seg: str, add_period: bool) -> str:
