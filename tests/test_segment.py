@@ -102,14 +102,27 @@ def check_invariants(text: str, segs: list[Segment], max_chars: int) -> None:
 
 
 def ends_terminal(s: str) -> bool:
-    """Final punctuation, before closing quotes and invisible marks (RLM, ZWSP...)."""
-    j = len(s)
-    while j and (
-        s[j - 1] in CLOSERS
-        or unicodedata.category(s[j - 1]) == "Cf"
-        or (s[j - 1] == " " and 1 < j < len(s) and s[j] in CLOSERS)  # French "« Oui. »"
-    ):
-        j -= 1
+    """Final punctuation, before closing quotes and invisible marks (RLM, ZWSP...), and
+    before emoji that follow it ("Great! 😀")."""
+
+    def before_closers(j: int) -> int:
+        while j and (
+            s[j - 1] in CLOSERS
+            or unicodedata.category(s[j - 1]) == "Cf"
+            or (s[j - 1] == " " and 1 < j < len(s) and s[j] in CLOSERS)  # French "« Oui. »"
+        ):
+            j -= 1
+        return j
+
+    def emoji(ch: str) -> bool:
+        return unicodedata.category(ch) in ("So", "Sk", "Cf", "Mn", "Me") and ch not in CLOSERS
+
+    j = before_closers(len(s))
+    if j and emoji(s[j - 1]):
+        k = j
+        while k and j - k < 32 and (emoji(s[k - 1]) or s[k - 1] in " \t"):
+            k -= 1
+        j = before_closers(k)
     return j > 0 and s[j - 1] in TERMINALS
 
 
@@ -739,6 +752,9 @@ def test_no_break_space_is_not_a_split() -> None:
         ("Τι κάνεις;", "Τι κάνεις;"),  # as Greek keyboards type it (and NFC writes it)
         ("«Πού είσαι;»", "«Πού είσαι;»"),
         ("Note this;", "Note this."),
+        ("Great! 😀", "Great! 😀"),  # emoji after the sentence's end
+        ("Wow. 👍🏽 ❤️", "Wow. 👍🏽 ❤️"),
+        ("Thanks 🙏", "Thanks 🙏."),
         ("„Komm her!“", "„Komm her!“"),
         ("Er sagte »Ja.«", "Er sagte »Ja.«"),
     ],
@@ -758,6 +774,14 @@ def test_greek_semicolon_is_a_question_mark() -> None:
     assert segs[0].pause_after == segs[1].pause_after  # a sentence's pause, not a clause's
     assert "Note this; and" in text and texts(segs)[2] == "Note this;"
     assert segs[2].pause_after < segs[1].pause_after
+
+
+def test_emoji_after_a_sentence_stay_with_it() -> None:
+    text = "Great! 😀 Next one is here. Wow.👍🏽 ❤️ Then we go. Thanks 🙏 See you."
+    segs = split_text(text, target_chars=1, max_chars=30)
+    check_invariants(text, segs, 30)
+    assert texts(segs)[:4] == ["Great! 😀", "Next one is here.", "Wow.👍🏽 ❤️", "Then we go."]
+    assert segs[0].pause_after == segs[1].pause_after  # a sentence's pause
 
 
 def test_ten_thousand_words() -> None:

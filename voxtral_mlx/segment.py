@@ -324,12 +324,13 @@ def _find_splits(
 
     paragraphs: list[tuple[int, int]] = []
     cands = _Splits()  # at whitespace, in order
-    start = 0
+    start = word = 0  # the paragraph's start, the word's
+    last = (0, 0)  # the last word before e that is not emoji alone
     for m in _WS.finditer(text):
         check()
         e, s = m.span()
         if e == 0:
-            start = s
+            start = word = s
             continue
         if s == n:
             break
@@ -340,11 +341,14 @@ def _find_splits(
             continue
         else:
             breaks = _line_breaks(run)
+        if not _symbols_only(text, word):
+            last = (word, e)
+        word = s
         if breaks > 1:
             paragraphs.append((start, e))
             start = s
             continue
-        kind = _classify(text, e, s, forbid)
+        kind = _classify(text, e, s, forbid, last)
         if kind == WORD and breaks:
             kind = CLAUSE
         if kind:
@@ -378,12 +382,21 @@ def _line_breaks(run: str) -> int:
     return min(len(_LINE_BREAK.findall(run)), 2)
 
 
-def _classify(text: str, e: int, s: int, forbid: bytearray) -> str | None:
-    """Kind of split at the whitespace ``text[e:s]``; None, with ``forbid`` marked, if protected."""
+def _classify(text: str, e: int, s: int, forbid: bytearray, last: tuple[int, int]) -> str | None:
+    """Kind of split at the whitespace ``text[e:s]``; None, with ``forbid`` marked, if
+    protected. ``last``: the span of the last word before ``e`` that is not emoji alone."""
     if _punctuation_only(text, s):  # "Oui ! » Puis", ". . .": they end the word before
         forbid[e] = 1
         return None
     j = _before_closers(text, e)
+    emoji_after = _symbols_only(text, s)
+    if emoji_after or (j and _is_symbol(text[j - 1])):
+        a, b = last
+        if _ends_terminal(text[max(a, b - 64) : b]):  # a sentence ends before the emoji
+            if emoji_after:
+                forbid[e] = 1  # "Great! 😀 Next": the emoji stays with its sentence
+                return None
+            return SENTENCE  # "Great! 😀 | Next"
     c = text[j - 1] if j else ""
     if c == ";" and _greek_before(text, j - 1):
         return SENTENCE  # Greek's question mark ("Τι κάνεις;"), typed as ASCII ";"
@@ -644,10 +657,41 @@ def _before_closers(text: str, j: int) -> int:
 
 
 def _ends_terminal(text: str) -> bool:
+    """``text`` ends a sentence: terminal punctuation, then perhaps closing quotes and, set
+    off by a space or not, emoji ("Great! 😀")."""
     j = _before_closers(text, len(text))
+    if j and _is_symbol(text[j - 1]):
+        j = _before_closers(text, _before_symbols(text, j))
     return j > 0 and (
         text[j - 1] in TERMINALS or (text[j - 1] == ";" and _greek_before(text, j - 1))
     )
+
+
+# Emoji and their joiners, variation selectors, skin tones and tags (So, Sk, Cf, Mn, Me).
+_SYMBOL_CATEGORIES = frozenset(("So", "Sk", "Cf", "Mn", "Me"))
+
+
+def _is_symbol(ch: str) -> bool:
+    return unicodedata.category(ch) in _SYMBOL_CATEGORIES and ch not in _MARKS
+
+
+def _symbols_only(text: str, i: int) -> bool:
+    """The token at ``text[i]`` is emoji (or other symbols) alone: "😀", "👍🏽", "❤️"."""
+    j = i
+    while j < len(text) and not text[j].isspace():
+        if not _is_symbol(text[j]):
+            return False
+        j += 1
+    return j > i
+
+
+def _before_symbols(text: str, j: int) -> int:
+    """Where the symbols (and spaces among and before them) ending ``text[:j]`` begin, within
+    32 characters: a longer run is no emoji after a sentence."""
+    k = j
+    while k > 0 and j - k < 32 and (_is_symbol(text[k - 1]) or text[k - 1] in " \t"):
+        k -= 1
+    return k
 
 
 def _greek_before(text: str, i: int) -> bool:
