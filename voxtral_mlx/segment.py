@@ -88,9 +88,9 @@ _NUMBER_ABBREVIATIONS = frozenset(w + "." for w in _BEFORE_NUMBERS.split())
 
 _WS = re.compile(r"\s+")
 _SHORT_ABBREVIATION = re.compile(r"[^\W\d_]{1,2}\.(?!\S)")
-# Letters each with a period ("U.S.", "a.m."): before a name they qualify it ("the U.S.
-# Army", "5 p.m. Eastern"), before one of these words they end a sentence ("in the U.S.
-# The"). Such initialisms are mostly English.
+# Letters each with a period ("U.S.", "a.m."): before a name they usually qualify it ("the
+# U.S. Army", "5 p.m. Eastern"), before one of these words they end a sentence ("in the
+# U.S. The"). Such initialisms are mostly English.
 _INITIALISM = re.compile(r"(?:[^\W\d_]\.){2,}")
 _STARTERS = (
     "the a an this that these those it its he she we they i you there then but and so yet "
@@ -346,9 +346,11 @@ def _find_splits(
         word = s
         if breaks > 1:
             paragraphs.append((start, e))
-            start = s
+            start, last = s, (s, s)
             continue
-        kind = _classify(text, e, s, forbid, last)
+        kind = _classify(text, e, s, forbid, (e, e) if breaks else last)
+        if breaks:  # an emoji starting a line belongs to that line ("🛒 Buy milk.")
+            last = (s, s)
         if kind == WORD and breaks:
             kind = CLAUSE
         if kind:
@@ -361,8 +363,8 @@ def _find_splits(
         a, q = m.span()
         if a == 0 or text[a - 1].isspace():
             continue
-        while q < n and text[q] in _CLOSERS:
-            q += 1
+        while q < n and (text[q] in _CLOSERS or _is_symbol(text[q])):
+            q += 1  # "太好了！😀明天见": the emoji stays with the sentence it follows
         if q < n and not text[q].isspace():
             hard = any(ch in _NO_SPACE_HARD or ch in ".!?" for ch in m.group())
             glued.add(q, q, SENTENCE if hard else CLAUSE)
@@ -416,7 +418,21 @@ def _classify(text: str, e: int, s: int, forbid: bytearray, last: tuple[int, int
         return None
     if nxt.islower() or nxt.isdigit() or (nxt.isupper() and _maybe_ordinal(text, t0, j)):
         return WORD  # "etc. and"; "ext. 1234", "Hauptstr. 5", "3 déc. 2024"
+    if _initialism_before_name(text, t0, j, s):
+        return WORD  # "the U.S. Army": allowed, as at a space, never preferred
     return SENTENCE
+
+
+def _initialism_before_name(text: str, t0: int, j: int, s: int) -> bool:
+    """``text[t0:j]`` is a dotted initialism ("U.S.") and the next word is a name it may
+    qualify, not a word that starts a sentence."""
+    k = t0
+    while k < j and text[k] in _OPENERS:
+        k += 1
+    if not _INITIALISM.fullmatch(text, k, j):
+        return False
+    nxt = _next_word(text, s)
+    return nxt[:1].isupper() and nxt.lower() not in _SENTENCE_STARTERS
 
 
 def _price_dash(text: str, j: int) -> bool:
@@ -444,9 +460,7 @@ def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
     if word in _NUMBER_ABBREVIATIONS:
         return nxt.isdigit()
     if _INITIALISM.fullmatch(word):
-        if nxt.isdigit():
-            return True
-        return nxt.isalpha() and _next_word(text, s).lower() not in _SENTENCE_STARTERS
+        return nxt.isdigit()  # "the U.N. 2030 agenda"; before a name: see _classify
     if len(word) == 2 and word[0].isalpha():  # an initial: "J. R. R. Tolkien", "z. B."
         if not (text[k].isupper() or text[k].islower()):  # no case: Arabic "د. محمد"
             return nxt.isalpha()
@@ -553,6 +567,7 @@ def _hard_cut(text: str, cur: int, limit: int, forbid: bytearray) -> tuple[int, 
     spaced = any(ch in text[half:limit] for ch in _NO_BREAK_SPACES)
     good = (True, True, True, True) if spaced else (True, True, True)
     best, best_rank = None, (-1,)
+    run = [0, 0]  # the flag run last measured: see _cuttable
     i = limit
     while i > cur:
         e, s = i, i
@@ -561,7 +576,7 @@ def _hard_cut(text: str, cur: int, limit: int, forbid: bytearray) -> tuple[int, 
         while text[s].isspace():
             s += 1
         rank = (
-            _cuttable(text, e, cur) and _cuttable(text, s, cur),
+            _cuttable(text, e, cur, run) and _cuttable(text, s, cur, run),
             not forbid[e],
             text[s] not in _ATTACHED,
             e != s,
@@ -577,11 +592,13 @@ def _hard_cut(text: str, cur: int, limit: int, forbid: bytearray) -> tuple[int, 
     return best
 
 
-def _cuttable(text: str, i: int, start: int = 0) -> bool:
+def _cuttable(text: str, i: int, start: int = 0, run: list[int] | None = None) -> bool:
     """False when a cut before ``text[i]`` would split a grapheme cluster (simplified UAX #29).
 
     Regional-indicator flags pair up from the start of their run, or from ``start`` (where
-    the segment begins) if that is later: linear time on a long run of them.
+    the segment begins) if that is later: linear time on a long run of them. ``run`` keeps
+    the run last measured (``[run start, a position in it]``) for calls with the same
+    ``start``, so that trying every position of a run does not walk it every time.
     """
     if i <= 0 or i >= len(text):
         return True
@@ -614,9 +631,14 @@ def _cuttable(text: str, i: int, start: int = 0) -> bool:
     if unicodedata.combining(p) == 9 and c.isalpha():  # virama + consonant: Indic conjunct
         return False
     if _is_regional(c) and _is_regional(p):
-        k = i - 1
-        while k > start and _is_regional(text[k - 1]):
-            k -= 1
+        if run is not None and run[0] < i <= run[1]:
+            k = run[0]
+        else:
+            k = i - 1
+            while k > start and _is_regional(text[k - 1]):
+                k -= 1
+            if run is not None:
+                run[:] = [k, i]
         return (i - k) % 2 == 0  # flags pair up from the start of the run
     return True
 
@@ -672,7 +694,10 @@ _SYMBOL_CATEGORIES = frozenset(("So", "Sk", "Cf", "Mn", "Me"))
 
 
 def _is_symbol(ch: str) -> bool:
-    return unicodedata.category(ch) in _SYMBOL_CATEGORIES and ch not in _MARKS
+    """An emoji or a part of one (a joiner, a variation selector, a skin tone): not the
+    symbols of running text below the arrows block ("©", "™", "№")."""
+    o = ord(ch)
+    return o == 0x200D or (o >= 0x2190 and unicodedata.category(ch) in _SYMBOL_CATEGORIES)
 
 
 def _symbols_only(text: str, i: int) -> bool:
@@ -686,22 +711,28 @@ def _symbols_only(text: str, i: int) -> bool:
 
 
 def _before_symbols(text: str, j: int) -> int:
-    """Where the symbols (and spaces among and before them) ending ``text[:j]`` begin, within
-    32 characters: a longer run is no emoji after a sentence."""
+    """Where the symbols (and whitespace among and before them) ending ``text[:j]`` begin,
+    within 32 characters: a longer run is no emoji after a sentence."""
     k = j
-    while k > 0 and j - k < 32 and (_is_symbol(text[k - 1]) or text[k - 1] in " \t"):
+    while k > 0 and j - k < 32 and (_is_symbol(text[k - 1]) or text[k - 1].isspace()):
         k -= 1
     return k
 
 
 def _greek_before(text: str, i: int) -> bool:
-    """The last letter before ``text[i]`` (within a few characters: quotes, brackets) is
-    Greek, whose question mark is the semicolon (Greek keyboards type U+003B, and NFC makes
-    U+037E one)."""
-    for ch in reversed(text[max(0, i - 4) : i]):
+    """Most letters of the sentence before ``text[i]`` (up to 40 characters) are Greek, whose
+    question mark is the semicolon (Greek keyboards type U+003B, and NFC makes U+037E one):
+    "Θα έρθεις στις 10:30;", "Πού είναι το iPhone;", but not "The frequency is ν;"."""
+    greek = other = 0
+    for ch in reversed(text[max(0, i - 40) : i]):
+        if ch in TERMINALS or ch == ";":
+            break
         if ch.isalpha():
-            return unicodedata.name(ch, "").startswith("GREEK")
-    return False
+            if unicodedata.name(ch, "").startswith("GREEK"):
+                greek += 1
+            else:
+                other += 1
+    return greek > other
 
 
 def _spoken(seg: str, add_period: bool) -> str:
