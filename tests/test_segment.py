@@ -761,6 +761,7 @@ def test_no_break_space_is_not_a_split() -> None:
         ("Θα έρθεις στις 10:30;", "Θα έρθεις στις 10:30;"),  # Greek letters before digits
         ("Πού είναι το iPhone;", "Πού είναι το iPhone;"),
         ("The frequency is ν;", "The frequency is ν."),  # a Greek letter in English
+        ("Χρησιμοποιείς το Microsoft Windows;", "Χρησιμοποιείς το Microsoft Windows;"),
         ("„Komm her!“", "„Komm her!“"),
         ("Er sagte »Ja.«", "Er sagte »Ja.«"),
     ],
@@ -813,6 +814,14 @@ def test_emoji_after_cjk_punctuation_without_a_space() -> None:
 def test_text_symbols_are_no_emoji() -> None:
     segs = split_text("Thanks for reading. © 2024 Jane Doe.", target_chars=1, max_chars=30)
     assert texts(segs) == ["Thanks for reading.", "© 2024 Jane Doe."]
+    segs = split_text("いつもお世話になっております。㈱山田商事の田中です。", target_chars=2)
+    assert texts(segs) == ["いつもお世話になっております。", "㈱山田商事の田中です。"]
+
+
+def test_a_sentence_end_before_an_emoji_and_a_line_break_is_a_sentence_end() -> None:
+    segs = split_text("Done! 😀\nNext line is here and it is long.", target_chars=10, max_chars=40)
+    assert texts(segs) == ["Done! 😀", "Next line is here and it is long."]
+    assert segs[0].pause_after == PAUSE_AFTER["sentence"]
 
 
 def test_initialism_before_a_name_is_a_split_like_a_space() -> None:
@@ -822,6 +831,11 @@ def test_initialism_before_a_name_is_a_split_like_a_space() -> None:
     check_invariants(text, segs, 50)
     assert texts(segs)[0] == "He said it was made in the U.S."
     assert segs[0].pause_after == PAUSE_AFTER["word"]
+    # Before a word that starts sentences it ends one.
+    text = "We finally landed in Boston at 11 p.m. Please remember that the shuttle leaves early."
+    segs = split_text(text, target_chars=30, max_chars=60)
+    assert texts(segs)[0] == "We finally landed in Boston at 11 p.m."
+    assert segs[0].pause_after == PAUSE_AFTER["sentence"]
 
 
 def test_a_long_flag_run_in_a_protected_span_is_cut_in_linear_time() -> None:

@@ -95,7 +95,9 @@ _INITIALISM = re.compile(r"(?:[^\W\d_]\.){2,}")
 _STARTERS = (
     "the a an this that these those it its he she we they i you there then but and so yet "
     "or if when while after before as in on at for from by with to his her our their my "
-    "your what who how why where however still now later today"
+    "your what who how why where however still now later today please is are was were do "
+    "does did can could will would should let here yes no one maybe many most some all "
+    "every each both nobody everyone everybody nothing everything last next first"
 )
 _SENTENCE_STARTERS = frozenset(_STARTERS.split())
 _LINE_BREAK = re.compile(r"\r\n|[\n\r\x0b\x85\u2028]")
@@ -348,7 +350,7 @@ def _find_splits(
             paragraphs.append((start, e))
             start, last = s, (s, s)
             continue
-        kind = _classify(text, e, s, forbid, (e, e) if breaks else last)
+        kind = _classify(text, e, s, forbid, last, breaks > 0)
         if breaks:  # an emoji starting a line belongs to that line ("🛒 Buy milk.")
             last = (s, s)
         if kind == WORD and breaks:
@@ -384,14 +386,17 @@ def _line_breaks(run: str) -> int:
     return min(len(_LINE_BREAK.findall(run)), 2)
 
 
-def _classify(text: str, e: int, s: int, forbid: bytearray, last: tuple[int, int]) -> str | None:
+def _classify(
+    text: str, e: int, s: int, forbid: bytearray, last: tuple[int, int], line_break: bool
+) -> str | None:
     """Kind of split at the whitespace ``text[e:s]``; None, with ``forbid`` marked, if
-    protected. ``last``: the span of the last word before ``e`` that is not emoji alone."""
+    protected. ``last``: the span of the last word before ``e`` that is not emoji alone;
+    ``line_break``: the whitespace holds one."""
     if _punctuation_only(text, s):  # "Oui ! » Puis", ". . .": they end the word before
         forbid[e] = 1
         return None
     j = _before_closers(text, e)
-    emoji_after = _symbols_only(text, s)
+    emoji_after = not line_break and _symbols_only(text, s)
     if emoji_after or (j and _is_symbol(text[j - 1])):
         a, b = last
         if _ends_terminal(text[max(a, b - 64) : b]):  # a sentence ends before the emoji
@@ -695,9 +700,12 @@ _SYMBOL_CATEGORIES = frozenset(("So", "Sk", "Cf", "Mn", "Me"))
 
 def _is_symbol(ch: str) -> bool:
     """An emoji or a part of one (a joiner, a variation selector, a skin tone): not the
-    symbols of running text below the arrows block ("©", "™", "№")."""
+    symbols of running text below the arrows block ("©", "™", "№") nor CJK ones ("〒", "㈱")."""
     o = ord(ch)
-    return o == 0x200D or (o >= 0x2190 and unicodedata.category(ch) in _SYMBOL_CATEGORIES)
+    if o == 0x200D:
+        return True
+    cjk = 0x3000 <= o <= 0x33FF
+    return o >= 0x2190 and not cjk and unicodedata.category(ch) in _SYMBOL_CATEGORIES
 
 
 def _symbols_only(text: str, i: int) -> bool:
@@ -720,19 +728,19 @@ def _before_symbols(text: str, j: int) -> int:
 
 
 def _greek_before(text: str, i: int) -> bool:
-    """Most letters of the sentence before ``text[i]`` (up to 40 characters) are Greek, whose
-    question mark is the semicolon (Greek keyboards type U+003B, and NFC makes U+037E one):
-    "Θα έρθεις στις 10:30;", "Πού είναι το iPhone;", but not "The frequency is ν;"."""
-    greek = other = 0
-    for ch in reversed(text[max(0, i - 40) : i]):
+    """The sentence before ``text[i]`` (up to 80 characters) has a Greek word, two Greek
+    letters in a row: Greek's question mark is the semicolon (Greek keyboards type U+003B,
+    and NFC makes U+037E one). "Θα έρθεις στις 10:30;", "Χρησιμοποιείς το Microsoft
+    Windows;", but not "The frequency is ν;"."""
+    run = 0
+    for ch in reversed(text[max(0, i - 80) : i]):
         if ch in TERMINALS or ch == ";":
             break
-        if ch.isalpha():
-            if unicodedata.name(ch, "").startswith("GREEK"):
-                greek += 1
-            else:
-                other += 1
-    return greek > other
+        greek = ch.isalpha() and unicodedata.name(ch, "").startswith("GREEK")
+        run = run + 1 if greek else 0
+        if run == 2:
+            return True
+    return False
 
 
 def _spoken(seg: str, add_period: bool) -> str:
