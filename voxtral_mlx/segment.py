@@ -431,9 +431,7 @@ def _classify(
 def _initialism_before_name(text: str, t0: int, j: int, s: int) -> bool:
     """``text[t0:j]`` is a dotted initialism ("U.S.") and the next word is a name it may
     qualify, not a word that starts a sentence."""
-    k = t0
-    while k < j and text[k] in _OPENERS:
-        k += 1
+    k = _after_openers(text, t0, j)
     if not _INITIALISM.fullmatch(text, k, j):
         return False
     nxt = _next_word(text, s)
@@ -454,9 +452,7 @@ def _maybe_ordinal(text: str, t0: int, j: int) -> bool:
 
 def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
     """True when the period ending the token ``text[t0:j]`` must stay with the next word."""
-    k = t0
-    while k < j and text[k] in _OPENERS:
-        k += 1
+    k = _after_openers(text, t0, j)
     word = text[k:j].lower()
     if word.endswith(("..", "…")) or (word == "." and _after_dot(text, k)):  # ". . ."
         return nxt.islower()
@@ -516,19 +512,24 @@ def _word_start(text: str, i: int) -> int:
     return i
 
 
+def _after_openers(text: str, i: int, end: int | None = None) -> int:
+    """Where the opening quotes and brackets starting at ``text[i]`` (before ``end``) end."""
+    end = len(text) if end is None else end
+    while i < end and text[i] in _OPENERS:
+        i += 1
+    return i
+
+
 def _next_word(text: str, s: int) -> str:
     """The run of letters starting at ``text[s]`` (after any opening quotes)."""
-    while s < len(text) and text[s] in _OPENERS:
-        s += 1
-    e = s
+    s = e = _after_openers(text, s)
     while e < len(text) and text[e].isalpha():
         e += 1
     return text[s:e]
 
 
 def _next_char(text: str, s: int) -> str:
-    while s < len(text) and text[s] in _OPENERS:
-        s += 1
+    s = _after_openers(text, s)
     return text[s] if s < len(text) else ""
 
 
