@@ -373,6 +373,63 @@ def test_no_output_device_is_a_one_line_error(model_dir, tmp_path):
         assert "no audio output device" in err and "-o FILE" in err, err
 
 
+# A device that plays ``BLOCKS`` callbacks' worth, then goes away (unplugged headphones).
+_VANISHING_DEVICE = """
+import threading
+import numpy as np
+
+BLOCKS = {blocks}
+
+
+class PortAudioError(Exception):
+    pass
+
+
+def query_devices(device=None, kind=None):
+    dev = {{"name": "Headphones", "index": 0, "max_input_channels": 0, "max_output_channels": 2}}
+    return dev if kind == "output" else [dev]
+
+
+class OutputStream:
+    latency = 0.01
+
+    def __init__(self, callback, finished_callback, blocksize, **kwargs):
+        self.callback, self.finished, self.blocksize = callback, finished_callback, blocksize
+
+    def start(self):
+        def run():
+            for _ in range(BLOCKS):
+                self.callback(np.zeros((self.blocksize, 1), np.float32), self.blocksize, None, 0)
+            self.finished()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def abort(self):
+        pass
+
+    def close(self):
+        pass
+"""
+
+
+def test_a_device_lost_while_playing_keeps_the_file_being_written(endless_model_dir, tmp_path):
+    # The file beside the playback is the user's: a vanished device must not delete it.
+    env = _fake_sounddevice(tmp_path, _VANISHING_DEVICE.format(blocks=2))
+    out = tmp_path / "both.wav"
+    proc = run(
+        "speak", "-m", str(endless_model_dir), "--max-frames", "30", "--no-split",
+        "--play", "-o", str(out), "A long sentence to read aloud.", env=env,
+    )  # fmt: skip
+    err = one_line_error(proc)
+    assert "the audio stream ended unexpectedly" in err, err
+    assert out.exists(), err
+    audio, rate = sf.read(out, dtype="float32")
+    assert rate == 24000 and len(audio) > 0
+    seconds = re.search(r"(?:kept|all) ([0-9.]+) s of audio", err)
+    assert seconds and float(seconds.group(1)) == pytest.approx(len(audio) / rate, abs=0.05)
+    assert str(out) in err and not list(tmp_path.glob(".*both*"))
+
+
 @pytest.fixture(scope="module")
 def endless_model_dir(tmp_path_factory):
     """A tiny checkpoint whose END never fires: generation runs to --max-frames."""

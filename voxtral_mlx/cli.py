@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from .audio.horizon import PlaybackHorizon
 from .errors import (
+    AudioDeviceError,
     AudioOutputError,
     ConfigError,
     InputError,
@@ -489,8 +490,9 @@ def cmd_speak(args: argparse.Namespace) -> int:
     if player is not None:
         horizon = PlaybackHorizon(tts, stream, args.max_frames, args.pause, started)
     progress = chunks = None
-    ok = False
+    ok = generated = False
     interrupted: KeyboardInterrupt | None = None
+    failure: AudioDeviceError | None = None  # the player's (the file's are not kept)
     try:
         progress = Progress(len(stream.segments)) if _show_progress(args, stream) else None
         chunks = _Chunks(stream)
@@ -510,11 +512,15 @@ def cmd_speak(args: argparse.Namespace) -> int:
                 "the model produced no audio for this text (END on the first frame); "
                 "rephrase it or try another --seed"
             )
+        generated = True
         if player is not None:
             player.finish()
         ok = True
     except KeyboardInterrupt as e:
         interrupted = e
+        raise
+    except AudioDeviceError as e:
+        failure = e
         raise
     finally:
         written = False
@@ -538,6 +544,15 @@ def cmd_speak(args: argparse.Namespace) -> int:
                             f"interrupted: kept {kept:.1f} s of audio in "
                             f"{one_line(str(args.output))}"
                         )
+                    elif failure is not None and file_writer.commit_partial():
+                        # A dead device does not cost the file asked for beside it.
+                        path = one_line(str(args.output))
+                        kept = (
+                            f"all {file_writer.duration_s:.1f} s of audio were written to {path}"
+                            if generated
+                            else f"kept {file_writer.duration_s:.1f} s of audio in {path}"
+                        )
+                        failure.args = (f"{failure.problem}; {kept}; check the output device",)
                     else:
                         file_writer.abort()
                 if wav is not None:

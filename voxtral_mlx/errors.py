@@ -61,6 +61,14 @@ class AudioOutputError(VoxtralError):
     """No audio device, no PortAudio library, or an output file that cannot be written."""
 
 
+class AudioDeviceError(AudioOutputError):
+    """The output device failed while playing (unplugged, stopped taking audio)."""
+
+    def __init__(self, problem: str, fix: str | None = None) -> None:
+        super().__init__(problem if fix is None else f"{problem}; {fix}")
+        self.problem = problem  # what happened, for a caller that words the fix its own way
+
+
 class NonFiniteError(VoxtralError, ArithmeticError):
     """The model produced NaN or infinite values while generating (damaged weights, or an
     overflow in float16): the request stops instead of speaking noise."""

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AudioOutputError, InputError
+from ..errors import AudioDeviceError, AudioOutputError, InputError
 
 # Said by the command line and by tts.say() alike, so it names both ways to a file.
 _NO_DEVICE_HINT = (
@@ -534,21 +534,16 @@ class AudioPlayer:
     drain = finish
 
     def _check_alive(self) -> None:
+        fix = f"check the output device {_NO_DEVICE_HINT}"
         if self._callback_error is not None and not self._stopped.is_set():
             e = self._callback_error
-            raise AudioOutputError(
-                f"audio output failed ({type(e).__name__}: {e}); check the output device "
-                f"{_NO_DEVICE_HINT}"
-            ) from e
+            raise AudioDeviceError(f"audio output failed ({type(e).__name__}: {e})", fix) from e
         if self._finished.is_set() and not self._stopped.is_set():
-            raise AudioOutputError(
-                f"the audio stream ended unexpectedly; check the output device {_NO_DEVICE_HINT}"
-            )
+            raise AudioDeviceError("the audio stream ended unexpectedly", fix)
         last = self._last_callback_at
         if last is not None and self._clock() - last > max(_STALL_S, 4 * self._latency):
-            raise AudioOutputError(
-                f"the audio device stopped taking audio (no callback for {_STALL_S:.0f} s); "
-                f"check the output device {_NO_DEVICE_HINT}"
+            raise AudioDeviceError(
+                f"the audio device stopped taking audio (no callback for {_STALL_S:.0f} s)", fix
             )
 
     def _wait_drained(self) -> None:
