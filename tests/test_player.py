@@ -27,9 +27,10 @@ from voxtral_mlx.audio.player import (
     AudioPlayer,
     import_sounddevice,
     list_output_devices,
+    refresh_output_devices,
     resolve_device,
 )
-from voxtral_mlx.errors import AudioOutputError, InputError
+from voxtral_mlx.errors import AudioOutputError, InputError, UsageError
 
 SR = 24000
 FRAME = 1920
@@ -947,3 +948,93 @@ def test_real_portaudio_streaming_with_underruns(tmp_path):
     assert stats["preroll_s"] == pytest.approx(2 * FRAME_S)
     assert np.count_nonzero(span == 0) == round(stats["underrun_s"] * SR)
     assert stats["played_s"] == pytest.approx(n / SR)
+
+
+# -- devices connected while the app runs ---------------------------------------------
+
+
+class RestartableSD(FakeSD):
+    """A fake whose device list changes only when PortAudio restarts, as the real one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plugged_in = [*self.devices, {"name": "AirPods", "max_output_channels": 2}]
+        self.restarts = 0
+
+    def _terminate(self) -> None:
+        self.restarts += 1
+
+    def _initialize(self) -> None:
+        self.devices, self.default_output = self.plugged_in, len(self.plugged_in) - 1
+
+
+def test_refresh_output_devices_sees_a_device_connected_since_start():
+    sd = RestartableSD()
+    with pytest.raises(AudioOutputError, match="AirPods"):
+        AudioPlayer(SR, device="AirPods", sd=sd)
+    devices = refresh_output_devices(sd)
+    assert sd.restarts == 1
+    assert [d["name"] for d in devices if d["default"]] == ["AirPods"]
+    p = AudioPlayer(SR, device="AirPods", sd=sd)
+    assert p.device == len(sd.devices) - 1
+    p.stop()
+
+
+def test_refresh_output_devices_is_refused_while_a_player_is_open():
+    sd = RestartableSD()
+    p = AudioPlayer(SR, sd=sd)  # a restart would end its stream
+    with pytest.raises(UsageError, match="playing"):
+        refresh_output_devices(sd)
+    assert sd.restarts == 0
+    p.stop()
+    refresh_output_devices(sd)
+    assert sd.restarts == 1
+
+
+def test_refresh_output_devices_needs_a_sounddevice_that_can_restart():
+    with pytest.raises(AudioOutputError, match="restart the app"):
+        refresh_output_devices(FakeSD())
+
+
+_HOTPLUG_SCRIPT = r"""
+import json, sys
+try:
+    import sounddevice
+except OSError as e:  # no libportaudio
+    print(json.dumps({"skip": str(e)}))
+    sys.exit(77)
+from voxtral_mlx.audio.player import AudioPlayer, list_output_devices, refresh_output_devices
+
+conf = sys.argv[1]
+before = [d["name"] for d in list_output_devices()]
+with open(conf, "a") as f:  # headphones plugged in
+    f.write("\npcm.voxtral_headphones {\n    type null\n}\n")
+stale = [d["name"] for d in list_output_devices()]
+after = [d["name"] for d in refresh_output_devices()]
+player = AudioPlayer(24000, device="voxtral_headphones")
+player.stop()
+print(json.dumps({"before": before, "stale": stale, "after": after}))
+"""
+
+
+def test_real_portaudio_refresh_sees_a_new_device(tmp_path):
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the devices are ALSA plugins: Linux only")
+    conf = tmp_path / "asoundrc"
+    conf.write_text(ALSA_TEMPLATE.read_text().replace("@RECORD_PATH@", str(tmp_path / "r.raw")))
+    env = dict(os.environ, ALSA_CONFIG_PATH=str(conf), JACK_NO_START_SERVER="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(
+        [sys.executable, "-c", _HOTPLUG_SCRIPT, str(conf)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if proc.returncode == 77:
+        _skip_or_fail(f"PortAudio is not installed ({json.loads(proc.stdout)['skip']})")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "voxtral_record" in result["before"]
+    assert "voxtral_headphones" not in result["before"] + result["stale"]
+    assert "voxtral_headphones" in result["after"]

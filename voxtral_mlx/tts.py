@@ -688,7 +688,9 @@ class VoxtralTTS:
         :class:`Playback` handle (``stop()``, ``wait()``, ``done``). Needs PortAudio, unless
         ``player`` supplies another sink with ``feed(audio)``, ``finish()`` and ``stop()``.
         Each call opens its own output stream, so two at once play together (as two ``say``
-        processes do): ``stop()`` the first to replace it.
+        processes do): ``stop()`` the first to replace it. ``device`` (a name or index) and
+        the default output are looked up among the devices PortAudio found when it started;
+        :func:`voxtral_mlx.audio.player.refresh_output_devices` re-reads them.
         """
         wait = check_flag("wait", wait)
         if wait:

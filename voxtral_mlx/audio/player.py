@@ -22,6 +22,7 @@ import math
 import re
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AudioDeviceError, AudioOutputError, InputError
+from ..errors import AudioDeviceError, AudioOutputError, InputError, UsageError
 
 # Said by the command line and by tts.say() alike, so it names both ways to a file.
 _NO_DEVICE_HINT = (
@@ -46,6 +47,12 @@ PREROLL_SAFETY = 1.1  # margin on the computed deficit: the speed is an estimate
 UNKNOWN_HORIZON_S = 10.0  # assumed remaining length when the total is unknown ...
 MAX_UNKNOWN_PREROLL_S = 3.0  # ... and the most we make the listener wait for it
 MAX_BUFFER_S = 60.0  # audio waiting to be played at most: feed() blocks beyond it
+
+
+# PortAudio restarts (refresh_output_devices) and stream openings take turns; the players
+# whose stream may be open are known, as a restart would end their streams.
+_PORTAUDIO_LOCK = threading.RLock()
+_PLAYERS: weakref.WeakSet[AudioPlayer] = weakref.WeakSet()
 
 
 def import_sounddevice() -> ModuleType:
@@ -97,6 +104,45 @@ def list_output_devices(sd: Any = None) -> list[dict[str, Any]]:
             {"index": index, "name": name, "channels": channels, "default": index == default}
         )
     return out
+
+
+def refresh_output_devices(sd: Any = None) -> list[dict[str, Any]]:
+    """Re-read the output devices and the default output; returns them as
+    :func:`list_output_devices` does.
+
+    PortAudio lists the devices once, when it starts (at ``import sounddevice``): headphones
+    connected or removed since, or another default output chosen in System Settings, are not
+    seen by later players until it restarts. This restarts it: call it when the system says
+    the devices changed (on macOS, e.g. an ``AVAudioEngineConfigurationChange`` or
+    Core Audio's ``kAudioHardwarePropertyDevices`` notification), or before a ``say()`` after
+    a long idle. The restart ends every PortAudio stream of the process, so it is refused
+    (:class:`~voxtral_mlx.errors.UsageError`) while one of this library's players is open;
+    an app that plays or records through sounddevice itself must close those streams first.
+    """
+    sd = sd if sd is not None else import_sounddevice()
+    terminate, initialize = getattr(sd, "_terminate", None), getattr(sd, "_initialize", None)
+    if not (callable(terminate) and callable(initialize)):
+        raise AudioOutputError(
+            f"this sounddevice ({getattr(sd, '__version__', 'unknown version')}) cannot "
+            "restart PortAudio; restart the app to see new audio devices"
+        )
+    with _PORTAUDIO_LOCK:
+        if any(p._sd is sd and not p.closed for p in list(_PLAYERS)):
+            raise UsageError(
+                "cannot re-read the audio devices while audio is playing: stop() the "
+                "playback or wait() for it first"
+            )
+        try:
+            terminate()
+        except _portaudio_errors(sd) as e:
+            raise AudioOutputError(f"cannot restart PortAudio ({e}); restart the app") from e
+        try:
+            initialize()
+        except _portaudio_errors(sd) as e:
+            raise AudioOutputError(
+                f"PortAudio did not start again ({e}); restart the app {_NO_DEVICE_HINT}"
+            ) from e
+        return list_output_devices(sd)
 
 
 def prepare_output(sample_rate: int = 24000, sd: Any = None) -> int | None:
@@ -228,7 +274,6 @@ class AudioPlayer:
         self.min_preroll_s = float(min_preroll_s)
         self.max_buffer_s = float(max_buffer_s)
         self._clock = clock
-        self.device = resolve_device(device, self._sd)
         self.stats = PlaybackStats()
 
         # Buffer state, shared with the callback thread. RLock: stop() may run in a
@@ -257,6 +302,14 @@ class AudioPlayer:
         self._drained = threading.Event()  # the callback has handed out the last sample
         self._finished = threading.Event()  # PortAudio says the stream has ended
 
+        with _PORTAUDIO_LOCK:  # not while refresh_output_devices() restarts PortAudio
+            self.device = resolve_device(device, self._sd)
+            self._stream = self._open(latency)
+            _PLAYERS.add(self)
+        lat = getattr(self._stream, "latency", 0.0)
+        self._latency = float(lat) if isinstance(lat, (int, float)) else 0.0
+
+    def _open(self, latency: float | str | None) -> Any:
         kwargs: dict[str, Any] = {
             "samplerate": self.sample_rate,
             "blocksize": self.blocksize,
@@ -272,14 +325,12 @@ class AudioPlayer:
         if latency is not None:
             kwargs["latency"] = latency
         try:
-            self._stream = self._sd.OutputStream(**kwargs)
+            return self._sd.OutputStream(**kwargs)
         except _portaudio_errors(self._sd) as e:
             raise AudioOutputError(
                 f"cannot open audio output ({e}); choose another device with --device "
                 f"{_NO_DEVICE_HINT}"
             ) from e
-        lat = getattr(self._stream, "latency", 0.0)
-        self._latency = float(lat) if isinstance(lat, (int, float)) else 0.0
 
     # -- measurements ---------------------------------------------------------------
 
