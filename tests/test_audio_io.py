@@ -28,7 +28,7 @@ from voxtral_mlx.audio.io import (
     float_to_pcm16,
     write_audio,
 )
-from voxtral_mlx.errors import AudioOutputError
+from voxtral_mlx.errors import AudioFileFullError, AudioOutputError
 
 SR = 24000
 FRAME = 1920
@@ -783,3 +783,53 @@ def test_a_read_only_file_is_not_replaced(tmp_path, monkeypatch):
         write_audio(target, speechlike(0.1), SR)
     assert _one_line(e) and target.read_bytes() == b"old"
     assert hidden_leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("ext", [".wav", ".aiff"])
+def test_a_file_format_that_is_full_refuses_more_and_keeps_what_it_holds(
+    tmp_path, monkeypatch, ext
+):
+    # WAV's sizes are 32-bit (AIFF's signed): past 4 GiB (2 GiB) they wrap around, and the
+    # close-time check deleted a day of audio. Shrunk limits stand for the real ones here.
+    fmt = aio.FORMATS[ext][0]
+    monkeypatch.setitem(aio._MAX_SAMPLE_BYTES, fmt, 2 * 1000)
+    out = tmp_path / f"book{ext}"
+    w = AudioFileWriter(out, SR)
+    w.write(np.full(600, 0.25, np.float32))
+    with pytest.raises(AudioFileFullError, match=r"\.flac or \.caf"):
+        w.write(np.full(600, 0.25, np.float32))
+    assert w.frames_written == 600 and not out.exists()
+    assert w.commit_partial()
+    audio, rate = sf.read(out, dtype="int16")
+    assert rate == SR and len(audio) == 600
+
+
+def test_the_format_limits_are_those_of_the_headers(tmp_path):
+    wav = AudioFileWriter(tmp_path / "a.wav", SR)
+    aiff = AudioFileWriter(tmp_path / "a.aiff", SR)
+    flac = AudioFileWriter(tmp_path / "a.flac", SR)
+    assert 2**32 - 2**17 < 2 * wav.max_frames < 2**32  # 24.8 hours at 24 kHz
+    assert 2**31 - 2**17 < 2 * aiff.max_frames < 2**31
+    assert flac.max_frames is None
+    for w in (wav, aiff, flac):
+        w.abort()
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="macOS file names are always UTF-8")
+@pytest.mark.parametrize("where", ["directory", "name", "long name"])
+def test_a_path_that_is_not_utf8_is_written(tmp_path, where):
+    odd = os.fsdecode(b"caf\xe9")  # Latin-1 bytes: a surrogate escape in Python
+    if where == "directory":
+        (tmp_path / odd).mkdir()
+        out = tmp_path / odd / "x.flac"
+    elif where == "name":
+        out = tmp_path / f"{odd}.flac"
+    else:  # 250 bytes: the temp file's name is shortened to fit
+        out = tmp_path / f"{os.fsdecode(bytes(range(0xC0, 0xF2)) * 5)}.flac"
+    w = AudioFileWriter(out, SR)
+    w.write(np.full(100, 0.5, np.float32))
+    w.close()
+    assert os.fsencode(out) in [os.fsencode(p) for p in out.parent.iterdir()]
+    with open(out, "rb") as f:
+        assert sf.info(f).frames == 100
+    assert [p.name for p in out.parent.iterdir()] == [out.name]

@@ -552,6 +552,22 @@ def test_no_audio_at_all_leaves_no_file(model_dir, tmp_path, monkeypatch, capsys
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_wav_file_keeps_what_it_holds(endless_model_dir, tmp_path, monkeypatch, capsys):
+    """Past WAV's 4 GiB (here shrunk to half a second) the file is kept, not deleted."""
+    from voxtral_mlx import cli
+    from voxtral_mlx.audio import io as aio
+
+    monkeypatch.setitem(aio._MAX_SAMPLE_BYTES, "WAV", 2 * 12000)
+    out = tmp_path / "book.wav"
+    args = ["speak", "-m", str(endless_model_dir), "--max-frames", "30", "-o", str(out)]
+    assert cli.main([*args, "A sentence that outgrows its file."]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is full" in err and ".flac or .caf" in err, err
+    audio, rate = sf.read(out, dtype="float32")
+    assert 0 < len(audio) <= 12000 and f"kept {len(audio) / rate:.1f} s" in err, err
+    assert [p.name for p in tmp_path.iterdir()] == ["book.wav"]
+
+
 def test_audio_cut_short_by_max_frames_is_a_warning(endless_model_dir, model_dir, tmp_path, capsys):
     """Segments that reach --max-frames before END are said to be cut short (the audio just
     stopped); a text the model ends says nothing."""

@@ -76,6 +76,18 @@ def test_stdin_that_is_not_utf8_is_one_line(model_dir, tmp_path, encoding):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_utf16_without_a_byte_order_mark_is_one_line(model_dir, tmp_path):
+    # Valid UTF-8 to a decoder, but every other character a NUL: it was spoken as such.
+    raw = "Hello world.".encode("utf-16-le")
+    (tmp_path / "u16.txt").write_bytes(raw)
+    out = tmp_path / "s.wav"
+    err = one_line_error(speak(model_dir, "-f", str(tmp_path / "u16.txt"), "-o", str(out)))
+    assert "u16.txt holds NUL bytes" in err and "iconv" in err, err
+    err = one_line_error(speak(model_dir, "-o", str(out), input=b"\x00" * 1000))
+    assert "stdin holds NUL bytes" in err, err
+    assert not out.exists()
+
+
 def test_stdin_is_read_as_utf8_whatever_the_locale(model_dir, tmp_path):
     out = tmp_path / "s.wav"
     text = "\ufeffCafé.".encode()
@@ -949,3 +961,40 @@ def test_a_long_text_says_it_is_being_split(monkeypatch, chars, tty, flags, show
         raise InputError("a failed split")
     expected = f"\rvoxtral-mlx: splitting {chars:,} characters into segments\x1b[K\r\x1b[K"
     assert err.getvalue() == (expected if shown else "")
+
+
+def test_progress_eta_counts_down_between_segment_ends(capsys, monkeypatch):
+    """Segments end in bursts (a batch's later ones are done when its first is): the ETA,
+    re-estimated at every chunk, climbed from 2:18 to 3:25 between two bursts. It is now
+    measured when a segment ends, weighted by the text left, and counted down meanwhile."""
+    from types import SimpleNamespace
+
+    from voxtral_mlx import cli
+
+    clock = [100.0]
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
+    progress = cli.Progress(total=3, sizes=[10, 10, 40])
+
+    def chunk(segment: int, end: bool) -> None:
+        c = SimpleNamespace(is_final=False, frames=0 if end else 1, audio=[0.0], segment=segment)
+        progress.update(c, SimpleNamespace(audio_s=1.0))
+
+    def eta() -> int:
+        line = capsys.readouterr().err.split("\r")[-1]
+        minutes, seconds = line.split("ETA ")[1].split("\x1b")[0].split(":")
+        return int(minutes) * 60 + int(seconds)
+
+    clock[0] += 10.0
+    chunk(0, end=True)  # 10 characters in 10 s: 50 left, 50 s
+    assert eta() == 50
+    etas = []
+    for _ in range(5):
+        clock[0] += 4.0
+        chunk(1, end=False)
+        etas.append(eta())
+    assert etas == [46, 42, 38, 34, 30]
+    clock[0] += 100.0
+    chunk(1, end=False)
+    assert eta() == 0  # late: never below zero
+    chunk(1, end=True)  # 20 characters in 130 s: 40 left
+    assert eta() == 260

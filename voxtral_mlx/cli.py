@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from .audio.horizon import PlaybackHorizon
 from .errors import (
     AudioDeviceError,
+    AudioFileFullError,
     AudioOutputError,
     ConfigError,
     InputError,
@@ -214,7 +215,7 @@ def _read_text(args: argparse.Namespace) -> str:
             with open(args.file, "rb") as f:  # a FIFO is read like cat reads it
                 raw = f.read(MAX_TEXT_BYTES + 1)
             _check_size(raw, f"text file {one_line(args.file)}")
-            return _decode_text(raw)
+            return _decode_text(raw, f"text file {one_line(args.file)}")
         except FileNotFoundError:
             raise InputError(f"text file {one_line(args.file)} not found: check the path") from None
         except UnicodeDecodeError as e:
@@ -241,7 +242,7 @@ def _read_text(args: argparse.Namespace) -> str:
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
 
 
-def _decode_text(raw: bytes) -> str:
+def _decode_text(raw: bytes, what: str) -> str:
     """A text file's bytes as text: UTF-8, or UTF-16 or UTF-32 when it starts with their
     byte-order mark (Windows' "Unicode" text files are UTF-16). A UTF-8 byte-order mark is
     dropped and line ends become ``\n``: neither is meant to be spoken, and a Windows file
@@ -252,6 +253,11 @@ def _decode_text(raw: bytes) -> str:
         text = raw.decode("utf-16")
     else:
         text = raw.decode("utf-8-sig")  # editors that save a byte-order mark
+    if "\x00" in text:  # valid UTF-8, but no text has it: each would be a prompt token
+        raise InputError(
+            f"{what} holds NUL bytes: it is not text, or UTF-16 without a byte-order mark; "
+            "convert it to UTF-8 first (e.g. iconv -f UTF-16LE -t UTF-8)"
+        )
     return _one_newline(text)
 
 
@@ -285,7 +291,7 @@ def _read_stdin() -> str:
     if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
         return _one_newline(raw.removeprefix("\ufeff"))
     try:
-        return _decode_text(raw)
+        return _decode_text(raw, "stdin")
     except UnicodeDecodeError as e:
         raise InputError(
             f"stdin is not {_encoding(e)} text; convert it first (e.g. with iconv)"
@@ -492,9 +498,12 @@ def cmd_speak(args: argparse.Namespace) -> int:
     progress = chunks = None
     ok = generated = False
     interrupted: KeyboardInterrupt | None = None
-    failure: AudioDeviceError | None = None  # the player's (the file's are not kept)
+    # The device's failure, or the file's format limit: what the file holds is kept.
+    failure: AudioDeviceError | AudioFileFullError | None = None
     try:
-        progress = Progress(len(stream.segments)) if _show_progress(args, stream) else None
+        progress = None
+        if _show_progress(args, stream):
+            progress = Progress(len(stream.segments), [len(s.spoken) for s in stream.segments])
         chunks = _Chunks(stream)
         for chunk in chunks:
             if len(chunk.audio):
@@ -519,7 +528,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         interrupted = e
         raise
-    except AudioDeviceError as e:
+    except (AudioDeviceError, AudioFileFullError) as e:
         failure = e
         raise
     finally:
@@ -545,14 +554,18 @@ def cmd_speak(args: argparse.Namespace) -> int:
                             f"{one_line(str(args.output))}"
                         )
                     elif failure is not None and file_writer.commit_partial():
-                        # A dead device does not cost the file asked for beside it.
                         path = one_line(str(args.output))
                         kept = (
                             f"all {file_writer.duration_s:.1f} s of audio were written to {path}"
                             if generated
                             else f"kept {file_writer.duration_s:.1f} s of audio in {path}"
                         )
-                        failure.args = (f"{failure.problem}; {kept}; check the output device",)
+                        fix = (
+                            failure.fix
+                            if isinstance(failure, AudioFileFullError)
+                            else "check the output device"
+                        )
+                        failure.args = (f"{failure.problem}; {kept}; {fix}",)
                     else:
                         file_writer.abort()
                 if wav is not None:
@@ -612,24 +625,35 @@ class Progress:
 
     REDRAW_S = 0.1  # at most ten redraws a second (a chunk comes every frame)
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, sizes: Sequence[int] | None = None):
         self.total = total
+        # How much text each segment holds: the ETA weighs what is left by it.
+        self.sizes = [max(1, int(n)) for n in sizes] if sizes is not None else [1] * total
+        self.text_total = sum(self.sizes)
         self.t0 = time.perf_counter()
         self.done = 0
+        self._mark = (0.0, 0)  # (elapsed, text done) when the latest segment ended
         self._shown = ""
         self._shown_done = -1
         self._shown_at = 0.0
         self._due = ""  # a line held back by the rate limit, drawn by close()
 
     def update(self, chunk: AudioChunk, timings: Timings) -> None:
+        before = self.done
         if chunk.is_final or (chunk.frames == 0 and len(chunk.audio)):  # a segment ended
             self.done = chunk.segment + 1
         else:  # the ones before it have ended, even with no pause (0 s) to say so
             self.done = max(self.done, chunk.segment)
         elapsed = time.perf_counter() - self.t0
+        if self.done != before:
+            self._mark = (elapsed, self._mark[1] + sum(self.sizes[before : self.done]))
         eta = ""
         if 0 < self.done < self.total:
-            left = elapsed / self.done * (self.total - self.done)
+            # Measured when a segment ends, then counted down: segments end in bursts (a
+            # batch's later ones are done when the first is), and a rate re-measured at
+            # every chunk climbed between the bursts.
+            at, text_done = self._mark
+            left = max(0.0, at / text_done * (self.text_total - text_done) - (elapsed - at))
             eta = f", ETA {int(left // 60)}:{int(left % 60):02d}"
         line = (
             f"{PROG}: segment {min(self.done + 1, self.total)}/{self.total}, "

@@ -69,6 +69,15 @@ class AudioDeviceError(AudioOutputError):
         self.problem = problem  # what happened, for a caller that words the fix its own way
 
 
+class AudioFileFullError(AudioOutputError):
+    """An output file reached the most its format holds (4 GiB of WAV, 2 GiB of AIFF): what
+    was written before stays valid and can be kept."""
+
+    def __init__(self, problem: str, fix: str | None = None) -> None:
+        super().__init__(problem if fix is None else f"{problem}; {fix}")
+        self.problem, self.fix = problem, fix or ""
+
+
 class NonFiniteError(VoxtralError, ArithmeticError):
     """The model produced NaN or infinite values while generating (damaged weights, or an
     overflow in float16): the request stops instead of speaking noise."""

@@ -139,8 +139,14 @@ def usable_path(
 def hidden_name(stem: str, tail: str) -> str:
     """``.<stem><tail>``, the stem shortened (never inside a character) so that the name
     fits the file system: a legal long target name must still get its hidden sibling."""
-    room = NAME_MAX - 1 - len(tail.encode())
-    return f".{stem.encode()[:room].decode(errors='ignore')}{tail}"
+    room = NAME_MAX - 1 - len(os.fsencode(tail))
+    kept = []
+    for ch in stem:  # os.fsencode: a name that is not UTF-8 holds surrogate escapes
+        room -= len(os.fsencode(ch))
+        if room < 0:
+            break
+        kept.append(ch)
+    return f".{''.join(kept)}{tail}"
 
 
 def owned_name(stem: str, kind: str, ext: str = "") -> str:

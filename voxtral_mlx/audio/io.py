@@ -26,7 +26,7 @@ from typing import BinaryIO
 import numpy as np
 import soundfile as sf
 
-from ..errors import AudioOutputError
+from ..errors import AudioFileFullError, AudioOutputError
 from ..fileio import full_fsync, one_line, owned_name, remove_orphans
 
 # extension -> (libsndfile major format, subtype). AIFF and CAF are what macOS `say -o`
@@ -47,6 +47,9 @@ OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
 VORBIS_MAX_RATE = 200_000
 
 _INT16_SCALE = 32768.0
+# Formats whose sizes are 32-bit header fields (AIFF's signed): bytes of samples at most,
+# less room for the header.
+_MAX_SAMPLE_BYTES = {"WAV": 2**32 - 2**16, "AIFF": 2**31 - 2**16}
 _WAV_UNKNOWN_SIZE = 0xFFFFFFFF
 
 
@@ -243,6 +246,12 @@ def _mp3_stream_bytes(path: Path) -> int | None:
     return None
 
 
+def _frames_in(path: Path) -> int:
+    # Opened here: soundfile encodes a path name as UTF-8, which a name that is not fails.
+    with open(path, "rb") as f:
+        return sf.info(f).frames
+
+
 def _check_complete(path: Path, tmp: Path, fmt: str, frames: int, pending: int = 0) -> None:
     """Raise :class:`AudioOutputError` unless ``tmp`` (format ``fmt``) holds all ``frames``
     (or ``frames + pending``: a chunk whose write an interrupt may have cut from its count).
@@ -255,9 +264,9 @@ def _check_complete(path: Path, tmp: Path, fmt: str, frames: int, pending: int =
         expected = _mp3_stream_bytes(tmp)
         complete = expected is None or expected == tmp.stat().st_size
     elif fmt in ("WAV", "FLAC", "AIFF", "CAF"):
-        complete = sf.info(str(tmp)).frames in (frames, frames + pending)
+        complete = _frames_in(tmp) in (frames, frames + pending)
     else:  # lossy codecs: a truncated stream has fewer frames; a longer one is padding
-        complete = sf.info(str(tmp)).frames >= frames
+        complete = _frames_in(tmp) >= frames
     if not complete:
         raise AudioOutputError(
             f"finishing {str(path)!r} failed: the file was cut short (the disk may be full); "
@@ -316,6 +325,8 @@ class AudioFileWriter:
         fmt, subtype = FORMATS[ext]
         self._format = fmt
         self._pcm16 = subtype == "PCM_16"
+        limit = _MAX_SAMPLE_BYTES.get(fmt)
+        self.max_frames = None if limit is None else limit // (2 * self.channels)
         self.frames_written = 0
         self._pending = 0  # frames of the chunk being written, until they are counted
         self._closed = False
@@ -374,6 +385,15 @@ class AudioFileWriter:
         a = _as_mono_float(chunk, self.channels)
         if a.shape[0] == 0:
             return
+        if self.max_frames is not None and self.frames_written + a.shape[0] > self.max_frames:
+            # Beyond it the header's sizes would wrap around: refused, what is written stays
+            # a valid file (commit_partial() keeps it).
+            hours = self.max_frames / self.sample_rate / 3600
+            raise AudioFileFullError(
+                f"{str(self.path)!r} is full: a {self._format} file holds at most "
+                f"{hours:.1f} hours of audio at {self.sample_rate} Hz",
+                "write .flac or .caf for longer audio",
+            )
         data = float_to_int16(a) if self._pcm16 else np.clip(a, -1.0, 1.0)
         # Ctrl-C lands between bytecodes: right after libsndfile's write, before the count.
         # The close-time check then accepts the file with or without that chunk.
