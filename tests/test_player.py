@@ -352,6 +352,16 @@ def test_fast_generation_starts_after_min_preroll():
     assert p.stats.started_at == clock.t
 
 
+def test_out_of_range_and_nan_samples_reach_the_device_as_full_scale_and_silence():
+    p, sd = make_player()
+    p.feed(np.array([2.0, -3.0, np.nan, 0.5, np.inf, -np.inf], np.float32))
+    p._start()
+    block = sd.streams[0].pump()
+    assert block is not None
+    assert np.array_equal(block[:6], [1.0, -1.0, 0.0, 0.5, 1.0, -1.0])
+    p.stop()
+
+
 def test_fast_generation_with_expected_total_still_starts_early():
     p, sd = make_player()
     p.feed(frame(0), expected_total_s=30.0)

@@ -407,8 +407,10 @@ class AudioPlayer:
         if self._eof:
             raise RuntimeError("AudioPlayer.feed() called after finish()")
         # Out-of-range floats are clipped here: devices differ on what they do with them
-        # (ALSA's float-to-int16 conversion wraps around).
-        a = np.clip(np.array(chunk, dtype=np.float32, copy=True).reshape(-1), -1.0, 1.0)
+        # (ALSA's float-to-int16 conversion wraps around); NaN, which clipping keeps, is
+        # silence, as float_to_int16 writes it to files.
+        a = np.array(chunk, dtype=np.float32, copy=True).reshape(-1)
+        a = np.clip(np.nan_to_num(a, copy=False, nan=0.0), -1.0, 1.0)
         now = self._clock()
         with self._lock:
             if expected_total_s is not None:
