@@ -994,7 +994,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_given("-o FILE"),
         metavar="FILE",
         help="write audio to FILE (.wav .flac .aiff .caf .ogg .mp3 .opus; "
-        "'-' writes WAV to stdout) instead of playing",
+        "'-' writes WAV to stdout) instead of playing; an existing FILE is replaced once "
+        "the new one is complete (or interrupted)",
     )
     speak.add_argument("--play", action="store_true", help="play even when writing a file")
     speak.add_argument(
