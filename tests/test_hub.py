@@ -10,6 +10,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import huggingface_hub
 import huggingface_hub.errors
@@ -62,21 +63,48 @@ def _unreachable(*args, **kwargs):
     raise huggingface_hub.errors.OfflineModeIsEnabled("no network in this test")
 
 
+def _listing(repo_id: str) -> list[str]:
+    owner, name = repo_id.split("/", 1)
+    return MLX_FILES if owner == "mlx-community" or "mlx" in name.lower() else MISTRAL_FILES
+
+
+@pytest.fixture(autouse=True)
+def hub_listing(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict]]:
+    """The Hub's model_info as huggingface_hub gives it (no test reaches the network): a
+    listing in the layout the repo's owner or name suggests, at COMMIT (``offline_cache``
+    makes it raise as huggingface_hub does offline). Returns the calls."""
+    calls: list[tuple[str, dict]] = []
+
+    def model_info(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        siblings = [SimpleNamespace(rfilename=f) for f in _listing(repo_id)]
+        return SimpleNamespace(siblings=siblings, sha=COMMIT)
+
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    return calls
+
+
+class FakeHub(list):
+    """snapshot_download's calls; ``cached``: whether the local cache has a complete copy."""
+
+    cached = False
+
+
 @pytest.fixture
-def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[tuple, dict]]:
-    """snapshot_download recording its arguments and returning an empty snapshot directory;
-    the Hub cannot list repos (tests that need a listing patch _list_files), and the
-    local cache is empty."""
-    calls: list[tuple[tuple, dict]] = []
+def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeHub:
+    """snapshot_download recording its arguments and returning an empty snapshot directory
+    (with ``local_files_only``, only if ``fake_hub.cached``: the local cache is empty)."""
+    calls = FakeHub()
     snapshot = tmp_path / "snapshot"
     snapshot.mkdir()
 
     def fake(*args, **kwargs):
         calls.append((args, kwargs))
+        if kwargs.get("local_files_only") and not calls.cached:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not in the cache")
         return str(snapshot)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
-    monkeypatch.setattr(hub_module, "_list_files", _unreachable)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     return calls
 
@@ -260,10 +288,18 @@ def test_snapshot_download_receives_the_layout_patterns(
     assert (args[0] if args else kwargs["repo_id"]) == repo
     assert sorted(kwargs["allow_patterns"]) == sorted(expected)
     # no forced download / token / revision games: the cache and HF_HUB_OFFLINE decide
-    assert not {"force_download", "token", "revision"} & set(kwargs)
-    # ...except that a repo the Hub could not even list (no network here) is not asked again
-    listed = repo.split("/")[0] not in ("mistralai", "mlx-community")
-    assert kwargs.get("local_files_only", False) is listed
+    assert not {"force_download", "token", "revision", "local_files_only"} & set(kwargs)
+
+
+def test_a_repo_the_hub_cannot_list_comes_from_the_cache_alone(
+    fake_hub, hub_listing, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(huggingface_hub, "model_info", _unreachable)
+    monkeypatch.chdir(tmp_path)
+    fake_hub.cached = True
+    assert resolve_model_dir("someone/voxtral-tts") == tmp_path / "snapshot"
+    ((_, kwargs),) = fake_hub
+    assert kwargs["local_files_only"] is True
 
 
 MLX_FILES = [
@@ -319,7 +355,7 @@ def test_other_repos_are_fetched_by_what_they_hold(
 
     def list_repo_files(repo_id, **kwargs):
         listed.append(repo_id)
-        return list(files)
+        return list(files), COMMIT
 
     monkeypatch.setattr(hub_module, "_list_files", list_repo_files)
     monkeypatch.chdir(tmp_path)
@@ -340,44 +376,55 @@ def _server_error() -> Exception:
     return huggingface_hub.errors.HfHubHTTPError("500 Server Error", response=response)
 
 
+def _read_timeout() -> Exception:
+    httpx = pytest.importorskip("httpx2")
+    return httpx.ReadTimeout("timed out")
+
+
 @pytest.mark.parametrize(
-    ("make_error", "cache_only"),
+    ("make_error", "words"),
     [
-        (_connect_error, True),
-        (lambda: ConnectionError("reset"), True),
-        (lambda: TimeoutError("timed out"), False),  # not a network class: try downloading
-        (_server_error, False),  # the Hub answered: the download may still work
+        (_connect_error, "is not in the local Hugging Face cache"),
+        (lambda: ConnectionError("reset"), "is not in the local Hugging Face cache"),
+        (_read_timeout, "did not answer within 10 s"),
+        (lambda: TimeoutError("timed out"), "did not answer within 10 s"),
+        (_server_error, "answered HTTP 500"),
     ],
-    ids=["connect", "connection", "other-os-error", "http-500"],
+    ids=["connect", "connection", "read-timeout", "timeout", "http-500"],
 )
-def test_a_hub_that_cannot_be_reached_is_not_asked_twice(
-    make_error, cache_only: bool, fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_a_hub_that_cannot_list_a_repo_is_not_asked_twice(
+    make_error, words: str, fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """When the listing finds the network down, the download only looks in the cache
-    (huggingface_hub would retry its connection for some 25 s)."""
+    """When the listing fails (the network down, a Hub that never answers, its error), the
+    cache alone is asked: huggingface_hub would retry a connection for some 25 s, and wait
+    for ever on one that a proxy holds open. A complete cached copy serves; without one
+    the error says why."""
     error = make_error()
 
     def list_repo_files(repo_id, **kwargs):
         raise error
 
     monkeypatch.setattr(hub_module, "_list_files", list_repo_files)
+    monkeypatch.setattr(hub_module, "hub_timeout_s", lambda: 10.0)
     monkeypatch.chdir(tmp_path)
-    resolve_model_dir("someone/voxtral-tts")
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir("someone/voxtral-tts")
+    assert words in one_line(exc.value)
     ((_, kwargs),) = fake_hub
-    assert kwargs.get("local_files_only", False) is cache_only
+    assert kwargs["local_files_only"] is True
+    fake_hub.cached = True
+    assert resolve_model_dir("someone/voxtral-tts") == tmp_path / "snapshot"
 
 
 @pytest.mark.parametrize("repo", [DEFAULT_REPO, "mlx-community/Voxtral-4B-TTS-2603-mlx-4bit"])
-def test_known_owners_are_not_listed(
-    repo: str, fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_every_repo_is_listed_once_with_a_timeout(
+    repo: str, fake_hub, hub_listing, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    def forbidden(*args, **kwargs):
-        pytest.fail("listed a repo whose layout its owner gives")
-
-    monkeypatch.setattr(hub_module, "_list_files", forbidden)
     monkeypatch.chdir(tmp_path)
     resolve_model_dir(repo)
     assert len(fake_hub) == 1
+    ((listed, kwargs),) = hub_listing
+    assert listed == repo and kwargs["timeout"] == hub_module.hub_timeout_s() > 0
 
 
 @pytest.mark.parametrize(
@@ -402,7 +449,7 @@ def test_listing_a_missing_or_gated_repo_is_one_line(
         resolve_model_dir(REPO)
     message = one_line(exc.value)
     assert words in message and REPO in message
-    assert fake_hub == []  # nothing downloaded
+    assert all(kwargs["local_files_only"] for _, kwargs in fake_hub)  # nothing downloaded
 
 
 def test_default_is_mistrals_repo(fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -480,6 +527,7 @@ def offline_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub, "model_info", _unreachable)
     monkeypatch.chdir(tmp_path)
     return cache
 
@@ -725,7 +773,8 @@ def test_a_cached_sharded_conversion_is_not_listed_on_the_hub(
     (source / "model-00001-of-00001.safetensors").write_bytes(b"x")
     populate_hub_cache(offline_cache, "bob/voxtral-q4-sharded", source)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(offline_cache))
-    resolve_model_dir("bob/voxtral-q4-sharded")  # list_repo_files would fail the test
+    fake_hub.cached = True
+    resolve_model_dir("bob/voxtral-q4-sharded")  # offline: not listed
     assert "model*.safetensors" in fake_hub[0][1]["allow_patterns"]
 
 
@@ -745,10 +794,10 @@ def test_a_repo_is_listed_in_one_request_without_retries(
     def forbidden(*args, **kwargs):
         pytest.fail("list_repo_files retries a refused connection")
 
-    monkeypatch.setattr(hub_module, "_list_files", _LIST_FILES)  # fake_hub's stand-in out
     monkeypatch.setattr(huggingface_hub, "list_repo_files", forbidden)
     monkeypatch.setattr(huggingface_hub, "model_info", down)
     monkeypatch.chdir(tmp_path)
+    fake_hub.cached = True
     resolve_model_dir("someone/voxtral-tts")
     assert calls == ["someone/voxtral-tts"]
     assert fake_hub[0][1]["local_files_only"] is True
@@ -756,9 +805,11 @@ def test_a_repo_is_listed_in_one_request_without_retries(
     names = ["params.json", "consolidated.safetensors", "tekken.json"]
     siblings = [SimpleNamespace(rfilename=n) for n in names]
     monkeypatch.setattr(
-        huggingface_hub, "model_info", lambda repo_id, **kw: SimpleNamespace(siblings=siblings)
+        huggingface_hub,
+        "model_info",
+        lambda repo_id, **kw: SimpleNamespace(siblings=siblings, sha=COMMIT),
     )
-    assert hub_module._list_files("someone/voxtral-tts") == names
+    assert hub_module._list_files("someone/voxtral-tts") == (names, COMMIT)
 
 
 def test_download_bars_with_stderr_closed_draw_nothing(monkeypatch):
@@ -770,3 +821,176 @@ def test_download_bars_with_stderr_closed_draw_nothing(monkeypatch):
     with _silent_tqdm()(total=10, desc="model.safetensors", unit="B") as bar:
         bar.update(5)
     assert bar.disable
+
+
+# ------------------------------------------------------- a hub review, end to end (2026-11-29)
+
+
+def _mistral_listing(source: Path) -> list[str]:
+    return sorted(str(p.relative_to(source)) for p in source.rglob("*") if p.is_file())
+
+
+def test_a_complete_cached_snapshot_is_used_after_one_listing(
+    offline_cache: Path, tiny_checkpoint: Path, hub_listing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Online, a cached model costs the one listing request and no download call; a copy
+    that lacks a file, or that ``refs/main`` does not name, goes to snapshot_download."""
+    snapshot = populate_hub_cache(offline_cache, DEFAULT_REPO, tiny_checkpoint)
+    files = _mistral_listing(tiny_checkpoint)
+    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files], sha=COMMIT)
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
+    downloads: list[dict] = []
+
+    def download(*args, **kwargs):
+        downloads.append(kwargs)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    assert resolve_model_dir(DEFAULT_REPO) == snapshot
+    assert downloads == []
+    listing.siblings.append(SimpleNamespace(rfilename="voice_embedding/new_voice.pt"))
+    resolve_model_dir(DEFAULT_REPO)
+    assert len(downloads) == 1 and not downloads[0].get("local_files_only")
+    listing.siblings.pop()
+    (snapshot.parent.parent / "refs" / "main").write_text("f" * 40)
+    resolve_model_dir(DEFAULT_REPO)
+    assert len(downloads) == 2
+
+
+def _download_failing_with(error: Exception):
+    def download(*args, **kwargs):
+        if kwargs.get("local_files_only"):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        raise error
+
+    return download
+
+
+def _cut_off() -> Exception:
+    httpx = pytest.importorskip("httpx2")
+    return httpx.RemoteProtocolError("peer closed connection without sending complete message")
+
+
+@pytest.mark.parametrize(
+    ("make_error", "words"),
+    [
+        (_cut_off, "was cut off (RemoteProtocolError: peer closed"),
+        (_read_timeout, "run the command again to finish it"),
+        (_server_error, "the Hugging Face Hub answered HTTP 500"),
+        (lambda: OSError(30, "Read-only file system"), "set HF_HOME (or HF_HUB_CACHE) to a"),
+        (lambda: OSError(13, "Permission denied"), "cannot write"),
+        (lambda: OSError(28, "No space left on device"), "no space left for"),
+    ],
+    ids=["dropped", "stalled", "http-500", "read-only", "permission", "full"],
+)
+def test_a_failed_download_says_what_to_do(
+    make_error, words: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A dropped or stalled transfer said "set HF_HUB_OFFLINE=1 to use a complete copy"
+    (there was none), a 500 "HF_HUB_OFFLINE set or no network", a read-only or full cache
+    "check the connection"."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _download_failing_with(make_error()))
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(DEFAULT_REPO)
+    message = one_line(exc.value)
+    assert words in message and DEFAULT_REPO in message, message
+    if "HF_HOME" in words or "space" in words:
+        assert str(tmp_path / "hub") in message
+
+
+@pytest.fixture
+def fresh_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.setattr(hub_module, "_CANCELLED", threading.Event())
+    monkeypatch.setattr(hub_module, "_BARS_DRAWN", threading.Event())
+
+
+def test_a_cancelled_download_stops_at_its_next_bytes_and_leaves_no_partial_file(
+    fresh_cancel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ctrl-C ended the process with the download's thread in the middle of a file: its
+    partial file (up to 8 GB, never resumed by huggingface_hub 2.x) stayed in the cache."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    blobs = tmp_path / "hub" / "models--mistralai--Voxtral-4B-TTS-2603" / "blobs"
+    blobs.mkdir(parents=True)
+    older = blobs / "aaaa.0badc0de.incomplete"  # another download's, there before this one
+    resumable = blobs / "bbbb.incomplete"  # huggingface_hub 1.x resumes these
+    older.write_bytes(b"x")
+    cancelled_at: list[float] = []
+
+    def download(*args, tqdm_class, **kwargs):
+        (blobs / "cccc.1234abcd.incomplete").write_bytes(b"partial")
+        resumable.write_bytes(b"partial")
+        bar = tqdm_class(total=100, desc="Downloading bytes", unit="B", disable=True)
+        for i in range(100):
+            if i == 3:
+                hub_module.cancel_downloads()
+                cancelled_at.append(i)
+            bar.update(1)
+        pytest.fail("the bar never raised")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    with pytest.raises(hub_module.DownloadCancelled):
+        resolve_model_dir(DEFAULT_REPO)
+    assert cancelled_at == [3]
+    assert sorted(p.name for p in blobs.iterdir()) == [older.name, resumable.name]
+
+
+_SILENT_HUB = r"""
+import socket, sys, time
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(16)
+print(server.getsockname()[1], flush=True)
+held = []
+while True:  # accept, and never answer: a proxy or a sign-in page holding the line
+    held.append(server.accept()[0])
+"""
+
+
+def test_a_hub_that_never_answers_does_not_hang_a_cached_model(tmp_path, tiny_checkpoint):
+    """With the model cached, `speak` waited for ever on a Hub connection that was accepted
+    and never answered (huggingface_hub's listing has no timeout)."""
+    cache = tmp_path / "hf" / "hub"
+    populate_hub_cache(cache, DEFAULT_REPO, tiny_checkpoint)
+    server = subprocess.Popen([sys.executable, "-c", _SILENT_HUB], stdout=subprocess.PIPE)
+    try:
+        port = int(server.stdout.readline())
+        env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+        env.update(
+            HF_HOME=str(tmp_path / "hf"),
+            HF_HUB_CACHE=str(cache),
+            HF_ENDPOINT=f"http://127.0.0.1:{port}",
+            HF_HUB_ETAG_TIMEOUT="1",
+            PYTHONPATH=str(Path(voxtral_mlx.__file__).parents[1]),
+        )
+        code = "import voxtral_mlx.hub as h; print(h.resolve_model_dir(h.DEFAULT_REPO))"
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+    finally:
+        server.kill()
+        server.wait()
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()).name == COMMIT
+
+
+def test_a_damaged_file_in_the_cache_names_the_command_that_fetches_it_again(
+    offline_cache: Path, tiny_checkpoint: Path
+) -> None:
+    """Rerunning never fetches a damaged cached file again (the snapshot looks complete):
+    "re-download it" alone left the user stuck."""
+    import shutil
+
+    source = offline_cache.parent / "damaged"
+    shutil.copytree(tiny_checkpoint, source)
+    weights = source / "consolidated.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    populate_hub_cache(offline_cache, REPO, source)
+    with pytest.raises(VoxtralError) as exc:
+        voxtral_mlx.load(REPO)
+    message = one_line(exc.value)
+    assert "truncated" in message and f"`hf download {REPO} --force-download`" in message
+    assert hub_module.cached_repo(tiny_checkpoint) is None

@@ -125,6 +125,22 @@ def load(
         return VoxtralTTS(
             loaded, worker, max_batch=max_batch, prefix_store=store, residency=residency
         )
-    except BaseException:
+    except BaseException as e:
         worker.close()
+        _name_the_cache_fix(e, model_dir)
         raise
+
+
+def _name_the_cache_fix(error: BaseException, model_dir: os.PathLike[str]) -> None:
+    """A damaged file of a Hub download: rerunning will not fetch it again (the snapshot
+    looks complete), so the message says how."""
+    from .errors import CheckpointError, ConfigError, ModelNotFoundError, TokenizerError
+    from .hub import cached_repo
+
+    repo = cached_repo(model_dir)
+    damaged = (CheckpointError, ConfigError, ModelNotFoundError, TokenizerError)
+    if repo is not None and isinstance(error, damaged) and len(error.args) == 1:
+        error.args = (
+            f"{error.args[0]}; this copy is in the Hugging Face cache: fetch it again with "
+            f"`hf download {repo} --force-download`",
+        )

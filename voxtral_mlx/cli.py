@@ -82,15 +82,19 @@ def _info(message: str) -> None:
 
 
 _POLL_S = 0.05  # longest the main thread waits in one go: signals run between waits
+DOWNLOAD_STOP_S = 5.0  # longest Ctrl-C waits for a download to stop (its next bytes)
 
 
-def _interruptibly(fn: Callable[[], T]) -> T:
+def _interruptibly(
+    fn: Callable[[], T], on_interrupt: Callable[[threading.Thread], None] | None = None
+) -> T:
     """``fn()`` on a helper thread while the main thread waits in short timed waits.
 
     Ctrl-C and SIGTERM are handled by the main thread between bytecodes only: blocked in
     an untimed lock wait (a Future, a Queue), it would not notice them until the model's
     worker hands something over (a whole load or frame; macOS never interrupts such a
-    wait, Linux only when the signal reaches the main thread).
+    wait, Linux only when the signal reaches the main thread). ``on_interrupt(thread)``
+    runs when they arrive, before they propagate.
     """
     box: queue.Queue[tuple[bool, Any]] = queue.Queue()
 
@@ -100,11 +104,29 @@ def _interruptibly(fn: Callable[[], T]) -> T:
         except BaseException as e:
             box.put((False, e))
 
-    threading.Thread(target=run, name="voxtral-mlx-cli", daemon=True).start()
-    ok, value = _get(box)
+    thread = threading.Thread(target=run, name="voxtral-mlx-cli", daemon=True)
+    thread.start()
+    try:
+        ok, value = _get(box)
+    except BaseException:
+        if on_interrupt is not None:
+            on_interrupt(thread)
+        raise
     if ok:
         return value
     raise value
+
+
+def _stop_download(thread: threading.Thread) -> None:
+    """A download under way stops at its next bytes, its partial file removed (the
+    process's exit would leave it: up to 8 GB that the next run cannot resume)."""
+    from .hub import cancel_downloads, download_bars_drawn
+
+    with signals_held():
+        if cancel_downloads():
+            thread.join(DOWNLOAD_STOP_S)
+        if download_bars_drawn():  # the error line goes below the bars, not over them
+            _to_stderr("\n")
 
 
 def _get(q: queue.Queue[T]) -> T:
@@ -315,7 +337,9 @@ def _load(args: argparse.Namespace):
     _check_dtype(args)
     t0 = time.perf_counter()
     prefixes = None if getattr(args, "no_prefix_cache", False) else "auto"
-    tts = _interruptibly(lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes))
+    tts = _interruptibly(
+        lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes), _stop_download
+    )
     if getattr(args, "verbose", False):
         _info(f"loaded {tts.path} in {time.perf_counter() - t0:.2f} s: {_weights_summary(tts)}")
     return tts
@@ -1193,6 +1217,9 @@ def main(argv: Sequence[str] | None = None, own_process: bool | None = None) -> 
         exit_on_signals(f"{PROG}: error: interrupted")
     args = build_parser().parse_args(argv)
     warnings.showwarning = _show_warning  # one line each, without Python's source echo
+    # huggingface_hub logs each retry of a download ("Trying to resume download..."), a
+    # dozen lines before the one-line error that says what to do.
+    os.environ.setdefault("HF_HUB_VERBOSITY", "error")
     try:
         code = _run(args, own_process=own_process)
     except VoxtralError as e:

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import os
+import queue
 import re
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from . import DEFAULT_REPO  # defined by the package, for a quick start-up
 from .errors import ModelNotFoundError
 from .fileio import one_line, usable_path
+
+T = TypeVar("T")
 
 KNOWN_OWNERS = ("mistralai", "mlx-community")  # their repos' layouts follow from the owner
 
@@ -86,47 +92,172 @@ _UNREACHABLE = frozenset(
 )
 
 
-def _unreachable(e: Exception) -> bool:
-    return any(cls.__name__ in _UNREACHABLE for cls in type(e).__mro__)
+# ... and those that cut a transfer off midway.
+_CUT_OFF = frozenset(
+    {
+        "RemoteProtocolError",
+        "ProtocolError",
+        "ReadError",
+        "ReadTimeout",
+        "ChunkedEncodingError",
+        "IncompleteRead",
+        "ConnectionResetError",
+    }
+)
+_TIMEOUTS = frozenset({"Timeout", "TimeoutException", "ReadTimeout", "ConnectTimeout"})
 
 
-def _repo_files(repo_id: str) -> tuple[list[str] | None, bool]:
-    """What a repo holds, for choosing its layout (None when its owner's layout is known or
-    neither the local cache nor the Hub can say), and whether the Hub is reachable.
+def _unreachable(e: BaseException, names: frozenset[str] = _UNREACHABLE) -> bool:
+    return any(cls.__name__ in names for cls in type(e).__mro__)
 
-    Mistral's and mlx-community's repos are known by their owner (no extra Hub call on every
-    load); any other repo is looked up in the cache, then listed on the Hub. A repo that does
-    not exist or is gated raises here, as the download would.
-    """
+
+def _timed_out(e: BaseException) -> bool:
+    return _unreachable(e, _TIMEOUTS) or isinstance(e, TimeoutError)
+
+
+def _cached_files(repo_id: str) -> list[str] | None:
+    """What the local cache holds of a repo, for choosing its layout when the Hub cannot be
+    asked (None when it holds neither layout's files)."""
     import huggingface_hub
-    from huggingface_hub.errors import RepositoryNotFoundError
 
-    if repo_id.split("/", 1)[0].lower() in KNOWN_OWNERS:
-        return None, True
     found = {name: huggingface_hub.try_to_load_from_cache(repo_id, name) for name in _LAYOUT_FILES}
     cached = [name for name, path in found.items() if isinstance(path, str)]
     if "config.json" in cached:  # its snapshot folder lists the rest (sharded weights)
         with contextlib.suppress(OSError):
             folder = Path(found["config.json"]).parent
             cached = sorted({*cached, *(p.name for p in folder.iterdir() if p.is_file())})
-    if layout_patterns(cached) is not None:
-        return cached, True
-    try:
-        return _list_files(repo_id), True
-    except RepositoryNotFoundError:  # gated repos too (a subclass)
-        raise
-    except Exception as e:  # offline, no network, Hub down: the download reports it
-        return None, not _unreachable(e)
+    return cached if layout_patterns(cached) is not None else None
 
 
-def _list_files(repo_id: str) -> list[str]:
-    """The repo's file names, in one Hub request: ``list_repo_files`` retries a refused
-    connection for some 25 s, logging each retry, before a mistyped repo id offline could
-    be reported."""
+def hub_timeout_s() -> float:
+    """How long a Hub request may wait for an answer: huggingface_hub's own
+    ``HF_HUB_ETAG_TIMEOUT`` (10 s unless set)."""
+    from huggingface_hub import constants
+
+    return float(getattr(constants, "HF_HUB_ETAG_TIMEOUT", 10))
+
+
+def _list_files(repo_id: str) -> tuple[list[str], str | None]:
+    """The repo's file names and the commit they are at, in one Hub request with a timeout:
+    huggingface_hub's own listing waits for ever on a connection that a proxy or a sign-in
+    page holds open, and ``list_repo_files`` retries a refused connection for some 25 s."""
     import huggingface_hub
 
-    info = huggingface_hub.model_info(repo_id)
-    return [s.rfilename for s in info.siblings or []]
+    info = huggingface_hub.model_info(repo_id, timeout=hub_timeout_s())
+    return [s.rfilename for s in info.siblings or []], info.sha
+
+
+def _complete_snapshot(
+    repo_id: str, commit: str | None, files: list[str], patterns: list[str]
+) -> Path | None:
+    """The cached snapshot at ``commit`` if it holds every file of ``files`` the patterns
+    take (and ``refs/main`` names it, so that an offline run finds it too); else None."""
+    import huggingface_hub
+
+    wanted = [f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)]
+    if commit is None or not wanted:
+        return None
+    paths = [huggingface_hub.try_to_load_from_cache(repo_id, f, revision=commit) for f in wanted]
+    if not all(isinstance(p, str) for p in paths):
+        return None
+    root = Path(paths[0]).parents[len(Path(wanted[0]).parts) - 1]
+    try:
+        if (root.parent.parent / "refs" / "main").read_text().strip() != commit:
+            return None
+    except OSError:
+        return None
+    return root
+
+
+# Set by cancel_downloads(): the download's progress bars raise at their next update.
+_CANCELLED = threading.Event()
+_BARS_DRAWN = threading.Event()
+_DOWNLOADS = threading.Lock()  # held while a download runs
+# huggingface_hub 2.x downloads into a name unique to the download (the next run cannot
+# resume it): such files left by a cancelled download are removed.
+_UNIQUE_PARTIAL = re.compile(r"\.[0-9a-f]{8}\.incomplete$")
+
+
+_POLL_S = 0.1  # the calling thread's waits: Ctrl-C is handled between them
+_CANCEL_WAIT_S = 5.0  # longest a cancelled download is waited for (one bar update)
+
+
+class DownloadCancelled(KeyboardInterrupt):
+    """Raised inside a download that :func:`cancel_downloads` stopped."""
+
+
+def cancel_downloads() -> bool:
+    """Stop the downloads under way in this process at their next progress update (their
+    partial files removed), and any later one: for a process about to end (the command
+    line's Ctrl-C). Returns whether a download was under way (its thread ends shortly)."""
+    _CANCELLED.set()
+    return _DOWNLOADS.locked()
+
+
+def download_bars_drawn() -> bool:
+    """Whether a download's progress bar was drawn on stderr (output after it should start
+    on a new line)."""
+    return _BARS_DRAWN.is_set()
+
+
+def _cancellable(download: Callable[[], T]) -> T:
+    """``download()`` on a helper thread: Ctrl-C in the calling thread (a script's main
+    thread) cancels it at its next bytes, its partial files removed, instead of waiting for
+    its files to finish (huggingface_hub's thread pool lets them run to the end)."""
+    box: queue.Queue[tuple[bool, Any]] = queue.Queue()
+
+    def run() -> None:
+        try:
+            box.put((True, download()))
+        except BaseException as e:
+            box.put((False, e))
+
+    def run_marked() -> None:
+        with _DOWNLOADS:
+            run()
+
+    thread = threading.Thread(target=run_marked, name="voxtral-mlx-download", daemon=True)
+    thread.start()
+    try:
+        while True:
+            with contextlib.suppress(queue.Empty):
+                ok, value = box.get(timeout=_POLL_S)
+                break
+    except BaseException:
+        _CANCELLED.set()
+        thread.join(_CANCEL_WAIT_S)
+        with contextlib.suppress(queue.Empty):
+            box.get_nowait()
+        _CANCELLED.clear()  # this interrupt's only: the process goes on
+        raise
+    if ok:
+        return value
+    raise value
+
+
+def _repo_cache(repo_id: str) -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+
+
+def _unique_partials(repo_id: str) -> set[Path]:
+    try:
+        with os.scandir(_repo_cache(repo_id) / "blobs") as it:
+            return {Path(e.path) for e in it if _UNIQUE_PARTIAL.search(e.name)}
+    except OSError:
+        return set()
+
+
+def cached_repo(path: str | os.PathLike[str]) -> str | None:
+    """The repo whose Hugging Face cache snapshot ``path`` is (``…/models--OWNER--NAME/
+    snapshots/COMMIT``), or None."""
+    p = Path(path)
+    repo = p.parent.parent.name
+    if p.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    owner, sep, name = repo.removeprefix("models--").partition("--")
+    return f"{owner}/{name}" if sep and _REPO_ID.match(f"{owner}/{name}") else None
 
 
 def looks_like_repo_id(spec: str) -> bool:
@@ -216,26 +347,54 @@ def _download(repo_id: str) -> Path:
             "(pip install huggingface_hub)"
         ) from None
     quiet = {"tqdm_class": _silent_tqdm()}  # no "Fetching N files" bar on every load
+
+    def cached(patterns: list[str]) -> Path:
+        return Path(
+            snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, **quiet)
+        )
+
+    downloading = False
     try:
-        files, reachable = _repo_files(repo_id)
-        patterns = allow_patterns(repo_id, files)
-        if not reachable:  # the listing has waited through its retries: only the cache is left
-            return Path(
-                snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, **quiet)
-            )
         try:
-            return Path(snapshot_download(repo_id, allow_patterns=patterns, **quiet))
+            files, commit = _list_files(repo_id)
+        except HFValidationError:
+            raise
+        except Exception as e:  # offline, unreachable, silent, its error, gated or missing:
+            try:  # a complete copy in the cache serves
+                return cached(allow_patterns(repo_id, _cached_files(repo_id)))
+            except LocalEntryNotFoundError as missing:
+                if _timed_out(e):
+                    raise ModelNotFoundError(
+                        f"the Hugging Face Hub did not answer within {hub_timeout_s():g} s and "
+                        f"{repo_id} is not (completely) in the local cache: check the network "
+                        "(a proxy or a sign-in page in the way?) and run again, or pass a "
+                        "local directory"
+                    ) from None
+                if _unreachable(e):
+                    raise missing from None  # said as "not in the cache" or "incomplete"
+                raise e from None
+        patterns = allow_patterns(repo_id, files)
+        snapshot = _complete_snapshot(repo_id, commit, files, patterns)
+        if snapshot is not None:  # what the Hub would have answered: no second request
+            return snapshot
+        downloading = True
+        partials = _unique_partials(repo_id)
+        try:
+            return Path(
+                _cancellable(lambda: snapshot_download(repo_id, allow_patterns=patterns, **quiet))
+            )
         except (HFValidationError, GatedRepoError, RepositoryNotFoundError):
             raise
-        except Exception as e:  # a captive portal's HTML, a proxy's 407, a dropped link...
+        except BaseException as e:  # a captive portal's HTML, a proxy's 407, a dropped link...
+            if _CANCELLED.is_set() or not isinstance(e, Exception):
+                for path in _unique_partials(repo_id) - partials:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                raise
             if _status(e) in (401, 403):
                 raise
-            try:  # ...a complete copy in the cache still serves
-                return Path(
-                    snapshot_download(
-                        repo_id, allow_patterns=patterns, local_files_only=True, **quiet
-                    )
-                )
+            try:  # ...a complete (older) copy in the cache still serves
+                return cached(patterns)
             except LocalEntryNotFoundError:
                 raise e from None
     except HFValidationError:
@@ -266,10 +425,35 @@ def _download(repo_id: str) -> Path:
             "impossible (HF_HUB_OFFLINE set or no network): connect and unset HF_HUB_OFFLINE, "
             "or pass a local directory"
         ) from None
+    except ModelNotFoundError:
+        raise
     except Exception as e:
         status = _status(e)
         if status in (401, 403):
             raise _auth_error(repo_id, status) from None
+        if status is not None and status >= 500:
+            raise ModelNotFoundError(
+                f"the Hugging Face Hub answered HTTP {status} for {repo_id} (a problem on its "
+                "side): try again later, or pass a local directory"
+            ) from None
+        cache = one_line(str(_repo_cache(repo_id).parent), 200)
+        if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise ModelNotFoundError(
+                f"cannot write {repo_id} into the Hugging Face cache ({cache}): "
+                f"{e.strerror or _first_line(e)}; set HF_HOME (or HF_HUB_CACHE) to a writable "
+                "directory, or pass a local directory"
+            ) from None
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ModelNotFoundError(
+                f"no space left for {repo_id} in the Hugging Face cache ({cache}): free some "
+                "space, or set HF_HOME (or HF_HUB_CACHE) to a disk with room, and run again"
+            ) from None
+        if downloading and _unreachable(e, _CUT_OFF):
+            raise ModelNotFoundError(
+                f"the download of {repo_id} was cut off ({type(e).__name__}: "
+                f"{_first_line(e)}): run the command again to finish it (the files already "
+                "fetched are kept)"
+            ) from None
         if isinstance(e, OSError):
             raise ModelNotFoundError(
                 f"could not download {repo_id}: {_first_line(e)}; check the connection and "
@@ -325,5 +509,13 @@ def _silent_tqdm() -> type:
             if kwargs.get("file") is None and sys.stderr is None:  # 2>&-: nowhere to draw
                 kwargs["disable"] = True
             super().__init__(*args, **kwargs)
+            if not self.disable:
+                _BARS_DRAWN.set()
+
+        def update(self, n: float | None = 1) -> bool | None:
+            # The bytes of every file go through here: where a cancel stops a download.
+            if _CANCELLED.is_set():
+                raise DownloadCancelled
+            return super().update(n)
 
     return Quiet
