@@ -994,3 +994,20 @@ def test_a_damaged_file_in_the_cache_names_the_command_that_fetches_it_again(
     message = one_line(exc.value)
     assert "truncated" in message and f"`hf download {REPO} --force-download`" in message
     assert hub_module.cached_repo(tiny_checkpoint) is None
+
+
+def test_the_command_line_says_when_a_download_begins(monkeypatch, capsys, tmp_path) -> None:
+    """With stderr not a terminal (no progress bar), an 8 GB download was minutes of
+    silence; the library itself prints nothing."""
+    from voxtral_mlx import cli
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _download_failing_with(_cut_off()))
+    monkeypatch.setattr(hub_module, "download_started", None)
+    with pytest.raises(ModelNotFoundError):
+        resolve_model_dir(DEFAULT_REPO)
+    assert capsys.readouterr().err == ""
+    assert cli.main(["speak", "-m", DEFAULT_REPO, "Hello.", "-o", str(tmp_path / "x.wav")]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith(f"voxtral-mlx: downloading {DEFAULT_REPO} into {tmp_path}")
+    assert "was cut off" in lines[1] and len(lines) == 2

@@ -117,6 +117,11 @@ def _interruptibly(
     raise value
 
 
+def _say_downloading(repo_id: str, cache: Path) -> None:
+    # Also where no progress bar shows (stderr not a terminal): minutes of silence else.
+    _info(f"{PROG}: downloading {repo_id} into {one_line(str(cache), 200)} (once; Ctrl-C stops it)")
+
+
 def _stop_download(thread: threading.Thread) -> None:
     """A download under way stops at its next bytes, its partial file removed (the
     process's exit would leave it: up to 8 GB that the next run cannot resume)."""
@@ -337,6 +342,10 @@ def _load(args: argparse.Namespace):
     _check_dtype(args)
     t0 = time.perf_counter()
     prefixes = None if getattr(args, "no_prefix_cache", False) else "auto"
+    if not getattr(args, "quiet", False):
+        from . import hub
+
+        hub.download_started = _say_downloading
     tts = _interruptibly(
         lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes), _stop_download
     )
@@ -816,6 +825,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
             last[0] = now
             _info(f"{done / 2**30:6.2f} / {total / 2**30:.2f} GiB  {name}")
 
+    from . import hub
+
+    hub.download_started = _say_downloading
     t0 = time.perf_counter()
     with _reported_if_written(args.output):
         result = convert_model(

@@ -169,6 +169,10 @@ def _complete_snapshot(
     return root
 
 
+# Called with (repo id, its cache folder) when files are about to be downloaded: the command
+# line says so (the library itself never prints).
+download_started: Callable[[str, Path], None] | None = None
+
 # Set by cancel_downloads(): the download's progress bars raise at their next update.
 _CANCELLED = threading.Event()
 _BARS_DRAWN = threading.Event()
@@ -378,6 +382,8 @@ def _download(repo_id: str) -> Path:
         if snapshot is not None:  # what the Hub would have answered: no second request
             return snapshot
         downloading = True
+        if download_started is not None:
+            download_started(repo_id, _repo_cache(repo_id))
         partials = _unique_partials(repo_id)
         try:
             return Path(
