@@ -899,43 +899,36 @@ def test_a_failed_download_says_what_to_do(
         assert str(tmp_path / "hub") in message
 
 
-@pytest.fixture
-def fresh_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-
-    monkeypatch.setattr(hub_module, "_CANCELLED", threading.Event())
-    monkeypatch.setattr(hub_module, "_BARS_DRAWN", threading.Event())
-
-
-def test_a_cancelled_download_stops_at_its_next_bytes_and_leaves_no_partial_file(
-    fresh_cancel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_an_interrupted_download_leaves_no_partial_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys
 ) -> None:
-    """Ctrl-C ended the process with the download's thread in the middle of a file: its
-    partial file (up to 8 GB, never resumed by huggingface_hub 2.x) stayed in the cache."""
+    """Ctrl-C ended the process with a download's thread in the middle of a file: its
+    partial file (up to 8 GB, never resumed by huggingface_hub 2.x) stayed in the cache.
+    Only the files of this process's download go: another's, and huggingface_hub 1.x's
+    resumable ones, stay."""
+    from voxtral_mlx import cli
+
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub_module, "_PARTIALS_BEFORE", {})
     blobs = tmp_path / "hub" / "models--mistralai--Voxtral-4B-TTS-2603" / "blobs"
     blobs.mkdir(parents=True)
     older = blobs / "aaaa.0badc0de.incomplete"  # another download's, there before this one
-    resumable = blobs / "bbbb.incomplete"  # huggingface_hub 1.x resumes these
+    resumable = blobs / "bbbb.incomplete"
     older.write_bytes(b"x")
-    cancelled_at: list[float] = []
 
-    def download(*args, tqdm_class, **kwargs):
+    def download(*args, **kwargs):
         (blobs / "cccc.1234abcd.incomplete").write_bytes(b"partial")
         resumable.write_bytes(b"partial")
-        bar = tqdm_class(total=100, desc="Downloading bytes", unit="B", disable=True)
-        for i in range(100):
-            if i == 3:
-                hub_module.cancel_downloads()
-                cancelled_at.append(i)
-            bar.update(1)
-        pytest.fail("the bar never raised")
+        raise KeyboardInterrupt  # Ctrl-C, as the command line's main thread sees it
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
-    with pytest.raises(hub_module.DownloadCancelled):
+    args = SimpleNamespace(quiet=False)
+    with pytest.raises(KeyboardInterrupt), cli._downloads_reported(args):
         resolve_model_dir(DEFAULT_REPO)
-    assert cancelled_at == [3]
     assert sorted(p.name for p in blobs.iterdir()) == [older.name, resumable.name]
+    assert "downloading mistralai/Voxtral-4B-TTS-2603" in capsys.readouterr().err
+    assert hub_module.download_started is None  # the library's state as it was
+    assert hub_module.remove_partial_downloads() == 0
 
 
 _SILENT_HUB = r"""
@@ -994,6 +987,11 @@ def test_a_damaged_file_in_the_cache_names_the_command_that_fetches_it_again(
     message = one_line(exc.value)
     assert "truncated" in message and f"`hf download {REPO} --force-download`" in message
     assert hub_module.cached_repo(tiny_checkpoint) is None
+    # An error a download would not mend says nothing of it.
+    populate_hub_cache(offline_cache, "owner-x/healthy", tiny_checkpoint)
+    with pytest.raises(VoxtralError) as exc:
+        voxtral_mlx.load("owner-x/healthy", dtype="float8")
+    assert "float8" in one_line(exc.value) and "hf download" not in str(exc.value)
 
 
 def test_the_command_line_says_when_a_download_begins(monkeypatch, capsys, tmp_path) -> None:

@@ -138,8 +138,15 @@ def _name_the_cache_fix(error: BaseException, model_dir: os.PathLike[str]) -> No
     from .hub import cached_repo
 
     repo = cached_repo(model_dir)
-    damaged = (CheckpointError, ConfigError, ModelNotFoundError, TokenizerError)
-    if repo is not None and isinstance(error, damaged) and len(error.args) == 1:
+    if repo is None or len(error.args) != 1 or not isinstance(error.args[0], str):
+        return
+    # A weights file that does not read, or a file the message says to fetch again (not a
+    # wrong dtype or a conversion by a newer version, which a download would not mend).
+    damaged = isinstance(error, CheckpointError) or (
+        isinstance(error, (ConfigError, ModelNotFoundError, TokenizerError))
+        and "download" in error.args[0]
+    )
+    if damaged:
         error.args = (
             f"{error.args[0]}; this copy is in the Hugging Face cache: fetch it again with "
             f"`hf download {repo} --force-download`",

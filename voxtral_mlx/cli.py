@@ -82,19 +82,15 @@ def _info(message: str) -> None:
 
 
 _POLL_S = 0.05  # longest the main thread waits in one go: signals run between waits
-DOWNLOAD_STOP_S = 5.0  # longest Ctrl-C waits for a download to stop (its next bytes)
 
 
-def _interruptibly(
-    fn: Callable[[], T], on_interrupt: Callable[[threading.Thread], None] | None = None
-) -> T:
+def _interruptibly(fn: Callable[[], T]) -> T:
     """``fn()`` on a helper thread while the main thread waits in short timed waits.
 
     Ctrl-C and SIGTERM are handled by the main thread between bytecodes only: blocked in
     an untimed lock wait (a Future, a Queue), it would not notice them until the model's
     worker hands something over (a whole load or frame; macOS never interrupts such a
-    wait, Linux only when the signal reaches the main thread). ``on_interrupt(thread)``
-    runs when they arrive, before they propagate.
+    wait, Linux only when the signal reaches the main thread).
     """
     box: queue.Queue[tuple[bool, Any]] = queue.Queue()
 
@@ -104,14 +100,8 @@ def _interruptibly(
         except BaseException as e:
             box.put((False, e))
 
-    thread = threading.Thread(target=run, name="voxtral-mlx-cli", daemon=True)
-    thread.start()
-    try:
-        ok, value = _get(box)
-    except BaseException:
-        if on_interrupt is not None:
-            on_interrupt(thread)
-        raise
+    threading.Thread(target=run, name="voxtral-mlx-cli", daemon=True).start()
+    ok, value = _get(box)
     if ok:
         return value
     raise value
@@ -122,16 +112,33 @@ def _say_downloading(repo_id: str, cache: Path) -> None:
     _info(f"{PROG}: downloading {repo_id} into {one_line(str(cache), 200)} (once; Ctrl-C stops it)")
 
 
-def _stop_download(thread: threading.Thread) -> None:
-    """A download under way stops at its next bytes, its partial file removed (the
-    process's exit would leave it: up to 8 GB that the next run cannot resume)."""
-    from .hub import cancel_downloads, download_bars_drawn
+def _end_download() -> None:
+    """The process is interrupted: a download under way ends with it, and its partial files
+    go (up to 8 GB that the next run cannot resume)."""
+    from .hub import download_bars_drawn, remove_partial_downloads
 
     with signals_held():
-        if cancel_downloads():
-            thread.join(DOWNLOAD_STOP_S)
+        remove_partial_downloads()
         if download_bars_drawn():  # the error line goes below the bars, not over them
             _to_stderr("\n")
+
+
+@contextlib.contextmanager
+def _downloads_reported(args: argparse.Namespace) -> Iterator[None]:
+    """While a command resolves its model: a download says that it begins (unless -q), and
+    an interrupt ends it cleanly. The library's own state is left as it was."""
+    from . import hub
+
+    before = hub.download_started
+    hub.download_started = None if getattr(args, "quiet", False) else _say_downloading
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            _end_download()
+        raise
+    finally:
+        hub.download_started = before
 
 
 def _get(q: queue.Queue[T]) -> T:
@@ -342,13 +349,8 @@ def _load(args: argparse.Namespace):
     _check_dtype(args)
     t0 = time.perf_counter()
     prefixes = None if getattr(args, "no_prefix_cache", False) else "auto"
-    if not getattr(args, "quiet", False):
-        from . import hub
-
-        hub.download_started = _say_downloading
-    tts = _interruptibly(
-        lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes), _stop_download
-    )
+    with _downloads_reported(args):
+        tts = _interruptibly(lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes))
     if getattr(args, "verbose", False):
         _info(f"loaded {tts.path} in {time.perf_counter() - t0:.2f} s: {_weights_summary(tts)}")
     return tts
@@ -825,11 +827,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             last[0] = now
             _info(f"{done / 2**30:6.2f} / {total / 2**30:.2f} GiB  {name}")
 
-    from . import hub
-
-    hub.download_started = _say_downloading
     t0 = time.perf_counter()
-    with _reported_if_written(args.output):
+    with _reported_if_written(args.output), _downloads_reported(args):
         result = convert_model(
             args.model,
             args.output,
@@ -1229,9 +1228,10 @@ def main(argv: Sequence[str] | None = None, own_process: bool | None = None) -> 
         exit_on_signals(f"{PROG}: error: interrupted")
     args = build_parser().parse_args(argv)
     warnings.showwarning = _show_warning  # one line each, without Python's source echo
-    # huggingface_hub logs each retry of a download ("Trying to resume download..."), a
-    # dozen lines before the one-line error that says what to do.
-    os.environ.setdefault("HF_HUB_VERBOSITY", "error")
+    if own_process:
+        # huggingface_hub logs each retry of a download ("Trying to resume download..."),
+        # a dozen lines before the one-line error that says what to do.
+        os.environ.setdefault("HF_HUB_VERBOSITY", "error")
     try:
         code = _run(args, own_process=own_process)
     except VoxtralError as e:

@@ -6,19 +6,15 @@ import contextlib
 import errno
 import fnmatch
 import os
-import queue
 import re
 import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
 
 from . import DEFAULT_REPO  # defined by the package, for a quick start-up
 from .errors import ModelNotFoundError
 from .fileio import one_line, usable_path
-
-T = TypeVar("T")
 
 KNOWN_OWNERS = ("mistralai", "mlx-community")  # their repos' layouts follow from the owner
 
@@ -147,55 +143,54 @@ def _list_files(repo_id: str) -> tuple[list[str], str | None]:
     return [s.rfilename for s in info.siblings or []], info.sha
 
 
-def _complete_snapshot(
+def _cached_snapshot(
     repo_id: str, commit: str | None, files: list[str], patterns: list[str]
-) -> Path | None:
+) -> tuple[Path | None, bool]:
     """The cached snapshot at ``commit`` if it holds every file of ``files`` the patterns
-    take (and ``refs/main`` names it, so that an offline run finds it too); else None."""
+    take and ``refs/main`` names it (so that an offline run finds it too), else None; and
+    whether every such file is cached (nothing to download)."""
     import huggingface_hub
 
     wanted = [f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)]
     if commit is None or not wanted:
-        return None
+        return None, False
     paths = [huggingface_hub.try_to_load_from_cache(repo_id, f, revision=commit) for f in wanted]
     if not all(isinstance(p, str) for p in paths):
-        return None
+        return None, False
     root = Path(paths[0]).parents[len(Path(wanted[0]).parts) - 1]
     try:
-        if (root.parent.parent / "refs" / "main").read_text().strip() != commit:
-            return None
+        if (root.parent.parent / "refs" / "main").read_text().strip() == commit:
+            return root, True
     except OSError:
-        return None
-    return root
+        pass
+    return None, True
 
 
 # Called with (repo id, its cache folder) when files are about to be downloaded: the command
 # line says so (the library itself never prints).
 download_started: Callable[[str, Path], None] | None = None
 
-# Set by cancel_downloads(): the download's progress bars raise at their next update.
-_CANCELLED = threading.Event()
 _BARS_DRAWN = threading.Event()
-_DOWNLOADS = threading.Lock()  # held while a download runs
-# huggingface_hub 2.x downloads into a name unique to the download (the next run cannot
-# resume it): such files left by a cancelled download are removed.
+# huggingface_hub 2.x downloads into a name unique to the download, which the next run
+# cannot resume: the partial files a download begun here had made when its process is
+# interrupted are worth nothing (up to 8 GB each).
 _UNIQUE_PARTIAL = re.compile(r"\.[0-9a-f]{8}\.incomplete$")
+_PARTIALS_BEFORE: dict[Path, set[str]] = {}  # blobs folder -> partial files already there
+_PARTIALS_LOCK = threading.Lock()
 
 
-_POLL_S = 0.1  # the calling thread's waits: Ctrl-C is handled between them
-_CANCEL_WAIT_S = 5.0  # longest a cancelled download is waited for (one bar update)
-
-
-class DownloadCancelled(KeyboardInterrupt):
-    """Raised inside a download that :func:`cancel_downloads` stopped."""
-
-
-def cancel_downloads() -> bool:
-    """Stop the downloads under way in this process at their next progress update (their
-    partial files removed), and any later one: for a process about to end (the command
-    line's Ctrl-C). Returns whether a download was under way (its thread ends shortly)."""
-    _CANCELLED.set()
-    return _DOWNLOADS.locked()
+def remove_partial_downloads() -> int:
+    """Delete the partial files of the downloads begun in this process (those of files
+    still downloading), for a process about to end: its download threads end with it.
+    Returns how many were deleted."""
+    removed = 0
+    with _PARTIALS_LOCK:
+        for blobs, before in _PARTIALS_BEFORE.items():
+            for name in _unique_partials(blobs) - before:
+                with contextlib.suppress(OSError):
+                    (blobs / name).unlink()
+                    removed += 1
+    return removed
 
 
 def download_bars_drawn() -> bool:
@@ -204,51 +199,16 @@ def download_bars_drawn() -> bool:
     return _BARS_DRAWN.is_set()
 
 
-def _cancellable(download: Callable[[], T]) -> T:
-    """``download()`` on a helper thread: Ctrl-C in the calling thread (a script's main
-    thread) cancels it at its next bytes, its partial files removed, instead of waiting for
-    its files to finish (huggingface_hub's thread pool lets them run to the end)."""
-    box: queue.Queue[tuple[bool, Any]] = queue.Queue()
-
-    def run() -> None:
-        try:
-            box.put((True, download()))
-        except BaseException as e:
-            box.put((False, e))
-
-    def run_marked() -> None:
-        with _DOWNLOADS:
-            run()
-
-    thread = threading.Thread(target=run_marked, name="voxtral-mlx-download", daemon=True)
-    thread.start()
-    try:
-        while True:
-            with contextlib.suppress(queue.Empty):
-                ok, value = box.get(timeout=_POLL_S)
-                break
-    except BaseException:
-        _CANCELLED.set()
-        thread.join(_CANCEL_WAIT_S)
-        with contextlib.suppress(queue.Empty):
-            box.get_nowait()
-        _CANCELLED.clear()  # this interrupt's only: the process goes on
-        raise
-    if ok:
-        return value
-    raise value
-
-
 def _repo_cache(repo_id: str) -> Path:
     from huggingface_hub import constants
 
     return Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
 
 
-def _unique_partials(repo_id: str) -> set[Path]:
+def _unique_partials(blobs: Path) -> set[str]:
     try:
-        with os.scandir(_repo_cache(repo_id) / "blobs") as it:
-            return {Path(e.path) for e in it if _UNIQUE_PARTIAL.search(e.name)}
+        with os.scandir(blobs) as it:
+            return {e.name for e in it if _UNIQUE_PARTIAL.search(e.name)}
     except OSError:
         return set()
 
@@ -378,25 +338,20 @@ def _download(repo_id: str) -> Path:
                     raise missing from None  # said as "not in the cache" or "incomplete"
                 raise e from None
         patterns = allow_patterns(repo_id, files)
-        snapshot = _complete_snapshot(repo_id, commit, files, patterns)
+        snapshot, all_cached = _cached_snapshot(repo_id, commit, files, patterns)
         if snapshot is not None:  # what the Hub would have answered: no second request
             return snapshot
         downloading = True
-        if download_started is not None:
+        if download_started is not None and not all_cached:
             download_started(repo_id, _repo_cache(repo_id))
-        partials = _unique_partials(repo_id)
+        blobs = _repo_cache(repo_id) / "blobs"
+        with _PARTIALS_LOCK:
+            _PARTIALS_BEFORE.setdefault(blobs, _unique_partials(blobs))
         try:
-            return Path(
-                _cancellable(lambda: snapshot_download(repo_id, allow_patterns=patterns, **quiet))
-            )
+            return Path(snapshot_download(repo_id, allow_patterns=patterns, **quiet))
         except (HFValidationError, GatedRepoError, RepositoryNotFoundError):
             raise
-        except BaseException as e:  # a captive portal's HTML, a proxy's 407, a dropped link...
-            if _CANCELLED.is_set() or not isinstance(e, Exception):
-                for path in _unique_partials(repo_id) - partials:
-                    with contextlib.suppress(OSError):
-                        path.unlink()
-                raise
+        except Exception as e:  # a captive portal's HTML, a proxy's 407, a dropped link...
             if _status(e) in (401, 403):
                 raise
             try:  # ...a complete (older) copy in the cache still serves
@@ -517,11 +472,5 @@ def _silent_tqdm() -> type:
             super().__init__(*args, **kwargs)
             if not self.disable:
                 _BARS_DRAWN.set()
-
-        def update(self, n: float | None = 1) -> bool | None:
-            # The bytes of every file go through here: where a cancel stops a download.
-            if _CANCELLED.is_set():
-                raise DownloadCancelled
-            return super().update(n)
 
     return Quiet

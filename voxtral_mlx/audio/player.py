@@ -127,7 +127,7 @@ def refresh_output_devices(sd: Any = None) -> list[dict[str, Any]]:
             "restart PortAudio; restart the app to see new audio devices"
         )
     with _PORTAUDIO_LOCK:
-        if any(p._sd is sd and not p.closed for p in list(_PLAYERS)):
+        if any(p._sd is sd and not p._released for p in list(_PLAYERS)):
             raise UsageError(
                 "cannot re-read the audio devices while audio is playing: stop() the "
                 "playback or wait() for it first"
@@ -297,6 +297,7 @@ class AudioPlayer:
 
         self._started = False
         self._closed = False
+        self._released = False  # PortAudio is done with the stream: it is closed
         self._stream_lock = threading.RLock()
         self._stopped = _StopFlag()
         self._drained = threading.Event()  # the callback has handed out the last sample
@@ -637,6 +638,7 @@ class AudioPlayer:
                     self._stream.abort()
             with contextlib.suppress(Exception):
                 self._stream.close()
+            self._released = True  # only now may refresh_output_devices() restart PortAudio
 
     @property
     def closed(self) -> bool:
