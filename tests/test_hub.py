@@ -1009,3 +1009,15 @@ def test_the_command_line_says_when_a_download_begins(monkeypatch, capsys, tmp_p
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith(f"voxtral-mlx: downloading {DEFAULT_REPO} into {tmp_path}")
     assert "was cut off" in lines[1] and len(lines) == 2
+
+
+def test_convert_checks_its_options_before_a_download(no_hub, capsys, tmp_path) -> None:
+    """convert now fetches a Hub model first (on a helper thread, so that Ctrl-C ends it at
+    once): a wrong option must still be said before an 8 GB download."""
+    from voxtral_mlx import cli
+
+    out = tmp_path / "out"
+    for flags, words in ((["--q-bits", "5"], "--q-bits 5"), (["--dtype", "int8"], "int8")):
+        assert cli.main(["convert", DEFAULT_REPO, "-o", str(out), *flags]) == 1
+        assert words in capsys.readouterr().err
+    assert not out.exists()

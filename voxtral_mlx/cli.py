@@ -829,6 +829,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     with _reported_if_written(args.output), _downloads_reported(args):
+        _fetch_to_convert(args)
         result = convert_model(
             args.model,
             args.output,
@@ -863,6 +864,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
         )
     _out(str(result.path))
     return 0
+
+
+def _fetch_to_convert(args: argparse.Namespace) -> None:
+    """A Hub model is downloaded first, on a helper thread (see :func:`_interruptibly`):
+    Ctrl-C in the main thread waited for huggingface_hub's threads to finish their files.
+    The options are checked before: a typo must not cost the download first."""
+    from .convert import QuantOptions, output_dtype
+    from .hub import looks_like_repo_id, resolve_model_dir
+
+    QuantOptions.make(args.q_bits, args.q_group_size, args.q_flow_bits)
+    output_dtype(args.dtype)
+    if not Path(args.model).expanduser().exists() and looks_like_repo_id(args.model):
+        _interruptibly(lambda: resolve_model_dir(args.model))  # convert_model finds it cached
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
