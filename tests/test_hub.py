@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -904,31 +905,87 @@ def test_an_interrupted_download_leaves_no_partial_file(
 ) -> None:
     """Ctrl-C ended the process with a download's thread in the middle of a file: its
     partial file (up to 8 GB, never resumed by huggingface_hub 2.x) stayed in the cache.
-    Only the files of this process's download go: another's, and huggingface_hub 1.x's
-    resumable ones, stay."""
+    Only the files this process is writing go: another process's, made meanwhile, and
+    huggingface_hub 1.x's resumable ones stay."""
     from voxtral_mlx import cli
 
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(hub_module, "_PARTIALS_BEFORE", {})
+    monkeypatch.setattr(hub_module, "_DOWNLOAD_FOLDERS", set())
     blobs = tmp_path / "hub" / "models--mistralai--Voxtral-4B-TTS-2603" / "blobs"
     blobs.mkdir(parents=True)
-    older = blobs / "aaaa.0badc0de.incomplete"  # another download's, there before this one
+    ours = blobs / "cccc.1234abcd.incomplete"
+    theirs = blobs / "dddd.89abcdef.incomplete"  # another process's download, meanwhile
     resumable = blobs / "bbbb.incomplete"
-    older.write_bytes(b"x")
+    writing = []
 
     def download(*args, **kwargs):
-        (blobs / "cccc.1234abcd.incomplete").write_bytes(b"partial")
+        writing.append(ours.open("wb"))  # huggingface_hub writes with the file open
+        writing[0].write(b"partial")
+        theirs.write_bytes(b"partial")
         resumable.write_bytes(b"partial")
         raise KeyboardInterrupt  # Ctrl-C, as the command line's main thread sees it
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
     args = SimpleNamespace(quiet=False)
-    with pytest.raises(KeyboardInterrupt), cli._downloads_reported(args):
-        resolve_model_dir(DEFAULT_REPO)
-    assert sorted(p.name for p in blobs.iterdir()) == [older.name, resumable.name]
+    try:
+        with pytest.raises(KeyboardInterrupt), cli._downloads_reported(args):
+            resolve_model_dir(DEFAULT_REPO)
+    finally:
+        writing[0].close()
+    assert sorted(p.name for p in blobs.iterdir()) == [resumable.name, theirs.name]
     assert "downloading mistralai/Voxtral-4B-TTS-2603" in capsys.readouterr().err
     assert hub_module.download_started is None  # the library's state as it was
-    assert hub_module.remove_partial_downloads() == 0
+
+
+_PARTIAL_LEFT_BY_A_SIGNAL = r"""
+import os, signal, sys, threading, time
+from pathlib import Path
+import huggingface_hub
+from huggingface_hub import constants
+from voxtral_mlx import cli
+
+constants.HF_HUB_CACHE = sys.argv[-1]
+blobs = Path(sys.argv[-1]) / "models--mistralai--Voxtral-4B-TTS-2603" / "blobs"
+blobs.mkdir(parents=True)
+
+
+def download(*args, **kwargs):
+    with open(blobs / "cccc.1234abcd.incomplete", "wb") as f:
+        f.write(b"partial")
+        f.flush()
+        print("downloading", flush=True)
+        time.sleep(60)
+
+
+huggingface_hub.snapshot_download = download
+huggingface_hub.model_info = lambda repo_id, **kw: type(
+    "Info", (), {"siblings": [], "sha": "0" * 40}
+)()
+sys.exit(cli.main(["voices", "-m", "mistralai/Voxtral-4B-TTS-2603"], own_process=True))
+"""
+
+
+def test_a_command_that_ends_at_once_on_a_signal_removes_its_partial_file(tmp_path) -> None:
+    """`serve` and `voices` end in their signal handler while the model loads: the
+    download's partial file stayed."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env["PYTHONPATH"] = str(Path(voxtral_mlx.__file__).parents[1])
+    launcher = "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); exec(sys.argv[1])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher, _PARTIAL_LEFT_BY_A_SIGNAL, str(tmp_path / "hub")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "downloading", proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+    blobs = tmp_path / "hub" / "models--mistralai--Voxtral-4B-TTS-2603" / "blobs"
+    assert list(blobs.iterdir()) == []
 
 
 _SILENT_HUB = r"""

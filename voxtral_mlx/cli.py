@@ -128,9 +128,12 @@ def _downloads_reported(args: argparse.Namespace) -> Iterator[None]:
     """While a command resolves its model: a download says that it begins (unless -q), and
     an interrupt ends it cleanly. The library's own state is left as it was."""
     from . import hub
+    from .interrupts import QUICK_EXIT_CLEANUPS
 
     before = hub.download_started
     hub.download_started = None if getattr(args, "quiet", False) else _say_downloading
+    # Commands that end at once on a signal (serve, voices) clean up in its handler.
+    QUICK_EXIT_CLEANUPS.append(hub.remove_partial_downloads)
     try:
         yield
     except BaseException as e:
@@ -138,6 +141,7 @@ def _downloads_reported(args: argparse.Namespace) -> Iterator[None]:
             _end_download()
         raise
     finally:
+        QUICK_EXIT_CLEANUPS.remove(hub.remove_partial_downloads)
         hub.download_started = before
 
 
@@ -828,10 +832,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
             _info(f"{done / 2**30:6.2f} / {total / 2**30:.2f} GiB  {name}")
 
     t0 = time.perf_counter()
-    with _reported_if_written(args.output), _downloads_reported(args):
-        _fetch_to_convert(args)
+    with _downloads_reported(args):
+        model = _fetch_to_convert(args)
+    with _reported_if_written(args.output):
         result = convert_model(
-            args.model,
+            model,
             args.output,
             q_bits=args.q_bits,
             q_group_size=args.q_group_size,
@@ -866,17 +871,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch_to_convert(args: argparse.Namespace) -> None:
-    """A Hub model is downloaded first, on a helper thread (see :func:`_interruptibly`):
-    Ctrl-C in the main thread waited for huggingface_hub's threads to finish their files.
-    The options are checked before: a typo must not cost the download first."""
+def _fetch_to_convert(args: argparse.Namespace) -> str | Path:
+    """The model to convert: a Hub model is downloaded first, on a helper thread (see
+    :func:`_interruptibly`; in the main thread, Ctrl-C waited for huggingface_hub's threads
+    to finish their files), and its snapshot folder returned (the conversion records the
+    repo). The options and the output path are checked before: a typo must not cost the
+    download first."""
     from .convert import QuantOptions, output_dtype
     from .hub import looks_like_repo_id, resolve_model_dir
+    from .output_dir import directory_path
 
     QuantOptions.make(args.q_bits, args.q_group_size, args.q_flow_bits)
     output_dtype(args.dtype)
+    directory_path(args.output)
     if not Path(args.model).expanduser().exists() and looks_like_repo_id(args.model):
-        _interruptibly(lambda: resolve_model_dir(args.model))  # convert_model finds it cached
+        return _interruptibly(lambda: resolve_model_dir(args.model))
+    return args.model
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

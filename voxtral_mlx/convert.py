@@ -60,7 +60,7 @@ from .checkpoint import (
 from .engine import check_flag, check_whole
 from .errors import CheckpointError, ConfigError, InputError, VoiceError
 from .fileio import atomic_write_text, one_line
-from .hub import resolve_model_dir
+from .hub import cached_repo, resolve_model_dir
 from .loader import (
     TensorRef,
     WeightSet,
@@ -598,7 +598,11 @@ def convert_model(
         }
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         atomic_write_text(tmp / INDEX_NAME, json.dumps(index, indent=4) + "\n")
-        source = model if isinstance(model, str) and not Path(model).exists() else src.name
+        source = (
+            model
+            if isinstance(model, str) and not Path(model).exists()
+            else cached_repo(src) or src.name
+        )
         config_json = _config_json(config.raw, str(source), weights, options, dtype, jobs)
         atomic_write_text(tmp / "config.json", json.dumps(config_json, indent=4) + "\n")
         if (src / "params.json").is_file():

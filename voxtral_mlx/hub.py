@@ -172,25 +172,47 @@ download_started: Callable[[str, Path], None] | None = None
 
 _BARS_DRAWN = threading.Event()
 # huggingface_hub 2.x downloads into a name unique to the download, which the next run
-# cannot resume: the partial files a download begun here had made when its process is
-# interrupted are worth nothing (up to 8 GB each).
+# cannot resume: the partial files of an interrupted process are worth nothing (up to 8 GB).
 _UNIQUE_PARTIAL = re.compile(r"\.[0-9a-f]{8}\.incomplete$")
-_PARTIALS_BEFORE: dict[Path, set[str]] = {}  # blobs folder -> partial files already there
-_PARTIALS_LOCK = threading.Lock()
+_DOWNLOAD_FOLDERS: set[Path] = set()  # the blobs folders of downloads begun here
+_FOLDERS_LOCK = threading.RLock()  # RLock: taken again by a signal handler on its thread
 
 
 def remove_partial_downloads() -> int:
-    """Delete the partial files of the downloads begun in this process (those of files
-    still downloading), for a process about to end: its download threads end with it.
-    Returns how many were deleted."""
+    """Delete the partial files this process is writing (of downloads it began), for a
+    process about to end: its download threads end with it. Another process's partial
+    files in the same cache stay. Returns how many were deleted."""
+    with _FOLDERS_LOCK:
+        folders = list(_DOWNLOAD_FOLDERS)
+    candidates = [blobs / name for blobs in folders for name in _unique_partials(blobs)]
+    if not candidates:
+        return 0
+    mine = _open_files()
     removed = 0
-    with _PARTIALS_LOCK:
-        for blobs, before in _PARTIALS_BEFORE.items():
-            for name in _unique_partials(blobs) - before:
-                with contextlib.suppress(OSError):
-                    (blobs / name).unlink()
-                    removed += 1
+    for path in candidates:
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            if (st.st_dev, st.st_ino) in mine:
+                path.unlink()
+                removed += 1
     return removed
+
+
+def _open_files() -> set[tuple[int, int]]:
+    """(device, inode) of every file this process has open (``/dev/fd`` on macOS and
+    Linux)."""
+    for folder in ("/dev/fd", "/proc/self/fd"):
+        try:
+            fds = os.listdir(folder)
+        except OSError:
+            continue
+        found = set()
+        for fd in fds:
+            with contextlib.suppress(OSError, ValueError):
+                st = os.fstat(int(fd))
+                found.add((st.st_dev, st.st_ino))
+        return found
+    return set()
 
 
 def download_bars_drawn() -> bool:
@@ -344,9 +366,8 @@ def _download(repo_id: str) -> Path:
         downloading = True
         if download_started is not None and not all_cached:
             download_started(repo_id, _repo_cache(repo_id))
-        blobs = _repo_cache(repo_id) / "blobs"
-        with _PARTIALS_LOCK:
-            _PARTIALS_BEFORE.setdefault(blobs, _unique_partials(blobs))
+        with _FOLDERS_LOCK:
+            _DOWNLOAD_FOLDERS.add(_repo_cache(repo_id) / "blobs")
         try:
             return Path(snapshot_download(repo_id, allow_patterns=patterns, **quiet))
         except (HFValidationError, GatedRepoError, RepositoryNotFoundError):

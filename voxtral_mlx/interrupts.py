@@ -236,7 +236,14 @@ def default_signals() -> None:
             signal.signal(sig, default)
 
 
+# Run before such an exit (deleting a download's partial file): in the signal handler.
+QUICK_EXIT_CLEANUPS: list[Callable[[], object]] = []
+
+
 def _exit_at_once(message: bytes, signum: int, frame: FrameType | None) -> None:
+    for cleanup in list(QUICK_EXIT_CLEANUPS):
+        with contextlib.suppress(Exception):
+            cleanup()
     for f in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a flush this signal cut in half
             if f is not None:
