@@ -136,9 +136,8 @@ def _downloads_reported(args: argparse.Namespace) -> Iterator[None]:
     QUICK_EXIT_CLEANUPS.append(hub.remove_partial_downloads)
     try:
         yield
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            _end_download()
+    except KeyboardInterrupt:
+        _end_download()
         raise
     finally:
         QUICK_EXIT_CLEANUPS.remove(hub.remove_partial_downloads)
@@ -871,22 +870,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch_to_convert(args: argparse.Namespace) -> str | Path:
-    """The model to convert: a Hub model is downloaded first, on a helper thread (see
+def _fetch_to_convert(args: argparse.Namespace) -> Path:
+    """The model's folder, a Hub model downloaded on a helper thread (see
     :func:`_interruptibly`; in the main thread, Ctrl-C waited for huggingface_hub's threads
-    to finish their files), and its snapshot folder returned (the conversion records the
-    repo). The options and the output path are checked before: a typo must not cost the
-    download first."""
+    to finish their files; the conversion records the repo of a cached snapshot). The
+    options and the output path are checked before: a typo must not cost the download."""
     from .convert import QuantOptions, output_dtype
-    from .hub import looks_like_repo_id, resolve_model_dir
+    from .hub import resolve_model_dir
     from .output_dir import directory_path
 
     QuantOptions.make(args.q_bits, args.q_group_size, args.q_flow_bits)
     output_dtype(args.dtype)
     directory_path(args.output)
-    if not Path(args.model).expanduser().exists() and looks_like_repo_id(args.model):
-        return _interruptibly(lambda: resolve_model_dir(args.model))
-    return args.model
+    return _interruptibly(lambda: resolve_model_dir(args.model))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

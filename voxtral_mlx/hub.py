@@ -103,12 +103,17 @@ _CUT_OFF = frozenset(
 _TIMEOUTS = frozenset({"Timeout", "TimeoutException", "ReadTimeout", "ConnectTimeout"})
 
 
-def _unreachable(e: BaseException, names: frozenset[str] = _UNREACHABLE) -> bool:
+def _named(e: BaseException, names: frozenset[str]) -> bool:
+    """Whether ``e``'s class, or one it derives from, has one of ``names``."""
     return any(cls.__name__ in names for cls in type(e).__mro__)
 
 
+def _unreachable(e: BaseException) -> bool:
+    return _named(e, _UNREACHABLE)
+
+
 def _timed_out(e: BaseException) -> bool:
-    return _unreachable(e, _TIMEOUTS) or isinstance(e, TimeoutError)
+    return _named(e, _TIMEOUTS) or isinstance(e, TimeoutError)
 
 
 def _cached_files(repo_id: str) -> list[str] | None:
@@ -364,10 +369,11 @@ def _download(repo_id: str) -> Path:
         if snapshot is not None:  # what the Hub would have answered: no second request
             return snapshot
         downloading = True
+        folder = _repo_cache(repo_id)
         if download_started is not None and not all_cached:
-            download_started(repo_id, _repo_cache(repo_id))
+            download_started(repo_id, folder)
         with _FOLDERS_LOCK:
-            _DOWNLOAD_FOLDERS.add(_repo_cache(repo_id) / "blobs")
+            _DOWNLOAD_FOLDERS.add(folder / "blobs")
         try:
             return Path(snapshot_download(repo_id, allow_patterns=patterns, **quiet))
         except (HFValidationError, GatedRepoError, RepositoryNotFoundError):
@@ -430,7 +436,7 @@ def _download(repo_id: str) -> Path:
                 f"no space left for {repo_id} in the Hugging Face cache ({cache}): free some "
                 "space, or set HF_HOME (or HF_HUB_CACHE) to a disk with room, and run again"
             ) from None
-        if downloading and _unreachable(e, _CUT_OFF):
+        if downloading and _named(e, _CUT_OFF):
             raise ModelNotFoundError(
                 f"the download of {repo_id} was cut off ({type(e).__name__}: "
                 f"{_first_line(e)}): run the command again to finish it (the files already "
