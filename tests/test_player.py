@@ -867,27 +867,22 @@ def _skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _play_through_alsa(tmp_path: Path, signal_f32: np.ndarray, **args: Any):
-    """Play `signal_f32` with the real sounddevice into an ALSA file device.
-
-    Runs in a fresh interpreter whose environment alone has ALSA_CONFIG_PATH set:
-    PortAudio reads the ALSA configuration when sounddevice is imported, and the test
-    process (and the user's ~/.asoundrc) must stay untouched.
-    """
+def _run_with_alsa(tmp_path: Path, script: str, arg: str, rec: Path) -> dict:
+    """Run ``script`` (given ``arg``) in a fresh interpreter whose environment alone has
+    ALSA_CONFIG_PATH set, its devices recording into ``rec``: PortAudio reads the ALSA
+    configuration when sounddevice is imported, and the test process (and the user's
+    ~/.asoundrc) must stay untouched. Returns the script's last JSON line; "@CONF@" in
+    ``arg`` stands for the configuration's path."""
     if not sys.platform.startswith("linux"):
-        pytest.skip("the recording device is an ALSA plugin: Linux only")
-    rec = tmp_path / "recorded.raw"
+        pytest.skip("the devices are ALSA plugins: Linux only")
     conf = tmp_path / "asoundrc"
     conf.write_text(ALSA_TEMPLATE.read_text().replace("@RECORD_PATH@", str(rec)))
-    np.save(tmp_path / "signal.npy", signal_f32)
     env = dict(os.environ)
     env["ALSA_CONFIG_PATH"] = str(conf)
     env["JACK_NO_START_SERVER"] = "1"  # PortAudio's JACK host API must not spawn jackd
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    opts = {"signal": str(tmp_path / "signal.npy"), "chunk": FRAME, "min_preroll_s": 0.16}
-    opts.update(args)
     proc = subprocess.run(
-        [sys.executable, "-c", _REAL_SCRIPT, json.dumps(opts)],
+        [sys.executable, "-c", script, arg.replace("@CONF@", str(conf))],
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -897,7 +892,16 @@ def _play_through_alsa(tmp_path: Path, signal_f32: np.ndarray, **args: Any):
     if proc.returncode == 77:
         _skip_or_fail(f"PortAudio is not installed ({json.loads(proc.stdout)['skip']})")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _play_through_alsa(tmp_path: Path, signal_f32: np.ndarray, **args: Any):
+    """Play `signal_f32` with the real sounddevice into an ALSA file device."""
+    rec = tmp_path / "recorded.raw"
+    np.save(tmp_path / "signal.npy", signal_f32)
+    opts = {"signal": str(tmp_path / "signal.npy"), "chunk": FRAME, "min_preroll_s": 0.16}
+    opts.update(args)
+    result = _run_with_alsa(tmp_path, _REAL_SCRIPT, json.dumps(opts), rec)
     recorded = np.fromfile(rec, dtype="<i2")
     rec.unlink()  # mostly silence from the unclocked device (tens of MB): don't keep it
     return recorded, result
@@ -1028,23 +1032,7 @@ print(json.dumps({"before": before, "stale": stale, "after": after}))
 
 
 def test_real_portaudio_refresh_sees_a_new_device(tmp_path):
-    if not sys.platform.startswith("linux"):
-        pytest.skip("the devices are ALSA plugins: Linux only")
-    conf = tmp_path / "asoundrc"
-    conf.write_text(ALSA_TEMPLATE.read_text().replace("@RECORD_PATH@", str(tmp_path / "r.raw")))
-    env = dict(os.environ, ALSA_CONFIG_PATH=str(conf), JACK_NO_START_SERVER="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run(
-        [sys.executable, "-c", _HOTPLUG_SCRIPT, str(conf)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if proc.returncode == 77:
-        _skip_or_fail(f"PortAudio is not installed ({json.loads(proc.stdout)['skip']})")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _run_with_alsa(tmp_path, _HOTPLUG_SCRIPT, "@CONF@", tmp_path / "r.raw")
     assert "voxtral_record" in result["before"]
     assert "voxtral_headphones" not in result["before"] + result["stale"]
     assert "voxtral_headphones" in result["after"]
