@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from .audio.horizon import PlaybackHorizon
 from .errors import (
     AudioDeviceError,
-    AudioFileFullError,
     AudioOutputError,
+    AudioStoppedError,
     ConfigError,
     InputError,
     VoxtralError,
@@ -537,7 +537,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
     ok = generated = False
     interrupted: KeyboardInterrupt | None = None
     # The device's failure, or the file's format limit: what the file holds is kept.
-    failure: AudioDeviceError | AudioFileFullError | None = None
+    failure: AudioStoppedError | None = None
     try:
         progress = None
         if _show_progress(args, stream):
@@ -566,7 +566,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         interrupted = e
         raise
-    except (AudioDeviceError, AudioFileFullError) as e:
+    except AudioStoppedError as e:
         failure = e
         raise
     finally:
@@ -598,10 +598,11 @@ def cmd_speak(args: argparse.Namespace) -> int:
                             if generated
                             else f"kept {file_writer.duration_s:.1f} s of audio in {path}"
                         )
+                        # The device's own fix offers a file: here there is one already.
                         fix = (
-                            failure.fix
-                            if isinstance(failure, AudioFileFullError)
-                            else "check the output device"
+                            "check the output device"
+                            if isinstance(failure, AudioDeviceError)
+                            else failure.fix
                         )
                         failure.args = (f"{failure.problem}; {kept}; {fix}",)
                     else:

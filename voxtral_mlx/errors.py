@@ -61,21 +61,22 @@ class AudioOutputError(VoxtralError):
     """No audio device, no PortAudio library, or an output file that cannot be written."""
 
 
-class AudioDeviceError(AudioOutputError):
+class AudioStoppedError(AudioOutputError):
+    """Output stopped partway for a reason outside the audio (a device, a format limit):
+    what was written before it stays valid and can be kept."""
+
+    def __init__(self, problem: str, fix: str | None = None) -> None:
+        super().__init__(problem if fix is None else f"{problem}; {fix}")
+        # What happened and its fix apart, for a caller that words the message its own way.
+        self.problem, self.fix = problem, fix or ""
+
+
+class AudioDeviceError(AudioStoppedError):
     """The output device failed while playing (unplugged, stopped taking audio)."""
 
-    def __init__(self, problem: str, fix: str | None = None) -> None:
-        super().__init__(problem if fix is None else f"{problem}; {fix}")
-        self.problem = problem  # what happened, for a caller that words the fix its own way
 
-
-class AudioFileFullError(AudioOutputError):
-    """An output file reached the most its format holds (4 GiB of WAV, 2 GiB of AIFF): what
-    was written before stays valid and can be kept."""
-
-    def __init__(self, problem: str, fix: str | None = None) -> None:
-        super().__init__(problem if fix is None else f"{problem}; {fix}")
-        self.problem, self.fix = problem, fix or ""
+class AudioFileFullError(AudioStoppedError):
+    """An output file reached the most its format holds (4 GiB of WAV, 2 GiB of AIFF)."""
 
 
 class NonFiniteError(VoxtralError, ArithmeticError):
