@@ -123,6 +123,7 @@ class FakeStream:
                 self.end_by_host()
             assert not np.isnan(out).any(), "callback left part of the block unwritten"
             block = out[:, 0].copy()
+            assert (out == out[:, :1]).all(), "the channels must carry the same signal"
             self.blocks.append(block)
             return block
 
@@ -150,7 +151,9 @@ class FakeSD:
         clock: FakeClock | None = None,
         *,
         autoplay: bool = False,
+        hostapi: str = "Core Audio",
     ) -> None:
+        self.hostapi = hostapi
         self.devices = (
             devices
             if devices is not None
@@ -170,12 +173,18 @@ class FakeSD:
         self.streams: list[FakeStream] = []
 
     def query_devices(self, device: Any = None, kind: str | None = None) -> Any:
-        listing = [dict(d, index=i) for i, d in enumerate(self.devices)]
+        listing = [dict(d, index=i, hostapi=0) for i, d in enumerate(self.devices)]
+        if device is not None:
+            return listing[device]
         if kind == "output":
             if self.default_output is None:
                 raise FakePortAudioError("Error querying device -1")
             return listing[self.default_output]
         return listing
+
+    def query_hostapis(self, index: int) -> dict[str, Any]:
+        assert index == 0
+        return {"name": self.hostapi, "devices": list(range(len(self.devices)))}
 
     def OutputStream(self, **kwargs: Any) -> FakeStream:
         s = FakeStream(self, **kwargs)
@@ -231,8 +240,8 @@ def test_module_import_does_not_import_sounddevice():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
 
 
-def test_opens_mono_float32_stream_on_resolved_device():
-    sd = FakeSD()
+def test_opens_float32_stream_on_resolved_device():
+    sd = FakeSD(hostapi="ALSA")
     p = AudioPlayer(SR, device="speakers", sd=sd, clock=sd.clock)
     kw = sd.streams[0].kwargs
     assert kw["device"] == 1 and p.device == 1
@@ -243,6 +252,44 @@ def test_opens_mono_float32_stream_on_resolved_device():
         "float32",
     )
     assert sd.streams[0].count("start") == 0  # nothing buffered yet
+
+
+@pytest.mark.parametrize(
+    ("hostapi", "outputs", "device", "channels"),
+    [
+        ("Core Audio", 2, None, 2),  # the default output
+        ("Core Audio", 8, "interface", 2),  # an audio interface: its first two outputs
+        ("Core Audio", 1, "headset", 1),  # a Bluetooth headset in call mode
+        ("ALSA", 8, "interface", 1),  # the host API or the sound server upmixes mono
+        ("Windows WASAPI", 2, None, 1),
+    ],
+)
+def test_core_audio_plays_the_voice_on_both_speakers(hostapi, outputs, device, channels):
+    devices = [
+        {"name": "Speakers", "max_input_channels": 0, "max_output_channels": 2},
+        {"name": "Interface", "max_input_channels": 2, "max_output_channels": outputs},
+        {"name": "Headset", "max_input_channels": 1, "max_output_channels": outputs},
+    ]
+    sd = FakeSD(devices, default_output=1 if device is None else 0, hostapi=hostapi)
+    p = AudioPlayer(SR, device=device, sd=sd, clock=sd.clock)
+    stream = sd.streams[0]
+    assert stream.kwargs["channels"] == p.channels == channels
+    p.feed(frame(0))
+    sd.clock.advance(0.001)
+    p.feed(frame(1))  # fast generation: it starts
+    p.feed(frame(2, FRAME // 2))
+    blocks = [stream.pump() for _ in range(3)]
+    # pump() checks that every channel of a block holds the same samples.
+    np.testing.assert_array_equal(np.concatenate(blocks[:2]), np.concatenate([frame(0), frame(1)]))
+    np.testing.assert_array_equal(blocks[2][: FRAME // 2], frame(2, FRAME // 2))
+    assert not blocks[2][FRAME // 2 :].any()
+
+
+def test_a_device_that_cannot_be_described_opens_mono():
+    sd = FakeSD()
+    sd.query_hostapis = None  # an older sounddevice, or a host API index out of range
+    p = AudioPlayer(SR, sd=sd, clock=sd.clock)
+    assert sd.streams[0].kwargs["channels"] == p.channels == 1
 
 
 def test_list_output_devices():

@@ -85,6 +85,24 @@ def _default_output_index(sd: Any) -> int | None:
     return int(idx) if isinstance(idx, int) and idx >= 0 else None
 
 
+def _stream_channels(device: int | None, sd: Any) -> int:
+    """Channels to open on ``device`` (None: the default output): 2 for a Core Audio device
+    with two outputs or more, both then carrying the mono signal, else 1.
+
+    Core Audio can route a one-channel stream to a device's first output alone (reported
+    for audio interfaces with more than two outputs, and for some headphones): the voice
+    would come from the left only. Elsewhere the host API or the sound server spreads
+    mono over the speakers itself.
+    """
+    try:
+        info = sd.query_devices(device, kind="output")
+        api = sd.query_hostapis(int(info["hostapi"]))["name"]
+        outputs = int(info["max_output_channels"])
+    except (*_portaudio_errors(sd), LookupError, TypeError, AttributeError):
+        return 1  # the device cannot be described: open it as before, mono
+    return 2 if api == "Core Audio" and outputs >= 2 else 1
+
+
 def list_output_devices(sd: Any = None) -> list[dict[str, Any]]:
     """Output devices as ``{"index", "name", "channels", "default"}`` dicts."""
     sd = sd if sd is not None else import_sounddevice()
@@ -254,6 +272,8 @@ class AudioPlayer:
     ``feed()`` from the generating thread, then ``finish()`` to play out the end (or use
     it as a context manager: a normal exit finishes, an exception stops). ``stop()`` may
     be called from any thread or a signal handler and silences output within one poll.
+    The audio is mono; on a Core Audio device with two outputs or more it is played on
+    both (``channels`` is then 2).
     """
 
     def __init__(
@@ -305,6 +325,7 @@ class AudioPlayer:
 
         with _PORTAUDIO_LOCK:  # not while refresh_output_devices() restarts PortAudio
             self.device = resolve_device(device, self._sd)
+            self.channels = _stream_channels(self.device, self._sd)
             self._stream = self._open(latency)
             _PLAYERS.add(self)
         lat = getattr(self._stream, "latency", 0.0)
@@ -315,7 +336,7 @@ class AudioPlayer:
             "samplerate": self.sample_rate,
             "blocksize": self.blocksize,
             "device": self.device,
-            "channels": 1,
+            "channels": self.channels,
             "dtype": "float32",
             "callback": self._callback,
             "finished_callback": self._finished.set,
@@ -510,6 +531,8 @@ class AudioPlayer:
             n = self._pop_into(out, frames)
             if n < frames:
                 outdata[n:] = 0
+            if n and outdata.shape[1] > 1:
+                outdata[:n, 1:] = outdata[:n, :1]
             delay = self._dac_delay(time_info)
             sr = self.sample_rate
             if n:
