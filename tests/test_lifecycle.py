@@ -270,7 +270,14 @@ def test_max_batch_must_be_from_one_to_64(tiny_checkpoint_noend, tts):
         voxtral_mlx.load(tiny_checkpoint_noend, max_batch=65)
     with pytest.raises(InputError, match="max_batch"):
         tts.engine.max_batch = 0
-    assert tts.engine.max_batch == 4
+    assert tts.engine.max_batch == tts.max_batch == 4
+    with pytest.raises(AttributeError):
+        tts.max_batch = 2  # chosen at load()
+    pair = voxtral_mlx.load(tiny_checkpoint_noend, max_batch=2, prefix_cache_dir=None)
+    try:
+        assert pair.max_batch == 2
+    finally:
+        pair.close()
 
 
 def test_requests_from_the_worker_thread_are_refused(tts):

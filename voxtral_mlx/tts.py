@@ -290,6 +290,12 @@ class VoxtralTTS:
         return self.config.samples_per_frame
 
     @property
+    def max_batch(self) -> int:
+        """Sequences (requests, text segments) generated together at most: the
+        ``load(max_batch=...)`` given; further requests wait for a free slot."""
+        return self.engine.max_batch
+
+    @property
     def default_voice(self) -> str:
         if DEFAULT_VOICE in self.voices:
             return DEFAULT_VOICE
