@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import queue
 import secrets
 import threading
@@ -139,12 +140,19 @@ class VoxtralTTS:
         )
         worker.pump = self.engine.pump
         engine, release = self.engine, residency.release if residency is not None else None
+        voices = self.voices
 
         def on_close() -> None:  # on the worker thread, before it parks
             engine.fail_all(closed_error())
             engine.release()
+            voices.clear_cache()
             if release is not None:
                 release()
+            # The memory goes back to the system now: the flow head and the codec hold their
+            # compiled steps (reference cycles only the collector breaks; in an idle app it
+            # may not run for a long time), and MLX keeps freed buffers for reuse.
+            gc.collect()
+            mx.clear_cache()
 
         worker.on_close = on_close
         # An app that drops the object without close() must get the memory back: the worker
@@ -276,10 +284,10 @@ class VoxtralTTS:
         """Stop the worker thread (pending requests fail) and free the model. The object is
         unusable after. Dropping the last reference to the object does the same, later."""
         self._finalizer.detach()
-        self.worker.close()
         # The memory comes back now, not when this object goes: switching models (close,
-        # then load) must not hold both.
+        # then load) must not hold both. The worker lets go of the rest.
         self.model = _ClosedModel()
+        self.worker.close()
 
     @property
     def sample_rate(self) -> int:

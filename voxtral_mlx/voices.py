@@ -237,6 +237,11 @@ class VoiceRegistry(Mapping[str, Voice]):
         with self._lock:
             return self._cache.get((name, dtype))
 
+    def clear_cache(self) -> None:
+        """Forget the embeddings read so far (they are read again on next use)."""
+        with self._lock:
+            self._cache.clear()
+
     def embedding(self, name: str, dtype: mx.Dtype | None = None) -> mx.array:
         """The voice's ``[N, dim]`` embedding (file dtype unless ``dtype``), read on first use."""
         voice = self.get_voice(name)
