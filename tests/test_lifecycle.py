@@ -293,6 +293,25 @@ def test_closing_gives_the_memory_back_to_the_system(tiny_checkpoint_noend):
     assert out["dropped"][0] <= 8 and out["dropped"][1] == 0
 
 
+def test_an_idle_model_lets_go_of_mlx_cached_buffers_beyond_its_working_set(tts):
+    """Outgrown KV caches and a long prompt's temporaries stayed in MLX's buffer cache
+    while an app sat idle (hundreds of MB at the real widths); a frame's working set is
+    kept, so the next short request allocates nothing anew."""
+    import mlx.core as mx
+
+    def cache_once_idle() -> int:  # runs on the worker, after the pump that went idle
+        return tts.call(mx.get_cache_memory)
+
+    tts.synthesize("Hello there, a little longer now.", VOICE, seed=1, max_frames=30)
+    kept = cache_once_idle()
+    assert kept > 0  # the tiny model's working set, far below the threshold
+    tts.engine.idle_cache_bytes = kept // 2
+    tts.synthesize("Hello there, a little longer now.", VOICE, seed=1, max_frames=30)
+    # Emptied when the engine went idle; what was freed after that (the last chunk's
+    # arrays) is a few hundred kB.
+    assert cache_once_idle() < kept // 4
+
+
 def test_a_model_held_only_by_its_stream_keeps_serving(tiny_checkpoint_noend):
     """The stream holds the model: dropping the name of the model must not close it."""
     reference = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)

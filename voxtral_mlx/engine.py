@@ -42,6 +42,10 @@ FIRST_PREFILL_PART_TOKENS = 64
 FRAME_TIMES_KEPT = 8
 # Short prompts one long prompt's prefill lets go first, at most (bounds its delay).
 MAX_OVERTAKES = 8
+# Buffers freed while generating (outgrown KV caches, a long prompt's attention) stay in
+# MLX's cache for reuse; once idle, an engine lets go of them beyond this (a frame's own
+# working set stays below it, so a short request after another allocates nothing anew).
+IDLE_CACHE_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -288,6 +292,7 @@ class Engine:
         self._part_tokens = FIRST_PREFILL_PART_TOKENS  # adapted by _learn_part
         self._frame_times: deque[float] = deque(maxlen=FRAME_TIMES_KEPT)
         self._ran_part = False  # in this pump
+        self.idle_cache_bytes = IDLE_CACHE_BYTES
 
     @property
     def max_batch(self) -> int:
@@ -566,7 +571,8 @@ class Engine:
         """One frame for every running job (and the next waiting one joins). Returns False
         when there is nothing left to do. An error fails every running job, not the thread.
         Weights are kept resident on the GPU (:mod:`~voxtral_mlx.residency`) from the first
-        job until the engine is idle again."""
+        job until the engine is idle again, and MLX's cache of freed buffers is emptied
+        then if it holds more than :attr:`idle_cache_bytes`."""
         if self.residency is not None and self.busy:
             self.residency.acquire()
         try:
@@ -574,8 +580,11 @@ class Engine:
         except Exception as e:
             self.fail_all(e)
             busy = False
-        if not busy and self.residency is not None:
-            self.residency.release()
+        if not busy:
+            if self.residency is not None:
+                self.residency.release()
+            if mx.get_cache_memory() > self.idle_cache_bytes:
+                mx.clear_cache()
         return busy
 
     def fail_all(self, error: BaseException) -> None:
