@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -297,7 +298,6 @@ def test_an_idle_model_lets_go_of_mlx_cached_buffers_beyond_its_working_set(tts)
     """Outgrown KV caches and a long prompt's temporaries stayed in MLX's buffer cache
     while an app sat idle (hundreds of MB at the real widths); a frame's working set is
     kept, so the next short request allocates nothing anew."""
-    import mlx.core as mx
 
     def cache_once_idle() -> int:  # runs on the worker, after the pump that went idle
         return tts.call(mx.get_cache_memory)
