@@ -652,3 +652,14 @@ def test_argument_mistakes_are_named_in_one_line(argv, words, capsys):
     assert e.value.code == 1 and words in err and err.count("\n") == 1, err
     if argv[:2] == ["speak", "Hi."] and "-r" in argv:
         assert "goes last" not in err  # an unknown option is not taken for text
+
+
+@pytest.mark.parametrize("argv", [["speak", "-h"], ["speak", "-hq"], ["-h"]])
+def test_help_flags_still_print_the_help(argv, capsys):
+    """Text such as "-hello" is an error on every Python (3.13's argparse printed the help
+    for it), while -h, and -h combined with one flag, still show the help."""
+    from voxtral_mlx.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: voxtral-mlx")

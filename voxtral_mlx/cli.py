@@ -992,6 +992,14 @@ class _Parser(argparse.ArgumentParser):
                 f"{argv[0]} goes after the command: {PROG} {argv[first]} {argv[0]} ...",
                 f"{PROG} {argv[first]}",
             )
+        for arg in argv[: argv.index("--") if "--" in argv else len(argv)]:
+            if re.fullmatch(r"-h[^-\s]{2,}\S*", arg) and arg not in known:
+                # Python 3.13's argparse reads "-hello" as -h and prints the help (exit 0);
+                # earlier ones call it an error. Text it is, on every version.
+                self.error(
+                    f"argument -h/--help: ignored explicit argument {arg[2:]!r}",
+                    f"{PROG} {argv[first]}" if first is not None else None,
+                )
         # The command is checked here, not by argparse: it would report a missing COMMAND
         # for `voxtral-mlx --bogus`, hiding the option it did not know.
         parsed, unknown = self.parse_known_args(args, namespace)

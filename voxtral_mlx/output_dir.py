@@ -79,15 +79,27 @@ def directory_path(value: object, name: str = "out_dir", error: type = InputErro
 
 
 def resolve_output(out: Path) -> Path:
-    """``out`` with its symbolic links resolved; a one-line :class:`InputError` for a loop
-    (Python raises RuntimeError for one before 3.13, OSError from 3.13)."""
+    """``out`` with its symbolic links resolved; a one-line :class:`InputError` for a loop.
+
+    Only a strict resolve reports a loop on every Python (RuntimeError before 3.13,
+    OSError ELOOP from 3.13, where the lenient one returns the looping link itself); the
+    lenient one then resolves a path that does not exist yet.
+    """
     try:
-        return out.resolve()
-    except (RuntimeError, OSError):
-        raise InputError(
-            f"output {one_line(str(out))} is (or is inside) a symbolic link that loops; "
-            "remove it or choose another output directory"
-        ) from None
+        return out.resolve(strict=True)
+    except RuntimeError:
+        loops = True
+    except OSError as e:
+        loops = e.errno == errno.ELOOP
+    if not loops:
+        try:
+            return out.resolve()
+        except (RuntimeError, OSError):
+            pass
+    raise InputError(
+        f"output {one_line(str(out))} is (or is inside) a symbolic link that loops; "
+        "remove it or choose another output directory"
+    )
 
 
 def check_output_dir(out: Path, force: bool) -> Path:
