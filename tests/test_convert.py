@@ -206,6 +206,16 @@ def test_a_format_version_this_release_does_not_know_is_refused(
     [
         ("yes", "key 'quantization' must be an object"),
         ({"bits": 0}, "key 'quantization.bits' must be a positive integer, got 0"),
+        (
+            {"bits": 4, "group_size": 64, "mode": []},
+            "key 'quantization.mode' must be a quantization mode's name (affine, mxfp4, ...), "
+            "got []",
+        ),
+        (
+            {"bits": 4, "group_size": 64, "audio_tokenizer.x": {"bits": 4, "mode": {}}},
+            "key 'quantization.audio_tokenizer.x.mode' must be a quantization mode's name "
+            "(affine, mxfp4, ...), got {}",
+        ),
     ],
 )
 def test_a_broken_quantization_section_names_the_file_and_the_fix(

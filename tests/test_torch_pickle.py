@@ -10,7 +10,9 @@ import pickletools
 import struct
 import subprocess
 import sys
+import tracemalloc
 import zipfile
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -190,13 +192,13 @@ def test_read_only_needed_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     b = random_tensor(torch.float32, (3,), seed=5)
     torch.save({"a": a, "b": b}, tmp_path / "ab.pt")
     read: list[str] = []
-    original = zipfile.ZipFile.read
+    original = zipfile.ZipFile.open
 
-    def spy(self, name, pwd=None):
+    def spy(self, name, *args, **kwargs):
         read.append(name if isinstance(name, str) else name.filename)
-        return original(self, name, pwd)
+        return original(self, name, *args, **kwargs)
 
-    monkeypatch.setattr(zipfile.ZipFile, "read", spy)
+    monkeypatch.setattr(zipfile.ZipFile, "open", spy)
     assert_same(read_pt(tmp_path / "ab.pt", key="b"), b)
     storages = [n for n in read if "/data/" in n]
     assert storages == ["ab/data/1"]
@@ -812,18 +814,89 @@ def test_zip_bomb_storage_is_refused_before_inflating(
     path = _deflated_zeros_pt(tmp_path / "bomb.pt", 16 << 20)
     assert path.stat().st_size < (1 << 20)
 
-    real_read = zipfile.ZipFile.read
+    real_open = zipfile.ZipFile.open
 
     def no_inflating(self, name, *args, **kwargs):
         if getattr(name, "filename", name).endswith("data/0"):
             raise AssertionError("the bomb was inflated")
-        return real_read(self, name, *args, **kwargs)
+        return real_open(self, name, *args, **kwargs)
 
-    monkeypatch.setattr(zipfile.ZipFile, "read", no_inflating)
+    monkeypatch.setattr(zipfile.ZipFile, "open", no_inflating)
     with pytest.raises(VoiceError) as exc:
         read_pt(path)
     message = one_line(exc)
     assert "zip bomb" in message and "bomb.pt" in message
+
+
+def test_a_record_inflating_beyond_its_declared_size_reads_only_that(tmp_path: Path) -> None:
+    """A deflated record declaring 16 bytes but inflating to 64 MB: zipfile's read() inflated
+    up to 2 GB in one call before cutting the data to the declared size."""
+    pkl = tensor_pickle()
+    zeros = bytes(64 << 20)
+    path = tmp_path / "liar.pt"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        zf.writestr("archive/data.pkl", pkl)
+        zf.writestr("archive/byteorder", b"little")
+        zf.writestr("archive/data/0", zeros)
+        zf.writestr("archive/version", b"3\n")
+    with zipfile.ZipFile(path) as zf:
+        local = zf.getinfo("archive/data/0").header_offset
+    data = bytearray(path.read_bytes())
+    central = [
+        at
+        for at in range(len(data) - 4)
+        if data[at : at + 4] == b"PK\x01\x02" and data[at + 46 :].startswith(b"archive/data/0")
+    ]
+    assert len(central) == 1
+    # CRC-32 then the compressed and uncompressed sizes, at 14 and 28 bytes in.
+    for crc_at, size_at in ((local + 14, local + 22), (central[0] + 16, central[0] + 24)):
+        data[crc_at : crc_at + 4] = struct.pack("<I", zlib.crc32(bytes(16)))
+        data[size_at : size_at + 4] = struct.pack("<I", 16)
+    path.write_bytes(bytes(data))
+    tracemalloc.start()
+    try:
+        t = read_pt(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert t.data.tolist() == [0, 0, 0, 0] and peak < (8 << 20), peak
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA], ids=["bzip2", "lzma"])
+def test_records_compressed_other_than_deflate_are_refused(tmp_path: Path, method) -> None:
+    """zipfile inflates bzip2 and LZMA records in one unbounded call (a 2.6 kB file took
+    6 GB), and torch.save never compresses."""
+    path = tmp_path / "packed.pt"
+    with zipfile.ZipFile(path, "w", method) as zf:
+        zf.writestr("archive/data.pkl", tensor_pickle())
+        zf.writestr("archive/byteorder", b"little")
+        zf.writestr("archive/data/0", np.arange(4, dtype=np.float32).tobytes())
+        zf.writestr("archive/version", b"3\n")
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    message = one_line(exc)
+    assert zipfile.compressor_names[method] in message and "re-save it with torch.save" in message
+
+
+def test_a_memo_index_beyond_the_pickle_is_refused(tmp_path: Path) -> None:
+    """LONG_BINPUT 2**28 in a 400-byte file made Python's unpickler allocate a 4 GB memo."""
+    pkl = tensor_pickle()[:-1] + b"r" + struct.pack("<I", 1 << 28) + b"."
+    with pytest.raises(VoiceError) as exc:
+        read_pt(make_pt(tmp_path / "memo.pt", pkl))
+    assert "memo index 268435456" in one_line(exc)
+    ordinary = tensor_pickle()[:-1] + b"r" + struct.pack("<I", 3) + b"."
+    assert read_pt(make_pt(tmp_path / "ok.pt", ordinary)).data.tolist() == [0, 1, 2, 3]
+
+
+def test_a_zip_of_an_unknown_version_is_one_line(tmp_path: Path) -> None:
+    """zipfile raises NotImplementedError for a record needing zip version 6.4."""
+    path = make_pt(tmp_path / "v64.pt", tensor_pickle())
+    data = bytearray(path.read_bytes())
+    data[data.find(b"PK\x01\x02") + 6] = 64  # "version needed to extract"
+    path.write_bytes(bytes(data))
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    assert "corrupt zip archive (zip file version 6.4)" in one_line(exc)
 
 
 def test_small_deflated_records_still_load(tmp_path: Path) -> None:

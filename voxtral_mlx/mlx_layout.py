@@ -285,6 +285,15 @@ def _int(value: Any, key: str) -> int | None:
     return value
 
 
+def _mode(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"config.json key '{where}' must be a quantization mode's name (affine, mxfp4, "
+            f"...), got {one_line(repr(value), 40)}"
+        )
+    return value
+
+
 def read_quantization(config: Mapping[str, Any] | None, rename: bool) -> QuantConfig | None:
     """Parse ``quantization`` (or ``quantization_config``) of ``config.json``.
 
@@ -300,7 +309,7 @@ def read_quantization(config: Mapping[str, Any] | None, rename: bool) -> QuantCo
     if not isinstance(section, dict):
         raise ConfigError("config.json key 'quantization' must be an object")
     key = "quantization"
-    mode = section.get("mode", "affine")
+    mode = _mode(section.get("mode", "affine"), f"{key}.mode")
     bits = _int(section.get("bits"), f"{key}.bits")
     group = _int(section.get("group_size"), f"{key}.group_size")
     entries: dict[str, Any] = {}
@@ -332,10 +341,10 @@ def read_quantization(config: Mapping[str, Any] | None, rename: bool) -> QuantCo
         if not isinstance(value, dict):
             raise ConfigError(f"config.json key '{where}' must be an object, a bit count or false")
         if path in own_defaults and isinstance(value, dict):
-            layer_mode = value.get("mode", "affine")
+            layer_mode = _mode(value.get("mode", "affine"), f"{where}.mode")
             default_group, default_bits = MODE_DEFAULTS.get(layer_mode, (None, None))
         else:
-            layer_mode = value.get("mode", mode)
+            layer_mode = _mode(value.get("mode", mode), f"{where}.mode")
             default_group, default_bits = group, bits
         out[name] = LayerQuant(
             bits=_int(value.get("bits") or default_bits, f"{where}.bits"),

@@ -412,7 +412,7 @@ def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
         raise VoiceError(f"{src} is not a torch.save zip archive; check the file")
     try:
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
         raise VoiceError(
             f"{src} is a truncated or corrupt zip archive ({one_line(str(e))}); "
             f"re-download or re-create it"
@@ -422,9 +422,17 @@ def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
 
 
 def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, src: str) -> bytes:
-    # torch.save stores records uncompressed. A compressed one that inflates far beyond its
-    # size on disk is a decompression bomb (3 MB of deflated zeros declaring 3 GB): refuse it
-    # before inflating anything. Real tensor data deflates by 2x at most.
+    # torch.save stores records uncompressed; a re-zipped voice may be deflated. zipfile
+    # inflates bzip2 and LZMA in one unbounded call whatever size the record declares.
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        method = zipfile.compressor_names.get(info.compress_type, f"method {info.compress_type}")
+        raise VoiceError(
+            f"{src} stores its record {one_line(info.filename)} compressed with {method}, "
+            "which torch.save never does; re-save it with torch.save"
+        )
+    # A deflated record that inflates far beyond its size on disk is a decompression bomb
+    # (3 MB of deflated zeros declaring 3 GB): refused before inflating anything. Real
+    # tensor data deflates by 2x at most.
     if (
         info.compress_type != zipfile.ZIP_STORED
         and info.file_size > _BOMB_MIN_BYTES
@@ -436,7 +444,10 @@ def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, src: str) -> bytes:
             "torch.save"
         )
     try:
-        data = zf.read(info)
+        # Read to the declared size only: read() would inflate up to 2 GB in one call
+        # for a record declaring a few bytes.
+        with zf.open(info) as f:
+            data = f.read(info.file_size)
     except Exception as e:  # zipfile raises many types for damaged members
         raise VoiceError(
             f"cannot read record {one_line(info.filename)} of {src} "
@@ -513,6 +524,11 @@ def _check_shape(data: bytes) -> None:
             if name == "MARK":
                 marks.append(len(stack))
             elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                if arg > count:  # Python's unpickler allocates a memo this large
+                    raise _Malformed(
+                        f"its pickle stores an object under memo index {arg}, beyond the "
+                        f"{count} it could have made so far"
+                    )
                 memo[arg] = stack[-1]
             elif name == "MEMOIZE":
                 memo[len(memo)] = stack[-1]
