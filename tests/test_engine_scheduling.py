@@ -31,6 +31,17 @@ def job(tts, text: str, segment: int, ahead: bool, **kwargs):
     return made
 
 
+def pump_while(e, condition, limit: int = 2000) -> int:
+    """Pump ``e`` while ``condition()`` holds; the pumps it took. A scenario that stops
+    going as planned fails here instead of pumping for ever."""
+    pumps = 0
+    while condition():
+        assert pumps < limit, f"still pumping after {limit} pumps"
+        e.pump()
+        pumps += 1
+    return pumps
+
+
 def codes(made) -> np.ndarray:
     items = []
     while not made.output.empty():
@@ -63,22 +74,15 @@ def test_a_set_aside_segment_rejoins_while_another_prompt_is_prefilled(tts, monk
             e.pump()
         jobs["b0"] = b0 = job(tts, "Quick one.", 0, False, seed=3, max_frames=3)
         e.submit(b0)
-        while not e._parked:
-            e.pump()
+        pump_while(e, lambda: not e._parked)
         jobs["c0"] = c0 = job(tts, long_text, 0, False, seed=4, max_frames=3)
         e.submit(c0)
-        while e._prefilling is None:
-            e.pump()
-        while not a0.seq.finished:
-            e.pump()
+        pump_while(e, lambda: e._prefilling is None)
+        pump_while(e, lambda: not a0.seq.finished)
         a1.needed()  # A's listener has reached its second segment
-        pumps = 0
-        while a1 in e._parked:
-            e.pump()
-            pumps += 1
+        pumps = pump_while(e, lambda: a1 in e._parked)
         parts_left = e._prefilling is not None
-        while e.busy:
-            e.pump()
+        pump_while(e, lambda: e.busy)
         return pumps, parts_left
 
     pumps, parts_left = tts.call(scenario)
@@ -104,13 +108,11 @@ def test_a_row_ending_at_this_frame_frees_its_slot_for_a_newcomer(tts):
         a1 = job(tts, "Text A second segment.", 1, True, seed=2, max_frames=20)
         for j in (a0, a1):
             e.submit(j)
-        while a0.seq.frames < 9:
-            e.pump()
+        pump_while(e, lambda: a0.seq.frames < 9)
         e.submit(job(tts, "Quick one.", 0, False, seed=3, max_frames=3))
         e.pump()  # a0's last frame, and the newcomer's prefill
         ended, parked = a0.seq.finished, a1 in e._parked
-        while e.busy:
-            e.pump()
+        pump_while(e, lambda: e.busy)
         return ended, parked
 
     ended, parked = tts.call(scenario)
@@ -125,8 +127,7 @@ def test_jobs_that_end_without_a_frame_let_go_of_their_kv_rows(tts, monkeypatch)
         e = tts.engine
         zero = job(tts, "A pause.", 0, False, seed=1, max_frames=0)
         e.submit(zero)
-        while e.busy:
-            e.pump()
+        pump_while(e, lambda: e.busy)
         cancelled = job(tts, "Cancelled as it joins.", 0, False, seed=2, max_frames=50)
         prefill = engine_mod.prefill
 
@@ -136,8 +137,7 @@ def test_jobs_that_end_without_a_frame_let_go_of_their_kv_rows(tts, monkeypatch)
 
         monkeypatch.setattr(engine_mod, "prefill", prefill_then_cancel)
         e.submit(cancelled)
-        while e.busy:
-            e.pump()
+        pump_while(e, lambda: e.busy)
         return zero, cancelled
 
     for ended in tts.call(scenario):
@@ -159,8 +159,7 @@ def test_a_failure_as_a_prefilled_job_joins_reaches_its_consumer(tts, monkeypatc
         e.submit(made)
         e.pump()
         monkeypatch.undo()
-        while e.busy:
-            e.pump()
+        pump_while(e, lambda: e.busy)
         return made
 
     made = tts.call(scenario)
