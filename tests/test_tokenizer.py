@@ -417,6 +417,31 @@ def test_second_load_uses_the_cache(tok, tekken_file, cache_dir, monkeypatch):
     assert (again.vocab_size, again.version) == (131072, "v7")
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda meta, body: ({**meta, "audio": []}, body),  # raised AttributeError
+        lambda meta, body: ({**meta, "max_token_bytes": 10**9}, body),  # was trusted
+        lambda meta, body: (meta, json.dumps({**json.loads(body), "pre_tokenizer": None})),
+        lambda meta, body: (meta, body[: len(body) // 2]),
+    ],
+    ids=["audio-list", "edited-meta", "edited-body", "truncated"],
+)
+def test_a_damaged_or_edited_cache_entry_is_rebuilt(byte_tekken_file, tmp_path, damage):
+    """The entry is the project's own file, but a disk, a crash or a hand can change it: a
+    checksum over it makes any change a rebuild, never a wrong tokenizer or a traceback."""
+    fresh = TekkenTokenizer.from_file(byte_tekken_file, cache_dir=tmp_path)
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    head, _, body = entry.read_text(encoding="utf-8").partition("\n")
+    meta, body = damage(json.loads(head), body)
+    entry.write_text(json.dumps(meta) + "\n" + body, encoding="utf-8")
+    again = TekkenTokenizer.from_file(byte_tekken_file, cache_dir=tmp_path)
+    text = CORPUS["mixed_scripts"]
+    assert again.encode(text) == fresh.encode(text)
+    assert (again.audio, again.max_token_bytes) == (fresh.audio, fresh.max_token_bytes)
+    assert tokenizer_mod._read_cache(entry, json.loads(head)["sha256"]) is not None  # rewritten
+
+
 def test_cache_serialization_keeps_pairs_a_string_could_not_hold():
     from tokenizers import Tokenizer, models
 

@@ -45,7 +45,7 @@ from .fileio import (
 )
 
 # Bump when the cached file's layout or the way the model is built changes.
-CACHE_FORMAT = 3  # 2: max_token_bytes; 3: merges as "a b" strings
+CACHE_FORMAT = 4  # 2: max_token_bytes; 3: merges as "a b" strings; 4: a content checksum
 MAX_TEKKEN_BYTES = 256 << 20  # the real tekken.json holds 19 MB
 MAX_TOKEN_BYTES = 1024  # Tekken's longest token has 78 bytes
 MAX_SPECIAL_TOKENS = 100_000  # Tekken has 1000
@@ -169,10 +169,16 @@ class TekkenTokenizer:
         cache_file = _cache_root(cache_dir) / f"tekken-{digest}-f{CACHE_FORMAT}.json"
         cached = _read_cache(cache_file, digest)
         if cached is not None:
-            meta, backend = cached
-        else:
-            meta, backend = _build(raw, path)
-            _write_cache(cache_file, {"sha256": digest, "format": CACHE_FORMAT, **meta}, backend)
+            try:
+                return cls._from_meta(*cached, path)
+            except Exception:
+                pass  # an entry this release cannot use: built again below
+        meta, backend = _build(raw, path)
+        _write_cache(cache_file, {"sha256": digest, "format": CACHE_FORMAT, **meta}, backend)
+        return cls._from_meta(meta, backend, path)
+
+    @classmethod
+    def _from_meta(cls, meta: dict[str, Any], backend: Tokenizer, path: Path) -> TekkenTokenizer:
         return cls(
             backend,
             vocab_size=meta["vocab_size"],
@@ -505,13 +511,22 @@ def _cache_root(cache_dir: Path | None) -> Path:
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / "tokenizers"
 
 
+def _checksum(meta: dict[str, Any], body: str) -> str:
+    head = json.dumps(meta, ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(f"{head}\n{body}".encode()).hexdigest()
+
+
 def _read_cache(file: Path, digest: str) -> tuple[dict[str, Any], Tokenizer] | None:
-    """Cache entry = one JSON line of metadata, a newline, the tokenizer's own JSON."""
+    """Cache entry = one JSON line of metadata, a newline, the tokenizer's own JSON. The
+    metadata's ``content`` is a checksum of the rest: a damaged or edited entry is rebuilt,
+    never trusted."""
     try:
         text = read_limited(file, 2 * MAX_TEKKEN_BYTES).decode("utf-8")
         head, _, body = text.partition("\n")
         meta = json.loads(head)
         if meta.get("sha256") != digest or meta.get("format") != CACHE_FORMAT:
+            return None
+        if meta.pop("content", None) != _checksum(meta, body):
             return None
         keys = ("vocab_size", "special_tokens", "version", "audio", "max_token_bytes")
         if not all(k in meta for k in keys):
@@ -540,7 +555,9 @@ def _write_cache(file: Path, meta: dict[str, Any], backend: Tokenizer) -> None:
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         remove_orphans(file.parent, None, TEMP_KIND)  # of writers killed meanwhile
-        payload = json.dumps(meta, ensure_ascii=False) + "\n" + _serialized(backend)
+        body = _serialized(backend)
+        head = json.dumps({**meta, "content": _checksum(meta, body)}, ensure_ascii=False)
+        payload = head + "\n" + body
         atomic_write_text(file, payload)
         for old in range(1, CACHE_FORMAT):  # this file's entries in formats no longer read
             with contextlib.suppress(OSError):
