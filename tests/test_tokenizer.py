@@ -442,6 +442,16 @@ def test_a_damaged_or_edited_cache_entry_is_rebuilt(byte_tekken_file, tmp_path, 
     assert tokenizer_mod._read_cache(entry, json.loads(head)["sha256"]) is not None  # rewritten
 
 
+def test_a_vocabulary_making_too_many_merges_is_refused(tekken_file, tmp_path, monkeypatch):
+    """Every substring of one long token as a token (19 MB, 10.7 M merges) took over 8 GB to
+    build; here the cap is lowered below the real vocabulary's 270,000 merges instead."""
+    monkeypatch.setattr(tokenizer_mod, "MAX_MERGES", 100_000)
+    with pytest.raises(TokenizerError) as exc:
+        TekkenTokenizer.from_file(tekken_file, cache_dir=tmp_path)
+    message = str(exc.value)
+    assert "over 100,000 merges" in message and "\n" not in message
+
+
 def test_cache_serialization_keeps_pairs_a_string_could_not_hold():
     from tokenizers import Tokenizer, models
 

@@ -48,6 +48,7 @@ from .fileio import (
 CACHE_FORMAT = 4  # 2: max_token_bytes; 3: merges as "a b" strings; 4: a content checksum
 MAX_TEKKEN_BYTES = 256 << 20  # the real tekken.json holds 19 MB
 MAX_TOKEN_BYTES = 1024  # Tekken's longest token has 78 bytes
+MAX_MERGES = 4_000_000  # Tekken's vocabulary makes about 270,000
 MAX_SPECIAL_TOKENS = 100_000  # Tekken has 1000
 RELEASE_GIL_CHARS = 1024  # longer texts are tokenized with the GIL released
 
@@ -483,12 +484,18 @@ def _build_backend(strings: list[str], pattern: str, offset: int, path: Path) ->
                 raise TokenizerError(f"{path}: vocab[{i}] repeats the bytes of vocab[{first[s]}]")
             first[s] = i
     # Strings are in rank order, so merges come out ordered by rank(T), then split point.
-    merges = [
-        (a, b)
-        for s in strings
-        for k in range(1, len(s))
-        if (a := s[:k]) in vocab and (b := s[k:]) in vocab
-    ]
+    merges: list[tuple[str, str]] = []
+    for s in strings:
+        merges.extend(
+            (a, b) for k in range(1, len(s)) if (a := s[:k]) in vocab and (b := s[k:]) in vocab
+        )
+        if len(merges) > MAX_MERGES:
+            # Every substring of one long token as a token: 19 MB made 10.7 M merges and
+            # took over 8 GB to build.
+            raise TokenizerError(
+                f"{path}: its vocabulary makes over {MAX_MERGES:,} merges (Tekken's makes "
+                "about 270,000): the file is damaged; re-download tekken.json"
+            )
     try:
         split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
     except Exception as e:
