@@ -7,6 +7,7 @@ same directory with mlx-audio's own loader (patched to SPEC, same injected noise
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -270,6 +271,29 @@ def test_missing_shard_is_an_incomplete_download(broken: Path) -> None:
         load_model_dir(broken)
     message = one_line(exc.value)
     assert shard.name in message and "fetch it again" in message
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "broken link"])
+@pytest.mark.parametrize("with_index", [True, False])
+def test_a_shard_that_is_no_file_is_named_as_such(
+    broken: Path, kind: str, with_index: bool
+) -> None:
+    """It was reported missing (fetch it again), though it is there as something else."""
+    shard = sorted(broken.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    if kind == "directory":
+        shard.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(shard)
+    else:
+        shard.symlink_to(broken / "gone.safetensors")
+    if not with_index:
+        (broken / "model.safetensors.index.json").unlink()
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert f"{shard} is not a readable file" in message
+    assert "restore it from the model's download" in message
 
 
 @pytest.mark.parametrize("beside_original", [False, True])

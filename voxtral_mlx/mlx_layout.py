@@ -141,6 +141,7 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
         weight_map = read_index(index_path)
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         for path in files:
+            _check_not_special(path)
             if not path.is_file():
                 raise ModelNotFoundError(
                     f"{model_dir} is missing {path.name}, which {INDEX_NAME} lists: the "
@@ -157,6 +158,8 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     if len(totals) == 1:
         total = totals.pop()
         expected = [model_dir / SHARD_NAME.format(i + 1, total) for i in range(total)]
+        for path in expected:
+            _check_not_special(path)
         missing = [p.name for p in expected if not p.is_file()]
         if missing:
             raise ModelNotFoundError(
@@ -165,6 +168,15 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
                 + ": the download is incomplete; fetch it again"
             )
     return shards, None
+
+
+def _check_not_special(path: Path) -> None:
+    """A shard that is there but cannot be read as a file is no incomplete download."""
+    if os.path.lexists(path) and not path.is_file():
+        raise CheckpointError(
+            f"{path} is not a readable file (a directory, a pipe or device, or a broken "
+            "link): restore it from the model's download"
+        )
 
 
 def read_index(path: Path) -> dict[str, str]:
