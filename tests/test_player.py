@@ -368,6 +368,30 @@ def test_stream_open_and_start_errors():
     assert sd.streams[0].closed
 
 
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        # macOS: no PortAudio on the library path and no bundled copy (a source build)
+        ("import _no_such_sounddevice_data\n", "sounddevice cannot load PortAudio"),
+        (None, "the sounddevice package is not installed"),
+    ],
+)
+def test_a_failed_sounddevice_import_names_what_is_missing(tmp_path, monkeypatch, body, words):
+    """A missing piece of sounddevice was reported as sounddevice not being installed."""
+    if body is not None:
+        (tmp_path / "sounddevice.py").write_text(body)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.delitem(sys.modules, "sounddevice", raising=False)
+    else:
+        monkeypatch.setitem(sys.modules, "sounddevice", None)  # import raises ImportError
+    with pytest.raises(AudioOutputError) as e:
+        import_sounddevice()
+    message = str(e.value)
+    assert words in message and "\n" not in message and "-o FILE" in message
+    if body is not None:
+        assert "_no_such_sounddevice_data" in message and "--force-reinstall" in message
+
+
 def test_missing_portaudio_is_one_line_error(tmp_path, monkeypatch):
     # sounddevice raises OSError at import when libportaudio cannot be found.
     (tmp_path / "sounddevice.py").write_text("raise OSError('PortAudio library not found')\n")

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import AudioDeviceError, AudioOutputError, InputError, UsageError
+from ..fileio import one_line
 
 # Said by the command line and by tts.say() alike, so it names both ways to a file.
 _NO_DEVICE_HINT = (
@@ -61,10 +62,16 @@ def import_sounddevice() -> ModuleType:
         import sounddevice
     except OSError as e:  # sounddevice raises OSError when libportaudio cannot be loaded
         raise AudioOutputError(
-            "PortAudio library not found; install it (macOS: brew install portaudio, "
-            f"Debian/Ubuntu: apt install libportaudio2) {_NO_DEVICE_HINT}"
+            "PortAudio library not found; install it (macOS: pip install --force-reinstall "
+            "sounddevice, whose wheel bundles it; Debian/Ubuntu: apt install libportaudio2) "
+            f"{_NO_DEVICE_HINT}"
         ) from e
     except ImportError as e:
+        if e.name not in (None, "sounddevice"):  # on macOS: its bundled PortAudio library
+            raise AudioOutputError(
+                f"sounddevice cannot load PortAudio ({one_line(str(e), 120)}); reinstall it: "
+                f"pip install --force-reinstall sounddevice {_NO_DEVICE_HINT}"
+            ) from e
         raise AudioOutputError(
             f"the sounddevice package is not installed; pip install sounddevice {_NO_DEVICE_HINT}"
         ) from e
@@ -106,11 +113,12 @@ def _stream_channels(device: int | None, sd: Any) -> int:
 def list_output_devices(sd: Any = None) -> list[dict[str, Any]]:
     """Output devices as ``{"index", "name", "channels", "default"}`` dicts."""
     sd = sd if sd is not None else import_sounddevice()
-    try:
-        devices = list(sd.query_devices())
-    except _portaudio_errors(sd) as e:
-        raise AudioOutputError(f"cannot list audio devices: {e}; {_NO_DEVICE_HINT[3:]}") from e
-    default = _default_output_index(sd)
+    with _PORTAUDIO_LOCK:  # not while refresh_output_devices() restarts PortAudio
+        try:
+            devices = list(sd.query_devices())
+        except _portaudio_errors(sd) as e:
+            raise AudioOutputError(f"cannot list audio devices: {e}; {_NO_DEVICE_HINT[3:]}") from e
+        default = _default_output_index(sd)
     out = []
     for i, d in enumerate(devices):
         channels = int(d.get("max_output_channels", 0))
