@@ -67,6 +67,20 @@ def test_a_new_process_starts_from_the_stored_prefix(tiny_checkpoint, tmp_path, 
     assert files(tmp_path) == [stored]  # a hit writes nothing new
 
 
+def test_a_stored_prefix_is_not_flushed_to_the_drive(tiny_checkpoint, tmp_path, noise, monkeypatch):
+    """It is written on the thread that runs the frames, and on macOS a flush empties the
+    drive's whole cache; a file lost or torn by a crash fails its checksum and is rebuilt.
+    Files that must survive (outputs, converted voices) are still flushed."""
+    from voxtral_mlx import fileio
+
+    flushed = []
+    monkeypatch.setattr(fileio, "full_fsync", lambda fd: flushed.append(fd))
+    run(tiny_checkpoint, tmp_path, noise)
+    assert len(files(tmp_path)) == 1 and flushed == []
+    fileio.atomic_write(tmp_path / "kept.bin", lambda f: f.write(b"x"))
+    assert len(flushed) == 1
+
+
 def test_the_file_holds_every_layer_at_the_prefix_length(tiny_checkpoint, tmp_path, noise):
     tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
     try:

@@ -66,10 +66,15 @@ def full_fsync(fd: int) -> None:
     os.fsync(fd)
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:
+def atomic_write(
+    path: str | os.PathLike[str], write: Callable[[BinaryIO], None], durable: bool = True
+) -> None:
     """Write ``path`` through ``write(f)`` into a temp file beside it, then rename it in place.
 
     A failure (including in ``write``) leaves no partial file behind. Raises ``OSError``.
+    ``durable=False`` skips flushing the data to the drive before the rename, for caches
+    that check their content when read (on macOS the flush empties the drive's whole write
+    cache: tens of milliseconds, on the thread that runs the frames).
     """
     path = Path(path)
     tmp = path.with_name(owned_name(path.name, TEMP_KIND))
@@ -79,7 +84,8 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
-            full_fsync(f.fileno())
+            if durable:
+                full_fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -202,5 +208,5 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+def atomic_write_text(path: str | os.PathLike[str], text: str, durable: bool = True) -> None:
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")), durable)
