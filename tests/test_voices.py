@@ -478,6 +478,23 @@ def test_convert_refuses_two_sources_for_one_target(tmp_path: Path, second: str)
     assert not (tmp_path / "out").exists()
 
 
+def test_one_file_named_as_apfs_names_it_converts_once(tmp_path: Path) -> None:
+    """On APFS v/A.pt and v/a.pt (or an NFC and an NFD "é") name one file: it was refused
+    as two sources for one target. Hard links stand in for that here; a link under another
+    name is another voice and is converted too."""
+    torch.save(bf16_voice(3), tmp_path / "a.pt")
+    nfc, nfd = "\u00e9.pt", "e\u0301.pt"
+    torch.save(bf16_voice(2), tmp_path / nfc)
+    os.link(tmp_path / "a.pt", tmp_path / "A.pt")
+    os.link(tmp_path / nfc, tmp_path / nfd)
+    os.link(tmp_path / "a.pt", tmp_path / "narrator.pt")
+    sources = [tmp_path / n for n in ("a.pt", "A.pt", nfc, nfd, "narrator.pt")]
+    written = convert_voice_files(sources, tmp_path / "out")
+    assert sorted(p.name for p in written) == sorted(
+        ["a.safetensors", f"{nfc[:-3]}.safetensors", "narrator.safetensors"]
+    )
+
+
 def test_convert_unwritable_output(tmp_path: Path) -> None:
     torch.save(bf16_voice(3), tmp_path / "a.pt")
     (tmp_path / "blocker").write_text("a file, so nothing can be created under it")

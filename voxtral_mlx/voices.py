@@ -14,6 +14,7 @@ import shutil
 import stat
 import struct
 import threading
+import unicodedata
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -425,10 +426,20 @@ def _voice_sources(sources: object) -> list[Path]:
             raise VoiceError(f"{unreadable(source)}; name .pt files or directories holding them")
         else:
             raise VoiceError(f"voice source {one_line(str(source))} does not exist; check the path")
-    unique: dict[Path, Path] = {}
+    unique: dict[object, Path] = {}
     for file in files:  # a file named both directly and through its directory counts once
-        unique.setdefault(file.resolve(), file)
+        try:  # by inode and folded name: on APFS v/a.pt and v/A.pt are one file
+            st = file.stat()
+            key: object = (st.st_dev, st.st_ino, _folded(file.name))
+        except OSError:  # reported when it is read
+            key = file.resolve()
+        unique.setdefault(key, file)
     return list(unique.values())
+
+
+def _folded(name: str) -> str:
+    """A name as APFS compares names: case and Unicode normalization ignored."""
+    return unicodedata.normalize("NFD", name).casefold()
 
 
 def _check_voice_tensor(src: Path, tensor) -> None:
@@ -503,7 +514,7 @@ def convert_voice_files(
     targets = [out_dir / f"{src.stem}.safetensors" for src in files]
     seen: dict[str, Path] = {}
     for src, dst in zip(files, targets, strict=True):
-        key = str(dst).casefold()  # APFS ignores case: a.safetensors is A.safetensors
+        key = _folded(str(dst))  # APFS: a.safetensors is A.safetensors
         if key in seen:
             raise VoiceError(
                 f"{one_line(str(seen[key]))} and {one_line(str(src))} would both be written to "
