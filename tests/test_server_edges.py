@@ -357,6 +357,24 @@ def test_bind_errors_name_the_fix_for_their_cause(monkeypatch):
     with pytest.raises(ServerError, match=r"no such address: use 127\.0\.0\.1"):
         bind("192.0.2.1", 0)  # TEST-NET-1: never this machine's
 
+    # macOS binds 127.0.0.1:P beside a program listening on 0.0.0.0:P (BSD sockets with
+    # SO_REUSEADDR), then serves its local clients: the bind is simulated here.
+    from voxtral_mlx.server import run
+
+    other = socket.create_server(("0.0.0.0", 0))
+    try:
+        port = other.getsockname()[1]
+        monkeypatch.setattr(run, "OVERLAPPING_BINDS", True)
+        monkeypatch.setattr(socket.socket, "bind", lambda self, address: None)
+        for host in ("127.0.0.1", "0.0.0.0"):
+            with pytest.raises(ServerError) as exc:
+                bind(host, port)
+            assert f"another program listens on port {port}" in str(exc.value)
+        bind("127.0.0.1", 0).close()  # port 0: nothing to probe, no error
+    finally:
+        other.close()
+        monkeypatch.undo()
+
     def refused(self, address):
         raise PermissionError(errno.EACCES, "Permission denied")
 

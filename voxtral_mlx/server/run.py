@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 
 import uvicorn
@@ -15,6 +16,11 @@ from ..errors import VoxtralError
 
 API_KEY_ENV = "VOXTRAL_MLX_API_KEY"
 SHUTDOWN_GRACE_S = 3.0  # then open streams are cancelled (their generation stops)
+
+
+# BSD sockets (macOS): with SO_REUSEADDR, 127.0.0.1:P binds beside a program listening on
+# *:P (or the reverse) and takes its local clients; Linux refuses such a bind itself.
+OVERLAPPING_BINDS = sys.platform == "darwin" or "bsd" in sys.platform
 
 
 class ServerError(VoxtralError):
@@ -43,7 +49,28 @@ def bind(host: str, port: int) -> socket.socket:
         else:
             fix = "check --host and --port"
         raise ServerError(f"cannot listen on {host}:{port}: {e.strerror}; {fix}") from e
+    if port and OVERLAPPING_BINDS and _someone_listens(family, address):
+        sock.close()
+        raise ServerError(
+            f"cannot listen on {host}:{port}: another program listens on port {port}; "
+            "choose another --port or stop the program using it"
+        )
     return sock
+
+
+def _someone_listens(family: int, address: tuple) -> bool:
+    """Whether a connection to ``address`` (a wildcard one: to loopback) is accepted."""
+    host = address[0]
+    if host in ("0.0.0.0", "::", ""):
+        host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        return probe.connect_ex((host, *address[1:])) == 0
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def url_of(sock: socket.socket) -> str:
