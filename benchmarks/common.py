@@ -372,6 +372,14 @@ def blas() -> str:
     return "reference BLAS (bundled with mlx[cpu])" if "libblas" in maps else "unknown"
 
 
+def _sysctl(name: str) -> str:
+    try:
+        done = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -380,7 +388,8 @@ def machine() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     except OSError:
-        pass
+        if sys.platform == "darwin":  # platform.processor() says "arm": "Apple M2 Pro"
+            cpu = _sysctl("machdep.cpu.brand_string") or cpu
     return (
         f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, "
         f"MLX {mx.__version__} ({mx.default_device()}), BLAS: {blas()}, "

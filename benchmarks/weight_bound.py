@@ -43,13 +43,26 @@ CONFIGS = {"wide": ("wide", 2, 3, 1, 3), "full": ("full", None, None, 1, 3)}
 
 
 def bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
-    """Read bandwidth of one core streaming a large array (numpy's SIMD sum): what reading
-    weights can reach here. (MLX's CPU reduction is slower than memory on this machine.)"""
-    x = np.ones(n_bytes // 4, np.float32)
+    """Read bandwidth of what runs the frame, streaming a large array: on a GPU (Metal),
+    MLX summing it there; on a CPU, one core through numpy's SIMD sum (MLX's CPU
+    reduction is slower than memory on this machine)."""
+    if mx.default_device() == mx.gpu:
+        x = mx.ones((n_bytes // 4,), mx.float32)
+        mx.eval(x)
+
+        def read() -> None:
+            mx.eval(mx.sum(x))
+    else:
+        x = np.ones(n_bytes // 4, np.float32)
+
+        def read() -> None:
+            x.sum()
+
+    read()
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        x.sum()
+        read()
         times.append(time.perf_counter() - t0)
     return n_bytes / min(times) / 1e9
 
