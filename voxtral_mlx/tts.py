@@ -281,8 +281,9 @@ class VoxtralTTS:
         self.worker.call(self.engine.clear_prefix_cache)
 
     def close(self) -> None:
-        """Stop the worker thread (pending requests fail) and free the model. The object is
-        unusable after. Dropping the last reference to the object does the same, later."""
+        """Stop this model's work (pending requests fail) and free the model; its worker
+        thread is kept for the next model loaded. The object is unusable after. Dropping
+        the last reference to the object does the same, later."""
         self._finalizer.detach()
         # The memory comes back now, not when this object goes: switching models (close,
         # then load) must not hold both. The worker lets go of the rest.
