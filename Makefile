@@ -4,12 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 UNAME_S := $(shell uname -s)
 
-# On Linux the test-only torch reference must be the CPU build (a plain `torch` pulls CUDA).
+# The test-only torch reference (it writes real .pt files). On Linux it should be the CPU
+# build: PyPI's Linux torch brings gigabytes of CUDA. The CI machines' package index holds
+# 2.13.0+cpu; elsewhere: make install TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 ifeq ($(UNAME_S),Linux)
 TORCH_SPEC := torch==2.13.0
 else
 TORCH_SPEC := torch>=2.4
 endif
+TORCH_PIP_ARGS ?=
 
 .PHONY: install test lint format bench bench-full bench-openblas demo clean
 
@@ -19,7 +22,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(PY) -m pip install -e ".[test]"
 	touch $(STAMP)
 
