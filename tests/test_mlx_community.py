@@ -293,7 +293,7 @@ def test_a_shard_that_is_no_file_is_named_as_such(
         load_model_dir(broken)
     message = one_line(exc.value)
     assert f"{shard} is not a readable file" in message
-    assert "restore it from the model's download" in message
+    assert "remove it and fetch the model again" in message
 
 
 @pytest.mark.parametrize("beside_original", [False, True])

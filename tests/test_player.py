@@ -1076,6 +1076,33 @@ def test_refresh_output_devices_is_refused_while_a_player_is_open():
     assert sd.restarts == 1
 
 
+def test_listing_devices_waits_for_a_restart_in_another_thread():
+    """Queried mid-restart, PortAudio reads freed device tables: a listing waits for it."""
+    sd = RestartableSD()
+    in_restart, release = threading.Event(), threading.Event()
+
+    def slow_initialize() -> None:
+        in_restart.set()
+        release.wait(5)
+        RestartableSD._initialize(sd)
+
+    sd._initialize = slow_initialize
+    restart = threading.Thread(target=refresh_output_devices, args=(sd,))
+    restart.start()
+    assert in_restart.wait(5)
+    listed: list[list[str]] = []
+    lister = threading.Thread(
+        target=lambda: listed.append([d["name"] for d in list_output_devices(sd)])
+    )
+    lister.start()
+    lister.join(0.3)
+    assert lister.is_alive() and not listed  # waiting, not reading the half-restarted list
+    release.set()
+    restart.join(5)
+    lister.join(5)
+    assert listed and "AirPods" in listed[0]
+
+
 def test_refresh_output_devices_needs_a_sounddevice_that_can_restart():
     with pytest.raises(AudioOutputError, match="restart the app"):
         refresh_output_devices(FakeSD())

@@ -374,6 +374,18 @@ def test_bind_errors_name_the_fix_for_their_cause(monkeypatch):
     finally:
         other.close()
         monkeypatch.undo()
+    # Nobody there: the probe is refused at once and the real bind goes ahead.
+    free = socket.create_server(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    monkeypatch.setattr(run, "OVERLAPPING_BINDS", True)
+    t0 = time.perf_counter()
+    mine = bind("127.0.0.1", port)
+    try:
+        assert mine.getsockname()[1] == port and time.perf_counter() - t0 < 0.4
+    finally:
+        mine.close()
+        monkeypatch.undo()
 
     def refused(self, address):
         raise PermissionError(errno.EACCES, "Permission denied")

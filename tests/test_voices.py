@@ -467,14 +467,20 @@ def test_convert_bad_sources(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("second", ["b/x.pt", "b/X.pt"], ids=["same-name", "case-only"])
-def test_convert_refuses_two_sources_for_one_target(tmp_path: Path, second: str) -> None:
-    """On a case-insensitive file system (APFS) X.safetensors overwrites x.safetensors."""
-    for name in ("a/x.pt", second):
+@pytest.mark.parametrize(
+    "first, second",
+    [("a/x.pt", "b/x.pt"), ("a/x.pt", "b/X.pt"), ("a/\u00e9.pt", "b/e\u0301.pt")],
+    ids=["same-name", "case-only", "nfc-nfd"],
+)
+def test_convert_refuses_two_sources_for_one_target(
+    tmp_path: Path, first: str, second: str
+) -> None:
+    """On APFS X.safetensors overwrites x.safetensors, and an NFD "é" an NFC one."""
+    for name in (first, second):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         torch.save(bf16_voice(3), tmp_path / name)
     with pytest.raises(VoiceError, match="would both be written to"):
-        convert_voice_files([tmp_path / "a" / "x.pt", tmp_path / second], tmp_path / "out")
+        convert_voice_files([tmp_path / first, tmp_path / second], tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

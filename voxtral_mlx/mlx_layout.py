@@ -174,8 +174,8 @@ def _check_not_special(path: Path) -> None:
     """A shard that is there but cannot be read as a file is no incomplete download."""
     if os.path.lexists(path) and not path.is_file():
         raise CheckpointError(
-            f"{path} is not a readable file (a directory, a pipe or device, or a broken "
-            "link): restore it from the model's download"
+            f"{one_line(str(path))} is not a readable file (a directory, a pipe or device, "
+            "or a broken link): remove it and fetch the model again"
         )
 
 

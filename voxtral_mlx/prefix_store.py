@@ -176,8 +176,11 @@ class PrefixStore:
         meta = {"format": FORMAT, "key": key, "sha256": _digest(arrays)}
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            path = self._path(key)  # checked when read: need not reach the drive at once
-            atomic_write(path, lambda f: mx.save_safetensors(f, arrays, metadata=meta), False)
+            atomic_write(
+                self._path(key),
+                lambda f: mx.save_safetensors(f, arrays, metadata=meta),
+                durable=False,  # checked when read: need not reach the drive at once
+            )
             self._prune()
         except (OSError, RuntimeError, ValueError) as e:
             self._warn("write", e)

@@ -34,6 +34,13 @@ def bind(host: str, port: int) -> socket.socket:
     except socket.gaierror as e:
         raise ServerError(f"cannot resolve host {host!r}: {e.strerror}; use an IP address") from e
     family, kind, proto, _, address = infos[0]
+    if port and OVERLAPPING_BINDS and _someone_listens(family, address):
+        # Probed before binding: once bound, a connection to the address could reach
+        # this very socket (BSD matches bound sockets, listening or not).
+        raise ServerError(
+            f"cannot listen on {host}:{port}: another program listens on port {port}; "
+            "choose another --port or stop the program using it"
+        )
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -49,12 +56,6 @@ def bind(host: str, port: int) -> socket.socket:
         else:
             fix = "check --host and --port"
         raise ServerError(f"cannot listen on {host}:{port}: {e.strerror}; {fix}") from e
-    if port and OVERLAPPING_BINDS and _someone_listens(family, address):
-        sock.close()
-        raise ServerError(
-            f"cannot listen on {host}:{port}: another program listens on port {port}; "
-            "choose another --port or stop the program using it"
-        )
     return sock
 
 
