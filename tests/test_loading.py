@@ -10,6 +10,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -419,6 +420,54 @@ def test_missing_file_is_named(small_copy: Path, missing: str, error: type) -> N
     with pytest.raises(error) as exc:
         voxtral_mlx.load(small_copy)
     assert missing in one_line(exc.value)
+
+
+@pytest.mark.parametrize("tokenizer_fault", ["missing", "special ids"])
+def test_a_tokenizer_fault_is_named_before_a_weights_fault(
+    small_copy: Path, tokenizer_fault: str
+) -> None:
+    """The tokenizer is built beside the weights' loading; when both are broken, the
+    tokenizer's error still comes first, as when it was built first."""
+    if tokenizer_fault == "missing":
+        (small_copy / "tekken.json").unlink()
+        expected: type = TokenizerError
+    else:
+        edit_params(small_copy, lambda p: p["multimodal"].update(bos_token_id=2))
+        expected = ConfigError
+    (small_copy / "consolidated.safetensors").write_bytes(b"<html>404 not found</html>" * 10)
+    with pytest.raises(expected) as exc:
+        voxtral_mlx.load(small_copy)
+    assert "consolidated" not in one_line(exc.value)
+
+
+def test_the_tokenizer_is_built_while_the_weights_load(
+    small_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """About 0.4 s of a load (Tekken's 270,000 merges) overlaps the weights' loading."""
+    from voxtral_mlx import loader
+    from voxtral_mlx.tokenizer import TekkenTokenizer
+
+    opened = threading.Event()
+    seen: dict[str, Any] = {}
+    open_weights, from_file = loader.open_weights, TekkenTokenizer.from_file
+
+    def spy_open(*args: Any) -> Any:
+        opened.set()
+        return open_weights(*args)
+
+    def spy_tokenizer(path: Path, *args: Any, **kwargs: Any) -> TekkenTokenizer:
+        seen["thread"] = threading.current_thread().name
+        seen["weights opened meanwhile"] = opened.wait(10)  # would wait in vain if serial
+        return from_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "open_weights", spy_open)
+    monkeypatch.setattr(TekkenTokenizer, "from_file", spy_tokenizer)
+    tts = voxtral_mlx.load(small_copy)
+    try:
+        assert seen == {"thread": "voxtral-mlx-tokenizer", "weights opened meanwhile": True}
+        assert tts.prompt_ids("Hi.", sorted(tts.voices)[0])[0] == 1
+    finally:
+        tts.close()
 
 
 def test_empty_directory(tmp_path: Path) -> None:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -516,9 +518,49 @@ def load_model_dir(model_dir: Path, dtype: str | mx.Dtype | None = None) -> Load
     """Load a model directory in any supported layout (see the module docstring)."""
     compute = parse_dtype(dtype)
     config = read_model_config(model_dir)
-    tokenizer = TekkenTokenizer.from_file(model_dir / "tekken.json")
+    # The tokenizer (about 0.4 s in Rust, holding the GIL) is built while the weights load
+    # (MLX lets the GIL go); its errors still come first, as when it was built first.
+    pending = _in_background(lambda: TekkenTokenizer.from_file(model_dir / "tekken.json"))
+    try:
+        model, weights, compute_dtype = _load_weights(model_dir, config, compute)
+    except Exception:
+        check_tokenizer(config, pending.result())
+        raise
+    tokenizer = pending.result()
     check_tokenizer(config, tokenizer)
 
+    voices = VoiceRegistry.from_dir(
+        model_dir / "voice_embedding", tokenizer.voice_num_audio_tokens, config.backbone.dim
+    )
+    return LoadedModel(
+        model,
+        config,
+        tokenizer,
+        voices,
+        compute_dtype,
+        model_dir,
+        layout=weights.layout,
+        quantized=dict(weights.quantized),
+        weight_files=tuple(weights.files),
+    )
+
+
+def _in_background(fn: Callable[[], Any]) -> Future:
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # a Rust panic too: handed to the loading thread
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="voxtral-mlx-tokenizer", daemon=True).start()
+    return future
+
+
+def _load_weights(
+    model_dir: Path, config: ModelConfig, compute: mx.Dtype | None
+) -> tuple[VoxtralModel, WeightSet, mx.Dtype]:
     weights = open_weights(model_dir, config)
     compute_dtype = compute or checkpoint_dtype(weights.infos)
     params = sanitize(weights.load(), config, compute_dtype)
@@ -536,18 +578,4 @@ def load_model_dir(model_dir: Path, dtype: str | mx.Dtype | None = None) -> Load
     mx.eval(model.audio_tokenizer.parameters())
     model.acoustic_transformer.prepare()
     model.audio_tokenizer.prepare()
-
-    voices = VoiceRegistry.from_dir(
-        model_dir / "voice_embedding", tokenizer.voice_num_audio_tokens, config.backbone.dim
-    )
-    return LoadedModel(
-        model,
-        config,
-        tokenizer,
-        voices,
-        compute_dtype,
-        model_dir,
-        layout=weights.layout,
-        quantized=dict(weights.quantized),
-        weight_files=tuple(weights.files),
-    )
+    return model, weights, compute_dtype
