@@ -355,7 +355,10 @@ def _load(args: argparse.Namespace):
     with _downloads_reported(args):
         tts = _interruptibly(lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes))
     if getattr(args, "verbose", False):
-        _info(f"loaded {tts.path} in {time.perf_counter() - t0:.2f} s: {_weights_summary(tts)}")
+        _info(
+            f"loaded {tts.path} in {time.perf_counter() - t0:.2f} s: {_weights_summary(tts)} "
+            "(most weights are read from disk when first used: in the first prefill and frame)"
+        )
     return tts
 
 
