@@ -59,6 +59,7 @@ from .mlx_layout import (
     params_from_config,
     read_config,
     read_quantization,
+    refuse_unreadable,
     to_mistral_name,
     to_mlx_audio_name,
     uses_mlx_audio_names,
@@ -200,11 +201,7 @@ def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] 
     files, index = weight_files(model_dir)
     if files:
         return "mlx", files, index
-    if os.path.lexists(consolidated):
-        raise CheckpointError(
-            f"{consolidated} is not a readable file (a directory, a pipe or device, or a "
-            "broken link): restore it from the model's download"
-        )
+    refuse_unreadable(consolidated)
     other = sorted(p.name for p in model_dir.glob("*") if p.suffix in _UNREAD_WEIGHTS)
     if other:
         raise CheckpointError(

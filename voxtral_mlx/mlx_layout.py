@@ -141,7 +141,7 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
         weight_map = read_index(index_path)
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         for path in files:
-            _check_not_special(path)
+            refuse_unreadable(path)
             if not path.is_file():
                 raise ModelNotFoundError(
                     f"{model_dir} is missing {path.name}, which {INDEX_NAME} lists: the "
@@ -159,7 +159,7 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
         total = totals.pop()
         expected = [model_dir / SHARD_NAME.format(i + 1, total) for i in range(total)]
         for path in expected:
-            _check_not_special(path)
+            refuse_unreadable(path)
         missing = [p.name for p in expected if not p.is_file()]
         if missing:
             raise ModelNotFoundError(
@@ -170,8 +170,9 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     return shards, None
 
 
-def _check_not_special(path: Path) -> None:
-    """A shard that is there but cannot be read as a file is no incomplete download."""
+def refuse_unreadable(path: Path) -> None:
+    """A weight file that is there but cannot be read as a file (a directory, a FIFO, a
+    broken link) is named as such: it is no incomplete download."""
     if os.path.lexists(path) and not path.is_file():
         raise CheckpointError(
             f"{one_line(str(path))} is not a readable file (a directory, a pipe or device, "
