@@ -139,6 +139,62 @@ def test_text_from_file_and_stdin(model_dir, reference, tmp_path):
     assert np.array_equal(float_to_int16(audio), float_to_int16(reference.audio))
 
 
+def test_follow_speaks_piped_text_as_it_arrives(model_dir):
+    """``--follow``: a sentence is spoken while the program writing the text is still
+    writing; the rest is cut as it comes, and the audio is each segment's with its pause."""
+    import select
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    args = ["speak", "-m", str(model_dir), "-v", "neutral_female", "--seed", "5", "--follow"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voxtral_mlx", *args, "--max-frames", "3", "--raw"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        proc.stdin.write(b"Hello there. How ")
+        proc.stdin.flush()
+        assert select.select([proc.stdout], [], [], 120)[0], "no audio while the text flows"
+        first = os.read(proc.stdout.fileno(), 1 << 20)
+        proc.stdin.write(b"are you?\r\n\r\nBye.")  # one write: one read, one piece
+        proc.stdin.close()
+        rest = proc.stdout.read()
+        assert proc.wait(120) == 0, proc.stderr.read().decode()
+    finally:
+        proc.kill()
+    tts = voxtral_mlx.load(model_dir)
+    parts = []
+    for i, (text, pause) in enumerate((("Hello there.", 0.4), ("How are you?", 0.75), ("Bye.", 0))):
+        parts.append(tts.synthesize(text, "neutral_female", seed=5 + i, max_frames=3).audio)
+        parts.append(np.zeros(round(pause * 24000), np.float32))
+    expected = float_to_int16(np.concatenate(parts))
+    assert len(first) >= 2 * 1920  # at least a frame came before the text was all there
+    assert np.array_equal(np.frombuffer(first + rest, "<i2"), expected)
+
+
+def test_follow_decodes_text_split_anywhere():
+    """Pieces cut inside a UTF-8 character, a byte-order mark or a Windows line end read
+    as the whole text does; UTF-16 by its mark; bad bytes are a one-line error."""
+    from voxtral_mlx.cli import _decode_text, _text_pieces
+
+    def pieces(raw: bytes, size: int) -> str:
+        chunks = iter([raw[i : i + size] for i in range(0, len(raw), size)] + [b""])
+        return "".join(_text_pieces(lambda: next(chunks), "stdin"))
+
+    text = "\ufeffCafé — naïve 日本語.\r\nNext line\r\n\r\nEnd\r"
+    for raw in (text.encode("utf-8"), text.encode("utf-16"), "Ünï\r\n".encode("utf-32")):
+        for size in (1, 2, 3, 5, 64):
+            assert pieces(raw, size) == _decode_text(raw, "stdin")
+    with pytest.raises(voxtral_mlx.errors.InputError, match="stdin is not UTF-8 text"):
+        pieces(b"ok \xff\xfe then", 1)
+    with pytest.raises(voxtral_mlx.errors.InputError, match="holds NUL bytes"):
+        pieces(b"a\x00b c d", 2)
+
+
 def test_raw_pcm_to_stdout(model_dir, reference):
     args = ["speak", "-m", str(model_dir), "-v", "neutral_female", "--seed", "5"]
     proc = run(*args, "--max-frames", "40", "--raw", TEXT)
@@ -176,6 +232,10 @@ def test_voices_of_a_model_without_voices_is_an_error(model_dir, tmp_path):
         (["-v is cool"], "'-v is cool' was read as the option -v: text that starts with '-' goes"),
         (["-f", "/nonexistent/text.txt"], "not found: check the path"),
         (["-f", "/"], "cannot read text file /: Is a directory; pass a readable text file"),
+        (["--follow", "-f", "/"], "cannot read text file /: Is a directory"),
+        (["--follow", "-f", "/nonexistent/text.txt"], "not found: check the path"),
+        (["--follow", "Hi."], "text given as arguments is all there already: drop --follow"),
+        (["--follow", "--no-split", "-f", "-"], "--no-split makes one utterance"),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_no_file(model_dir, tmp_path, args, needle):

@@ -8,6 +8,7 @@ The only module that prints. Errors are one line on stderr and a non-zero exit c
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import math
 import os
@@ -19,6 +20,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -52,6 +54,7 @@ PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
 MAX_TIMEOUT_S = 86400.0  # serve's --body-timeout and --send-timeout
 MAX_TEXT_BYTES = 64 << 20  # -f FILE or stdin: more is not text to speak
+READ_CHARS = 1 << 16  # --follow: at most this much read at a time (less if less came)
 SPLIT_NOTICE_CHARS = 500_000  # splitting takes ~1.7 s a million characters: say so first
 T = TypeVar("T")
 
@@ -279,6 +282,93 @@ def _read_text(args: argparse.Namespace) -> str:
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
 
 
+def _text_source(args: argparse.Namespace) -> tuple[Callable[[], bytes | str], str]:
+    """For ``--follow``: a function returning what has arrived of the text (stdin or ``-f
+    FILE``, which may be a FIFO; empty at its end), opened now so that a wrong path fails
+    before the model loads, and the source's name. Read with ``os.read``: a thread left
+    blocked in a buffered read at exit holds its lock, which Python's shutdown waits for."""
+    if args.text:
+        raise InputError(
+            "--follow reads text as it arrives on stdin or from -f FILE; text given as "
+            "arguments is all there already: drop --follow"
+        )
+    if args.file is not None and args.file != "-":
+        what = f"text file {one_line(args.file)}"
+        try:
+            fd = os.open(args.file, os.O_RDONLY)
+        except FileNotFoundError:
+            raise InputError(f"{what} not found: check the path") from None
+        except OSError as e:
+            raise InputError(
+                f"cannot read {what}: {e.strerror}; pass a readable text file, or - for stdin"
+            ) from None
+        return partial(_read_fd, fd, close=True), what
+    if sys.stdin is None:
+        raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
+    try:
+        fd = sys.stdin.fileno()
+    except (OSError, ValueError, AttributeError):  # a stdin of Python objects (embedded use)
+        return sys.stdin.readline, "stdin"
+    return partial(_read_fd, fd, close=False), "stdin"
+
+
+def _read_fd(fd: int, *, close: bool) -> bytes:
+    data = os.read(fd, READ_CHARS)
+    if not data and close:
+        os.close(fd)
+    return data
+
+
+def _text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
+    """The text ``read`` returns as it arrives, decoded as :func:`_decode_text` decodes a
+    whole file (UTF-8, or UTF-16/32 by their byte-order mark; line ends made ``\n``)."""
+    head = b""  # the first bytes, until there are enough to tell a byte-order mark
+    decoder: codecs.IncrementalDecoder | None = None
+    held = ""  # a piece's final "\r": the next piece may start with its "\n"
+    first = True
+    while True:
+        try:
+            data = read()
+        except OSError as e:
+            raise InputError(f"cannot read {what}: {e.strerror}") from None
+        end = not data
+        if isinstance(data, str):  # a stdin of Python objects (embedded use): decoded already
+            text = data.removeprefix("\ufeff") if first else data
+        else:
+            if decoder is None:
+                head += data
+                if len(head) < 4 and not end:
+                    continue
+                decoder, data = _incremental_decoder(head), head
+            try:
+                text = decoder.decode(data, final=end)
+            except UnicodeDecodeError as e:
+                raise InputError(
+                    f"{what} is not {_encoding(e)} text; convert it first (e.g. with iconv)"
+                ) from None
+        first = False
+        if "\x00" in text:  # as in _decode_text
+            raise InputError(
+                f"{what} holds NUL bytes: it is not text, or UTF-16 without a byte-order "
+                "mark; convert it to UTF-8 first (e.g. iconv -f UTF-16LE -t UTF-8)"
+            )
+        text = held + text
+        held = "\r" if not end and text.endswith("\r") else ""
+        text = _one_newline(text[: len(text) - len(held)])
+        if text:
+            yield text
+        if end:
+            return
+
+
+def _incremental_decoder(head: bytes) -> codecs.IncrementalDecoder:
+    if head.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return codecs.getincrementaldecoder("utf-32")()
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return codecs.getincrementaldecoder("utf-16")()
+    return codecs.getincrementaldecoder("utf-8-sig")()
+
+
 def _decode_text(raw: bytes, what: str) -> str:
     """A text file's bytes as text: UTF-8, or UTF-16 or UTF-32 when it starts with their
     byte-order mark (Windows' "Unicode" text files are UTF-16). A UTF-8 byte-order mark is
@@ -464,6 +554,11 @@ def cmd_speak(args: argparse.Namespace) -> int:
         raise InputError(
             "--pause sets the silence between segments, and --no-split makes one: drop one"
         )
+    if args.follow and args.no_split:
+        raise InputError(
+            "--follow speaks text as it arrives, a segment at a time, and --no-split makes "
+            "one utterance of all of it: drop one"
+        )
     if (raw_out or to_stdout) and sys.stdout.isatty():
         raise InputError(
             f"{'--raw' if raw_out else '-o -'} writes binary audio to stdout, which is a "
@@ -472,11 +567,17 @@ def cmd_speak(args: argparse.Namespace) -> int:
     if args.voice == "?":
         _print_voices(_load(args))
         return 0
-    text = _read_text(args)
-    from .segment import is_blank
+    if args.follow:
+        if args.file is not None and args.text:
+            raise InputError("give the text either as arguments or with -f FILE, not both")
+        source, source_name = _text_source(args)
+        text: Any = _text_pieces(source, source_name)
+    else:
+        text = _read_text(args)
+        from .segment import is_blank
 
-    if is_blank(text):
-        raise InputError(f"text is empty: give some words to speak{_text_as_option_hint(args)}")
+        if is_blank(text):
+            raise InputError(f"text is empty: give some words to speak{_text_as_option_hint(args)}")
 
     player = None
     if play:
@@ -640,7 +741,8 @@ def _splitting_notice(args: argparse.Namespace, text: str) -> Iterator[None]:
     """A line saying why a long text is silent for a while (tens of seconds for tens of
     megabytes) on a terminal, erased once the text is split."""
     show = (
-        len(text) > SPLIT_NOTICE_CHARS
+        isinstance(text, str)
+        and len(text) > SPLIT_NOTICE_CHARS
         and not args.no_split
         and not args.quiet
         and _stderr_is_terminal()
@@ -1097,6 +1199,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     speak.add_argument(
         "--pause", type=float, help="seconds of silence between segments (default: natural)"
+    )
+    speak.add_argument(
+        "--follow",
+        action="store_true",
+        help="speak text from stdin (or -f FILE, e.g. a FIFO) as it arrives, a sentence or "
+        "more at a time, until its end (for a program that writes it gradually, such as an "
+        "LLM); without it the text is read to its end first",
     )
     model_args(speak)
     speak.set_defaults(func=cmd_speak)

@@ -7,10 +7,11 @@ long the text is. The same logic serves blocking iteration and ``async for``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 from .engine import DONE, AudioChunk, Job, Timings, finite_float
 from .errors import InputError, UsageError
 from .fileio import one_line
+from .livetext import END, LiveText
 from .segment import Segment, SplitStopped
 
 if TYPE_CHECKING:  # imported where used: a process that never awaits skips its import time
@@ -30,7 +32,7 @@ class _Reader:
     def __init__(
         self,
         make_job: Callable[[int, Segment], Job],
-        segments: list[Segment] | Callable[[Callable[[], bool]], list[Segment]],
+        segments: list[Segment] | Callable[[Callable[[], bool]], list[Segment]] | LiveText,
         sample_rate: int,
         lookahead: int,
         pause: float | None,
@@ -49,13 +51,21 @@ class _Reader:
         self._codes_width = 0  # codes per frame, as the segments' own chunks have them
         self._t0 = time.perf_counter()
         self.timings = Timings()  # the whole text's figures
+        # Text still arriving: ``segments`` grows as its segments are cut; a segment's pause
+        # is played before the next one's audio, as there may be none.
+        self._live = segments if isinstance(segments, LiveText) else None
+        self._source = self._live  # kept after its end, to close it on cancel()
+        self._final_sent = False
+        self._source_error: BaseException | None = None  # the text's, due after its audio
+        self._ready: deque[AudioChunk] = deque()
+        self._pause_due: tuple[int, float] | None = None  # (segment, seconds) to play next
         check_pause(pause)
         self._unsubmitted: list[Job] = []
         # A callable splits the text later, at the first item or prepare(): ``segments`` is
         # empty until then. It is given a function saying whether the stream was stopped
         # meanwhile (a book takes a second to split).
-        self._plan = segments if callable(segments) else None
-        if self._plan is None:
+        self._plan = segments if callable(segments) and self._live is None else None
+        if self._live is None and self._plan is None:
             self._start(segments)
 
     def prepare(self) -> None:
@@ -81,11 +91,9 @@ class _Reader:
     def _pending(self) -> list[Job]:
         """Jobs to submit now, keeping ``lookahead`` segments in flight."""
         new, self._unsubmitted = self._unsubmitted, []
-        while (
-            not self._finished
-            and len(self.jobs) < self.lookahead
-            and self._next < len(self.segments)
-        ):
+        while not self._finished and len(self.jobs) < self.lookahead:
+            if self._next == len(self.segments) and not self._take(block=False):
+                break
             i = self._next
             self._next += 1
             job = self._make_job(i, self.segments[i])
@@ -96,10 +104,53 @@ class _Reader:
             new.append(job)
         return new
 
+    @property
+    def live(self) -> bool:
+        """Whether the text is still arriving (``segments`` grows as it is cut)."""
+        return self._live is not None
+
+    def _take(self, block: bool) -> bool:
+        """Append the live text's next segment to ``segments``: False if there is none yet
+        (``block``: until there is one, the text ends or the stream stops)."""
+        if self._live is None or self._finished:
+            return False
+        if block:
+            self._refuse_wait()  # the worker would wait for text instead of generating
+        try:
+            if self._source_error is not None:
+                raise self._source_error
+            seg = self._live.take(block, stop=lambda: self._finished)
+        except BaseException as e:
+            if not block:  # raised once the segments in flight have been heard
+                self._source_error = e
+                return False
+            self._source_error = None  # the traceback holds frames: not kept
+            self._abandon()
+            raise
+        if seg is None:
+            return False
+        if seg is END:
+            if not self.segments:
+                self._abandon()
+                raise InputError("text is empty: give some words to speak")
+            self._live = None
+            if not self.jobs:
+                self._finished = True
+                self._ready.append(self._final_chunk())
+            return False
+        self.segments.append(seg)
+        return True
+
+    def _final_chunk(self) -> AudioChunk:
+        """Live text ended after its last segment's audio: an empty last chunk says so."""
+        chunk = self._pause(len(self.segments) - 1, 0.0)
+        chunk.is_final = self._final_sent = True
+        return chunk
+
     def _on_item(self, item) -> list[AudioChunk]:
         """What the consumer sees for one item of the head job."""
         i = self.jobs[0][0]
-        last = i == len(self.segments) - 1
+        last = self._live is None and i == len(self.segments) - 1
         if self._cancelled:  # what was still on its way after cancel() is not handed out
             self._finished = True
             return []
@@ -112,11 +163,14 @@ class _Reader:
                 self.jobs[0][1].needed()
             if last or self._finished:  # no pause after the end or after cancel()
                 self._finished = True
+                if last and self._source is not None and not self._final_sent:
+                    return [self._final_chunk()]
                 return []
             seconds = self.segments[i].pause_after if self.pause is None else self.pause
-            n = round(seconds * self.sample_rate)
-            codes = np.zeros((0, self._codes_width), np.int32)
-            return [self._chunk(np.zeros(n, np.float32), i, 0, codes)]
+            if self._source is not None:
+                self._pause_due = (i, seconds)  # before the next segment's audio, if any
+                return []
+            return [self._pause(i, seconds)]
         t, c = self.timings, item.timings
         if i == 0:
             t.prompt_tokens, t.prefill_s, t.prefix_cached = (
@@ -130,11 +184,21 @@ class _Reader:
             t.frames += c.frames
             t.cut_short += c.cut_short
         t.peak_memory_bytes = max(t.peak_memory_bytes, c.peak_memory_bytes)
+        out = []
+        if self._pause_due is not None:
+            out.append(self._pause(*self._pause_due))
+            self._pause_due = None
         self._add_audio(item.audio)
         self._codes_width = item.codes.shape[-1]  # every segment ends with a chunk
         item.segment, item.segments = i, len(self.segments)
         item.is_final = item.is_final and last
-        return [item]
+        self._final_sent = item.is_final
+        out.append(item)
+        return out
+
+    def _pause(self, i: int, seconds: float) -> AudioChunk:
+        codes = np.zeros((0, self._codes_width), np.int32)
+        return self._chunk(np.zeros(round(seconds * self.sample_rate), np.float32), i, 0, codes)
 
     @property
     def ahead_s(self) -> float:
@@ -161,6 +225,8 @@ class _Reader:
         """Stop the jobs after an error; unlike cancel(), nobody asked the stream to stop
         (``_cancelled`` stays False, so say()'s wait() still reports the error)."""
         self._finished = True
+        if self._source is not None:  # its producer stops too
+            self._source.close()
         # A snapshot: the consumer's thread may be adding or removing jobs meanwhile.
         for _, job in list(self.jobs):
             job.cancel()
@@ -189,7 +255,6 @@ class TextStream(_Reader):
     def __init__(self, submit: Callable[[list[Job]], object], *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._submit = submit
-        self._ready: deque[AudioChunk] = deque()
         self._reading = threading.Lock()
 
     def __iter__(self) -> TextStream:
@@ -214,6 +279,9 @@ class TextStream(_Reader):
                 if pending:  # one hand-over for all: the first segment is not held back
                     self._submit(pending)
                 if self._finished:  # cancel() from another thread meanwhile
+                    continue
+                if not self.jobs:  # live text: nothing in flight until more of it comes
+                    self._take(block=True)
                     continue
                 _, job = self.jobs[0]
                 self._refuse_wait()  # the worker would wait for itself
@@ -249,7 +317,8 @@ class AsyncTextStream(_Reader):
     def __init__(self, submit_async: Callable[[list[Job]], object], *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._submit = submit_async
-        self._ready: deque[AudioChunk] = deque()
+        self._async_pieces: AsyncIterable[str] | None = None
+        self._pump: asyncio.Task | None = None
         self._queues: dict[int, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wait_cancelled = False
@@ -257,6 +326,11 @@ class AsyncTextStream(_Reader):
 
     def __aiter__(self) -> AsyncTextStream:
         return self
+
+    def read_later(self, pieces: AsyncIterable[str]) -> None:
+        """Read the live text from ``pieces`` on the loop that iterates this stream, from
+        its first item on."""
+        self._async_pieces = pieces
 
     async def __anext__(self) -> AudioChunk:
         if self._reading:
@@ -294,6 +368,9 @@ class AsyncTextStream(_Reader):
                     # The first jobs are made there too: each tokenizes its text.
                     await asyncio.to_thread(self.prepare)
                     continue
+                if self._async_pieces is not None and self._source is not None:
+                    pieces, self._async_pieces = self._async_pieces, None
+                    self._pump = loop.create_task(self._source.read_from_async(pieces))
                 pending = self._pending()
                 for job in pending:
                     q: asyncio.Queue = asyncio.Queue()
@@ -304,6 +381,9 @@ class AsyncTextStream(_Reader):
                 if pending:
                     await self._submit(pending)
                 if self._finished:  # cancel() meanwhile
+                    continue
+                if not self.jobs:  # live text: nothing in flight until more of it comes
+                    await asyncio.to_thread(self._take, True)
                     continue
                 _, job = self.jobs[0]
                 item = await self._queues[id(job)].get()
@@ -323,6 +403,14 @@ class AsyncTextStream(_Reader):
         except BaseException:  # Ctrl-C, a failed segment
             self._abandon()
             raise
+
+    def cancel(self) -> None:
+        super().cancel()
+        pump, self._pump = getattr(self, "_pump", None), None  # None: __init__ failed
+        if pump is not None and self._loop is not None:
+            # From any thread: the task belongs to the stream's loop (closed: nothing runs).
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(pump.cancel)
 
     async def aclose(self) -> None:
         self.cancel()

@@ -9,7 +9,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,6 +36,7 @@ from .engine import (
 from .errors import InputError, VoxtralError
 from .fileio import one_line
 from .generate import NoiseSource, Sequence, to_numpy
+from .livetext import LiveText, is_text_pieces
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA, MAX_CFG_ALPHA
 from .prefix_store import PrefixStore
@@ -404,11 +405,23 @@ class VoxtralTTS:
     ):
         if self.worker.closed:  # as synthesize() and say() do: at the call, not the first item
             raise closed_error()
-        if not isinstance(text, str):
+        pieces = is_text_pieces(text)
+        if pieces and isinstance(text, AsyncIterable) and cls is not AsyncTextStream:
             raise InputError(
-                f"text must be a string, got {type(text).__name__}: pass the text itself (str)"
+                f"text is an async iterable ({type(text).__name__}): read it with astream(), "
+                "or give an iterable of str"
             )
-        if is_blank(text):
+        if pieces and not split:
+            raise InputError(
+                "text given in pieces (an iterable of str) is spoken as it arrives, cut into "
+                "segments at natural pauses: pass split=True"
+            )
+        if not pieces and not isinstance(text, str):
+            raise InputError(
+                f"text must be a string, got {type(text).__name__}: pass the text itself "
+                "(str; or, with split=True, an iterable of str pieces)"
+            )
+        if not pieces and is_blank(text):
             raise InputError("text is empty: give some words to speak")
         # Each job checks these again; checked here too, so that every bad argument is
         # refused by the call itself (an async stream's jobs may be made at its first item).
@@ -441,9 +454,14 @@ class VoxtralTTS:
                         utterance_ids(self.tokenizer, seg.spoken, "a segment of the text", fix)
                 return segments
 
-            # A chapter takes ~0.1 s: an async stream splits it in a thread at its first
-            # item and say() on its playback thread, not on an event loop or a UI thread.
-            segments = plan if defer_split else plan()
+            if pieces:
+                segments = LiveText(
+                    target_chars=max_chars // 2, max_chars=max_chars, add_period=add_period
+                )
+            else:
+                # A chapter takes ~0.1 s: an async stream splits it in a thread at its first
+                # item and say() on its playback thread, not on an event loop or a UI thread.
+                segments = plan if defer_split else plan()
         elif defer_split and _may_not_fit(text):
             # Finding out means tokenizing it all (0.3 s for 100,000 words), which an async
             # stream does in a thread at its first item too.
@@ -455,7 +473,7 @@ class VoxtralTTS:
         # hard cut, has nothing to say (sent as ".", the model would babble): it keeps its
         # place, as a pause. Text that is punctuation alone ("...") is what its writer
         # asked for: it is spoken.
-        pause_only = is_blank if is_silent(text) else is_silent
+        pause_only = is_blank if not pieces and is_silent(text) else is_silent
 
         def make_job(i: int, seg: Segment) -> Job:
             pause = pause_only(seg.text)
@@ -475,7 +493,7 @@ class VoxtralTTS:
 
         if lookahead is None:
             lookahead = self.engine.max_batch if split else 1
-        return cls(
+        stream = cls(
             submit,
             make_job,
             segments,
@@ -484,6 +502,12 @@ class VoxtralTTS:
             0.0 if max_frames == 0 else pause,  # nothing is spoken: no pauses either
             refuse_wait=self.worker.refuse_wait,
         )
+        if pieces:  # read once the stream exists: a refused call leaves no thread behind
+            if isinstance(text, AsyncIterable):
+                stream.read_later(text)
+            else:
+                segments.read_from(text)
+        return stream
 
     def stream(
         self,
@@ -524,6 +548,15 @@ class VoxtralTTS:
         a new request starts at once even while a long text fills the batch. Segments
         someone waits for join first come, first served; segments generated ahead follow,
         earliest first.
+
+        Text still being written (an LLM's tokens) can be given as an iterable of str
+        pieces, with ``split=True``: it is read on a thread of its own and spoken as it
+        arrives, a segment at a time (:mod:`voxtral_mlx.livetext` says where it is cut: at
+        a sentence end once the next word has come, a paragraph break, ``max_chars``, or a
+        sentence end or line break followed by a pause in the input). ``live`` is True and
+        ``segments`` grows until the text ends; a segment's pause comes before the next
+        one's audio; the last chunk (``is_final``) may be empty. An error the iterable
+        raises is raised by the stream after the text before it is spoken.
         """
         return self._reader(
             TextStream,
@@ -566,7 +599,9 @@ class VoxtralTTS:
         ``segments`` is empty until then, and a segment too long for one utterance (only
         possible with a large ``max_chars``) raises there. Without it, a text of more than
         2,048 characters is tokenized there too, so a text too long for one utterance
-        raises there. Every other bad argument raises here."""
+        raises there. Every other bad argument raises here. Live text may also come from an
+        async iterable (an LLM client's stream), read as a task on the loop iterating this
+        stream."""
 
         async def submit(jobs: list[Job]) -> None:
             import asyncio  # here: the CLI and blocking callers skip its import time
@@ -698,7 +733,8 @@ class VoxtralTTS:
         """Speak ``text`` through the speakers as it is generated (like macOS ``say``).
 
         Long text is split (on the playback thread: ``wait=False`` returns at once even for a
-        chapter) and batched (see :meth:`stream`). With ``wait=True`` this returns
+        chapter) and batched (see :meth:`stream`); an iterable of str pieces is spoken as
+        it arrives (as :meth:`stream` does with ``split=True``). With ``wait=True`` this returns
         when the last sample has played; with ``wait=False`` it returns at once with a
         :class:`Playback` handle (``stop()``, ``wait()``, ``done``). Needs PortAudio, unless
         ``player`` supplies another sink with ``feed(audio)``, ``finish()`` and ``stop()``.

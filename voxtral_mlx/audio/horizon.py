@@ -40,6 +40,16 @@ class PlaybackHorizon:
     ):
         self.tts, self.stream, self.started = tts, stream, started
         self._cap = max_frames * tts.samples_per_frame / tts.sample_rate
+        self._segment = -1
+        self._segment_fed = 0.0
+        self._fed = 0.0
+        # Text still arriving (``stream.live``): nothing is known beyond the segment playing,
+        # so the horizon is always the audio fed plus what that segment still has to come.
+        self.live = bool(getattr(stream, "live", False))
+        if self.live:
+            self.segment_s: list[float] = []
+            self.total_s = None
+            return
         segments, head = stream.segments, stream.segments[:TOKENIZED_AHEAD]
         tokens = [len(tts.tokenizer.encode(seg.spoken)) for seg in head]
         per_char = sum(tokens) / max(1, sum(len(seg.spoken) for seg in head))
@@ -47,10 +57,7 @@ class PlaybackHorizon:
             self._seconds(len(seg.spoken) * per_char) for seg in segments[TOKENIZED_AHEAD:]
         ]
         pauses = [seg.pause_after if pause is None else pause for seg in segments[:-1]]
-        self.total_s = max(1.0, sum(self.segment_s) + sum(pauses))
-        self._segment = -1
-        self._segment_fed = 0.0
-        self._fed = 0.0
+        self.total_s: float | None = max(1.0, sum(self.segment_s) + sum(pauses))
 
     def _seconds(self, tokens: float) -> float:
         return min(self._cap, tokens * SECONDS_PER_TEXT_TOKEN)
@@ -60,7 +67,10 @@ class PlaybackHorizon:
         self._fed += seconds
         if chunk.segment != self._segment:
             self._segment, self._segment_fed = chunk.segment, 0.0
-            if chunk.segment >= TOKENIZED_AHEAD:  # a guess until now
+            while len(self.segment_s) <= chunk.segment:  # live text: cut as it came
+                spoken = self.stream.segments[len(self.segment_s)].spoken
+                self.segment_s.append(self._seconds(len(self.tts.tokenizer.encode(spoken))))
+            if chunk.segment >= TOKENIZED_AHEAD and not self.live:  # a guess until now
                 spoken = self.stream.segments[chunk.segment].spoken
                 self.segment_s[chunk.segment] = self._seconds(
                     len(self.tts.tokenizer.encode(spoken))
@@ -68,6 +78,8 @@ class PlaybackHorizon:
         self._segment_fed += seconds
         elapsed = (time.monotonic() if now is None else now) - self.started
         generated = self.stream.timings.audio_s + self.stream.ahead_s
-        if len(self.segment_s) == 1 or elapsed <= 0 or generated < elapsed:
+        if self.total_s is not None and (
+            len(self.segment_s) == 1 or elapsed <= 0 or generated < elapsed
+        ):
             return self.total_s
         return self._fed + max(0.0, self.segment_s[self._segment] - self._segment_fed)

@@ -1,0 +1,378 @@
+"""Text that arrives in pieces: where it is cut (no model), and the streams that speak it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from voxtral_mlx.errors import InputError
+from voxtral_mlx.livetext import END, LiveText
+from voxtral_mlx.segment import PARAGRAPH, PAUSE_AFTER, SENTENCE, split_text
+
+VOICE = "casual_male"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def live(clock: Clock | None = None, **kwargs) -> LiveText:
+    kwargs.setdefault("target_chars", 100)
+    kwargs.setdefault("max_chars", 200)
+    return LiveText(clock=clock or Clock(), **kwargs)
+
+
+def texts(lt: LiveText) -> list[str]:
+    out = []
+    while (seg := lt.take(False)) not in (None, END):
+        out.append(seg.text)
+    return out
+
+
+def test_a_sentence_is_cut_once_the_next_word_is_whole():
+    lt = live()
+    lt.put("Hello there.")
+    assert texts(lt) == []  # "there." may be the text's end or "Mr."-like: unknown yet
+    lt.put(" How")
+    assert texts(lt) == []  # "How" may still grow into "However,"
+    lt.put(" are you")
+    seg = lt.take(False)
+    assert (seg.text, seg.spoken, seg.start, seg.end) == ("Hello there.", "Hello there.", 0, 12)
+    assert seg.pause_after == PAUSE_AFTER[SENTENCE]
+    lt.end()
+    last = lt.take(False)
+    assert (last.text, last.spoken, last.pause_after) == ("How are you", "How are you.", 0.0)
+    assert lt.take(False) is END
+
+
+def test_an_abbreviation_or_a_lowercase_word_is_no_sentence_end():
+    lt = live()
+    lt.put("I met Mr. Smith and Dr. Jones etc. and others here ")
+    assert texts(lt) == []
+    lt.put("today. Then ")
+    assert texts(lt) == ["I met Mr. Smith and Dr. Jones etc. and others here today."]
+
+
+def test_a_stalled_input_is_cut_after_a_sentence_end_or_a_line_break_only():
+    clock = Clock()
+    lt = live(clock, idle_s=0.5)
+    lt.put("The answer is")
+    clock.t = 10.0
+    assert texts(lt) == []  # mid-sentence: an LLM thinking must not cut it
+    lt.put(" forty-two.")
+    clock.t = 10.4
+    assert texts(lt) == []
+    clock.t = 10.6
+    assert texts(lt) == ["The answer is forty-two."]
+    lt.put("a line typed without a stop\n")
+    assert texts(lt) == []
+    clock.t = 11.2
+    seg = lt.take(False)
+    assert seg.text == "a line typed without a stop" and seg.spoken.endswith(".")
+
+
+def test_a_paragraph_is_whole_once_text_follows_its_blank_line():
+    lt = live()
+    lt.put("First paragraph, no stop\n\n")
+    assert texts(lt) == []  # the blank line may be followed by more blank lines only
+    lt.put("Second")
+    seg = lt.take(False)
+    assert (seg.text, seg.pause_after) == ("First paragraph, no stop", PAUSE_AFTER[PARAGRAPH])
+    assert seg.spoken == "First paragraph, no stop."
+
+
+def test_text_without_any_stop_is_cut_within_max_chars_once_a_window_waits():
+    lt = live(target_chars=50, max_chars=100)
+    words = " ".join(f"word{i}" for i in range(200))
+    lt.put(words[:120])
+    assert texts(lt) == []  # the cut split_text would choose may still move
+    lt.put(words[120:])
+    got = texts(lt)
+    assert got and all(len(t) <= 100 for t in got)
+    assert got[0] == split_text(words, target_chars=50, max_chars=100)[0].text
+
+
+@st.composite
+def pieces_and_takes(draw):
+    word = st.sampled_from(
+        [
+            "Hello",
+            "world",
+            "Mr.",
+            "e.g.",
+            "3.14",
+            "etc.",
+            "and",
+            "It",
+            "https://a.b/c.",
+            "你好。",
+            "Ok!",
+            "—",
+            "x" * 30,
+            "🙂",
+            "so,",
+            "end.",
+            "¿Qué?",
+            "A.",
+        ]
+    )
+    sep = st.sampled_from([" ", " ", " ", "\n", "\n\n", "  ", "\r\n"])
+    parts = draw(st.lists(st.tuples(word, sep), min_size=1, max_size=60))
+    text = "".join(w + s for w, s in parts)
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    actions = draw(
+        st.lists(
+            st.sampled_from(["take", "idle", "none"]), min_size=len(chunks), max_size=len(chunks)
+        )
+    )
+    return text, chunks, actions
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces_and_takes(), st.sampled_from([(20, 40), (100, 200), (8, 12)]))
+def test_segments_of_text_in_any_pieces_rebuild_it(case, sizes):
+    """However the text is cut into pieces and whenever segments are taken: segments in
+    order, each the input at its offsets, within max_chars, and together the input minus
+    whitespace."""
+    text, chunks, actions = case
+    target, max_chars = sizes
+    clock = Clock()
+    lt = live(clock, target_chars=target, max_chars=max_chars, idle_s=1.0)
+    segments = []
+    for chunk, action in zip(chunks, actions, strict=True):
+        lt.put(chunk)
+        if action == "idle":
+            clock.t += 2.0
+        if action != "none":
+            while (seg := lt.take(False)) is not None:
+                segments.append(seg)
+    lt.end()
+    while (seg := lt.take(False)) is not END:
+        segments.append(seg)
+    end = 0
+    for seg in segments:
+        assert seg.start >= end and text[seg.start : seg.end] == seg.text
+        assert seg.text == seg.text.strip() and seg.text
+        assert len(seg.text) <= max_chars
+        end = seg.end
+    assert re.sub(r"\s", "", "".join(s.text for s in segments)) == re.sub(r"\s", "", text)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=1, max_size=600))
+def test_text_given_at_once_is_split_as_split_text_splits_it(text):
+    lt = live(target_chars=60, max_chars=120)
+    lt.put(text)
+    lt.end()
+    got = []
+    while (seg := lt.take(False)) is not END:
+        got.append(seg)
+    assert got == split_text(text, target_chars=60, max_chars=120)
+
+
+def test_a_producer_far_ahead_waits_for_the_speech():
+    lt = live(max_buffer_chars=1000)
+    done = threading.Event()
+
+    def produce():
+        for _ in range(30):
+            lt.put("A sentence that is spoken. " * 5)
+        done.set()
+
+    threading.Thread(target=produce, daemon=True).start()
+    time.sleep(0.3)
+    assert not done.is_set()  # 4,050 characters given, at most ~1,000 waiting
+    assert len(lt._rest) <= 1000 + 135
+    taken, deadline = [], time.monotonic() + 30
+    while not done.is_set() and time.monotonic() < deadline:
+        taken.extend(texts(lt))
+        assert len(lt._rest) <= 1000 + 135
+    lt.end()
+    taken.extend(texts(lt))
+    assert done.is_set() and " ".join(taken) == " ".join(["A sentence that is spoken."] * 150)
+
+
+def test_a_failing_or_wrong_iterable_is_raised_after_the_text_before_it():
+    def pieces():
+        yield "One sentence. Two "
+        raise OSError("the pipe broke")
+
+    lt = live()
+    lt.read_from(pieces()).join(5)
+    assert lt.take(False).text == "One sentence. Two"  # the text's end: split_text's cut
+    with pytest.raises(OSError, match="pipe broke"):
+        lt.take(False)
+    lt = live()
+    lt.read_from(["fine. ", b"bytes"]).join(5)
+    assert lt.take(False).text == "fine."
+    with pytest.raises(InputError, match="text pieces must be str, got bytes"):
+        lt.take(False)
+
+
+# -- streams (tiny model) ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoint_noend):
+    import voxtral_mlx
+
+    tts = voxtral_mlx.load(tiny_checkpoint_noend)
+    yield tts
+    tts.close()
+
+
+STORY = "Hello there. How are you today? I am fine,\n\nthank you. Bye"
+
+
+def gated(text: str, gate: threading.Event, at: int):
+    """``text`` in 5-character pieces, waiting for ``gate`` before the piece at ``at``."""
+    for i in range(0, len(text), 5):
+        if i == at:
+            assert gate.wait(30)
+        yield text[i : i + 5]
+
+
+def expected_audio(tts, segments, seed, max_frames):
+    parts = []
+    for i, seg in enumerate(segments):
+        parts.append(tts.synthesize(seg.spoken, VOICE, seed=seed + i, max_frames=max_frames).audio)
+        if i < len(segments) - 1:
+            parts.append(np.zeros(round(seg.pause_after * tts.sample_rate), np.float32))
+    return np.concatenate(parts)
+
+
+def test_live_text_is_spoken_before_it_ends_and_as_its_segments_would_be(tts):
+    gate = threading.Event()
+    stream = tts.stream(gated(STORY, gate, 20), VOICE, seed=7, split=True, max_frames=3)
+    assert stream.live
+    first = next(stream)  # the text past "How are you" has not been given yet
+    assert first.segment == 0 and len(first.audio) and not gate.is_set()
+    assert [s.text for s in stream.segments] == ["Hello there."]
+    gate.set()
+    chunks = [first, *stream]
+    assert not stream.live
+    # Where the rest is cut depends on how fast it comes; never across the blank line.
+    assert " ".join(s.text for s in stream.segments) == " ".join(STORY.split())
+    assert any(s.text.endswith("I am fine,") for s in stream.segments)
+    assert [c.segment for c in chunks] == sorted(c.segment for c in chunks)
+    assert chunks[-1].is_final and not any(c.is_final for c in chunks[:-1])
+    got = np.concatenate([c.audio for c in chunks])
+    np.testing.assert_array_equal(got, expected_audio(tts, stream.segments, 7, 3))
+
+
+def test_astream_reads_an_async_iterable_as_it_comes(tts):
+    async def pieces():
+        for i in range(0, len(STORY), 5):
+            await asyncio.sleep(0.002)
+            yield STORY[i : i + 5]
+
+    async def collect():
+        stream = tts.astream(pieces(), VOICE, seed=7, split=True, max_frames=3)
+        return stream, [c async for c in stream]
+
+    stream, chunks = asyncio.run(collect())
+    assert chunks[-1].is_final and len(stream.segments) >= 3
+    got = np.concatenate([c.audio for c in chunks])
+    np.testing.assert_array_equal(got, expected_audio(tts, stream.segments, 7, 3))
+
+
+def test_say_speaks_live_text(tts):
+    class Sink:
+        def __init__(self):
+            self.audio, self.finished = [], False
+
+        def feed(self, audio, **kwargs):
+            self.audio.append(audio)
+
+        def finish(self):
+            self.finished = True
+
+        def stop(self):
+            pass
+
+    sink = Sink()
+    playback = tts.say(
+        iter(["Short one. ", "Another one."]), VOICE, seed=1, max_frames=2, player=sink
+    )
+    assert playback.done and sink.finished
+    segments = playback.stream.segments
+    assert [s.text for s in segments] in (
+        ["Short one.", "Another one."],
+        ["Short one. Another one."],
+    )
+    np.testing.assert_array_equal(np.concatenate(sink.audio), expected_audio(tts, segments, 1, 2))
+
+
+def test_cancel_while_waiting_for_text_stops_at_once(tts):
+    gate = threading.Event()
+    text = "One. Two three four."
+    stream = tts.stream(gated(text, gate, 10), VOICE, split=True, max_frames=2)
+    chunks = [next(stream)]  # "One." is spoken, then the text stalls until the gate opens
+    threading.Timer(0.2, stream.cancel).start()
+    t0 = time.monotonic()
+    chunks += list(stream)
+    assert time.monotonic() - t0 < 2
+    assert {c.segment for c in chunks} == {0} and [s.text for s in stream.segments] == ["One."]
+    assert sum(c.frames for c in chunks) == 2
+    gate.set()
+
+
+@pytest.mark.parametrize(
+    "kwargs, text, match",
+    [
+        ({}, ["a", "b"], "pass split=True"),
+        ({"split": True}, 42, "text must be a string, got int"),
+        ({"split": True, "noise": np.zeros((3, 36), np.float32)}, ["a."], "cannot be split"),
+    ],
+)
+def test_live_text_arguments_are_checked_by_the_call(tts, kwargs, text, match):
+    with pytest.raises(InputError, match=match):
+        tts.stream(text, VOICE, **kwargs)
+
+
+def test_an_async_iterable_needs_astream_and_empty_pieces_are_empty_text(tts):
+    async def nothing():
+        if False:
+            yield ""
+
+    with pytest.raises(InputError, match="read it with astream"):
+        tts.stream(nothing(), VOICE, split=True)
+    with pytest.raises(InputError, match="text is empty"):
+        list(tts.stream(iter(["  ", "\n"]), VOICE, split=True))
+
+    async def collect():
+        return [c async for c in tts.astream(nothing(), VOICE, split=True)]
+
+    with pytest.raises(InputError, match="text is empty"):
+        asyncio.run(collect())
+
+
+def test_an_error_of_the_text_comes_after_the_audio_before_it(tts):
+    def pieces():
+        yield "First sentence here. Second one there. "
+        yield "Third "
+        raise OSError("the pipe broke")
+
+    stream = tts.stream(pieces(), VOICE, seed=3, split=True, max_frames=2)
+    chunks = []
+    with pytest.raises(OSError, match="pipe broke"):
+        for chunk in stream:
+            chunks.append(chunk)
+    spoken = {c.segment for c in chunks if c.frames}
+    assert spoken == set(range(len(stream.segments))) and stream.segments
+    assert "Third" in stream.segments[-1].text  # the text before the error is all spoken
+    np.testing.assert_array_equal(
+        np.concatenate([c.audio for c in chunks]), expected_audio(tts, stream.segments, 3, 2)
+    )

@@ -1,0 +1,280 @@
+"""Text that arrives in pieces (an LLM's tokens, a pipe) cut into segments as they become sure.
+
+:func:`voxtral_mlx.segment.split_text` sees the whole text; here the text's end is not known
+yet, so a segment is only cut where more text cannot move the cut:
+
+* a paragraph break followed by text: that paragraph is split as :func:`split_text` would;
+* more than a window of text waiting (``max_chars`` and some): the cut
+  :func:`split_text` would choose there (it weighs only that window);
+* the last sentence end within ``max_chars`` that the next word confirms (``"Mr. Smith"``
+  and ``"etc. and"`` are no sentence ends; a word needs its following space to be known);
+* the input stalled for ``idle_s`` after a sentence's final punctuation or a line break
+  (an LLM thinking, someone typing lines): all that waits;
+* the input's end: all that waits, as :func:`split_text` splits it.
+
+Segments are taken when the reader has room for one (:meth:`LiveText.take`), so text that
+arrives faster than it is spoken makes longer segments and a slow trickle short ones. Memory
+is bounded: a producer far ahead of the speech waits once ``max_buffer_chars`` are waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterable, Callable, Iterable
+
+from .errors import InputError
+from .segment import (
+    _KINDS,
+    _LINE_ENDS,
+    PARAGRAPH,
+    PAUSE_AFTER,
+    SENTENCE,
+    Segment,
+    _best_split,
+    _ends_terminal,
+    _find_splits,
+    _spoken,
+    split_text,
+)
+
+IDLE_S = 0.6  # a pause in the input this long after a sentence's end cuts it
+MAX_BUFFER_CHARS = 1 << 20  # text waiting beyond this makes the producer wait
+_NEXT_WORD = re.compile(r"\S\s")  # a whole word: its following space has arrived
+_POLL_S = 0.05
+END = object()  # take(): the input ended and every segment was taken
+
+
+class LiveText:
+    """Segments of text given piece by piece, with ``put()`` and ``end()`` or from an
+    iterable read on a thread of its own (:meth:`read_from`). ``take()`` hands them out in
+    order; offsets count from the start of all the text given."""
+
+    def __init__(
+        self,
+        *,
+        target_chars: int,
+        max_chars: int,
+        add_period: bool = True,
+        idle_s: float = IDLE_S,
+        max_buffer_chars: int = MAX_BUFFER_CHARS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.target_chars, self.max_chars = target_chars, max_chars
+        self.add_period = add_period
+        self.idle_s = idle_s
+        self.max_buffer_chars = max(max_buffer_chars, 4 * max_chars)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._rest = ""  # text given and not yet in a segment
+        self._base = 0  # where ``_rest`` starts in all the text given
+        self._ended = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._last_put = clock()
+        self._ready: deque[Segment] = deque()
+        self._checked = -1  # ``_version`` when the text last gave no segment
+        self._checked_idle = False
+        self._version = 0
+        self.chars_given = 0
+
+    # -- producer side ------------------------------------------------------------------
+
+    def put(self, piece: str) -> None:
+        """Add text (any length, any boundary: a word may come in several pieces). Waits
+        while ``max_buffer_chars`` are waiting to be spoken; returns at once once closed."""
+        if not isinstance(piece, str):
+            raise InputError(
+                f"text pieces must be str, got {type(piece).__name__}: give the text itself"
+            )
+        with self._cond:
+            if self._ended:
+                raise InputError("put() after end(): this text has ended")
+            while len(self._rest) > self.max_buffer_chars and not self._closed:
+                self._cond.wait(_POLL_S)
+            if self._closed or not piece:
+                return
+            self._rest += piece
+            self.chars_given += len(piece)
+            self._last_put = self._clock()
+            self._version += 1
+            self._cond.notify_all()
+
+    def end(self, error: BaseException | None = None) -> None:
+        """No more text; ``error`` (the producer's failure) is raised by ``take()`` once the
+        segments before it are taken."""
+        with self._cond:
+            self._ended = True
+            if error is not None and self._error is None:
+                self._error = error
+            self._version += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop: a waiting ``put()`` returns, the reading thread stops at its next piece."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def read_from(self, pieces: Iterable[str]) -> threading.Thread:
+        """Read ``pieces`` on a daemon thread, ``put()`` each, then ``end()`` (with the
+        iterable's error if it raises)."""
+
+        def run() -> None:
+            error = None
+            try:
+                for piece in pieces:
+                    if self._closed:
+                        break
+                    self.put(piece)
+            except BaseException as e:  # handed to the reader: this thread has no caller
+                error = e
+            finally:
+                self.end(error)
+                close = getattr(pieces, "close", None)  # a generator's finally runs now
+                if self._closed and callable(close):
+                    with contextlib.suppress(Exception):  # the reader stopped: nobody to tell
+                        close()
+
+        thread = threading.Thread(target=run, name="voxtral-mlx-text", daemon=True)
+        thread.start()
+        return thread
+
+    async def read_from_async(self, pieces: AsyncIterable[str]) -> None:
+        """``read_from`` for an async iterable, run as a task on the caller's loop (its
+        ``put()`` never waits long: the buffer's limit is polled off the loop)."""
+        import asyncio
+
+        error = None
+        try:
+            async for piece in pieces:
+                if self._closed:
+                    break
+                while len(self._rest) > self.max_buffer_chars and not self._closed:
+                    await asyncio.sleep(_POLL_S)
+                self.put(piece)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            error = e
+        finally:
+            self.end(error)
+
+    # -- consumer side ------------------------------------------------------------------
+
+    def take(self, block: bool, stop: Callable[[], bool] = lambda: False):
+        """The next segment, ``None`` if none is sure yet (``block=False``, or ``stop()``
+        said so while waiting), or :data:`END`. Raises what the producer failed with."""
+        while True:
+            with self._cond:
+                if not self._ready:
+                    self._cut()
+                if self._ready:
+                    return self._ready.popleft()
+                if self._ended and not self._rest:
+                    if self._error is not None:
+                        raise self._error
+                    return END
+                if not block or stop():
+                    return None
+                wait = _POLL_S
+                if not self._ended:
+                    until_idle = self._last_put + self.idle_s - self._clock()
+                    if until_idle > 0:
+                        wait = min(wait, until_idle + 1e-3)
+                self._cond.wait(wait)
+
+    def _cut(self) -> None:
+        """Move the segments that are sure now from ``_rest`` to ``_ready`` (lock held)."""
+        idle = self._clock() - self._last_put >= self.idle_s
+        if self._version == self._checked and (idle == self._checked_idle or self._ended):
+            return  # nothing new since the text last gave nothing
+        rest = self._rest
+        lead = len(rest) - len(rest.lstrip())
+        text = rest[lead:]
+        if not text:
+            self._drop(len(rest))
+            return
+        target, max_chars = self.target_chars, self.max_chars
+        # Beyond ``window`` no cut split_text would choose at the text's start depends on
+        # what follows (its look-ahead: max_chars, a short tail's target / 4, a next word).
+        window = max_chars + target // 4 + 64
+        if self._ended and len(text) <= 2 * window:
+            segments = split_text(
+                text, target_chars=target, max_chars=max_chars, add_period=self.add_period
+            )
+            self._add(segments, lead, last_pause=0.0)
+            self._drop(len(rest))
+            return
+        view = text[: 2 * window]
+        paragraphs, cands, forbid = _find_splits(view, lambda units=1: None)
+        if len(paragraphs) > 1:  # a blank line with text after it: that paragraph is whole
+            p1 = paragraphs[0][1]
+            segments = split_text(
+                view[:p1], target_chars=target, max_chars=max_chars, add_period=self.add_period
+            )
+            self._add(segments, lead, last_pause=PAUSE_AFTER[PARAGRAPH])
+            self._drop(lead + paragraphs[1][0])
+            return
+        if len(view) > window:
+            e, s, kind = _best_split(view, 0, len(view), cands, forbid, target, max_chars)
+            self._add([self._segment(view, 0, e, kind)], lead)
+            self._drop(lead + s)
+            return
+        best = None
+        for e, s, k in zip(cands.ends, cands.starts, cands.kinds, strict=True):
+            if e > max_chars:
+                break
+            if _KINDS[k] == SENTENCE and (e == s or _NEXT_WORD.search(view, s)):
+                best = (e, s)
+        if best is not None:
+            e, s = best
+            self._add([self._segment(view, 0, e, SENTENCE)], lead)
+            self._drop(lead + s)
+            return
+        if idle and (_ends_terminal(view.rstrip()) or view[-1] in _LINE_ENDS):
+            segments = split_text(
+                view, target_chars=target, max_chars=max_chars, add_period=self.add_period
+            )
+            self._add(segments, lead, last_pause=PAUSE_AFTER[SENTENCE])
+            self._drop(len(rest))
+            return
+        self._checked, self._checked_idle = self._version, idle
+
+    def _segment(self, text: str, a: int, b: int, kind: str) -> Segment:
+        piece = text[a:b]
+        return Segment(piece, a, b, PAUSE_AFTER[kind], _spoken(piece, self.add_period))
+
+    def _add(self, segments: list[Segment], lead: int, last_pause: float | None = None) -> None:
+        offset = self._base + lead
+        for i, seg in enumerate(segments):
+            pause = seg.pause_after
+            if i == len(segments) - 1 and last_pause is not None:
+                pause = last_pause
+            self._ready.append(
+                dataclasses.replace(
+                    seg, start=seg.start + offset, end=seg.end + offset, pause_after=pause
+                )
+            )
+
+    def _drop(self, n: int) -> None:
+        self._rest = self._rest[n:]
+        self._base += n
+        self._version += 1
+        self._cond.notify_all()  # a producer waiting for room
+
+
+def is_text_pieces(text: object) -> bool:
+    """Whether ``text`` is pieces of text to read as they come (an iterable or async
+    iterable that is not itself a str or bytes)."""
+    if isinstance(text, (str, bytes, bytearray, memoryview)):
+        return False
+    return isinstance(text, (Iterable, AsyncIterable))
