@@ -128,3 +128,22 @@ def test_a_long_text_is_not_tokenized_before_it_plays():
     stream.timings.audio_s = stream.ahead_s = 100.0
     horizon(SimpleNamespace(audio=frame(0), segment=n - 1), now=1.0)
     assert len(calls) == TOKENIZED_AHEAD + 1 and horizon.segment_s[n - 1] == pytest.approx(1.8)
+
+
+def test_live_text_plans_for_the_segment_playing_only():
+    """Text still arriving has no known length: the horizon is the audio fed plus what the
+    segment being heard still has to come, so what has come plays when the text stalls."""
+    segments = [SimpleNamespace(spoken="word " * 5, pause_after=0.4)]
+    stream = SimpleNamespace(
+        segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0, live=True
+    )
+    horizon = PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=0.0)
+    assert horizon.total_s is None and horizon.segment_s == []
+    assert horizon(SimpleNamespace(audio=frame(0), segment=0), now=5.0) == pytest.approx(1.5)
+    for _ in range(18):  # 19 frames: 1.52 s, more than its 5 words' guess
+        fed = horizon(SimpleNamespace(audio=frame(0), segment=0), now=5.0)
+    assert fed == pytest.approx(19 * FRAME_S)
+    segments.append(SimpleNamespace(spoken="word " * 6, pause_after=0.0))  # cut meanwhile
+    got = horizon(SimpleNamespace(audio=frame(0), segment=1), now=5.0)
+    assert got == pytest.approx(20 * FRAME_S + 1.8 - FRAME_S)
+    assert horizon.segment_s == pytest.approx([1.5, 1.8])

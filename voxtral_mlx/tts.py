@@ -389,7 +389,7 @@ class VoxtralTTS:
         self,
         cls: type,
         submit: Callable,
-        text: str,
+        text: str | Iterable[str] | AsyncIterable[str],
         voice: str | None,
         seed: int | None,
         noise: np.ndarray | None,
@@ -511,7 +511,7 @@ class VoxtralTTS:
 
     def stream(
         self,
-        text: str,
+        text: str | Iterable[str],
         voice: str | None = None,
         *,
         seed: int | None = None,
@@ -577,7 +577,7 @@ class VoxtralTTS:
 
     def astream(
         self,
-        text: str,
+        text: str | Iterable[str] | AsyncIterable[str],
         voice: str | None = None,
         *,
         seed: int | None = None,
@@ -650,7 +650,7 @@ class VoxtralTTS:
 
     def synthesize(
         self,
-        text: str,
+        text: str | Iterable[str],
         voice: str | None = None,
         *,
         seed: int | None = None,
@@ -689,7 +689,7 @@ class VoxtralTTS:
 
     async def asynthesize(
         self,
-        text: str,
+        text: str | Iterable[str] | AsyncIterable[str],
         voice: str | None = None,
         *,
         seed: int | None = None,
@@ -720,7 +720,7 @@ class VoxtralTTS:
 
     def say(
         self,
-        text: str,
+        text: str | Iterable[str],
         voice: str | None = None,
         *,
         wait: bool = True,
