@@ -103,6 +103,15 @@ def test_text_without_any_stop_is_cut_within_max_chars_once_a_window_waits():
     assert got[0] == split_text(words, target_chars=50, max_chars=100)[0].text
 
 
+def test_a_burst_of_sentences_is_cut_near_the_target_length_as_split_text_cuts():
+    lt = live(target_chars=100, max_chars=200)
+    sentence = "This sentence is forty characters long. "
+    lt.put(sentence * 5 + "And")  # 200 characters at once: sentence ends at 40, 80, ...
+    # 119 characters: the cheapest length; then the one confirmed sentence left ("And"
+    # may go on, so the fifth sentence's end is not sure yet)
+    assert texts(lt) == [(sentence * 3).strip(), sentence.strip()]
+
+
 @st.composite
 def pieces_and_takes(draw):
     word = st.sampled_from(

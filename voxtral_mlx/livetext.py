@@ -38,6 +38,7 @@ from .segment import (
     _best_split,
     _ends_terminal,
     _find_splits,
+    _length_cost,
     _spoken,
     split_text,
 )
@@ -175,8 +176,8 @@ class LiveText:
         said so while waiting), or :data:`END`. Raises what the producer failed with."""
         while True:
             with self._cond:
-                if not self._ready:
-                    self._cut()
+                while not self._ready and self._cut():
+                    pass
                 if self._ready:
                     return self._ready.popleft()
                 if self._ended and not self._rest:
@@ -192,17 +193,18 @@ class LiveText:
                         wait = min(wait, until_idle + 1e-3)
                 self._cond.wait(wait)
 
-    def _cut(self) -> None:
-        """Move the segments that are sure now from ``_rest`` to ``_ready`` (lock held)."""
+    def _cut(self) -> bool:
+        """Move the segments that are sure now from ``_rest`` to ``_ready`` (lock held);
+        False if no text was used."""
         idle = self._clock() - self._last_put >= self.idle_s
         if self._version == self._checked and (idle == self._checked_idle or self._ended):
-            return  # nothing new since the text last gave nothing
+            return False  # nothing new since the text last gave nothing
         rest = self._rest
         lead = len(rest) - len(rest.lstrip())
         text = rest[lead:]
         if not text:
             self._drop(len(rest))
-            return
+            return bool(rest)
         target, max_chars = self.target_chars, self.max_chars
         # Beyond ``window`` no cut split_text would choose at the text's start depends on
         # what follows (its look-ahead: max_chars, a short tail's target / 4, a next word).
@@ -213,7 +215,7 @@ class LiveText:
             )
             self._add(segments, lead, last_pause=0.0)
             self._drop(len(rest))
-            return
+            return True
         view = text[: 2 * window]
         paragraphs, cands, forbid = _find_splits(view, lambda units=1: None)
         if len(paragraphs) > 1:  # a blank line with text after it: that paragraph is whole
@@ -223,31 +225,34 @@ class LiveText:
             )
             self._add(segments, lead, last_pause=PAUSE_AFTER[PARAGRAPH])
             self._drop(lead + paragraphs[1][0])
-            return
+            return True
         if len(view) > window:
             e, s, kind = _best_split(view, 0, len(view), cands, forbid, target, max_chars)
             self._add([self._segment(view, 0, e, kind)], lead)
             self._drop(lead + s)
-            return
-        best = None
+            return True
+        best, best_cost = None, float("inf")
         for e, s, k in zip(cands.ends, cands.starts, cands.kinds, strict=True):
             if e > max_chars:
                 break
             if _KINDS[k] == SENTENCE and (e == s or _NEXT_WORD.search(view, s)):
-                best = (e, s)
+                cost = _length_cost(e, target, max_chars)  # as split_text weighs lengths
+                if cost <= best_cost:
+                    best, best_cost = (e, s), cost
         if best is not None:
             e, s = best
             self._add([self._segment(view, 0, e, SENTENCE)], lead)
             self._drop(lead + s)
-            return
+            return True
         if idle and (_ends_terminal(view.rstrip()) or view[-1] in _LINE_ENDS):
             segments = split_text(
                 view, target_chars=target, max_chars=max_chars, add_period=self.add_period
             )
             self._add(segments, lead, last_pause=PAUSE_AFTER[SENTENCE])
             self._drop(len(rest))
-            return
+            return True
         self._checked, self._checked_idle = self._version, idle
+        return False
 
     def _segment(self, text: str, a: int, b: int, kind: str) -> Segment:
         piece = text[a:b]
