@@ -191,8 +191,41 @@ def test_follow_decodes_text_split_anywhere():
             assert pieces(raw, size) == _decode_text(raw, "stdin")
     with pytest.raises(voxtral_mlx.errors.InputError, match="stdin is not UTF-8 text"):
         pieces(b"ok \xff\xfe then", 1)
+    # A first read that cannot start a UTF-16/32 byte-order mark is text at once.
+    reads = iter([b"Yo\n"])
+    assert next(_text_pieces(lambda: next(reads), "stdin")) == "Yo\n"
     with pytest.raises(voxtral_mlx.errors.InputError, match="holds NUL bytes"):
         pieces(b"a\x00b c d", 2)
+
+
+def test_follow_keeps_the_audio_before_bad_text(model_dir, tmp_path):
+    """Text that turns out not to be UTF-8 midway: the file keeps the speech before it, and
+    the one-line error says so (as Ctrl-C does)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    out = tmp_path / "bad.wav"
+    args = ["speak", "-m", str(model_dir), "--follow", "--max-frames", "3", "-o", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voxtral_mlx", *args],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        proc.stdin.write(b"Hello there. How are you today? ")
+        proc.stdin.flush()
+        time.sleep(1.0)
+        proc.stdin.write(b"Bad \xff\xfe byte. More.")
+        proc.stdin.close()
+        assert proc.wait(120) == 1
+    finally:
+        proc.kill()
+    err = proc.stderr.read().decode()
+    assert err.count("\n") == 1 and "stdin is not UTF-8 text; convert it first" in err, err
+    assert f"s of audio of the text before it in {out}" in err
+    audio, _ = sf.read(out, dtype="float32")
+    assert len(audio) > 0 and [p.name for p in tmp_path.iterdir()] == ["bad.wav"]
 
 
 def test_raw_pcm_to_stdout(model_dir, reference):

@@ -80,6 +80,25 @@ def test_a_stalled_input_is_cut_after_a_sentence_end_or_a_line_break_only():
     clock.t = 11.2
     seg = lt.take(False)
     assert seg.text == "a line typed without a stop" and seg.spoken.endswith(".")
+    assert seg.pause_after == PAUSE_AFTER[SENTENCE]
+    lt.put("A paragraph.\n\n")
+    clock.t = 12.0
+    assert lt.take(False).pause_after == PAUSE_AFTER[PARAGRAPH]
+
+
+@pytest.mark.parametrize(
+    "head, tail",
+    [("Price is 3.", "50 dollars."), ("I met Dr.", " Smith."), ("See e.g.", " this one.")],
+)
+def test_a_stall_after_an_abbreviation_or_a_number_is_no_sentence_end(head, tail):
+    clock = Clock()
+    lt = live(clock, idle_s=0.5)
+    lt.put(head)
+    clock.t = 5.0
+    assert texts(lt) == []  # split_text would not end a sentence there either
+    lt.put(tail)
+    lt.end()
+    assert texts(lt) == [head + tail]
 
 
 def test_a_paragraph_is_whole_once_text_follows_its_blank_line():
@@ -385,3 +404,40 @@ def test_an_error_of_the_text_comes_after_the_audio_before_it(tts):
     np.testing.assert_array_equal(
         np.concatenate([c.audio for c in chunks]), expected_audio(tts, stream.segments, 3, 2)
     )
+
+
+def test_live_text_of_invisible_marks_is_empty_and_of_punctuation_is_spoken(tts):
+    with pytest.raises(InputError, match="text is empty"):
+        list(tts.stream(iter(["\u200b", "\u200b\ufeff"]), VOICE, split=True, max_frames=2))
+    chunks = list(tts.stream(iter(["..."]), VOICE, seed=1, split=True, max_frames=2))
+    assert sum(c.frames for c in chunks) == 2  # as the text "..." whole is spoken
+
+
+def test_a_live_segment_too_long_for_one_utterance_names_max_chars(tts):
+    def pieces():
+        yield "Hi. " + "🙂" * 3000
+
+    with pytest.raises(InputError, match=r"lower max_chars \(now 100000\)"):
+        list(tts.stream(pieces(), VOICE, split=True, max_chars=100_000, max_frames=1))
+
+
+def test_say_plays_out_the_audio_before_an_error_of_the_text(tts):
+    events = []
+
+    class Sink:
+        def feed(self, audio, **kwargs):
+            events.append("feed")
+
+        def finish(self):
+            events.append("finish")
+
+        def stop(self):
+            events.append("stop")
+
+    def pieces():
+        yield "Hello there. "
+        raise ValueError("the client went away")
+
+    with pytest.raises(ValueError, match="went away"):
+        tts.say(pieces(), VOICE, seed=1, max_frames=2, player=Sink())
+    assert events[-1] == "finish" and events.count("feed") >= 2 and "stop" not in events

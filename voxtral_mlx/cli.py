@@ -337,8 +337,8 @@ def _text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
         else:
             if decoder is None:
                 head += data
-                if len(head) < 4 and not end:
-                    continue
+                if not end and any(len(head) < len(b) and b.startswith(head) for b in _WIDE_BOMS):
+                    continue  # a UTF-16/32 byte-order mark may be on its way
                 decoder, data = _incremental_decoder(head), head
             try:
                 text = decoder.decode(data, final=end)
@@ -359,6 +359,9 @@ def _text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
             yield text
         if end:
             return
+
+
+_WIDE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
 
 def _incremental_decoder(head: bytes) -> codecs.IncrementalDecoder:
@@ -642,6 +645,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
     interrupted: KeyboardInterrupt | None = None
     # The device's failure, or the file's format limit: what the file holds is kept.
     failure: AudioStoppedError | None = None
+    text_failure: VoxtralError | None = None
     try:
         progress = None
         if _show_progress(args, stream):
@@ -673,6 +677,13 @@ def cmd_speak(args: argparse.Namespace) -> int:
     except AudioStoppedError as e:
         failure = e
         raise
+    except VoxtralError as e:
+        if e is stream.text_error:  # --follow's text failed: the audio before it is whole
+            text_failure = e
+            if player is not None:  # heard before the error is printed (Ctrl-C stops it)
+                with contextlib.suppress(AudioStoppedError):
+                    player.finish()
+        raise
     finally:
         written = False
         try:
@@ -694,6 +705,11 @@ def cmd_speak(args: argparse.Namespace) -> int:
                         interrupted.detail = (
                             f"interrupted: kept {kept:.1f} s of audio in "
                             f"{one_line(str(args.output))}"
+                        )
+                    elif text_failure is not None and file_writer.commit_partial():
+                        text_failure.args = (
+                            f"{text_failure}; kept {file_writer.duration_s:.1f} s of audio of "
+                            f"the text before it in {one_line(str(args.output))}",
                         )
                     elif failure is not None and file_writer.commit_partial():
                         path = one_line(str(args.output))

@@ -8,8 +8,9 @@ yet, so a segment is only cut where more text cannot move the cut:
   :func:`split_text` would choose there (it weighs only that window);
 * the last sentence end within ``max_chars`` that the next word confirms (``"Mr. Smith"``
   and ``"etc. and"`` are no sentence ends; a word needs its following space to be known);
-* the input stalled for ``idle_s`` after a sentence's final punctuation or a line break
-  (an LLM thinking, someone typing lines): all that waits;
+* the input stalled for ``idle_s`` after a line break (someone typing lines) or a sentence
+  end as :func:`split_text` would see it before a capitalised word (an LLM thinking; not
+  after "Dr." or "3."): all that waits;
 * the input's end: all that waits, as :func:`split_text` splits it.
 
 Segments are taken when the reader has room for one (:meth:`LiveText.take`), so text that
@@ -39,6 +40,7 @@ from .segment import (
     _ends_terminal,
     _find_splits,
     _length_cost,
+    _line_breaks,
     _spoken,
     split_text,
 )
@@ -244,11 +246,13 @@ class LiveText:
             self._add([self._segment(view, 0, e, SENTENCE)], lead)
             self._drop(lead + s)
             return True
-        if idle and (_ends_terminal(view.rstrip()) or view[-1] in _LINE_ENDS):
+        if idle and (view[-1] in _LINE_ENDS or _sentence_end(view.rstrip())):
             segments = split_text(
                 view, target_chars=target, max_chars=max_chars, add_period=self.add_period
             )
-            self._add(segments, lead, last_pause=PAUSE_AFTER[SENTENCE])
+            trailing = view[len(view.rstrip()) :]
+            kind = PARAGRAPH if _line_breaks(trailing) > 1 else SENTENCE
+            self._add(segments, lead, last_pause=PAUSE_AFTER[kind])
             self._drop(len(rest))
             return True
         self._checked, self._checked_idle = self._version, idle
@@ -275,6 +279,17 @@ class LiveText:
         self._base += n
         self._version += 1
         self._cond.notify_all()  # a producer waiting for room
+
+
+def _sentence_end(text: str) -> bool:
+    """Whether ``text`` ends a sentence as :func:`split_text` would see it if a capitalised
+    word followed: not after "Dr." or "e.g.", nor after a number ("3." may go on as 3.50)."""
+    if not _ends_terminal(text):
+        return False
+    probe = text + " A"
+    _, cands, _ = _find_splits(probe, lambda units=1: None)
+    n = len(cands.ends)
+    return bool(n) and cands.ends[n - 1] == len(text) and _KINDS[cands.kinds[n - 1]] == SENTENCE
 
 
 def is_text_pieces(text: object) -> bool:

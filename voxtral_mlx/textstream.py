@@ -20,7 +20,7 @@ from .engine import DONE, AudioChunk, Job, Timings, finite_float
 from .errors import InputError, UsageError
 from .fileio import one_line
 from .livetext import END, LiveText
-from .segment import Segment, SplitStopped
+from .segment import Segment, SplitStopped, is_blank
 
 if TYPE_CHECKING:  # imported where used: a process that never awaits skips its import time
     import asyncio
@@ -57,6 +57,7 @@ class _Reader:
         self._source = self._live  # kept after its end, to close it on cancel()
         self._final_sent = False
         self._source_error: BaseException | None = None  # the text's, due after its audio
+        self.text_error: BaseException | None = None  # raised: reading the live text failed
         self._ready: deque[AudioChunk] = deque()
         self._pause_due: tuple[int, float] | None = None  # (segment, seconds) to play next
         check_pause(pause)
@@ -125,12 +126,14 @@ class _Reader:
                 self._source_error = e
                 return False
             self._source_error = None  # the traceback holds frames: not kept
+            # The audio before it is whole: a player may play it out, a file keep it.
+            self.text_error = e
             self._abandon()
             raise
         if seg is None:
             return False
         if seg is END:
-            if not self.segments:
+            if all(is_blank(s.text) for s in self.segments):  # nothing but zero-width marks
                 self._abandon()
                 raise InputError("text is empty: give some words to speak")
             self._live = None

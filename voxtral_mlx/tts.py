@@ -474,9 +474,15 @@ class VoxtralTTS:
         # place, as a pause. Text that is punctuation alone ("...") is what its writer
         # asked for: it is spoken.
         pause_only = is_blank if not pieces and is_silent(text) else is_silent
+        heard = [not pieces]  # live text: whether a segment with words has come yet
 
         def make_job(i: int, seg: Segment) -> Job:
-            pause = pause_only(seg.text)
+            # Live text is punctuation alone so far: spoken, as such a text is whole.
+            pause = pause_only(seg.text) if heard[0] else is_blank(seg.text)
+            heard[0] = heard[0] or not is_silent(seg.text)
+            if pieces and _may_not_fit(seg.spoken):  # split text checks this up front
+                fix = f"lower max_chars (now {max_chars})"
+                utterance_ids(self.tokenizer, seg.spoken, "a segment of the text", fix)
             # Without add_period a pause's text can be blank; it is never spoken (0 frames).
             spoken = "." if pause and is_blank(seg.spoken) else seg.spoken
             job = self.job(
@@ -958,7 +964,10 @@ class Playback:
                 self.error, self._error_tb = e, e.__traceback__
             self.stream.cancel()  # e.g. the device went away: stop generating too
             with contextlib.suppress(Exception):  # the first error is the one to report
-                self.player.stop()
+                if e is self.stream.text_error and not self._stopped:
+                    self.player.finish()  # live text failed: what came before it is heard
+                else:
+                    self.player.stop()
 
     @property
     def done(self) -> bool:
