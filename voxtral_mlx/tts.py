@@ -556,7 +556,8 @@ class VoxtralTTS:
         earliest first.
 
         Text still being written (an LLM's tokens) can be given as an iterable of str
-        pieces, with ``split=True``: it is read on a thread of its own and spoken as it
+        pieces, with ``split=True``, joined as given (tokens carry their own spaces; a list
+        of sentences needs them too): it is read on a thread of its own and spoken as it
         arrives, a segment at a time (:mod:`voxtral_mlx.livetext` says where it is cut: at
         a sentence end once the next word has come, a paragraph break, ``max_chars``, or a
         sentence end or line break followed by a pause in the input). ``live`` is True and
