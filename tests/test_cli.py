@@ -191,6 +191,12 @@ def test_follow_decodes_text_split_anywhere():
             assert pieces(raw, size) == _decode_text(raw, "stdin")
     with pytest.raises(voxtral_mlx.errors.InputError, match="stdin is not UTF-8 text"):
         pieces(b"ok \xff\xfe then", 1)
+    # The text before bad bytes in the same read is given first (it is spoken).
+    for raw in (b"Good text. \xff more", "Gööd.".encode("utf-16") + b"\x00\xd8A\x00"):
+        reads, got = iter([raw, b""]), []
+        with pytest.raises(voxtral_mlx.errors.InputError, match=r"is not UTF-(8|16) text"):
+            got.extend(_text_pieces(lambda reads=reads: next(reads), "stdin"))
+        assert "".join(got).strip() in ("Good text.", "Gööd.")
     # A first read that cannot start a UTF-16/32 byte-order mark is text at once.
     reads = iter([b"Yo\n"])
     assert next(_text_pieces(lambda: next(reads), "stdin")) == "Yo\n"

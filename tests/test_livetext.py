@@ -222,11 +222,11 @@ def test_a_producer_far_ahead_waits_for_the_speech():
     threading.Thread(target=produce, daemon=True).start()
     time.sleep(0.3)
     assert not done.is_set()  # 4,050 characters given, at most ~1,000 waiting
-    assert len(lt._rest) <= 1000 + 135
+    assert lt._waiting <= 1000 + 135
     taken, deadline = [], time.monotonic() + 30
     while not done.is_set() and time.monotonic() < deadline:
         taken.extend(texts(lt))
-        assert len(lt._rest) <= 1000 + 135
+        assert lt._waiting <= 1000 + 135
     lt.end()
     taken.extend(texts(lt))
     assert done.is_set() and " ".join(taken) == " ".join(["A sentence that is spoken."] * 150)
@@ -441,3 +441,53 @@ def test_say_plays_out_the_audio_before_an_error_of_the_text(tts):
     with pytest.raises(ValueError, match="went away"):
         tts.say(pieces(), VOICE, seed=1, max_frames=2, player=Sink())
     assert events[-1] == "finish" and events.count("feed") >= 2 and "stop" not in events
+
+
+def test_live_async_streams_waiting_for_text_leave_the_thread_pool_to_their_producers(tts):
+    """Eight live astream()s whose producers each need the loop's default thread pool (a
+    blocking LLM client wrapped in to_thread, a DNS lookup): a waiting stream used to hold
+    a pool thread, and the pool (6 threads here) ran dry."""
+
+    def blocking_next(it):
+        time.sleep(0.05)
+        return next(it, None)
+
+    async def pieces(k):
+        it = iter([f"Stream {k} says hello. ", "And then ", "more. "])
+        while (piece := await asyncio.to_thread(blocking_next, it)) is not None:
+            yield piece
+
+    async def one(k):
+        stream = tts.astream(pieces(k), VOICE, seed=k, split=True, max_frames=1)
+        return stream, [c async for c in stream]
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(one(k) for k in range(8))), 120)
+
+    for stream, chunks in asyncio.run(main()):
+        assert chunks[-1].is_final and " ".join(s.text for s in stream.segments).endswith("more.")
+
+
+def test_an_async_text_cancelled_by_its_own_producer_is_an_error_not_an_end(tts):
+    async def pieces():
+        yield "Hello there. How are "
+        raise asyncio.CancelledError
+
+    async def collect():
+        return [c async for c in tts.astream(pieces(), VOICE, split=True, max_frames=1)]
+
+    with pytest.raises(InputError, match="async iterable was cancelled before its end"):
+        asyncio.run(collect())
+
+
+def test_live_synthesis_reports_its_seed_and_leaves_out_time_waiting_for_text(tts):
+    def pieces():
+        yield "Hello there."
+        time.sleep(1.0)  # the text ends after the segment's audio
+
+    t0 = time.monotonic()
+    speech = tts.synthesize(pieces(), VOICE, seed=5, split=True, max_frames=2)
+    wall = time.monotonic() - t0
+    plain = tts.synthesize("Hello there.", VOICE, seed=5, max_frames=2)
+    assert speech.seed == 5 and np.array_equal(speech.audio, plain.audio)
+    assert wall >= 1.0 and speech.timings.total_s < wall - 0.5

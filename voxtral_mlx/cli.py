@@ -326,7 +326,8 @@ def _text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
     decoder: codecs.IncrementalDecoder | None = None
     held = ""  # a piece's final "\r": the next piece may start with its "\n"
     first = True
-    while True:
+    failure: InputError | None = None
+    while failure is None:
         try:
             data = read()
         except OSError as e:
@@ -343,9 +344,13 @@ def _text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
             try:
                 text = decoder.decode(data, final=end)
             except UnicodeDecodeError as e:
-                raise InputError(
+                failure = InputError(
                     f"{what} is not {_encoding(e)} text; convert it first (e.g. with iconv)"
-                ) from None
+                )
+                # The text before the bad bytes is spoken first (the error says so).
+                text, end = e.object[: e.start].decode(e.encoding), True
+                if first:  # the bytes given to the decoder may still hold the mark
+                    text = text.removeprefix("\ufeff")
         first = False
         if "\x00" in text:  # as in _decode_text
             raise InputError(
@@ -358,7 +363,9 @@ def _text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
         if text:
             yield text
         if end:
-            return
+            break
+    if failure is not None:
+        raise failure
 
 
 _WIDE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)

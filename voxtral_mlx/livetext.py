@@ -6,8 +6,9 @@ yet, so a segment is only cut where more text cannot move the cut:
 * a paragraph break followed by text: that paragraph is split as :func:`split_text` would;
 * more than a window of text waiting (``max_chars`` and some): the cut
   :func:`split_text` would choose there (it weighs only that window);
-* the last sentence end within ``max_chars`` that the next word confirms (``"Mr. Smith"``
-  and ``"etc. and"`` are no sentence ends; a word needs its following space to be known);
+* a sentence end within ``max_chars`` that the next word confirms (``"Mr. Smith"`` and
+  ``"etc. and"`` are no sentence ends; a word needs its following space to be known): of
+  several, the one whose length :func:`split_text` weighs cheapest;
 * the input stalled for ``idle_s`` after a line break (someone typing lines) or a sentence
   end as :func:`split_text` would see it before a capitalised word (an LLM thinking; not
   after "Dr." or "3."): all that waits;
@@ -48,6 +49,7 @@ from .segment import (
 IDLE_S = 0.6  # a pause in the input this long after a sentence's end cuts it
 MAX_BUFFER_CHARS = 1 << 20  # text waiting beyond this makes the producer wait
 _NEXT_WORD = re.compile(r"\S\s")  # a whole word: its following space has arrived
+_LEADING_SPACE = re.compile(r"\s*")
 _POLL_S = 0.05
 END = object()  # take(): the input ended and every segment was taken
 
@@ -73,7 +75,10 @@ class LiveText:
         self.max_buffer_chars = max(max_buffer_chars, 4 * max_chars)
         self._clock = clock
         self._cond = threading.Condition()
-        self._rest = ""  # text given and not yet in a segment
+        self._rest = ""  # text given and not yet in a segment (but for ``_pieces``)
+        self._pieces: list[str] = []  # given since ``_rest`` was last joined
+        self._waiting = 0  # characters in both
+        self._wakers: list[Callable[[], None]] = []
         self._base = 0  # where ``_rest`` starts in all the text given
         self._ended = False
         self._closed = False
@@ -97,15 +102,16 @@ class LiveText:
         with self._cond:
             if self._ended:
                 raise InputError("put() after end(): this text has ended")
-            while len(self._rest) > self.max_buffer_chars and not self._closed:
+            while self._waiting > self.max_buffer_chars and not self._closed:
                 self._cond.wait(_POLL_S)
             if self._closed or not piece:
                 return
-            self._rest += piece
+            # Joined when cut: ``_rest += piece`` copied all the waiting text per piece.
+            self._pieces.append(piece)
+            self._waiting += len(piece)
             self.chars_given += len(piece)
             self._last_put = self._clock()
-            self._version += 1
-            self._cond.notify_all()
+            self._changed()
 
     def end(self, error: BaseException | None = None) -> None:
         """No more text; ``error`` (the producer's failure) is raised by ``take()`` once the
@@ -114,14 +120,13 @@ class LiveText:
             self._ended = True
             if error is not None and self._error is None:
                 self._error = error
-            self._version += 1
-            self._cond.notify_all()
+            self._changed()
 
     def close(self) -> None:
         """Stop: a waiting ``put()`` returns, the reading thread stops at its next piece."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._changed()
 
     @property
     def closed(self) -> bool:
@@ -156,20 +161,58 @@ class LiveText:
         ``put()`` never waits long: the buffer's limit is polled off the loop)."""
         import asyncio
 
-        error = None
+        error: BaseException | None = None
         try:
+            if self._closed:  # stopped before this task first ran
+                return
             async for piece in pieces:
                 if self._closed:
                     break
-                while len(self._rest) > self.max_buffer_chars and not self._closed:
+                while self._waiting > self.max_buffer_chars and not self._closed:
                     await asyncio.sleep(_POLL_S)
                 self.put(piece)
         except asyncio.CancelledError:
-            raise
+            if self._closed:  # this task, cancelled by the stream it reads for
+                raise
+            # The iterable's own: a cut-off text must not pass for a whole one.
+            error = InputError(
+                "the text's async iterable was cancelled before its end (CancelledError); "
+                "the speech stops there"
+            )
         except BaseException as e:
             error = e
         finally:
             self.end(error)
+
+    async def changed(self, timeout: float = _POLL_S) -> None:
+        """Return when text is given, ends or the stream closes, or after ``timeout``: what
+        an async reader awaits instead of a blocking ``take()`` (which would hold a thread
+        of the loop's pool, where the text's own producer may need one)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+                loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+
+        with self._cond:
+            self._wakers.append(wake)
+        try:
+            await asyncio.wait_for(woken, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._cond:
+                self._wakers.remove(wake)
+
+    def _changed(self) -> None:
+        """Tell waiting readers (lock held)."""
+        self._version += 1
+        self._cond.notify_all()
+        for wake in self._wakers:
+            wake()
 
     # -- consumer side ------------------------------------------------------------------
 
@@ -182,7 +225,7 @@ class LiveText:
                     pass
                 if self._ready:
                     return self._ready.popleft()
-                if self._ended and not self._rest:
+                if self._ended and not self._waiting:
                     if self._error is not None:
                         raise self._error
                     return END
@@ -201,24 +244,26 @@ class LiveText:
         idle = self._clock() - self._last_put >= self.idle_s
         if self._version == self._checked and (idle == self._checked_idle or self._ended):
             return False  # nothing new since the text last gave nothing
+        if self._pieces:
+            self._rest += "".join(self._pieces)
+            self._pieces.clear()
         rest = self._rest
-        lead = len(rest) - len(rest.lstrip())
-        text = rest[lead:]
-        if not text:
-            self._drop(len(rest))
-            return bool(rest)
+        lead = _LEADING_SPACE.match(rest).end()  # no copy of a long text per call
+        if lead == len(rest):
+            self._drop(lead)
+            return bool(lead)
         target, max_chars = self.target_chars, self.max_chars
         # Beyond ``window`` no cut split_text would choose at the text's start depends on
         # what follows (its look-ahead: max_chars, a short tail's target / 4, a next word).
         window = max_chars + target // 4 + 64
-        if self._ended and len(text) <= 2 * window:
+        view = rest[lead : lead + 2 * window]
+        if self._ended and len(rest) - lead <= 2 * window:
             segments = split_text(
-                text, target_chars=target, max_chars=max_chars, add_period=self.add_period
+                view, target_chars=target, max_chars=max_chars, add_period=self.add_period
             )
             self._add(segments, lead, last_pause=0.0)
             self._drop(len(rest))
             return True
-        view = text[: 2 * window]
         paragraphs, cands, forbid = _find_splits(view, lambda units=1: None)
         if len(paragraphs) > 1:  # a blank line with text after it: that paragraph is whole
             p1 = paragraphs[0][1]
@@ -277,8 +322,8 @@ class LiveText:
     def _drop(self, n: int) -> None:
         self._rest = self._rest[n:]
         self._base += n
-        self._version += 1
-        self._cond.notify_all()  # a producer waiting for room
+        self._waiting -= n
+        self._changed()  # a producer may be waiting for room
 
 
 def _sentence_end(text: str) -> bool:

@@ -58,6 +58,7 @@ class _Reader:
         self._final_sent = False
         self._source_error: BaseException | None = None  # the text's, due after its audio
         self.text_error: BaseException | None = None  # raised: reading the live text failed
+        self._waited = 0.0  # seconds waiting for live text with nothing to generate
         self._ready: deque[AudioChunk] = deque()
         self._pause_due: tuple[int, float] | None = None  # (segment, seconds) to play next
         check_pause(pause)
@@ -110,19 +111,21 @@ class _Reader:
         """Whether the text is still arriving (``segments`` grows as it is cut)."""
         return self._live is not None
 
-    def _take(self, block: bool) -> bool:
+    def _take(self, block: bool, idle: bool = False) -> bool:
         """Append the live text's next segment to ``segments``: False if there is none yet
-        (``block``: until there is one, the text ends or the stream stops)."""
+        (``block``: until there is one, the text ends or the stream stops). ``block`` or
+        ``idle`` (no segment in flight) raise the text's error; else it waits for them."""
         if self._live is None or self._finished:
             return False
         if block:
             self._refuse_wait()  # the worker would wait for text instead of generating
+        t0 = time.perf_counter()
         try:
             if self._source_error is not None:
                 raise self._source_error
             seg = self._live.take(block, stop=lambda: self._finished)
         except BaseException as e:
-            if not block:  # raised once the segments in flight have been heard
+            if not (block or idle):  # raised once the segments in flight have been heard
                 self._source_error = e
                 return False
             self._source_error = None  # the traceback holds frames: not kept
@@ -130,6 +133,9 @@ class _Reader:
             self.text_error = e
             self._abandon()
             raise
+        finally:
+            if block:  # time spent waiting for text is no generation time (timings)
+                self._waited += time.perf_counter() - t0
         if seg is None:
             return False
         if seg is END:
@@ -182,7 +188,7 @@ class _Reader:
                 c.prefix_cached,
             )
         if not t.first_audio_s and len(item.audio):
-            t.first_audio_s = time.perf_counter() - self._t0
+            t.first_audio_s = self._elapsed()
         if item.is_final:
             t.frames += c.frames
             t.cut_short += c.cut_short
@@ -211,7 +217,11 @@ class _Reader:
 
     def _add_audio(self, audio: np.ndarray) -> None:
         self.timings.audio_s += len(audio) / self.sample_rate
-        self.timings.total_s = time.perf_counter() - self._t0
+        self.timings.total_s = self._elapsed()
+
+    def _elapsed(self) -> float:
+        """Seconds since the call, less those spent waiting for live text."""
+        return time.perf_counter() - self._t0 - self._waited
 
     def _chunk(self, audio, i, frames, codes) -> AudioChunk:
         self._add_audio(audio)
@@ -374,6 +384,9 @@ class AsyncTextStream(_Reader):
                 if self._async_pieces is not None and self._source is not None:
                     pieces, self._async_pieces = self._async_pieces, None
                     self._pump = loop.create_task(self._source.read_from_async(pieces))
+                    if self._finished:  # cancel() from another thread meanwhile
+                        self._abandon()
+                        continue
                 pending = self._pending()
                 for job in pending:
                     q: asyncio.Queue = asyncio.Queue()
@@ -386,7 +399,13 @@ class AsyncTextStream(_Reader):
                 if self._finished:  # cancel() meanwhile
                     continue
                 if not self.jobs:  # live text: nothing in flight until more of it comes
-                    await asyncio.to_thread(self._take, True)
+                    # Awaited on the loop: a pool thread blocked per waiting stream starved
+                    # the pool, which the text's own producer may need.
+                    t0 = time.perf_counter()
+                    source = self._source
+                    while not self._take(False, idle=True) and self.live and not self._finished:
+                        await source.changed()
+                    self._waited += time.perf_counter() - t0
                     continue
                 _, job = self.jobs[0]
                 item = await self._queues[id(job)].get()
@@ -407,8 +426,8 @@ class AsyncTextStream(_Reader):
             self._abandon()
             raise
 
-    def cancel(self) -> None:
-        super().cancel()
+    def _abandon(self) -> None:
+        super()._abandon()
         pump, self._pump = getattr(self, "_pump", None), None  # None: __init__ failed
         if pump is not None and self._loop is not None:
             # From any thread: the task belongs to the stream's loop (closed: nothing runs).

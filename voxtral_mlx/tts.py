@@ -911,8 +911,10 @@ def speech_from_chunks(
     audio = np.concatenate([c.audio for c in chunks]).astype(np.float32, copy=False)
     codes = np.concatenate([c.codes for c in chunks]).reshape(-1, chunks[0].codes.shape[-1])
     single = len(stream.segments) == 1
-    timings = chunks[-1].timings if single else stream.timings
-    seed = chunks[-1].seed if single else chunks[0].seed
+    # The segment's own last chunk: live text may end with an empty chunk of the stream's.
+    last = next((c for c in reversed(chunks) if c.seed is not None), chunks[-1])
+    timings = last.timings if single else stream.timings
+    seed = last.seed if single else chunks[0].seed
     frames = [0] * len(stream.segments)
     for c in chunks:
         frames[c.segment] += c.frames

@@ -46,9 +46,9 @@ class PlaybackHorizon:
         # Text still arriving (``stream.live``): nothing is known beyond the segment playing,
         # so the horizon is always the audio fed plus what that segment still has to come.
         self.live = bool(getattr(stream, "live", False))
+        self.segment_s: list[float] = []
+        self.total_s: float | None = None
         if self.live:
-            self.segment_s: list[float] = []
-            self.total_s = None
             return
         segments, head = stream.segments, stream.segments[:TOKENIZED_AHEAD]
         tokens = [len(tts.tokenizer.encode(seg.spoken)) for seg in head]
@@ -57,7 +57,7 @@ class PlaybackHorizon:
             self._seconds(len(seg.spoken) * per_char) for seg in segments[TOKENIZED_AHEAD:]
         ]
         pauses = [seg.pause_after if pause is None else pause for seg in segments[:-1]]
-        self.total_s: float | None = max(1.0, sum(self.segment_s) + sum(pauses))
+        self.total_s = max(1.0, sum(self.segment_s) + sum(pauses))
 
     def _seconds(self, tokens: float) -> float:
         return min(self._cap, tokens * SECONDS_PER_TEXT_TOKEN)
