@@ -27,6 +27,9 @@ class ServerError(VoxtralError):
     """The server cannot start (address in use, bad host)."""
 
 
+_PORT_TAKEN_FIX = "choose another --port or stop the program using it"
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` (port 0: any free port), not yet listening."""
     try:
@@ -39,7 +42,7 @@ def bind(host: str, port: int) -> socket.socket:
         # this very socket (BSD matches bound sockets, listening or not).
         raise ServerError(
             f"cannot listen on {host}:{port}: another program listens on port {port}; "
-            "choose another --port or stop the program using it"
+            f"{_PORT_TAKEN_FIX}"
         )
     sock = socket.socket(family, kind, proto)
     try:
@@ -48,7 +51,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            fix = "choose another --port or stop the program using it"
+            fix = _PORT_TAKEN_FIX
         elif e.errno in (errno.EACCES, errno.EPERM):
             fix = "ports below 1024 need administrator rights: choose a --port of 1024 or above"
         elif e.errno == errno.EADDRNOTAVAIL:
