@@ -25,17 +25,34 @@ ALSA_TEMPLATE = Path(__file__).with_name("alsa") / "asoundrc.in"
 TEXT = "Hello from the command line."
 
 
+def cli_env(extra: dict | None = None) -> dict:
+    """The environment the CLI runs in: this checkout first on the path, plus ``extra``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(extra or {})
+    return env
+
+
 def run(*args, input=None, env=None, timeout=300):
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
-    full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "voxtral_mlx", *args],
         input=input,
         capture_output=True,
-        env=full_env,
+        env=cli_env(env),
         timeout=timeout,
         cwd=REPO,
+    )
+
+
+def start(*args, **kwargs) -> subprocess.Popen:
+    """The CLI running, with pipes to its stdin and from its stderr (and ``kwargs``)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "voxtral_mlx", *args],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+        cwd=REPO,
+        **kwargs,
     )
 
 
@@ -144,17 +161,8 @@ def test_follow_speaks_piped_text_as_it_arrives(model_dir):
     writing; the rest is cut as it comes, and the audio is each segment's with its pause."""
     import select
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     args = ["speak", "-m", str(model_dir), "-v", "neutral_female", "--seed", "5", "--follow"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "voxtral_mlx", *args, "--max-frames", "3", "--raw"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=REPO,
-    )
+    proc = start(*args, "--max-frames", "3", "--raw", stdout=subprocess.PIPE)
     try:
         proc.stdin.write(b"Hello there. How ")
         proc.stdin.flush()
@@ -207,17 +215,8 @@ def test_follow_decodes_text_split_anywhere():
 def test_follow_keeps_the_audio_before_bad_text(model_dir, tmp_path):
     """Text that turns out not to be UTF-8 midway: the file keeps the speech before it, and
     the one-line error says so (as Ctrl-C does)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = tmp_path / "bad.wav"
-    args = ["speak", "-m", str(model_dir), "--follow", "--max-frames", "3", "-o", str(out)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "voxtral_mlx", *args],
-        stdin=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=REPO,
-    )
+    proc = start("speak", "-m", str(model_dir), "--follow", "--max-frames", "3", "-o", str(out))
     try:
         proc.stdin.write(b"Hello there. How are you today? ")
         proc.stdin.flush()
@@ -542,9 +541,6 @@ def _interrupt(
     args: list[str], env: dict, ready, sig: int = signal.SIGINT, timeout: float = 120
 ) -> tuple[int, str, float]:
     """Start the CLI, send ``sig`` once ``ready()``; (exit code, stderr, seconds to exit)."""
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
-    full_env.update(env)
     # SIGINT back to its default first: pytest run as a shell's background job inherits it
     # ignored, and Python then never turns it into KeyboardInterrupt.
     launcher = (
@@ -553,7 +549,7 @@ def _interrupt(
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", launcher, *args],
-        env=full_env,
+        env=cli_env(env),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

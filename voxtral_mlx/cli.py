@@ -245,9 +245,13 @@ def _text_as_option_hint(args: argparse.Namespace) -> str:
     return ""
 
 
-def _read_text(args: argparse.Namespace) -> str:
+def _one_text_source(args: argparse.Namespace) -> None:
     if args.file is not None and args.text:
         raise InputError("give the text either as arguments or with -f FILE, not both")
+
+
+def _read_text(args: argparse.Namespace) -> str:
+    _one_text_source(args)
     if args.file is not None:
         if args.file == "-":
             return _read_stdin()
@@ -256,18 +260,13 @@ def _read_text(args: argparse.Namespace) -> str:
                 raw = f.read(MAX_TEXT_BYTES + 1)
             _check_size(raw, f"text file {one_line(args.file)}")
             return _decode_text(raw, f"text file {one_line(args.file)}")
-        except FileNotFoundError:
-            raise InputError(f"text file {one_line(args.file)} not found: check the path") from None
         except UnicodeDecodeError as e:
             raise InputError(
                 f"text file {one_line(args.file)} is not {_encoding(e)} text; convert it first "
                 "(e.g. with iconv)"
             ) from None
         except OSError as e:
-            raise InputError(
-                f"cannot read text file {one_line(args.file)}: {e.strerror}; pass a readable "
-                "text file, or - for stdin"
-            ) from None
+            raise _text_file_error(args.file, e) from None
     if args.text:
         text = " ".join(args.text)
         try:
@@ -293,16 +292,11 @@ def _text_source(args: argparse.Namespace) -> tuple[Callable[[], bytes | str], s
             "arguments is all there already: drop --follow"
         )
     if args.file is not None and args.file != "-":
-        what = f"text file {one_line(args.file)}"
         try:
             fd = os.open(args.file, os.O_RDONLY)
-        except FileNotFoundError:
-            raise InputError(f"{what} not found: check the path") from None
         except OSError as e:
-            raise InputError(
-                f"cannot read {what}: {e.strerror}; pass a readable text file, or - for stdin"
-            ) from None
-        return partial(_read_fd, fd, close=True), what
+            raise _text_file_error(args.file, e) from None
+        return partial(_read_fd, fd, close=True), f"text file {one_line(args.file)}"
     if sys.stdin is None:
         raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
     try:
@@ -310,6 +304,15 @@ def _text_source(args: argparse.Namespace) -> tuple[Callable[[], bytes | str], s
     except (OSError, ValueError, AttributeError):  # a stdin of Python objects (embedded use)
         return sys.stdin.readline, "stdin"
     return partial(_read_fd, fd, close=False), "stdin"
+
+
+def _text_file_error(path: str, error: OSError) -> InputError:
+    what = f"text file {one_line(path)}"
+    if isinstance(error, FileNotFoundError):
+        return InputError(f"{what} not found: check the path")
+    return InputError(
+        f"cannot read {what}: {error.strerror}; pass a readable text file, or - for stdin"
+    )
 
 
 def _read_fd(fd: int, *, close: bool) -> bytes:
@@ -578,8 +581,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
         _print_voices(_load(args))
         return 0
     if args.follow:
-        if args.file is not None and args.text:
-            raise InputError("give the text either as arguments or with -f FILE, not both")
+        _one_text_source(args)
         source, source_name = _text_source(args)
         text: Any = _text_pieces(source, source_name)
     else:
