@@ -571,6 +571,36 @@ def test_progress_line_clears_what_a_longer_line_left(capsys):
     assert "ETA" in lines[0] and "ETA" not in lines[2]
 
 
+def test_progress_of_text_still_arriving_counts_what_is_done(capsys, monkeypatch):
+    """``--follow`` has no total: the line counts the segments done (no ETA), and is left
+    out while the text is typed on the terminal it would be drawn over."""
+    import argparse
+    from types import SimpleNamespace
+
+    from voxtral_mlx import cli
+
+    progress = cli.Progress(None)
+    timings = SimpleNamespace(audio_s=0.0)
+    for segment, frames in [(0, 1), (0, 0), (1, 1), (1, 0)]:  # the pauses end segments
+        timings.audio_s += 0.5
+        chunk = SimpleNamespace(is_final=False, frames=frames, audio=[0.0], segment=segment)
+        progress.update(chunk, timings)
+    progress.close()
+    lines = [line.split("\x1b")[0] for line in capsys.readouterr().err.split("\r")[1:]]
+    assert lines == [
+        "voxtral-mlx: 0 segments done, 0.5 s of audio",
+        "voxtral-mlx: 1 segments done, 1.0 s of audio",
+        "voxtral-mlx: 2 segments done, 2.0 s of audio",  # 1.5 s: within 0.1 s, held back
+    ]
+    monkeypatch.setattr(cli, "_stderr_is_terminal", lambda: True)
+    live = SimpleNamespace(live=True, segments=[])
+    for file, tty, shown in [(None, False, True), ("-", True, False), ("t.fifo", True, True)]:
+        monkeypatch.setattr(cli.sys, "stdin", SimpleNamespace(isatty=lambda tty=tty: tty))
+        args = argparse.Namespace(quiet=False, file=file)
+        assert cli._show_progress(args, live) is shown
+    assert not cli._show_progress(argparse.Namespace(quiet=True, file=None), live)
+
+
 def test_progress_counts_segments_joined_without_a_pause(capsys):
     """With --pause 0 (or a hard cut) no pause chunk marks a segment's end: the next
     segment's first chunk does (the line stayed at "segment 1/N" to the end)."""

@@ -658,7 +658,11 @@ def cmd_speak(args: argparse.Namespace) -> int:
     try:
         progress = None
         if _show_progress(args, stream):
-            progress = Progress(len(stream.segments), [len(s.spoken) for s in stream.segments])
+            progress = (
+                Progress(None)
+                if stream.live
+                else Progress(len(stream.segments), [len(s.spoken) for s in stream.segments])
+            )
         chunks = _Chunks(stream)
         for chunk in chunks:
             if len(chunk.audio):
@@ -782,7 +786,12 @@ def _splitting_notice(args: argparse.Namespace, text: str) -> Iterator[None]:
 
 
 def _show_progress(args: argparse.Namespace, stream) -> bool:
-    return len(stream.segments) > 1 and not args.quiet and _stderr_is_terminal()
+    if args.quiet or not _stderr_is_terminal():
+        return False
+    if stream.live:  # not over text being typed on the terminal: the line would hide it
+        typed = args.file in (None, "-") and sys.stdin is not None and sys.stdin.isatty()
+        return not typed
+    return len(stream.segments) > 1
 
 
 def _stderr_is_terminal() -> bool:
@@ -790,14 +799,15 @@ def _stderr_is_terminal() -> bool:
 
 
 class Progress:
-    """One self-rewriting line on stderr: segments, seconds of audio, ETA."""
+    """One self-rewriting line on stderr: segments, seconds of audio, ETA. ``total`` None:
+    text still arriving (``--follow``), whose segments are counted as they end."""
 
     REDRAW_S = 0.1  # at most ten redraws a second (a chunk comes every frame)
 
-    def __init__(self, total: int, sizes: Sequence[int] | None = None):
+    def __init__(self, total: int | None, sizes: Sequence[int] | None = None):
         self.total = total
         # How much text each segment holds: the ETA weighs what is left by it.
-        self.sizes = [max(1, int(n)) for n in sizes] if sizes is not None else [1] * total
+        self.sizes = [max(1, int(n)) for n in sizes] if sizes is not None else [1] * (total or 0)
         self.text_total = sum(self.sizes)
         self.t0 = time.perf_counter()
         self.done = 0
@@ -817,17 +827,20 @@ class Progress:
         if self.done != before:
             self._mark = (elapsed, self._mark[1] + sum(self.sizes[before : self.done]))
         eta = ""
-        if 0 < self.done < self.total:
+        if self.total is not None and 0 < self.done < self.total:
             # Measured when a segment ends, then counted down: segments end in bursts (a
             # batch's later ones are done when the first is), and a rate re-measured at
             # every chunk climbed between the bursts.
             at, text_done = self._mark
             left = max(0.0, at / text_done * (self.text_total - text_done) - (elapsed - at))
             eta = f", ETA {int(left // 60)}:{int(left % 60):02d}"
-        line = (
-            f"{PROG}: segment {min(self.done + 1, self.total)}/{self.total}, "
-            f"{timings.audio_s:.1f} s of audio{eta}"
-        )
+        if self.total is None:
+            line = f"{PROG}: {self.done} segments done, {timings.audio_s:.1f} s of audio"
+        else:
+            line = (
+                f"{PROG}: segment {min(self.done + 1, self.total)}/{self.total}, "
+                f"{timings.audio_s:.1f} s of audio{eta}"
+            )
         now = time.perf_counter()
         if line == self._shown:
             return
