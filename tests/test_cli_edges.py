@@ -589,7 +589,7 @@ def test_progress_of_text_still_arriving_counts_what_is_done(capsys, monkeypatch
     lines = [line.split("\x1b")[0] for line in capsys.readouterr().err.split("\r")[1:]]
     assert lines == [
         "voxtral-mlx: 0 segments done, 0.5 s of audio",
-        "voxtral-mlx: 1 segments done, 1.0 s of audio",
+        "voxtral-mlx: 1 segment done, 1.0 s of audio",
         "voxtral-mlx: 2 segments done, 2.0 s of audio",  # 1.5 s: within 0.1 s, held back
     ]
     monkeypatch.setattr(cli, "_stderr_is_terminal", lambda: True)

@@ -835,7 +835,8 @@ class Progress:
             left = max(0.0, at / text_done * (self.text_total - text_done) - (elapsed - at))
             eta = f", ETA {int(left // 60)}:{int(left % 60):02d}"
         if self.total is None:
-            line = f"{PROG}: {self.done} segments done, {timings.audio_s:.1f} s of audio"
+            n = self.done
+            line = f"{PROG}: {n} segment{'s' * (n != 1)} done, {timings.audio_s:.1f} s of audio"
         else:
             line = (
                 f"{PROG}: segment {min(self.done + 1, self.total)}/{self.total}, "
