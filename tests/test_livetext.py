@@ -88,7 +88,13 @@ def test_a_stalled_input_is_cut_after_a_sentence_end_or_a_line_break_only():
 
 @pytest.mark.parametrize(
     "head, tail",
-    [("Price is 3.", "50 dollars."), ("I met Dr.", " Smith."), ("See e.g.", " this one.")],
+    [
+        ("Price is 3.", "50 dollars."),
+        ("It costs $3.", "50 today."),
+        ("Version 2.0.", "1 is out."),
+        ("I met Dr.", " Smith."),
+        ("See e.g.", " this one."),
+    ],
 )
 def test_a_stall_after_an_abbreviation_or_a_number_is_no_sentence_end(head, tail):
     clock = Clock()
@@ -491,3 +497,49 @@ def test_live_synthesis_reports_its_seed_and_leaves_out_time_waiting_for_text(tt
     plain = tts.synthesize("Hello there.", VOICE, seed=5, max_frames=2)
     assert speech.seed == 5 and np.array_equal(speech.audio, plain.audio)
     assert wall >= 1.0 and speech.timings.total_s < wall - 0.5
+
+
+def test_cancelling_a_task_waiting_for_text_is_never_lost():
+    """Text arriving as the waiting task is cancelled: asyncio.wait_for (before Python
+    3.12) returned the text's wake-up and dropped the cancellation."""
+
+    async def main():
+        lt = live()
+        task = asyncio.create_task(lt.changed(timeout=10))
+        await asyncio.sleep(0)  # the task now waits
+        lt.put("more text ")  # its wake-up is scheduled...
+        task.cancel()  # ...and the cancellation in the same turn of the loop
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert lt._wakers == []
+
+    asyncio.run(main())
+
+
+def test_a_stream_left_on_a_closed_loop_lets_its_text_reader_go(tts):
+    """A live astream() waiting for text when its loop is closed (not asyncio.run, which
+    cancels its tasks): once the stream is dropped, its reader stops reading the text."""
+    import gc
+
+    stopped = threading.Event()
+
+    def forever():
+        try:
+            while True:
+                time.sleep(0.02)
+                yield "word "
+        finally:
+            stopped.set()
+
+    async def consume(stream):
+        async for _ in stream:
+            pass
+
+    loop = asyncio.new_event_loop()
+    stream = tts.astream(forever(), VOICE, split=True, max_frames=1)
+    task = loop.create_task(consume(stream))
+    loop.run_until_complete(asyncio.sleep(0.3))
+    loop.close()
+    del task, stream
+    gc.collect()
+    assert stopped.wait(5)

@@ -761,7 +761,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
             f"is cut short; raise --max-frames{' or drop --no-split' if args.no_split else ''}"
         )
     if args.verbose:
-        _report(timings, player, started)
+        _report(timings, player, started, live=args.follow)
     return 0
 
 
@@ -872,12 +872,13 @@ def _columns() -> int:
         return 80
 
 
-def _report(t, player, started: float) -> None:
+def _report(t, player, started: float, live: bool = False) -> None:
     _info(f"prompt: {t.prompt_tokens} tokens, prefill {t.prefill_s * 1000:.0f} ms")
     _info(f"first audio after {t.first_audio_s * 1000:.0f} ms")
     _info(f"frames: {t.frames}, {t.ms_per_frame:.1f} ms/frame, audio {t.audio_s:.2f} s")
+    waiting = " (leaving out the waits for text)" if live else ""
     _info(
-        f"wall {t.total_s:.2f} s, real-time factor {t.rtf:.3f} "
+        f"wall {t.total_s:.2f} s{waiting}, real-time factor {t.rtf:.3f} "
         f"({1 / t.rtf if t.rtf else 0:.2f}x real time)"
     )
     _info(f"peak memory {t.peak_memory_bytes / 2**30:.2f} GiB")

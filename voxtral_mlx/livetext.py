@@ -26,6 +26,7 @@ import dataclasses
 import re
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterable, Callable, Iterable
 
@@ -192,18 +193,28 @@ class LiveText:
 
         loop = asyncio.get_running_loop()
         woken = loop.create_future()
+        # Weakly: the waker stays registered if the loop is closed while it waits, and must
+        # not keep the waiting task, and so the stream and its reading thread, alive.
+        ref = weakref.ref(woken)
+
+        def settle() -> None:
+            future = ref()
+            if future is not None and not future.done():
+                future.set_result(None)
 
         def wake() -> None:
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
-                loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+                loop.call_soon_threadsafe(settle)
 
+        # A timer, not asyncio.wait_for: before Python 3.12 that lost a cancellation of the
+        # waiting task when the future completed at the same moment (CPython gh-86296).
+        timer = loop.call_later(timeout, settle)
         with self._cond:
             self._wakers.append(wake)
         try:
-            await asyncio.wait_for(woken, timeout)
-        except asyncio.TimeoutError:
-            pass
+            await woken
         finally:
+            timer.cancel()
             with self._cond:
                 self._wakers.remove(wake)
 
@@ -328,8 +339,9 @@ class LiveText:
 
 def _sentence_end(text: str) -> bool:
     """Whether ``text`` ends a sentence as :func:`split_text` would see it if a capitalised
-    word followed: not after "Dr." or "e.g.", nor after a number ("3." may go on as 3.50)."""
-    if not _ends_terminal(text):
+    word followed: not after "Dr." or "e.g.", nor after a number ("$3." may go on as 3.50,
+    "Version 2.0." as 2.0.1)."""
+    if not _ends_terminal(text) or (text.endswith(".") and text[-2:-1].isdigit()):
         return False
     probe = text + " A"
     _, cands, _ = _find_splits(probe, lambda units=1: None)
