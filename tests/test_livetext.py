@@ -543,3 +543,71 @@ def test_a_stream_left_on_a_closed_loop_lets_its_text_reader_go(tts):
     del task, stream
     gc.collect()
     assert stopped.wait(5)
+
+
+def test_a_stream_whose_loop_closes_mid_segment_stops_its_text_reader(tts):
+    """No collection of the stream needed: the next chunk the closed loop cannot take
+    stops the stream, and with it the reading of its text."""
+    stopped = threading.Event()
+
+    def endless():
+        try:
+            yield "Hello there. "
+            while True:
+                time.sleep(0.02)
+                yield "Word "  # capitalised: it confirms the sentence end before it
+        finally:
+            stopped.set()
+
+    async def consume(stream):
+        async for _ in stream:
+            pass
+
+    loop = asyncio.new_event_loop()
+    stream = tts.astream(endless(), VOICE, split=True, max_frames=2000)
+    task = loop.create_task(consume(stream))
+    loop.run_until_complete(asyncio.sleep(0.5))  # "Hello there." is being generated
+    assert stream.segments and not task.done()
+    loop.close()
+    assert stopped.wait(5) and stream._finished
+
+
+def test_a_stopped_stream_closes_its_async_text_source(tts):
+    async def main():
+        done = asyncio.Event()
+
+        async def book():
+            try:
+                while True:
+                    await asyncio.sleep(0)
+                    yield "word " * 1000  # fills the buffer: the reader waits for room
+            finally:
+                done.set()
+
+        source = book()  # held by the caller, as an LLM client's response would be
+        stream = tts.astream(source, VOICE, split=True, max_frames=1)
+        task = asyncio.create_task(consume(stream))
+        await asyncio.sleep(1.0)
+        task.cancel()
+        await asyncio.wait_for(done.wait(), 5)
+        return source
+
+    async def consume(stream):
+        async for _ in stream:
+            pass
+
+    asyncio.run(main())
+
+
+def test_a_chunk_already_here_is_not_handed_to_another_loop(tts):
+    from voxtral_mlx.errors import UsageError
+
+    stream = tts.astream(iter(["Hello there. ", "Bye."]), VOICE, split=True, max_frames=1)
+
+    async def first():
+        return await stream.__anext__()
+
+    asyncio.run(first())
+    stream._ready.append(stream._ready[0] if stream._ready else object())  # held for loop 1
+    with pytest.raises(UsageError, match="started on another event loop"):
+        asyncio.run(first())

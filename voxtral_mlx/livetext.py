@@ -184,6 +184,12 @@ class LiveText:
             error = e
         finally:
             self.end(error)
+            close = getattr(pieces, "aclose", None)  # an async generator's finally runs now
+            if self._closed and callable(close):
+                # Awaited once more after a cancellation: the source (an HTTP response, an
+                # LLM request) is released, as read_from() closes a generator.
+                with contextlib.suppress(Exception):
+                    await close()
 
     async def changed(self, timeout: float = _POLL_S) -> None:
         """Return when text is given, ends or the stream closes, or after ``timeout``: what

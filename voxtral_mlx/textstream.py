@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterable, Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -322,6 +324,22 @@ class TextStream(_Reader):
         self.cancel()
 
 
+def _to_loop(
+    loop: asyncio.AbstractEventLoop,
+    queue: asyncio.Queue,
+    stream: weakref.ref[AsyncTextStream],
+    item: object,
+) -> None:
+    """A job's output, handed to the stream's loop (from the model's worker thread)."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:  # the loop has closed: the stream stops, its text reader too
+        reader = stream()
+        if reader is not None:
+            reader._abandon()
+        raise  # the engine stops the job
+
+
 class AsyncTextStream(_Reader):
     """``async for`` over :class:`AudioChunk`; generation runs on the model's worker thread,
     never on the event loop. Cancelling the consuming task or ``aclose()`` stops it. Given a
@@ -366,17 +384,19 @@ class AsyncTextStream(_Reader):
                 "start a new stream"
             )
         try:
+            loop = asyncio.get_running_loop()
+            if self._loop is None:
+                self._loop = loop
+            elif loop is not self._loop and (self._ready or not self._finished):
+                # Its segments report to the first loop; checked before a chunk already
+                # here is handed to another loop, as the next would never come.
+                raise UsageError(
+                    "this audio stream was started on another event loop: iterate it "
+                    "within one loop (call astream() again inside each asyncio.run())"
+                )
             while not self._ready:
                 if self._finished:
                     raise StopAsyncIteration
-                loop = asyncio.get_running_loop()
-                if self._loop is None:
-                    self._loop = loop
-                elif loop is not self._loop:  # its segments report to the first loop
-                    raise UsageError(
-                        "this audio stream was started on another event loop: iterate it "
-                        "within one loop (call astream() again inside each asyncio.run())"
-                    )
                 if self._plan is not None:
                     # The first jobs are made there too: each tokenizes its text.
                     await asyncio.to_thread(self.prepare)
@@ -391,9 +411,7 @@ class AsyncTextStream(_Reader):
                 for job in pending:
                     q: asyncio.Queue = asyncio.Queue()
                     self._queues[id(job)] = q
-                    job.on_output = lambda item, q=q, lp=loop: lp.call_soon_threadsafe(
-                        q.put_nowait, item
-                    )
+                    job.on_output = partial(_to_loop, loop, q, weakref.ref(self))
                 if pending:
                     await self._submit(pending)
                 if self._finished:  # cancel() meanwhile
