@@ -517,6 +517,33 @@ def test_cancelling_a_task_waiting_for_text_is_never_lost():
     asyncio.run(main())
 
 
+def endless(stopped: threading.Event, word: str, head: str = ""):
+    """``head``, then ``word`` every 20 ms until closed, which sets ``stopped``."""
+    try:
+        if head:
+            yield head
+        while True:
+            time.sleep(0.02)
+            yield word
+    finally:
+        stopped.set()
+
+
+async def drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+def read_on_a_new_loop(tts, pieces, max_frames: int, seconds: float):
+    """A live astream() of ``pieces`` read by a task on a new loop that runs ``seconds``:
+    (loop, stream, task), the loop left open."""
+    loop = asyncio.new_event_loop()
+    stream = tts.astream(pieces, VOICE, split=True, max_frames=max_frames)
+    task = loop.create_task(drain(stream))
+    loop.run_until_complete(asyncio.sleep(seconds))
+    return loop, stream, task
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_stream_left_on_a_closed_loop_lets_its_text_reader_go(tts):
     """A live astream() waiting for text when its loop is closed (not asyncio.run, which
@@ -524,23 +551,7 @@ def test_a_stream_left_on_a_closed_loop_lets_its_text_reader_go(tts):
     import gc
 
     stopped = threading.Event()
-
-    def forever():
-        try:
-            while True:
-                time.sleep(0.02)
-                yield "word "
-        finally:
-            stopped.set()
-
-    async def consume(stream):
-        async for _ in stream:
-            pass
-
-    loop = asyncio.new_event_loop()
-    stream = tts.astream(forever(), VOICE, split=True, max_frames=1)
-    task = loop.create_task(consume(stream))
-    loop.run_until_complete(asyncio.sleep(0.3))
+    loop, stream, task = read_on_a_new_loop(tts, endless(stopped, "word "), 1, 0.3)
     loop.close()
     del task, stream
     gc.collect()
@@ -551,24 +562,9 @@ def test_a_stream_whose_loop_closes_mid_segment_stops_its_text_reader(tts):
     """No collection of the stream needed: the next chunk the closed loop cannot take
     stops the stream, and with it the reading of its text."""
     stopped = threading.Event()
-
-    def endless():
-        try:
-            yield "Hello there. "
-            while True:
-                time.sleep(0.02)
-                yield "Word "  # capitalised: it confirms the sentence end before it
-        finally:
-            stopped.set()
-
-    async def consume(stream):
-        async for _ in stream:
-            pass
-
-    loop = asyncio.new_event_loop()
-    stream = tts.astream(endless(), VOICE, split=True, max_frames=2000)
-    task = loop.create_task(consume(stream))
-    loop.run_until_complete(asyncio.sleep(0.5))  # "Hello there." is being generated
+    # "Word" capitalised confirms the sentence end before it: "Hello there." is generated.
+    pieces = endless(stopped, "Word ", head="Hello there. ")
+    loop, stream, task = read_on_a_new_loop(tts, pieces, 2000, 0.5)
     assert stream.segments and not task.done()
     loop.close()
     assert stopped.wait(5) and stream._finished
@@ -590,15 +586,11 @@ def test_a_stopped_stream_closes_its_async_text_source(tts):
 
         source = book()  # held by the caller, as an LLM client's response would be
         stream = tts.astream(source, VOICE, split=True, max_frames=1)
-        task = asyncio.create_task(consume(stream))
+        task = asyncio.create_task(drain(stream))
         await asyncio.sleep(1.0)
         task.cancel()
         await asyncio.wait_for(done.wait(), 5)
         return source
-
-    async def consume(stream):
-        async for _ in stream:
-            pass
 
     asyncio.run(main())
 
