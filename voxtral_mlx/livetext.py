@@ -89,7 +89,6 @@ class LiveText:
         self._checked = -1  # ``_version`` when the text last gave no segment
         self._checked_idle = False
         self._version = 0
-        self.chars_given = 0
 
     # -- producer side ------------------------------------------------------------------
 
@@ -110,7 +109,6 @@ class LiveText:
             # Joined when cut: ``_rest += piece`` copied all the waiting text per piece.
             self._pieces.append(piece)
             self._waiting += len(piece)
-            self.chars_given += len(piece)
             self._last_put = self._clock()
             self._changed()
 
@@ -128,10 +126,6 @@ class LiveText:
         with self._cond:
             self._closed = True
             self._changed()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def read_from(self, pieces: Iterable[str]) -> threading.Thread:
         """Read ``pieces`` on a daemon thread, ``put()`` each, then ``end()`` (with the
