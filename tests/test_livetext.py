@@ -303,8 +303,16 @@ def test_live_text_is_spoken_before_it_ends_and_as_its_segments_would_be(tts):
     assert any(s.text.endswith("I am fine,") for s in stream.segments)
     assert [c.segment for c in chunks] == sorted(c.segment for c in chunks)
     assert chunks[-1].is_final and not any(c.is_final for c in chunks[:-1])
+    # Each segment's last chunk of audio says so (a player learns that nothing more is due).
+    ends = [k for k, c in enumerate(chunks) if c.ends_segment]
+    assert [chunks[k].segment for k in ends] == list(range(len(stream.segments)))
+    assert not [
+        c for k in ends for c in chunks[k + 1 :] if c.segment == chunks[k].segment and c.frames
+    ]
     got = np.concatenate([c.audio for c in chunks])
     np.testing.assert_array_equal(got, expected_audio(tts, stream.segments, 7, 3))
+    whole = list(tts.stream("Hello there.", VOICE, seed=7, max_frames=3))
+    assert [c.ends_segment for c in whole] == [False] * (len(whole) - 1) + [True]
 
 
 def test_astream_reads_an_async_iterable_as_it_comes(tts):

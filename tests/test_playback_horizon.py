@@ -139,11 +139,39 @@ def test_live_text_plans_for_the_segment_playing_only():
     )
     horizon = PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=0.0)
     assert horizon.total_s is None and horizon.segment_s == []
-    assert horizon(SimpleNamespace(audio=frame(0), segment=0), now=5.0) == pytest.approx(1.5)
+    assert horizon(live_chunk(0), now=5.0) == pytest.approx(1.5)
     for _ in range(18):  # 19 frames: 1.52 s, more than its 5 words' guess
-        fed = horizon(SimpleNamespace(audio=frame(0), segment=0), now=5.0)
+        fed = horizon(live_chunk(0), now=5.0)
     assert fed == pytest.approx(19 * FRAME_S)
     segments.append(SimpleNamespace(spoken="word " * 6, pause_after=0.0))  # cut meanwhile
-    got = horizon(SimpleNamespace(audio=frame(0), segment=1), now=5.0)
+    got = horizon(live_chunk(1), now=5.0)
     assert got == pytest.approx(20 * FRAME_S + 1.8 - FRAME_S)
     assert horizon.segment_s == pytest.approx([1.5, 1.8])
+
+
+def live_chunk(segment: int, ends_segment: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(audio=frame(0), segment=segment, ends_segment=ends_segment)
+
+
+def test_live_text_whose_segment_ended_early_plays_what_came_while_the_text_stalls():
+    """A segment whose END came well before its guess, on a machine slower than real time:
+    with no text after it yet, what came must start playing, not wait in the pre-roll for
+    audio the guess promised (until the next text came, or the end)."""
+    clock = FakeClock(0.0)
+    player, sd = make_player(clock)
+    segments = [SimpleNamespace(spoken="word " * 20, pause_after=0.5)]  # guessed 2 s
+    stream = SimpleNamespace(
+        segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0, live=True
+    )
+    horizon = PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=0.0)
+    for i in range(5):  # 0.4 s of audio at 0.5x real time, then END
+        clock.advance(2 * FRAME_S)
+        chunk = live_chunk(0, ends_segment=i == 4)
+        player.feed(chunk.audio, expected_total_s=horizon(chunk, now=clock.t))
+        assert sd.streams[0].active == (i == 4)
+    assert horizon.segment_s == [2.0]
+    # When the next segment was cut already, the horizon is fed + the pause + its guess.
+    segments.append(SimpleNamespace(spoken="word " * 3, pause_after=0.0))
+    horizon = PlaybackHorizon(fake_tts(), stream, FRAMES, 0.25, started=0.0)
+    got = horizon(live_chunk(0, ends_segment=True), now=1.0)
+    assert got == pytest.approx(FRAME_S + 0.25 + 0.9)

@@ -90,6 +90,9 @@ class AudioChunk:
     seed: int | None  # the noise seed (None when the noise was given explicitly)
     segment: int = 0  # which segment of a longer text (see VoxtralTTS.stream(split=True))
     segments: int = 1
+    # The last chunk of its segment's audio (``is_final``: of the whole stream). A player of
+    # text still arriving learns here that nothing more is on its way yet.
+    ends_segment: bool = False
 
 
 class _Done:
@@ -723,6 +726,7 @@ class Engine:
                 codes_np,
                 t,
                 job.seq.noise.seed,
+                ends_segment=final,
             )
             job._emit(chunk)
             if final:
@@ -758,6 +762,7 @@ class Engine:
             empty,
             job.timings,
             job.seq.noise.seed,
+            ends_segment=True,
         )
         job._emit(chunk)
         job._emit(DONE)

@@ -545,8 +545,9 @@ class VoxtralTTS:
         ``add_period=False`` sends segments as written (END is less reliable without
         final punctuation); a segment of invisible characters alone (zero-width spaces,
         format marks) makes no sound but its pause. Segment ``i`` uses seed ``seed + i``;
-        ``max_frames`` applies per segment; chunks carry ``segment`` and ``segments``; memory
-        stays bounded whatever the length.
+        ``max_frames`` applies per segment; chunks carry ``segment`` and ``segments``, and
+        ``ends_segment`` on a segment's last chunk of audio; memory stays bounded whatever
+        the length.
         ``lookahead``: segments in flight, the one being consumed included (at least 1;
         default: the batch size with ``split``, 1 without). A segment generated ahead gives
         up its batch slot to another request's segment that someone is waiting for (it is

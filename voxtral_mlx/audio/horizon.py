@@ -43,8 +43,10 @@ class PlaybackHorizon:
         self._segment = -1
         self._segment_fed = 0.0
         self._fed = 0.0
+        self._pause = pause
         # Text still arriving (``stream.live``): nothing is known beyond the segment playing,
-        # so the horizon is always the audio fed plus what that segment still has to come.
+        # so the horizon is the audio fed plus what that segment still has to come (once it
+        # has ended: the next segment, if one was cut already).
         self.live = bool(getattr(stream, "live", False))
         self.segment_s: list[float] = []
         self.total_s: float | None = None
@@ -62,20 +64,33 @@ class PlaybackHorizon:
     def _seconds(self, tokens: float) -> float:
         return min(self._cap, tokens * SECONDS_PER_TEXT_TOKEN)
 
+    def _guess_up_to(self, segment: int) -> None:
+        """Guess the lengths of live text's segments up to ``segment`` (cut as it came)."""
+        while len(self.segment_s) <= segment:
+            spoken = self.stream.segments[len(self.segment_s)].spoken
+            self.segment_s.append(self._seconds(len(self.tts.tokenizer.encode(spoken))))
+
     def __call__(self, chunk: AudioChunk, now: float | None = None) -> float:
         seconds = len(chunk.audio) / self.tts.sample_rate
         self._fed += seconds
         if chunk.segment != self._segment:
             self._segment, self._segment_fed = chunk.segment, 0.0
-            while len(self.segment_s) <= chunk.segment:  # live text: cut as it came
-                spoken = self.stream.segments[len(self.segment_s)].spoken
-                self.segment_s.append(self._seconds(len(self.tts.tokenizer.encode(spoken))))
+            self._guess_up_to(chunk.segment)
             if chunk.segment >= TOKENIZED_AHEAD and not self.live:  # a guess until now
                 spoken = self.stream.segments[chunk.segment].spoken
                 self.segment_s[chunk.segment] = self._seconds(
                     len(self.tts.tokenizer.encode(spoken))
                 )
         self._segment_fed += seconds
+        if self.live and chunk.ends_segment:
+            # Its segment is over, before its guess or not: what follows is the next segment
+            # if it was cut already, else nothing yet, and what came must play meanwhile.
+            nxt = chunk.segment + 1
+            if nxt >= len(self.stream.segments):
+                return self._fed
+            self._guess_up_to(nxt)
+            pause = self.stream.segments[chunk.segment].pause_after
+            return self._fed + (pause if self._pause is None else self._pause) + self.segment_s[nxt]
         elapsed = (time.monotonic() if now is None else now) - self.started
         generated = self.stream.timings.audio_s + self.stream.ahead_s
         if self.total_s is not None and (
