@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -210,6 +211,35 @@ def test_follow_decodes_text_split_anywhere():
     assert next(_text_pieces(lambda: next(reads), "stdin")) == "Yo\n"
     with pytest.raises(voxtral_mlx.errors.InputError, match="holds NUL bytes"):
         pieces(b"a\x00b c d", 2)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_follow_from_a_fifo_does_not_wait_for_its_writer_before_the_model_loads(tmp_path):
+    """Opening a FIFO waits for a writer: ``-f FIFO --follow`` checks it and opens it at
+    its first read, so the model loads while the writer has yet to come."""
+    import argparse
+
+    from voxtral_mlx.cli import _text_source
+
+    fifo = tmp_path / "say"
+    os.mkfifo(fifo)
+    got: list = []
+    checked = threading.Thread(
+        target=lambda: got.append(_text_source(argparse.Namespace(text=[], file=str(fifo))))
+    )
+    checked.start()
+    checked.join(10)
+    try:
+        assert not checked.is_alive(), "checking the FIFO waited for a writer"
+    finally:
+        if checked.is_alive():  # let it go: open the writing end once
+            os.close(os.open(fifo, os.O_WRONLY))
+    read, name = got[0]
+    assert name == f"text file {fifo}"
+    writer = threading.Thread(target=fifo.write_bytes, args=(b"Hello. ",), daemon=True)
+    writer.start()  # its open waits for the first read, which opens the reading end
+    assert read() == b"Hello. " and read() == b""
+    writer.join(10)
 
 
 def test_follow_keeps_the_audio_before_bad_text(model_dir, tmp_path):

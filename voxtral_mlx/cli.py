@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import errno
 import math
 import os
 import queue
 import re
 import signal
+import stat
 import sys
 import threading
 import time
@@ -285,18 +287,25 @@ def _text_source(args: argparse.Namespace) -> tuple[Callable[[], bytes | str], s
     """For ``--follow``: a function returning what has arrived of the text (stdin or ``-f
     FILE``, which may be a FIFO; empty at its end), opened now so that a wrong path fails
     before the model loads, and the source's name. Read with ``os.read``: a thread left
-    blocked in a buffered read at exit holds its lock, which Python's shutdown waits for."""
+    blocked in a buffered read at exit holds its lock, which Python's shutdown waits for.
+    A FIFO is only checked now: opening it waits for its writer, and the model loads
+    meanwhile (its first read opens it)."""
     if args.text:
         raise InputError(
             "--follow reads text as it arrives on stdin or from -f FILE; text given as "
             "arguments is all there already: drop --follow"
         )
     if args.file is not None and args.file != "-":
+        name = f"text file {one_line(args.file)}"
         try:
+            if stat.S_ISFIFO(os.stat(args.file).st_mode):
+                if not os.access(args.file, os.R_OK):
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+                return _read_fifo(args.file), name
             fd = os.open(args.file, os.O_RDONLY)
         except OSError as e:
             raise _text_file_error(args.file, e) from None
-        return partial(_read_fd, fd, close=True), f"text file {one_line(args.file)}"
+        return partial(_read_fd, fd, close=True), name
     if sys.stdin is None:
         raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
     try:
@@ -313,6 +322,21 @@ def _text_file_error(path: str, error: OSError) -> InputError:
     return InputError(
         f"cannot read {what}: {error.strerror}; pass a readable text file, or - for stdin"
     )
+
+
+def _read_fifo(path: str) -> Callable[[], bytes]:
+    fd: int | None = None
+
+    def read() -> bytes:
+        nonlocal fd
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise _text_file_error(path, e) from None
+        return _read_fd(fd, close=True)
+
+    return read
 
 
 def _read_fd(fd: int, *, close: bool) -> bytes:
