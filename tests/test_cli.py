@@ -188,27 +188,27 @@ def test_follow_speaks_piped_text_as_it_arrives(model_dir):
 def test_follow_decodes_text_split_anywhere():
     """Pieces cut inside a UTF-8 character, a byte-order mark or a Windows line end read
     as the whole text does; UTF-16 by its mark; bad bytes are a one-line error."""
-    from voxtral_mlx.cli import _decode_text, _text_pieces
+    from voxtral_mlx.textinput import decode_text, text_pieces
 
     def pieces(raw: bytes, size: int) -> str:
         chunks = iter([raw[i : i + size] for i in range(0, len(raw), size)] + [b""])
-        return "".join(_text_pieces(lambda: next(chunks), "stdin"))
+        return "".join(text_pieces(lambda: next(chunks), "stdin"))
 
     text = "\ufeffCafé — naïve 日本語.\r\nNext line\r\n\r\nEnd\r"
     for raw in (text.encode("utf-8"), text.encode("utf-16"), "Ünï\r\n".encode("utf-32")):
         for size in (1, 2, 3, 5, 64):
-            assert pieces(raw, size) == _decode_text(raw, "stdin")
+            assert pieces(raw, size) == decode_text(raw, "stdin")
     with pytest.raises(voxtral_mlx.errors.InputError, match="stdin is not UTF-8 text"):
         pieces(b"ok \xff\xfe then", 1)
     # The text before bad bytes in the same read is given first (it is spoken).
     for raw in (b"Good text. \xff more", "Gööd.".encode("utf-16") + b"\x00\xd8A\x00"):
         reads, got = iter([raw, b""]), []
         with pytest.raises(voxtral_mlx.errors.InputError, match=r"is not UTF-(8|16) text"):
-            got.extend(_text_pieces(lambda reads=reads: next(reads), "stdin"))
+            got.extend(text_pieces(lambda reads=reads: next(reads), "stdin"))
         assert "".join(got).strip() in ("Good text.", "Gööd.")
     # A first read that cannot start a UTF-16/32 byte-order mark is text at once.
     reads = iter([b"Yo\n"])
-    assert next(_text_pieces(lambda: next(reads), "stdin")) == "Yo\n"
+    assert next(text_pieces(lambda: next(reads), "stdin")) == "Yo\n"
     with pytest.raises(voxtral_mlx.errors.InputError, match="holds NUL bytes"):
         pieces(b"a\x00b c d", 2)
 
@@ -217,16 +217,12 @@ def test_follow_decodes_text_split_anywhere():
 def test_follow_from_a_fifo_does_not_wait_for_its_writer_before_the_model_loads(tmp_path):
     """Opening a FIFO waits for a writer: ``-f FIFO --follow`` checks it and opens it at
     its first read, so the model loads while the writer has yet to come."""
-    import argparse
-
-    from voxtral_mlx.cli import _text_source
+    from voxtral_mlx.textinput import text_source
 
     fifo = tmp_path / "say"
     os.mkfifo(fifo)
     got: list = []
-    checked = threading.Thread(
-        target=lambda: got.append(_text_source(argparse.Namespace(text=[], file=str(fifo))))
-    )
+    checked = threading.Thread(target=lambda: got.append(text_source(str(fifo), [])))
     checked.start()
     checked.join(10)
     try:

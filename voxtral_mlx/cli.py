@@ -8,21 +8,17 @@ The only module that prints. Errors are one line on stderr and a non-zero exit c
 from __future__ import annotations
 
 import argparse
-import codecs
 import contextlib
-import errno
 import math
 import os
 import queue
 import re
 import signal
-import stat
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -48,6 +44,7 @@ from .interrupts import (
     signals_held,
     terminable,
 )
+from .textinput import read_text, text_pieces, text_source
 
 if TYPE_CHECKING:  # the engine imports MLX: not at start-up (see voxtral_mlx/entry.py)
     from .engine import AudioChunk, Timings
@@ -55,8 +52,6 @@ if TYPE_CHECKING:  # the engine imports MLX: not at start-up (see voxtral_mlx/en
 PROG = "voxtral-mlx"
 MODEL_ENV = "VOXTRAL_MLX_MODEL"
 MAX_TIMEOUT_S = 86400.0  # serve's --body-timeout and --send-timeout
-MAX_TEXT_BYTES = 64 << 20  # -f FILE or stdin: more is not text to speak
-READ_CHARS = 1 << 16  # --follow: at most this much read at a time (less if less came)
 SPLIT_NOTICE_CHARS = 500_000  # splitting takes ~1.7 s a million characters: say so first
 T = TypeVar("T")
 
@@ -247,221 +242,6 @@ def _text_as_option_hint(args: argparse.Namespace) -> str:
     return ""
 
 
-def _one_text_source(args: argparse.Namespace) -> None:
-    if args.file is not None and args.text:
-        raise InputError("give the text either as arguments or with -f FILE, not both")
-
-
-def _read_text(args: argparse.Namespace) -> str:
-    _one_text_source(args)
-    if args.file is not None:
-        if args.file == "-":
-            return _read_stdin()
-        try:
-            with open(args.file, "rb") as f:  # a FIFO is read like cat reads it
-                raw = f.read(MAX_TEXT_BYTES + 1)
-            _check_size(raw, f"text file {one_line(args.file)}")
-            return _decode_text(raw, f"text file {one_line(args.file)}")
-        except UnicodeDecodeError as e:
-            raise InputError(
-                f"text file {one_line(args.file)} is not {_encoding(e)} text; convert it first "
-                "(e.g. with iconv)"
-            ) from None
-        except OSError as e:
-            raise _text_file_error(args.file, e) from None
-    if args.text:
-        text = " ".join(args.text)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # bytes the locale could not decode (surrogate escapes)
-            raise InputError(
-                "the text given as arguments is not UTF-8; convert it first (e.g. with iconv)"
-            ) from None
-        return text
-    if sys.stdin is not None and not sys.stdin.isatty():
-        return _read_stdin()
-    raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
-
-
-def _text_source(args: argparse.Namespace) -> tuple[Callable[[], bytes | str], str]:
-    """For ``--follow``: a function returning what has arrived of the text (stdin or ``-f
-    FILE``, which may be a FIFO; empty at its end), opened now so that a wrong path fails
-    before the model loads, and the source's name. Read with ``os.read``: a thread left
-    blocked in a buffered read at exit holds its lock, which Python's shutdown waits for.
-    A FIFO is only checked now: opening it waits for its writer, and the model loads
-    meanwhile (its first read opens it)."""
-    if args.text:
-        raise InputError(
-            "--follow reads text as it arrives on stdin or from -f FILE; text given as "
-            "arguments is all there already: drop --follow"
-        )
-    if args.file is not None and args.file != "-":
-        name = f"text file {one_line(args.file)}"
-        try:
-            if stat.S_ISFIFO(os.stat(args.file).st_mode):
-                if not os.access(args.file, os.R_OK):
-                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-                return _read_fifo(args.file), name
-            fd = os.open(args.file, os.O_RDONLY)
-        except OSError as e:
-            raise _text_file_error(args.file, e) from None
-        return partial(_read_fd, fd, close=True), name
-    if sys.stdin is None:
-        raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
-    try:
-        fd = sys.stdin.fileno()
-    except (OSError, ValueError, AttributeError):  # a stdin of Python objects (embedded use)
-        return sys.stdin.readline, "stdin"
-    return partial(_read_fd, fd, close=False), "stdin"
-
-
-def _text_file_error(path: str, error: OSError) -> InputError:
-    what = f"text file {one_line(path)}"
-    if isinstance(error, FileNotFoundError):
-        return InputError(f"{what} not found: check the path")
-    return InputError(
-        f"cannot read {what}: {error.strerror}; pass a readable text file, or - for stdin"
-    )
-
-
-def _read_fifo(path: str) -> Callable[[], bytes]:
-    fd: int | None = None
-
-    def read() -> bytes:
-        nonlocal fd
-        if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise _text_file_error(path, e) from None
-        return _read_fd(fd, close=True)
-
-    return read
-
-
-def _read_fd(fd: int, *, close: bool) -> bytes:
-    data = os.read(fd, READ_CHARS)
-    if not data and close:
-        os.close(fd)
-    return data
-
-
-def _text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
-    """The text ``read`` returns as it arrives, decoded as :func:`_decode_text` decodes a
-    whole file (UTF-8, or UTF-16/32 by their byte-order mark; line ends made ``\n``)."""
-    head = b""  # the first bytes, until there are enough to tell a byte-order mark
-    decoder: codecs.IncrementalDecoder | None = None
-    held = ""  # a piece's final "\r": the next piece may start with its "\n"
-    first = True
-    failure: InputError | None = None
-    while failure is None:
-        try:
-            data = read()
-        except OSError as e:
-            raise InputError(f"cannot read {what}: {e.strerror}") from None
-        end = not data
-        if isinstance(data, str):  # a stdin of Python objects (embedded use): decoded already
-            text = data.removeprefix("\ufeff") if first else data
-        else:
-            if decoder is None:
-                head += data
-                if not end and any(len(head) < len(b) and b.startswith(head) for b in _WIDE_BOMS):
-                    continue  # a UTF-16/32 byte-order mark may be on its way
-                decoder, data = _incremental_decoder(head), head
-            try:
-                text = decoder.decode(data, final=end)
-            except UnicodeDecodeError as e:
-                failure = InputError(
-                    f"{what} is not {_encoding(e)} text; convert it first (e.g. with iconv)"
-                )
-                # The text before the bad bytes is spoken first (the error says so).
-                text, end = e.object[: e.start].decode(e.encoding), True
-                if first:  # the bytes given to the decoder may still hold the mark
-                    text = text.removeprefix("\ufeff")
-        first = False
-        if "\x00" in text:  # as in _decode_text
-            raise InputError(
-                f"{what} holds NUL bytes: it is not text, or UTF-16 without a byte-order "
-                "mark; convert it to UTF-8 first (e.g. iconv -f UTF-16LE -t UTF-8)"
-            )
-        text = held + text
-        held = "\r" if not end and text.endswith("\r") else ""
-        text = _one_newline(text[: len(text) - len(held)])
-        if text:
-            yield text
-        if end:
-            break
-    if failure is not None:
-        raise failure
-
-
-_WIDE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
-
-
-def _incremental_decoder(head: bytes) -> codecs.IncrementalDecoder:
-    if head.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
-        return codecs.getincrementaldecoder("utf-32")()
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-        return codecs.getincrementaldecoder("utf-16")()
-    return codecs.getincrementaldecoder("utf-8-sig")()
-
-
-def _decode_text(raw: bytes, what: str) -> str:
-    """A text file's bytes as text: UTF-8, or UTF-16 or UTF-32 when it starts with their
-    byte-order mark (Windows' "Unicode" text files are UTF-16). A UTF-8 byte-order mark is
-    dropped and line ends become ``\n``: neither is meant to be spoken, and a Windows file
-    must sound like the same text saved on a Mac (each ``\r`` would be a prompt token)."""
-    if raw.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):  # before UTF-16's
-        text = raw.decode("utf-32")
-    elif raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-        text = raw.decode("utf-16")
-    else:
-        text = raw.decode("utf-8-sig")  # editors that save a byte-order mark
-    if "\x00" in text:  # valid UTF-8, but no text has it: each would be a prompt token
-        raise InputError(
-            f"{what} holds NUL bytes: it is not text, or UTF-16 without a byte-order mark; "
-            "convert it to UTF-8 first (e.g. iconv -f UTF-16LE -t UTF-8)"
-        )
-    return _one_newline(text)
-
-
-def _encoding(error: UnicodeDecodeError) -> str:
-    """The encoding a text was read as, as its users name it (UTF-8, UTF-16, UTF-32)."""
-    return error.encoding.upper().replace("-SIG", "")[:6]
-
-
-def _one_newline(text: str) -> str:
-    return text.replace("\r\n", "\n").replace("\r", "\n")
-
-
-def _check_size(raw: bytes | str, what: str) -> None:
-    if len(raw) > MAX_TEXT_BYTES:
-        raise InputError(
-            f"{what} holds more than {MAX_TEXT_BYTES >> 20} MiB of text (a whole shelf of "
-            "books; or /dev/zero?): speak it in parts"
-        )
-
-
-def _read_stdin() -> str:
-    """stdin as UTF-8 whatever the locale says, like ``-f FILE`` (a byte-order mark dropped)."""
-    if sys.stdin is None:
-        raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
-    buffer = getattr(sys.stdin, "buffer", None)
-    try:
-        raw = (sys.stdin if buffer is None else buffer).read(MAX_TEXT_BYTES + 1)
-    except OSError as e:
-        raise InputError(f"cannot read stdin: {e.strerror}") from None
-    _check_size(raw, "stdin")
-    if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
-        return _one_newline(raw.removeprefix("\ufeff"))
-    try:
-        return _decode_text(raw, "stdin")
-    except UnicodeDecodeError as e:
-        raise InputError(
-            f"stdin is not {_encoding(e)} text; convert it first (e.g. with iconv)"
-        ) from None
-
-
 def _check_dtype(args: argparse.Namespace) -> None:
     from .loader import parse_dtype
 
@@ -605,11 +385,10 @@ def cmd_speak(args: argparse.Namespace) -> int:
         _print_voices(_load(args))
         return 0
     if args.follow:
-        _one_text_source(args)
-        source, source_name = _text_source(args)
-        text: Any = _text_pieces(source, source_name)
+        source, source_name = text_source(args.file, args.text)
+        text: Any = text_pieces(source, source_name)
     else:
-        text = _read_text(args)
+        text = read_text(args.file, args.text)
         from .segment import is_blank
 
         if is_blank(text):

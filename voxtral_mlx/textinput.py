@@ -1,0 +1,236 @@
+"""The text ``voxtral-mlx speak`` reads: its arguments, a file, stdin, or text still arriving
+(``--follow``), decoded as text editors save it (UTF-8, or UTF-16/32 by their byte-order
+mark; line ends made ``\\n``: a Windows file must sound like the same text saved on a Mac)."""
+
+from __future__ import annotations
+
+import codecs
+import errno
+import os
+import stat
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+
+from .errors import InputError
+from .fileio import one_line
+
+MAX_TEXT_BYTES = 64 << 20  # -f FILE or stdin: more is not text to speak
+READ_CHARS = 1 << 16  # --follow: at most this much read at a time (less if less came)
+_WIDE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+
+def read_text(file: str | None, words: Sequence[str]) -> str:
+    """The whole text: of ``-f FILE`` (``-``: stdin), else the words given as arguments,
+    else stdin when it is not a terminal."""
+    _one_source(file, words)
+    if file is not None:
+        if file == "-":
+            return _read_stdin()
+        what = f"text file {one_line(file)}"
+        try:
+            with open(file, "rb") as f:  # a FIFO is read like cat reads it
+                raw = f.read(MAX_TEXT_BYTES + 1)
+            _check_size(raw, what)
+            return decode_text(raw, what)
+        except UnicodeDecodeError as e:
+            raise InputError(
+                f"{what} is not {_encoding(e)} text; convert it first (e.g. with iconv)"
+            ) from None
+        except OSError as e:
+            raise _file_error(file, e) from None
+    if words:
+        text = " ".join(words)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the locale could not decode (surrogate escapes)
+            raise InputError(
+                "the text given as arguments is not UTF-8; convert it first (e.g. with iconv)"
+            ) from None
+        return text
+    if sys.stdin is not None and not sys.stdin.isatty():
+        return _read_stdin()
+    raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
+
+
+def text_source(file: str | None, words: Sequence[str]) -> tuple[Callable[[], bytes | str], str]:
+    """For ``--follow``: a function returning what has arrived of the text (stdin or ``-f
+    FILE``, which may be a FIFO; empty at its end), opened now so that a wrong path fails
+    before the model loads, and the source's name. Read with ``os.read``: a thread left
+    blocked in a buffered read at exit holds its lock, which Python's shutdown waits for.
+    A FIFO is only checked now: opening it waits for its writer, and the model loads
+    meanwhile (its first read opens it)."""
+    _one_source(file, words)
+    if words:
+        raise InputError(
+            "--follow reads text as it arrives on stdin or from -f FILE; text given as "
+            "arguments is all there already: drop --follow"
+        )
+    if file is not None and file != "-":
+        name = f"text file {one_line(file)}"
+        try:
+            if stat.S_ISFIFO(os.stat(file).st_mode):
+                if not os.access(file, os.R_OK):
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+                return _read_fifo(file), name
+            fd = os.open(file, os.O_RDONLY)
+        except OSError as e:
+            raise _file_error(file, e) from None
+        return partial(_read_fd, fd, close=True), name
+    if sys.stdin is None:
+        raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
+    try:
+        fd = sys.stdin.fileno()
+    except (OSError, ValueError, AttributeError):  # a stdin of Python objects (embedded use)
+        return sys.stdin.readline, "stdin"
+    return partial(_read_fd, fd, close=False), "stdin"
+
+
+def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
+    """The text ``read`` returns as it arrives, decoded as :func:`decode_text` decodes a
+    whole file; bytes that are not text end it with an error after the text before them."""
+    head = b""  # the first bytes, until there are enough to tell a byte-order mark
+    decoder: codecs.IncrementalDecoder | None = None
+    held = ""  # a piece's final "\r": the next piece may start with its "\n"
+    first = True
+    failure: InputError | None = None
+    while failure is None:
+        try:
+            data = read()
+        except OSError as e:
+            raise InputError(f"cannot read {what}: {e.strerror}") from None
+        end = not data
+        if isinstance(data, str):  # a stdin of Python objects (embedded use): decoded already
+            text = data.removeprefix("\ufeff") if first else data
+        else:
+            if decoder is None:
+                head += data
+                if not end and any(len(head) < len(b) and b.startswith(head) for b in _WIDE_BOMS):
+                    continue  # a UTF-16/32 byte-order mark may be on its way
+                decoder, data = _incremental_decoder(head), head
+            try:
+                text = decoder.decode(data, final=end)
+            except UnicodeDecodeError as e:
+                failure = InputError(
+                    f"{what} is not {_encoding(e)} text; convert it first (e.g. with iconv)"
+                )
+                # The text before the bad bytes is spoken first (the error says so).
+                text, end = e.object[: e.start].decode(e.encoding), True
+                if first:  # the bytes given to the decoder may still hold the mark
+                    text = text.removeprefix("\ufeff")
+        first = False
+        if "\x00" in text:
+            raise _nul_error(what)
+        text = held + text
+        held = "\r" if not end and text.endswith("\r") else ""
+        text = _one_newline(text[: len(text) - len(held)])
+        if text:
+            yield text
+        if end:
+            break
+    if failure is not None:
+        raise failure
+
+
+def decode_text(raw: bytes, what: str) -> str:
+    """A text file's bytes as text: UTF-8, or UTF-16 or UTF-32 when it starts with their
+    byte-order mark (Windows' "Unicode" text files are UTF-16). A UTF-8 byte-order mark is
+    dropped and line ends become ``\\n``: neither is meant to be spoken (each ``\\r`` would
+    be a prompt token)."""
+    if raw.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):  # before UTF-16's
+        text = raw.decode("utf-32")
+    elif raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        text = raw.decode("utf-16")
+    else:
+        text = raw.decode("utf-8-sig")  # editors that save a byte-order mark
+    if "\x00" in text:  # valid UTF-8, but no text has it: each would be a prompt token
+        raise _nul_error(what)
+    return _one_newline(text)
+
+
+def _one_source(file: str | None, words: Sequence[str]) -> None:
+    if file is not None and words:
+        raise InputError("give the text either as arguments or with -f FILE, not both")
+
+
+def _file_error(path: str, error: OSError) -> InputError:
+    what = f"text file {one_line(path)}"
+    if isinstance(error, FileNotFoundError):
+        return InputError(f"{what} not found: check the path")
+    return InputError(
+        f"cannot read {what}: {error.strerror}; pass a readable text file, or - for stdin"
+    )
+
+
+def _nul_error(what: str) -> InputError:
+    return InputError(
+        f"{what} holds NUL bytes: it is not text, or UTF-16 without a byte-order mark; "
+        "convert it to UTF-8 first (e.g. iconv -f UTF-16LE -t UTF-8)"
+    )
+
+
+def _read_fifo(path: str) -> Callable[[], bytes]:
+    fd: int | None = None
+
+    def read() -> bytes:
+        nonlocal fd
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise _file_error(path, e) from None
+        return _read_fd(fd, close=True)
+
+    return read
+
+
+def _read_fd(fd: int, *, close: bool) -> bytes:
+    data = os.read(fd, READ_CHARS)
+    if not data and close:
+        os.close(fd)
+    return data
+
+
+def _incremental_decoder(head: bytes) -> codecs.IncrementalDecoder:
+    if head.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return codecs.getincrementaldecoder("utf-32")()
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return codecs.getincrementaldecoder("utf-16")()
+    return codecs.getincrementaldecoder("utf-8-sig")()
+
+
+def _encoding(error: UnicodeDecodeError) -> str:
+    """The encoding a text was read as, as its users name it (UTF-8, UTF-16, UTF-32)."""
+    return error.encoding.upper().replace("-SIG", "")[:6]
+
+
+def _one_newline(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _check_size(raw: bytes | str, what: str) -> None:
+    if len(raw) > MAX_TEXT_BYTES:
+        raise InputError(
+            f"{what} holds more than {MAX_TEXT_BYTES >> 20} MiB of text (a whole shelf of "
+            "books; or /dev/zero?): speak it in parts"
+        )
+
+
+def _read_stdin() -> str:
+    """stdin as UTF-8 whatever the locale says, like ``-f FILE`` (a byte-order mark dropped)."""
+    if sys.stdin is None:
+        raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
+    buffer = getattr(sys.stdin, "buffer", None)
+    try:
+        raw = (sys.stdin if buffer is None else buffer).read(MAX_TEXT_BYTES + 1)
+    except OSError as e:
+        raise InputError(f"cannot read stdin: {e.strerror}") from None
+    _check_size(raw, "stdin")
+    if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
+        return _one_newline(raw.removeprefix("\ufeff"))
+    try:
+        return decode_text(raw, "stdin")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"stdin is not {_encoding(e)} text; convert it first (e.g. with iconv)"
+        ) from None
