@@ -287,7 +287,7 @@ def test_bad_pause_is_an_input_error_when_the_stream_is_made(pause):
 
 def test_a_failed_segment_reaches_say_wait_and_stops_the_others():
     """An error in generation is not a stop() by the user: say()'s wait() re-raises it."""
-    from voxtral_mlx.tts import Playback
+    from voxtral_mlx.playback import Playback
 
     made: list[FakeJob] = []
 
@@ -322,7 +322,7 @@ def test_a_failed_segment_reaches_say_wait_and_stops_the_others():
 
 def test_an_error_before_stop_is_still_reported_by_wait():
     """stop() silences what it causes itself, not a failure that came before it."""
-    from voxtral_mlx.tts import Playback
+    from voxtral_mlx.playback import Playback
 
     class Player:
         stopped = False
@@ -367,7 +367,7 @@ def test_jobs_generated_ahead_are_marked_until_the_consumer_reaches_them():
 def test_a_player_whose_stop_fails_too_reports_the_first_error_and_wait_repeats_it():
     """The device went away: feed() and then stop() raise. stop()'s error escaped the
     playback thread as a traceback on stderr, and each wait() grew the error's traceback."""
-    from voxtral_mlx.tts import Playback
+    from voxtral_mlx.playback import Playback
 
     class Player:
         def feed(self, audio, **_):
@@ -398,7 +398,7 @@ def test_a_player_whose_stop_fails_too_reports_the_first_error_and_wait_repeats_
 
 
 def test_waiting_for_playback_on_the_model_worker_raises_instead_of_hanging():
-    from voxtral_mlx.tts import Playback
+    from voxtral_mlx.playback import Playback
     from voxtral_mlx.worker import worker_wait_error
 
     def refuse():

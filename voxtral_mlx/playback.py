@@ -1,0 +1,85 @@
+"""Speech playing in the background, as ``VoxtralTTS.say(wait=False)`` returns it: a thread
+feeding a text stream's audio to a player, with ``stop()`` and ``wait()``."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from .textstream import TextStream
+
+
+class Playback:
+    """Speech playing in the background: ``stop()`` silences it within 200 ms, ``wait()``
+    blocks until the last sample has played (re-raising any error)."""
+
+    def __init__(
+        self,
+        stream: TextStream,
+        player: Any,
+        horizon: Callable[[], Callable] | None = None,
+        refuse_wait: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.stream = stream
+        self.player = player
+        self._horizon = horizon  # makes the per-chunk expected_total_s (for AudioPlayer)
+        self._refuse_wait = refuse_wait  # raises on the model's worker thread
+        self.error: BaseException | None = None  # raised before stop(), if any
+        self._error_tb: TracebackType | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="voxtral-mlx-say", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.stream.prepare()
+            if self._stopped:  # while the text was being split
+                return
+            # Made here, not in say(): it tokenizes every segment (a chapter's worth).
+            horizon = self._horizon() if self._horizon is not None else None
+            for chunk in self.stream:
+                if self._stopped:
+                    break
+                if not len(chunk.audio):
+                    continue
+                if horizon is None:
+                    self.player.feed(chunk.audio)
+                else:
+                    self.player.feed(chunk.audio, expected_total_s=horizon(chunk))
+            if not self._stopped:  # a stopped player has nothing left to play out
+                self.player.finish()
+        except BaseException as e:  # handed to wait()
+            if not self._stopped:  # what stop() itself causes is not an error
+                self.error, self._error_tb = e, e.__traceback__
+            self.stream.cancel()  # e.g. the device went away: stop generating too
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                if e is self.stream.text_error and not self._stopped:
+                    self.player.finish()  # live text failed: what came before it is heard
+                else:
+                    self.player.stop()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.stream.cancel()
+        self.player.stop()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once playback has ended (False on timeout). Ctrl-C stops playback."""
+        if not self.done:
+            self._refuse_wait()
+        try:
+            self._thread.join(timeout)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        if self.error is not None:
+            # As it was first raised: re-raising the same object would grow its traceback.
+            raise self.error.with_traceback(self._error_tb)
+        return self.done
