@@ -4,12 +4,16 @@ it are generated beside it and arrive in a burst when it ends)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from test_player import FRAME, FRAME_S, SR, FakeClock, frame, make_player
 
 from voxtral_mlx.audio.horizon import TOKENIZED_AHEAD, PlaybackHorizon
+from voxtral_mlx.playback import Playback
 
 SEGMENTS = 3
 FRAMES = 25  # per segment (2 s): --max-frames 25
@@ -175,3 +179,47 @@ def test_live_text_whose_segment_ended_early_plays_what_came_while_the_text_stal
     horizon = PlaybackHorizon(fake_tts(), stream, FRAMES, 0.25, started=0.0)
     got = horizon(live_chunk(0, ends_segment=True), now=1.0)
     assert got == pytest.approx(FRAME_S + 0.25 + 0.9)
+
+
+def test_an_empty_last_chunk_of_a_live_segment_still_starts_what_came():
+    """END on a frame of its own (``chunk_frames=1``, as speak and say stream) makes a
+    segment's last chunk empty: it must still reach the horizon and the player, or what
+    came waits in the pre-roll for as long as the text stalls."""
+    clock = FakeClock(0.0)
+    player, sd = make_player(clock)
+    text_comes = threading.Event()
+
+    class LiveStream:
+        live, text_error, ahead_s = True, None, 0.0
+
+        def __init__(self):
+            self.segments = [SimpleNamespace(spoken="word " * 20, pause_after=0.5)]  # 2 s
+            self.timings = SimpleNamespace(audio_s=0.0)
+
+        def prepare(self):
+            pass
+
+        def cancel(self):
+            text_comes.set()
+
+        def __iter__(self):
+            for _ in range(5):  # 0.4 s at 0.5x real time, then END
+                clock.advance(2 * FRAME_S)
+                yield SimpleNamespace(audio=frame(0), segment=0, ends_segment=False)
+            yield SimpleNamespace(audio=np.zeros(0, np.float32), segment=0, ends_segment=True)
+            text_comes.wait(30)  # the rest of the text has yet to come
+
+    stream = LiveStream()
+
+    def horizon():
+        return PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=0.0)
+
+    playback = Playback(stream, player, horizon)
+    try:
+        deadline = time.monotonic() + 10
+        while not sd.streams[0].active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sd.streams[0].active and not text_comes.is_set()
+        assert player.buffered_s == pytest.approx(5 * FRAME_S)
+    finally:
+        playback.stop()

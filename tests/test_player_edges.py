@@ -420,3 +420,49 @@ def test_unknown_and_ambiguous_device_names_are_one_line_errors(tiny_checkpoint,
     assert "ambiguous" in err and "voxtral_record" in err and "voxtral_null" in err
     err = one_line_error(run("speak", "-m", str(tiny_checkpoint), "-a", "nope", "Hi.", env=env))
     assert "'nope'" in err and "available:" in err and "voxtral_record" in err
+
+
+def test_speak_feeds_a_live_segments_empty_last_chunk_to_the_player(monkeypatch, capsys):
+    """END on a frame of its own leaves a segment's last chunk empty: speak must still hand
+    it to the player with the horizon it implies (the audio fed: no text after it yet), or
+    what came waits in the pre-roll while the text stalls."""
+    feeds: list[tuple[int, float | None]] = []
+
+    class Player:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def feed(self, audio, expected_total_s=None):
+            feeds.append((len(audio), expected_total_s))
+
+        def finish(self):
+            pass
+
+        def stop(self):
+            pass
+
+    class LiveStream:
+        live, text_error, ahead_s = True, None, 0.0
+
+        def __init__(self):
+            self.segments = [SimpleNamespace(spoken="word " * 20, pause_after=0.5)]
+            self.timings = SimpleNamespace(audio_s=0.0, frames=0, cut_short=0)
+
+        def __iter__(self):
+            for i in range(5):
+                self.timings.frames += 1
+                yield SimpleNamespace(audio=frame(i), segment=0, ends_segment=False)
+            yield SimpleNamespace(audio=np.zeros(0, np.float32), segment=0, ends_segment=True)
+
+        def cancel(self):
+            pass
+
+    tts = _FakeTTS(LiveStream())
+    tts.samples_per_frame = 1920
+    monkeypatch.setattr(cli, "_load", lambda args: tts)
+    monkeypatch.setattr("voxtral_mlx.audio.player.AudioPlayer", Player)
+    assert cli.main(["speak", "-m", "fake", "--max-frames", "25", "Hello."]) == 0, (
+        capsys.readouterr().err
+    )
+    assert [n for n, _ in feeds] == [1920] * 5 + [0]
+    assert feeds[-1][1] == pytest.approx(5 * 0.08)  # was never told: 2 s guessed

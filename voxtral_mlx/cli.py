@@ -474,8 +474,10 @@ def cmd_speak(args: argparse.Namespace) -> int:
                         file_writer.write(chunk.audio)
                 for sink in sinks:
                     sink(chunk.audio)
-                if player is not None:
-                    player.feed(chunk.audio, expected_total_s=horizon(chunk))
+            # A segment's last chunk is empty when END has a frame of its own: the horizon
+            # must still learn that the segment is over (live text may stall after it).
+            if player is not None and (len(chunk.audio) or chunk.ends_segment):
+                player.feed(chunk.audio, expected_total_s=horizon(chunk))
             if progress is not None:
                 progress.update(chunk, stream.timings)
         if stream.timings.frames == 0:  # nothing to keep: no empty file is left behind

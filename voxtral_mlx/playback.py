@@ -43,11 +43,10 @@ class Playback:
             for chunk in self.stream:
                 if self._stopped:
                     break
-                if not len(chunk.audio):
-                    continue
                 if horizon is None:
-                    self.player.feed(chunk.audio)
-                else:
+                    if len(chunk.audio):
+                        self.player.feed(chunk.audio)
+                elif len(chunk.audio) or chunk.ends_segment:  # as in speak's loop
                     self.player.feed(chunk.audio, expected_total_s=horizon(chunk))
             if not self._stopped:  # a stopped player has nothing left to play out
                 self.player.finish()
