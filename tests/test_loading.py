@@ -217,6 +217,41 @@ def test_the_twenty_voices(tiny_tts) -> None:
     assert tiny_tts.tokenizer.voice_num_audio_tokens == REAL_VOICES
 
 
+def test_a_missing_or_broken_default_voice_is_an_error_not_another_voice(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """Without casual_male (deleted, or a Hub cache's link to a deleted blob) a request
+    naming no voice fails saying so; it used to be spoken by the first voice by name
+    (ar_male), silently. Named voices still speak; `voices` lists them."""
+    import os
+    import shutil
+
+    from voxtral_mlx.errors import VoiceError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    default = model / "voice_embedding" / "casual_male.pt"
+    default.unlink()
+    tts = voxtral_mlx.load(model, prefix_cache_dir=None)
+    try:
+        with pytest.raises(VoiceError, match=r"has no voice 'casual_male', the default one: "):
+            tts.default_voice  # noqa: B018
+        for call in (lambda: tts.synthesize("Hi.", max_frames=1), tts.warmup):
+            with pytest.raises(VoiceError, match="name a voice"):
+                call()
+        assert tts.synthesize("Hi.", "ar_male", max_frames=1).voice == "ar_male"
+    finally:
+        tts.close()
+    os.symlink(tmp_path / "deleted-blob", default)
+    tts = voxtral_mlx.load(model, prefix_cache_dir=None)
+    try:
+        assert tts.default_voice == "casual_male"
+        with pytest.raises(VoiceError, match=r"symbolic link.*restore it from the checkpoint"):
+            tts.synthesize("Hi.", max_frames=1)
+    finally:
+        tts.close()
+
+
 def test_voice_embeddings_have_the_tekken_row_counts(tiny_tts) -> None:
     for name in ("ar_male", "neutral_female"):
         assert tiny_tts.voices.embedding(name).shape == (REAL_VOICES[name], 64)

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import httpx
 import numpy as np
@@ -678,8 +679,11 @@ def test_server_errors_are_json_without_details():
         future.set_exception(RuntimeError("secret internal detail"))
         return future
 
+    class Voices(dict):
+        broken: ClassVar[dict] = {}
+
     fake = SimpleNamespace(
-        voices={"casual_male": SimpleNamespace(language="en")},
+        voices=Voices(casual_male=SimpleNamespace(language="en")),
         default_voice="casual_male",
         load_voice=lambda name: name,
         sample_rate=SR,
@@ -745,6 +749,46 @@ def test_a_voice_whose_file_is_unusable_is_not_offered_and_fails_as_the_servers_
     finally:
         tts.close()
     assert not marker.exists()
+
+
+def test_a_model_without_its_default_voice_serves_requests_that_name_one(tiny_checkpoint, tmp_path):
+    """No casual_male: `serve` warms up another voice and starts; a request naming no voice
+    is told to name one (no other voice speaks in its place). casual_male as a dangling
+    link: such a request is the server's fault, as for any unusable file."""
+    import os
+    import shutil
+
+    from starlette.testclient import TestClient
+
+    from voxtral_mlx.cli import _warmup_voice
+    from voxtral_mlx.server import ServerConfig, create_app
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    default = model / "voice_embedding" / "casual_male.pt"
+    for damage in ("absent", "dangling"):
+        default.unlink(missing_ok=True)
+        if damage == "dangling":
+            os.symlink(tmp_path / "deleted-blob", default)
+        tts = voxtral_mlx.load(model, prefix_cache_dir=None)
+        try:
+            assert _warmup_voice(tts) == "ar_male"
+            app = create_app(tts, ServerConfig(max_frames=3))
+            with TestClient(app, raise_server_exceptions=False) as tc:
+                listed = [v["id"] for v in tc.get("/v1/audio/voices").json()["data"]]
+                assert "casual_male" not in listed and "ar_male" in listed
+                r = tc.post("/v1/audio/speech", json={"input": "Hi."})
+                if damage == "absent":
+                    error = _assert_openai_error(r, 400, "voice")
+                    assert "voice is required" in error["message"]
+                else:
+                    error = _assert_openai_error(r, 500)
+                    assert "voice 'casual_male' is unavailable" in error["message"]
+                body = {"input": "Hi.", "voice": "ar_male", "response_format": "wav"}
+                r = tc.post("/v1/audio/speech", json=body)
+                assert r.status_code == 200 and sf.info(io.BytesIO(r.content)).frames > 0
+        finally:
+            tts.close()
 
 
 def test_a_request_stopped_by_the_model_is_a_logged_500_and_bad_input_a_400(caplog):

@@ -286,7 +286,8 @@ def _weights_summary(tts) -> str:
 def _print_voices(tts) -> None:
     from .voices import LANGUAGE_NAMES, unreadable
 
-    tts.default_voice  # noqa: B018 - raises the one-line "no voices" error for an empty list
+    if not tts.voices and not tts.voices.broken:
+        tts.default_voice  # noqa: B018 - raises the one-line "no voices" error
     damaged = []
     for name in sorted(tts.voices):
         try:  # a voice file is a megabyte or two: read each, list only what speak can use
@@ -873,8 +874,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
         raise
     tts.engine.max_batch = args.max_batch
-    if not args.no_warmup:  # the first clients must not wait for compilation or page-ins
-        seconds = _interruptibly(lambda: tts.warmup().result())  # Ctrl-C on macOS too
+    voice = None if args.no_warmup else _warmup_voice(tts)
+    if voice is not None:  # the first clients must not wait for compilation or page-ins
+        seconds = _interruptibly(lambda: tts.warmup(voice).result())  # Ctrl-C on macOS too
         if args.log_level in ("info", "debug"):
             _info(f"{PROG}: warmed up in {seconds:.1f} s")
     local = Path(args.model)
@@ -903,6 +905,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # and joining the worker thread right before exit can abort the process in MLX's
     # teardown ("terminate called without an active exception").
     return 0
+
+
+def _warmup_voice(tts) -> str | None:
+    """The voice ``serve`` warms up: the default one, else the first that can be used (the
+    server offers the others; a damaged file is the log's to report, not a reason not to
+    start)."""
+    from .tts import DEFAULT_VOICE
+
+    for name in [DEFAULT_VOICE, *(v for v in tts.voices if v != DEFAULT_VOICE)]:
+        if name in tts.voices:
+            try:
+                return tts.load_voice(name)
+            except VoxtralError:
+                continue
+    return None
 
 
 def _given(what: str, fix: str = "give a path") -> Callable[[str], str]:

@@ -31,7 +31,7 @@ from .engine import (
     finite_float,
     not_finite_error,
 )
-from .errors import InputError, VoxtralError
+from .errors import InputError, VoiceError, VoxtralError
 from .fileio import one_line
 from .generate import NoiseSource, Sequence, to_numpy
 from .livetext import LiveText, is_text_pieces
@@ -306,14 +306,21 @@ class VoxtralTTS:
 
     @property
     def default_voice(self) -> str:
-        if DEFAULT_VOICE in self.voices:
+        """The voice used when none is named: ``casual_male``, as in Mistral's release. A
+        model without it has no default (another voice would speak in another language or
+        manner unasked); a damaged file of it is reported when it is used."""
+        if DEFAULT_VOICE in self.voices or DEFAULT_VOICE in self.voices.broken:
             return DEFAULT_VOICE
         if not self.voices:
             raise InputError(
                 f"{self.path} has no voices in voice_embedding/: copy the checkpoint's "
                 "voice_embedding folder there"
             )
-        return sorted(self.voices)[0]
+        names = one_line(", ".join(self.voices), 400)
+        raise VoiceError(
+            f"{one_line(str(self.path))} has no voice {DEFAULT_VOICE!r}, the default one: "
+            f"name a voice (-v on the command line, voice= in Python): {names}"
+        )
 
     def _voice(self, voice: str | None) -> Voice:
         return self.voices.get_voice(self.default_voice if voice is None else voice)

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..errors import VoxtralError
 from ..textstream import AsyncTextStream
 from ..tts import DEFAULT_MAX_FRAMES, SYNTH_CHUNK_FRAMES, VoxtralTTS
-from ..voices import LANGUAGE_NAMES
+from ..voices import LANGUAGE_NAMES, unreadable
 from .errors import (
     APIError,
     bad_request,
@@ -121,7 +121,14 @@ class SpeechAPI:
             except VoxtralError as e:
                 self.unusable[name] = str(e)
                 log.warning("voice %r is unusable and not offered: %s", name, e)
+        for name, path in tts.voices.broken.items():  # not files at all (a dangling link)
+            self.unusable[name] = f"voice {name!r}: {unreadable(path)}"
+            log.warning("voice %r is unusable and not offered: %s", name, unreadable(path))
         self.usable = {n: v for n, v in tts.voices.items() if n not in self.unusable}
+        try:
+            self.default_voice: str | None = tts.default_voice
+        except VoxtralError:  # a model without casual_male: requests must name a voice
+            self.default_voice = None
 
     async def shutdown(self, grace: float, hurry: Callable[[], bool] = lambda: False) -> None:
         """Let speech requests in progress finish for ``grace`` seconds (or until ``hurry()``
@@ -171,7 +178,7 @@ class SpeechAPI:
             error.headers["Connection"] = "close"  # the rest of the body may still come
             raise error
         req = parse_speech_request(
-            body, self.tts.voices, self.tts.default_voice, self.config.max_input_chars
+            body, self.tts.voices, self.default_voice, self.config.max_input_chars
         )
         if req.voice in self.unusable:  # named, or the default voice
             raise server_error(

@@ -70,8 +70,14 @@ def voice_aliases(voices: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-def resolve_voice(value: Any, voices: Mapping[str, Any], default: str) -> str:
+def resolve_voice(value: Any, voices: Mapping[str, Any], default: str | None) -> str:
     if value is None:
+        if default is None:
+            raise bad_request(
+                "voice is required: this server's model has no default voice; name one "
+                "(GET /v1/audio/voices lists them)",
+                "voice",
+            )
         return default
     if isinstance(value, dict) and set(value) == {"id"}:
         value = value["id"]
@@ -172,7 +178,7 @@ def _json_type(value: Any) -> str:
 
 
 def parse_speech_request(
-    body: Any, voices: Mapping[str, Any], default_voice: str, max_chars: int
+    body: Any, voices: Mapping[str, Any], default_voice: str | None, max_chars: int
 ) -> SpeechRequest:
     """Check a decoded JSON body; :class:`APIError` (400) names the first problem."""
     if not isinstance(body, dict):
