@@ -798,6 +798,36 @@ def test_an_interrupt_right_after_the_output_is_in_place_says_it_is_complete(
     assert (out / "params.json").is_file()
 
 
+@pytest.mark.parametrize("command", ["random-checkpoint", "convert", "convert-voices"])
+def test_an_interrupt_as_the_written_output_is_handed_back_says_it_is_complete(
+    model_dir, tmp_path, monkeypatch, capsys, command
+):
+    """A signal landing after the write has returned, before signals are held (the exit of
+    a context manager, here the call that starts holding them), said "interrupted" alone
+    for a complete conversion (seen about once in ten Ctrl-Cs sent as it finished)."""
+    from voxtral_mlx import cli
+
+    def interrupted_here():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "hold_from_now", interrupted_here)
+    out = tmp_path / "out"
+    args = {
+        "random-checkpoint": ["random-checkpoint", str(out), "--size", "tiny"],
+        "convert": ["convert", str(model_dir), "-o", str(out), "--q-bits", "8"],
+        "convert-voices": ["convert-voices", str(model_dir / "voice_embedding"), "-o", str(out)],
+    }[command]
+    assert cli.main(args) == 130
+    err = capsys.readouterr().err
+    said = (
+        "interrupted after the command had finished (its output is complete)"
+        if command == "convert-voices"
+        else f"interrupted after {out} was written (it is complete)"
+    )
+    assert err == f"voxtral-mlx: error: {said}\n"
+    assert (out / "params.json").is_file() or len(list(out.glob("*.safetensors"))) == 20
+
+
 def test_an_interrupt_while_the_finished_audio_file_is_flushed_says_it_is_complete(
     model_dir, tmp_path
 ):

@@ -164,3 +164,28 @@ def test_a_command_takes_over_from_exit_on_signals():
         """
     )
     assert proc.returncode == 0 and proc.stdout == "cleaned up\n", proc
+
+
+def test_a_signal_as_a_finished_command_hands_back_its_handlers_says_it_had_finished():
+    """Restoring the handlers a command took over (Python runs a pending signal's handler
+    inside each ``signal.signal``) used to give a signal arriving then start-up's "error:
+    interrupted", exit 130, for a conversion that was complete (the caller installs its
+    "after the command had finished" handler only once the command has returned)."""
+    proc = _child(
+        """
+        import signal
+        from voxtral_mlx import interrupts
+        interrupts.exit_on_signals("voxtral-mlx: error: interrupted")
+        real_signal = signal.signal
+        def restoring(sig, handler):  # a signal comes in while the handlers are put back
+            real_signal(sig, handler)
+            if sig == signal.SIGINT and handler in interrupts._QUICK_EXITS:
+                signal.raise_signal(signal.SIGINT)
+        with interrupts.catching_termination():
+            signal.signal = restoring
+            interrupts.hold_from_now()
+        print("not reached")
+        """
+    )
+    assert proc.returncode == 128 + signal.SIGINT and "reached" not in proc.stdout, proc
+    assert proc.stderr == "voxtral-mlx: error: interrupted after the command had finished\n"

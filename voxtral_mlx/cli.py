@@ -36,6 +36,7 @@ from .errors import (
 )
 from .fileio import one_line
 from .interrupts import (
+    FINISHED,
     Terminated,
     default_signals,
     exit_on_signals,
@@ -704,8 +705,14 @@ def cmd_convert_voices(args: argparse.Namespace) -> int:
     from .voices import convert_voice_files
 
     sources = [Path(s) for s in args.sources]
-    written = convert_voice_files(sources, Path(args.output), overwrite=args.force)
-    hold_from_now()
+    written: list[Path] | None = None
+    try:
+        written = convert_voice_files(sources, Path(args.output), overwrite=args.force)
+        hold_from_now()
+    except KeyboardInterrupt as e:  # once they are all written, the command did its job
+        if written is not None and getattr(e, "detail", None) is None:
+            e.detail = f"interrupted {FINISHED} (its output is complete)"
+        raise
     for path in written:
         _out(str(path))
     return 0
@@ -719,20 +726,23 @@ def _identity(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-@contextlib.contextmanager
-def _reported_if_written(output: str) -> Iterator[None]:
-    """An interrupt that lands after the finished directory was renamed into place (a new
-    directory where ``output`` was) says so: the command did its job."""
+def _written_then_held(output: str, write: Callable[[], T]) -> T:
+    """Run ``write``, which renames a finished directory into place at ``output``, and hold
+    signals back once it has returned. An interrupt that lands after the rename says so:
+    the command did its job. (As a context manager this left a gap, in its ``__exit__``,
+    where a finished conversion was reported as "interrupted" alone.)"""
     from .output_dir import written_detail
 
     before = _identity(output)
     try:
-        yield
+        result = write()
+        hold_from_now()
     except KeyboardInterrupt as e:
         after = _identity(output)
         if getattr(e, "detail", None) is None and after is not None and after != before:
             e.detail = written_detail(output)
         raise
+    return result
 
 
 @terminable
@@ -746,8 +756,9 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> int:
             raise InputError(f"{flag} must be between 1 and {MAX_LAYERS}, got {value}")
     params = make_params(args.size, n_layers=args.layers, flow_layers=args.flow_layers)
     t0 = time.perf_counter()
-    with _reported_if_written(args.output):
-        out = build_random_checkpoint(
+    out = _written_then_held(
+        args.output,
+        lambda: build_random_checkpoint(
             args.output,
             params,
             seed=args.seed,
@@ -755,8 +766,8 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> int:
             voice_format=args.voice_format,
             suppress_end=args.suppress_end,
             force=args.force,
-        )
-    hold_from_now()
+        ),
+    )
     vocab = (
         "the real text vocabulary, from mistral-common"
         if mistral_common_tekken_path() is not None
@@ -785,8 +796,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with _downloads_reported(args):
         model = _fetch_to_convert(args)
-    with _reported_if_written(args.output):
-        result = convert_model(
+    result = _written_then_held(
+        args.output,
+        lambda: convert_model(
             model,
             args.output,
             q_bits=args.q_bits,
@@ -795,8 +807,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             force=args.force,
             progress=progress,
-        )
-    hold_from_now()
+        ),
+    )
     what = f"{len(result.quantized)} quantized layers" if result.quantized else "unquantized"
     n = len(result.voices)
     voices = f"{n} voice{'s' if n != 1 else ''}" if n else "no voices"
@@ -1276,7 +1288,7 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         return args.func(args)
     finally:
         if own_process:  # the command is over: its output kept or removed
-            exit_on_signals(f"{PROG}: error: interrupted after the command had finished")
+            exit_on_signals(f"{PROG}: error: interrupted {FINISHED}")
 
 
 def _exit_now(code: int) -> None:

@@ -40,6 +40,7 @@ FORCE_AFTER_S = 3.0  # a signal this long after the first one ends the process a
 _UNSAFE_FILES = frozenset(m.__file__ for m in (weakref, _weakrefset))
 _SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 _QUICK_EXITS: set[Any] = set()  # handlers of exit_on_signals()
+FINISHED = "after the command had finished"  # what a signal once a command is over says
 
 
 class Terminated(KeyboardInterrupt):
@@ -202,11 +203,15 @@ def catching_termination() -> Iterator[None]:
         if hooked:
             sys.unraisablehook = _State.previous_hook
         for sig, previous in installed.items():
+            if finished and previous in _QUICK_EXITS:
+                # The command did its job: a signal from now on must not say "interrupted"
+                # alone, as start-up's handler does (the caller installs the same after).
+                previous = _after_finishing(previous)
             signal.signal(sig, previous)
         late = _State.pending if _State.raised_at is None else None
         _State.reset()
     if finished and late is not None:
-        late.detail = "interrupted after the command had finished (its output is complete)"
+        late.detail = f"interrupted {FINISHED} (its output is complete)"
         raise late
 
 
@@ -223,6 +228,17 @@ def exit_on_signals(message: str) -> None:
         sig = getattr(signal, name, None)
         if sig is not None and _replaceable(signal.getsignal(sig)):
             signal.signal(sig, handler)
+
+
+def _after_finishing(quick: functools.partial) -> functools.partial:
+    """``quick`` (an :func:`exit_on_signals` handler) saying the command had finished."""
+    message: bytes = quick.args[0]
+    suffix = f" {FINISHED}\n".encode()
+    if message.endswith(suffix):
+        return quick
+    handler = functools.partial(_exit_at_once, message.removesuffix(b"\n") + suffix)
+    _QUICK_EXITS.add(handler)
+    return handler
 
 
 def default_signals() -> None:
