@@ -751,7 +751,7 @@ def test_a_second_process_reuses_the_voice_prefix_from_disk(model_dir, reference
     "argv, words",
     [
         (["speak", "Hi.", "-o", ""], "-o FILE is empty (an unset shell variable?)"),
-        (["speak", "Hi.", "-m", " "], "the model (-m) is empty"),
+        (["speak", "Hi.", "-m", " "], "the model (-m, or $VOXTRAL_MLX_MODEL) is empty"),
         (["convert-voices", "x.pt", "-o", ""], "-o OUT_DIR is empty"),
         (["convert-voices", "", "-o", "out"], "SRC is empty"),
         (["random-checkpoint", ""], "OUT_DIR is empty"),

@@ -55,6 +55,7 @@ MODEL_ENV = "VOXTRAL_MLX_MODEL"
 MAX_TIMEOUT_S = 86400.0  # serve's --body-timeout and --send-timeout
 SPLIT_NOTICE_CHARS = 500_000  # splitting takes ~1.7 s a million characters: say so first
 T = TypeVar("T")
+_STDOUT_FIX = "check the file or pipe stdout goes to (a full disk?)"
 
 
 def _default_model() -> str:
@@ -219,7 +220,7 @@ def _out(line: str) -> None:
     except BrokenPipeError:
         raise
     except OSError as e:
-        raise StdoutError(f"writing to stdout failed: {e.strerror or e}") from None
+        raise StdoutError(f"writing to stdout failed: {e.strerror or e}; {_STDOUT_FIX}") from None
 
 
 _ATTACHED_OPTIONS = (
@@ -1010,7 +1011,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "-m",
             "--model",
-            type=_given("the model (-m)", "give a directory or a Hugging Face repo id"),
+            type=_given(
+                f"the model (-m, or ${MODEL_ENV})", "give a directory or a Hugging Face repo id"
+            ),
             default=_default_model(),
             help=f"local directory or Hugging Face repo (default: ${MODEL_ENV} or "
             "mistralai/Voxtral-4B-TTS-2603)",
@@ -1278,7 +1281,7 @@ def main(argv: Sequence[str] | None = None, own_process: bool | None = None) -> 
     if isinstance(error, BrokenPipeError):
         return 141
     if error is not None:
-        _err(f"writing to stdout failed: {error.strerror or error}")
+        _err(f"writing to stdout failed: {error.strerror or error}; {_STDOUT_FIX}")
         return 1
     return code
 
