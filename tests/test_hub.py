@@ -810,7 +810,51 @@ def test_a_repo_is_listed_in_one_request_without_retries(
         "model_info",
         lambda repo_id, **kw: SimpleNamespace(siblings=siblings, sha=COMMIT),
     )
-    assert hub_module._list_files("someone/voxtral-tts") == (names, COMMIT)
+    assert hub_module._list_files("someone/voxtral-tts") == (dict.fromkeys(names), COMMIT)
+
+
+def test_a_download_the_disk_has_no_room_for_is_refused_before_it_begins(
+    fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The listing tells each file's size: 8 GB of weights on a disk with less free fails
+    at once, in one line (it failed gigabytes in, keeping the partial files); with room,
+    or sizes not told, the download goes ahead."""
+    from types import SimpleNamespace
+
+    sizes = {"params.json": 2_000, "tekken.json": 15_000_000, "consolidated.safetensors": 8e9}
+    calls: list[dict] = []
+
+    def model_info(repo_id, **kwargs):
+        calls.append(kwargs)
+        return SimpleNamespace(
+            siblings=[SimpleNamespace(rfilename=n, size=int(b)) for n, b in sizes.items()],
+            sha=COMMIT,
+        )
+
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    monkeypatch.chdir(tmp_path)
+    free = {"bytes": 3e9}
+    monkeypatch.setattr(
+        hub_module.shutil, "disk_usage", lambda path: SimpleNamespace(free=int(free["bytes"]))
+    )
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model_dir(DEFAULT_REPO)
+    assert str(e.value).startswith(f"{DEFAULT_REPO} needs 8.0 GB more in the Hugging Face cache")
+    assert "its disk has 3.0 GB free: free some space, or set HF_HOME" in str(e.value)
+    assert "\n" not in str(e.value) and calls[0]["files_metadata"] is True
+    assert not fake_hub  # nothing was downloaded
+    free["bytes"] = 9e9
+    assert resolve_model_dir(DEFAULT_REPO) == tmp_path / "snapshot"
+    sizes["consolidated.safetensors"] = 0  # stands for a size the Hub did not tell
+    monkeypatch.setattr(
+        huggingface_hub,
+        "model_info",
+        lambda repo_id, **kw: SimpleNamespace(
+            siblings=[SimpleNamespace(rfilename=n, size=None) for n in sizes], sha=COMMIT
+        ),
+    )
+    free["bytes"] = 0
+    assert resolve_model_dir(DEFAULT_REPO) == tmp_path / "snapshot"
 
 
 def test_download_bars_with_stderr_closed_draw_nothing(monkeypatch):

@@ -7,6 +7,7 @@ import errno
 import fnmatch
 import os
 import re
+import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -138,14 +139,49 @@ def hub_timeout_s() -> float:
     return float(getattr(constants, "HF_HUB_ETAG_TIMEOUT", 10))
 
 
-def _list_files(repo_id: str) -> tuple[list[str], str | None]:
-    """The repo's file names and the commit they are at, in one Hub request with a timeout:
-    huggingface_hub's own listing waits for ever on a connection that a proxy or a sign-in
-    page holds open, and ``list_repo_files`` retries a refused connection for some 25 s."""
+def _list_files(repo_id: str) -> tuple[dict[str, int | None], str | None]:
+    """The repo's files (name: size in bytes, None if not told) and the commit they are at,
+    in one Hub request with a timeout: huggingface_hub's own listing waits for ever on a
+    connection that a proxy or a sign-in page holds open, and ``list_repo_files`` retries a
+    refused connection for some 25 s."""
     import huggingface_hub
 
-    info = huggingface_hub.model_info(repo_id, timeout=hub_timeout_s())
-    return [s.rfilename for s in info.siblings or []], info.sha
+    info = huggingface_hub.model_info(repo_id, timeout=hub_timeout_s(), files_metadata=True)
+    return {s.rfilename: getattr(s, "size", None) for s in info.siblings or []}, info.sha
+
+
+def _check_room(
+    repo_id: str, commit: str | None, files: Iterable[str], patterns: list[str]
+) -> None:
+    """Refuse a download the cache's disk has no room for before it begins: a Mac with a
+    nearly full disk learnt it gigabytes in, and kept the partial files."""
+    import huggingface_hub
+
+    sizes = files if isinstance(files, dict) else {}
+    wanted = [f for f in sizes if any(fnmatch.fnmatch(f, p) for p in patterns)]
+    missing = [
+        f
+        for f in wanted
+        if not isinstance(huggingface_hub.try_to_load_from_cache(repo_id, f, revision=commit), str)
+    ]
+    if not missing or any(not isinstance(sizes[f], int) for f in missing):
+        return  # nothing to fetch, or a size the Hub did not tell: no guess
+    needed = sum(sizes[f] for f in missing)
+    folder = _repo_cache(repo_id)
+    existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
+    if existing is None:
+        return
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return
+    if needed > free:
+        cache = one_line(str(folder.parent), 200)
+        raise ModelNotFoundError(
+            f"{repo_id} needs {needed / 1e9:.1f} GB more in the Hugging Face cache ({cache}) "
+            f"and its disk has {free / 1e9:.1f} GB free: free some space, or set HF_HOME (or "
+            "HF_HUB_CACHE) to a disk with room, and run again"
+        )
 
 
 def _cached_snapshot(
@@ -368,6 +404,7 @@ def _download(repo_id: str) -> Path:
         snapshot, all_cached = _cached_snapshot(repo_id, commit, files, patterns)
         if snapshot is not None:  # what the Hub would have answered: no second request
             return snapshot
+        _check_room(repo_id, commit, files, patterns)
         downloading = True
         folder = _repo_cache(repo_id)
         if download_started is not None and not all_cached:
