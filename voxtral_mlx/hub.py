@@ -153,8 +153,9 @@ def _list_files(repo_id: str) -> tuple[dict[str, int | None], str | None]:
 def _check_room(
     repo_id: str, commit: str | None, files: Iterable[str], patterns: list[str]
 ) -> None:
-    """Refuse a download the cache's disk has no room for before it begins: a Mac with a
-    nearly full disk learnt it gigabytes in, and kept the partial files."""
+    """Refuse a download the cache's disk has no room for before it begins (a Mac with a
+    nearly full disk learnt it gigabytes in). ``files``: names with their sizes, as
+    :func:`_list_files` gives them; names alone skip the check."""
     import huggingface_hub
 
     sizes = files if isinstance(files, dict) else {}
