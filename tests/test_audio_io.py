@@ -203,6 +203,12 @@ def test_a_name_without_extension_takes_the_one_of_the_file_it_leads_to(tmp_path
     bare = tmp_path / "noext"
     with pytest.raises(AudioOutputError, match=r"'.*noext': the name has no extension; end"):
         check_output_path(bare, SR)
+    # The extension at fault is not in the name given: the error says where it comes from.
+    (tmp_path / "speech.out").write_bytes(b"")
+    odd = tmp_path / "stdout2"
+    odd.symlink_to(tmp_path / "speech.out")
+    with pytest.raises(AudioOutputError, match=r"'.out' is not supported \(that of '.*speech.out'"):
+        check_output_path(odd, SR)
 
 
 def test_an_output_that_is_a_symbolic_link_is_written_through(tmp_path):

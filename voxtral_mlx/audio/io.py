@@ -165,6 +165,8 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
     supported = ", ".join(FORMATS)
     if ext not in FORMATS:
         what = f"extension {ext!r} is not supported" if ext else "the name has no extension"
+        if ext and not _extension(Path(path)):  # /dev/stdout redirected to a file: say so
+            what = f"{what} (that of {str(p)!r}, where it leads)"
         raise AudioOutputError(
             f"cannot write audio to {str(path)!r}: {what}; end the file name with one of "
             f"{supported}"
