@@ -754,7 +754,8 @@ def test_a_voice_whose_file_is_unusable_is_not_offered_and_fails_as_the_servers_
 def test_a_model_without_its_default_voice_serves_requests_that_name_one(tiny_checkpoint, tmp_path):
     """No casual_male: `serve` warms up another voice and starts; a request naming no voice
     is told to name one (no other voice speaks in its place). casual_male as a dangling
-    link: such a request is the server's fault, as for any unusable file."""
+    link or a damaged file: such a request is the server's fault, as for any unusable file,
+    and the server still starts."""
     import os
     import shutil
 
@@ -766,10 +767,12 @@ def test_a_model_without_its_default_voice_serves_requests_that_name_one(tiny_ch
     model = tmp_path / "model"
     shutil.copytree(tiny_checkpoint, model)
     default = model / "voice_embedding" / "casual_male.pt"
-    for damage in ("absent", "dangling"):
+    for damage in ("absent", "dangling", "damaged"):
         default.unlink(missing_ok=True)
         if damage == "dangling":
             os.symlink(tmp_path / "deleted-blob", default)
+        elif damage == "damaged":
+            default.write_bytes(b"not a pickle")
         tts = voxtral_mlx.load(model, prefix_cache_dir=None)
         try:
             assert _warmup_voice(tts) == "ar_male"
