@@ -817,8 +817,8 @@ def test_a_download_the_disk_has_no_room_for_is_refused_before_it_begins(
     fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The listing tells each file's size: 8 GB of weights on a disk with less free fails
-    at once, in one line (it failed gigabytes in, keeping the partial files); with room,
-    or sizes not told, the download goes ahead."""
+    at once, in one line (it failed gigabytes in); with room, or sizes not told, the
+    download goes ahead."""
     from types import SimpleNamespace
 
     sizes = {"params.json": 2_000, "tekken.json": 15_000_000, "consolidated.safetensors": 8e9}
@@ -845,8 +845,7 @@ def test_a_download_the_disk_has_no_room_for_is_refused_before_it_begins(
     assert not fake_hub  # nothing was downloaded
     free["bytes"] = 9e9
     assert resolve_model_dir(DEFAULT_REPO) == tmp_path / "snapshot"
-    sizes["consolidated.safetensors"] = 0  # stands for a size the Hub did not tell
-    monkeypatch.setattr(
+    monkeypatch.setattr(  # sizes the Hub did not tell: no guess, the download goes ahead
         huggingface_hub,
         "model_info",
         lambda repo_id, **kw: SimpleNamespace(

@@ -222,7 +222,7 @@ def test_a_missing_or_broken_default_voice_is_an_error_not_another_voice(
 ) -> None:
     """Without casual_male (deleted, or a Hub cache's link to a deleted blob) a request
     naming no voice fails saying so; it used to be spoken by the first voice by name
-    (ar_male), silently. Named voices still speak; `voices` lists them."""
+    (ar_male), silently. Named voices still speak."""
     import os
     import shutil
 
