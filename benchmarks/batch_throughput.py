@@ -22,6 +22,7 @@ import time
 
 from common import (
     SENTENCES,
+    TINY_WIDE_FULL,
     at_least_one,
     command_line,
     label,
@@ -32,7 +33,7 @@ from common import (
     suppress_end,
 )
 
-CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3), "full": ("full", None, None)}
+CONFIGS = TINY_WIDE_FULL
 
 
 def main(argv: list[str] | None = None) -> int:

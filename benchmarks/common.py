@@ -52,6 +52,10 @@ def checkpoint(
 
 
 BUILT_IN = ("tiny", "wide", "full")  # the configs' names (each script has its own subset)
+# Configs as :func:`resolve` takes them (size, backbone layers, flow layers): "wide" has the
+# real layer widths but 2 backbone layers, so that it finishes on a CPU.
+TINY_AND_WIDE = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
+TINY_WIDE_FULL = {**TINY_AND_WIDE, "full": ("full", None, None)}
 
 
 def at_least_one(text: str) -> int:

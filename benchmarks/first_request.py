@@ -29,6 +29,7 @@ from pathlib import Path
 
 from common import (
     TEXT,
+    TINY_AND_WIDE,
     at_least_one,
     check_comparable,
     command_line,
@@ -46,7 +47,7 @@ from common import (
     suppress_end,
 )
 
-CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
+CONFIGS = TINY_AND_WIDE
 
 
 def child(mode: str, path: str, cache: str) -> dict[str, float]:

@@ -19,6 +19,7 @@ import sys
 import time
 
 from common import (
+    TINY_AND_WIDE,
     at_least_one,
     command_line,
     config_list,
@@ -31,7 +32,7 @@ from common import (
     suppress_end,
 )
 
-CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
+CONFIGS = TINY_AND_WIDE
 ANSWER = (
     "Sure, here is a short answer. The weather tomorrow looks mild, with a light breeze "
     "from the west and a few clouds in the afternoon. Temperatures should stay between "

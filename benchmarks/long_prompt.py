@@ -27,6 +27,7 @@ import threading
 import time
 
 from common import (
+    TINY_AND_WIDE,
     at_least_one,
     command_line,
     config_list,
@@ -39,7 +40,7 @@ from common import (
     suppress_end,
 )
 
-CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
+CONFIGS = TINY_AND_WIDE
 ONE_PASS = 10**9
 
 

@@ -17,6 +17,7 @@ import sys
 import time
 
 from common import (
+    TINY_AND_WIDE,
     at_least_one,
     command_line,
     config_list,
@@ -29,7 +30,7 @@ from common import (
     suppress_end,
 )
 
-CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3)}
+CONFIGS = TINY_AND_WIDE
 CHAPTER = " ".join(f"Sentence number {i} of a long chapter, read aloud." for i in range(40))
 SHORT = "Quick one."
 

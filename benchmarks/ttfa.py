@@ -23,6 +23,7 @@ import time
 from common import (
     SENTENCES,
     TEXT,
+    TINY_WIDE_FULL,
     at_least_one,
     command_line,
     config_list,
@@ -40,7 +41,7 @@ from common import (
     suppress_end,
 )
 
-CONFIGS = {"tiny": ("tiny", None, None), "wide": ("wide", 2, 3), "full": ("full", None, None)}
+CONFIGS = TINY_WIDE_FULL
 DEFAULT_INTERVAL_S = 2.0  # mlx-audio's generate(streaming_interval=...) default
 ONE_FRAME_S = 0.08
 DEFAULT_CHUNK = int(DEFAULT_INTERVAL_S / ONE_FRAME_S)  # frames in its default first chunk
