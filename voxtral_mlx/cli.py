@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from .audio.horizon import PlaybackHorizon
+from .audio.horizon import PlaybackHorizon, plays
 from .errors import (
     AudioDeviceError,
     AudioOutputError,
@@ -477,9 +477,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
                         file_writer.write(chunk.audio)
                 for sink in sinks:
                     sink(chunk.audio)
-            # A segment's last chunk is empty when END has a frame of its own: the horizon
-            # must still learn that the segment is over (live text may stall after it).
-            if player is not None and (len(chunk.audio) or chunk.ends_segment):
+            if player is not None and plays(chunk):
                 player.feed(chunk.audio, expected_total_s=horizon(chunk))
             if progress is not None:
                 progress.update(chunk, stream.timings)

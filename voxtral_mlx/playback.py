@@ -9,6 +9,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from .audio.horizon import plays
 from .textstream import TextStream
 
 
@@ -46,7 +47,7 @@ class Playback:
                 if horizon is None:
                     if len(chunk.audio):
                         self.player.feed(chunk.audio)
-                elif len(chunk.audio) or chunk.ends_segment:  # as in speak's loop
+                elif plays(chunk):
                     self.player.feed(chunk.audio, expected_total_s=horizon(chunk))
             if not self._stopped:  # a stopped player has nothing left to play out
                 self.player.finish()

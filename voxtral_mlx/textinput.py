@@ -34,9 +34,7 @@ def read_text(file: str | None, words: Sequence[str]) -> str:
             _check_size(raw, what)
             return decode_text(raw, what)
         except UnicodeDecodeError as e:
-            raise InputError(
-                f"{what} is not {_encoding(e)} text; convert it first (e.g. with iconv)"
-            ) from None
+            raise _not_text(what, e) from None
         except OSError as e:
             raise _file_error(file, e) from None
     if words:
@@ -111,9 +109,7 @@ def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
             try:
                 text = decoder.decode(data, final=end)
             except UnicodeDecodeError as e:
-                failure = InputError(
-                    f"{what} is not {_encoding(e)} text; convert it first (e.g. with iconv)"
-                )
+                failure = _not_text(what, e)
                 # The text before the bad bytes is spoken first (the error says so).
                 text, end = e.object[: e.start].decode(e.encoding), True
                 if first:  # the bytes given to the decoder may still hold the mark
@@ -199,9 +195,10 @@ def _incremental_decoder(head: bytes) -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8-sig")()
 
 
-def _encoding(error: UnicodeDecodeError) -> str:
-    """The encoding a text was read as, as its users name it (UTF-8, UTF-16, UTF-32)."""
-    return error.encoding.upper().replace("-SIG", "")[:6]
+def _not_text(what: str, error: UnicodeDecodeError) -> InputError:
+    # The encoding it was read as, as its users name it (UTF-8, UTF-16, UTF-32).
+    encoding = error.encoding.upper().replace("-SIG", "")[:6]
+    return InputError(f"{what} is not {encoding} text; convert it first (e.g. with iconv)")
 
 
 def _one_newline(text: str) -> str:
@@ -231,6 +228,4 @@ def _read_stdin() -> str:
     try:
         return decode_text(raw, "stdin")
     except UnicodeDecodeError as e:
-        raise InputError(
-            f"stdin is not {_encoding(e)} text; convert it first (e.g. with iconv)"
-        ) from None
+        raise _not_text("stdin", e) from None

@@ -18,6 +18,13 @@ SECONDS_PER_TEXT_TOKEN = 0.3  # rough speaking rate, only a hint for the player'
 TOKENIZED_AHEAD = 32
 
 
+def plays(chunk: AudioChunk) -> bool:
+    """Whether a chunk goes to a player fed with the horizon: audio, or a segment's end even
+    when empty (END had a frame of its own), which tells live text's horizon that nothing
+    more is on its way yet."""
+    return bool(len(chunk.audio)) or chunk.ends_segment
+
+
 class PlaybackHorizon:
     """The length the player's pre-roll plans for (its ``expected_total_s``), per chunk.
 
