@@ -150,22 +150,12 @@ def _list_files(repo_id: str) -> tuple[dict[str, int | None], str | None]:
     return {s.rfilename: getattr(s, "size", None) for s in info.siblings or []}, info.sha
 
 
-def _check_room(
-    repo_id: str, commit: str | None, files: Iterable[str], patterns: list[str]
-) -> None:
+def _check_room(repo_id: str, missing: list[str] | None, files: Iterable[str]) -> None:
     """Refuse a download the cache's disk has no room for before it begins (a Mac with a
-    nearly full disk learnt it gigabytes in). ``files``: names with their sizes, as
-    :func:`_list_files` gives them; names alone skip the check."""
-    import huggingface_hub
-
+    nearly full disk learnt it gigabytes in). ``missing``: the files to fetch; ``files``:
+    names with their sizes, as :func:`_list_files` gives them (names alone skip it)."""
     sizes = files if isinstance(files, dict) else {}
-    wanted = [f for f in sizes if any(fnmatch.fnmatch(f, p) for p in patterns)]
-    missing = [
-        f
-        for f in wanted
-        if not isinstance(huggingface_hub.try_to_load_from_cache(repo_id, f, revision=commit), str)
-    ]
-    if not missing or any(not isinstance(sizes[f], int) for f in missing):
+    if not missing or any(not isinstance(sizes.get(f), int) for f in missing):
         return  # nothing to fetch, or a size the Hub did not tell: no guess
     needed = sum(sizes[f] for f in missing)
     folder = _repo_cache(repo_id)
@@ -186,26 +176,28 @@ def _check_room(
 
 
 def _cached_snapshot(
-    repo_id: str, commit: str | None, files: list[str], patterns: list[str]
-) -> tuple[Path | None, bool]:
+    repo_id: str, commit: str | None, files: Iterable[str], patterns: list[str]
+) -> tuple[Path | None, list[str] | None]:
     """The cached snapshot at ``commit`` if it holds every file of ``files`` the patterns
     take and ``refs/main`` names it (so that an offline run finds it too), else None; and
-    whether every such file is cached (nothing to download)."""
+    the files the patterns take that the cache lacks at ``commit`` (None if they take
+    none)."""
     import huggingface_hub
 
     wanted = [f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)]
-    if commit is None or not wanted:
-        return None, False
+    if not wanted:
+        return None, None
     paths = [huggingface_hub.try_to_load_from_cache(repo_id, f, revision=commit) for f in wanted]
-    if not all(isinstance(p, str) for p in paths):
-        return None, False
+    missing = [f for f, p in zip(wanted, paths) if not isinstance(p, str)]
+    if commit is None or missing:
+        return None, missing
     root = Path(paths[0]).parents[len(Path(wanted[0]).parts) - 1]
     try:
         if (root.parent.parent / "refs" / "main").read_text().strip() == commit:
-            return root, True
+            return root, []
     except OSError:
         pass
-    return None, True
+    return None, []
 
 
 # Called with (repo id, its cache folder) when files are about to be downloaded: the command
@@ -402,13 +394,13 @@ def _download(repo_id: str) -> Path:
                     raise missing from None  # said as "not in the cache" or "incomplete"
                 raise e from None
         patterns = allow_patterns(repo_id, files)
-        snapshot, all_cached = _cached_snapshot(repo_id, commit, files, patterns)
+        snapshot, missing = _cached_snapshot(repo_id, commit, files, patterns)
         if snapshot is not None:  # what the Hub would have answered: no second request
             return snapshot
-        _check_room(repo_id, commit, files, patterns)
+        _check_room(repo_id, missing, files)
         downloading = True
         folder = _repo_cache(repo_id)
-        if download_started is not None and not all_cached:
+        if download_started is not None and (missing is None or missing or commit is None):
             download_started(repo_id, folder)
         with _FOLDERS_LOCK:
             _DOWNLOAD_FOLDERS.add(folder / "blobs")
