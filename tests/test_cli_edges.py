@@ -141,6 +141,22 @@ def test_full_stdout_is_one_line(model_dir, args):
         assert error.rstrip().endswith("check the file or pipe stdout goes to (a full disk?)")
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["--help"], ["speak", "-h"]], ids=["top", "speak"])
+def test_help_that_cannot_be_written_is_an_error(args):
+    # argparse drops the failed write and exits 0 (Python >= 3.12).
+    with open("/dev/full", "wb") as full:
+        proc = run(*args, stdout=full, stderr=subprocess.PIPE)
+    assert proc.returncode == 1
+    assert "writing to stdout failed: No space left on device" in one_line_error(proc)
+
+
+def test_help_with_stdout_closed_goes_to_stderr():
+    proc = run("--help", stdout=None, stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0
+    assert b"usage: voxtral-mlx" in proc.stderr
+
+
 @pytest.mark.parametrize("args", [["-o", "-"], ["--raw"]], ids=["wav", "raw"])
 def test_closed_stdout_is_one_line(model_dir, args):
     proc = speak(

@@ -787,6 +787,13 @@ def test_a_model_without_its_default_voice_serves_requests_that_name_one(tiny_ch
                 else:
                     error = _assert_openai_error(r, 500)
                     assert "voice 'casual_male' is unavailable" in error["message"]
+                r = tc.post("/v1/audio/speech", json={"input": "Hi.", "voice": "casual_male"})
+                if damage == "absent":
+                    error = _assert_openai_error(r, 400, "voice")
+                    assert "unknown voice 'casual_male'" in error["message"]
+                else:  # the voice is there, its file is not usable: not the request's fault
+                    error = _assert_openai_error(r, 500)
+                    assert "voice 'casual_male' is unavailable" in error["message"]
                 body = {"input": "Hi.", "voice": "ar_male", "response_format": "wav"}
                 r = tc.post("/v1/audio/speech", json=body)
                 assert r.status_code == 200 and sf.info(io.BytesIO(r.content)).frames > 0

@@ -945,6 +945,12 @@ def _given(what: str, fix: str = "give a path") -> Callable[[str], str]:
     return check
 
 
+class _HelpNotWritten(Exception):
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the project's error format: one line, exit status 1 (argparse prints
     the usage block and exits with 2)."""
@@ -958,6 +964,20 @@ class _Parser(argparse.ArgumentParser):
             hint = " (text that starts with '-' goes last, after --)"
         _err(f"{one_line(message, 300)}{hint}; see `{help_prog or self.prog} --help`")
         sys.exit(1)
+
+    def _print_message(self, message: str, file=None) -> None:
+        # argparse drops a failed write (Python >= 3.12): `--help > /dev/full` said nothing
+        # and exited 0. Only stdout's failure matters; stderr's is dropped as _err does.
+        if not message:
+            return
+        if file is None or file is sys.stderr:
+            _to_stderr(message)
+            return
+        try:
+            file.write(message)
+            file.flush()
+        except OSError as e:
+            raise _HelpNotWritten(e) from None
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         argv = sys.argv[1:] if args is None else list(args)
@@ -1242,7 +1262,16 @@ def main(argv: Sequence[str] | None = None, own_process: bool | None = None) -> 
     own_process = argv is None if own_process is None else own_process
     if own_process:  # the process is ours: before the command starts, a signal just ends it
         exit_on_signals(f"{PROG}: error: interrupted")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help or a usage error (already on stderr)
+        error = _release_stdout()
+        if error is None:
+            raise e
+        return _stdout_failed(error)
+    except _HelpNotWritten as e:
+        _release_stdout()
+        return _stdout_failed(e.error)
     warnings.showwarning = _show_warning  # one line each, without Python's source echo
     if own_process:
         # huggingface_hub logs each retry of a download ("Trying to resume download..."),
@@ -1276,12 +1305,16 @@ def main(argv: Sequence[str] | None = None, own_process: bool | None = None) -> 
         _err(f"cannot use{where}: {e.strerror or e}; check the path")
         return 1
     error = _release_stdout()
+    return code if error is None else _stdout_failed(error)
+
+
+def _stdout_failed(error: OSError) -> int:
+    """The exit status for output that could not be written, said on stderr unless the
+    reader went away (``| head``: not an error of ours)."""
     if isinstance(error, BrokenPipeError):
         return 141
-    if error is not None:
-        _err(f"writing to stdout failed: {error.strerror or error}; {_STDOUT_FIX}")
-        return 1
-    return code
+    _err(f"writing to stdout failed: {error.strerror or error}; {_STDOUT_FIX}")
+    return 1
 
 
 def _run(args: argparse.Namespace, own_process: bool) -> int:

@@ -76,7 +76,7 @@ def text_source(file: str | None, words: Sequence[str]) -> tuple[Callable[[], by
             raise _file_error(file, e) from None
         return partial(_read_fd, fd, close=True), name
     if sys.stdin is None:
-        raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
+        raise _stdin_closed()
     try:
         fd = sys.stdin.fileno()
     except (OSError, ValueError, AttributeError):  # a stdin of Python objects (embedded use)
@@ -201,6 +201,10 @@ def _not_text(what: str, error: UnicodeDecodeError) -> InputError:
     return InputError(f"{what} is not {encoding} text; convert it first (e.g. with iconv)")
 
 
+def _stdin_closed() -> InputError:
+    return InputError("stdin is closed: pass the text as arguments or with -f FILE")
+
+
 def _one_newline(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
@@ -216,7 +220,7 @@ def _check_size(raw: bytes | str, what: str) -> None:
 def _read_stdin() -> str:
     """stdin as UTF-8 whatever the locale says, like ``-f FILE`` (a byte-order mark dropped)."""
     if sys.stdin is None:
-        raise InputError("stdin is closed: pass the text as arguments or with -f FILE")
+        raise _stdin_closed()
     buffer = getattr(sys.stdin, "buffer", None)
     try:
         raw = (sys.stdin if buffer is None else buffer).read(MAX_TEXT_BYTES + 1)

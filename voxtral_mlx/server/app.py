@@ -125,6 +125,9 @@ class SpeechAPI:
             self.unusable[name] = f"voice {name!r}: {unreadable(path)}"
             log.warning("voice %r is unusable and not offered: %s", name, unreadable(path))
         self.usable = {n: v for n, v in tts.voices.items() if n not in self.unusable}
+        # A request naming a voice whose file is a dangling link is told it is unavailable
+        # (the server's fault), not that no such voice exists.
+        self._named = {**tts.voices, **tts.voices.broken}
         try:
             self.default_voice: str | None = tts.default_voice
         except VoxtralError:  # a model without casual_male: requests must name a voice
@@ -178,7 +181,7 @@ class SpeechAPI:
             error.headers["Connection"] = "close"  # the rest of the body may still come
             raise error
         req = parse_speech_request(
-            body, self.tts.voices, self.default_voice, self.config.max_input_chars
+            body, self._named, self.default_voice, self.config.max_input_chars
         )
         if req.voice in self.unusable:  # named, or the default voice
             raise server_error(
