@@ -189,3 +189,36 @@ def test_residency_problems_never_stop_generation(fake):
     with pytest.warns(MemoryWarning, match="could not be restored: busy"):
         r.release()
     r.release()  # released once only
+
+
+@pytest.mark.parametrize("where", ["acquire", "release"])
+def test_warnings_raised_as_errors_do_not_stop_the_worker(checkpoint, fake, where):
+    """Under ``-W error`` (or pytest's filterwarnings=error) the warning of a refused wired
+    limit is an exception on the model's worker thread: it must not end that thread (every
+    request would then wait forever)."""
+    refusing = [BUDGET] if where == "acquire" else [123]
+
+    def set_wired_limit(limit: int) -> int:
+        if limit in refusing:
+            raise RuntimeError("refused")
+        previous, fake.limit = fake.limit, limit
+        return previous
+
+    fake.set_wired_limit = set_wired_limit
+    tts = voxtral_mlx.load(checkpoint, prefix_cache_dir=None)
+    frames = []
+
+    def requests() -> None:
+        for seed in range(2):  # the second request finds the worker serving
+            frames.append(len(tts.synthesize("Hi there.", VOICE, seed=seed, max_frames=3).codes))
+            tts.worker.call(lambda: None)  # idle again: release has run
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            caller = threading.Thread(target=requests, daemon=True)  # a dead worker hangs it
+            caller.start()
+            caller.join(60)
+        assert frames == [3, 3] and tts.worker._thread.is_alive()
+    finally:
+        tts.close()

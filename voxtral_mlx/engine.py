@@ -576,18 +576,21 @@ class Engine:
         Weights are kept resident on the GPU (:mod:`~voxtral_mlx.residency`) from the first
         job until the engine is idle again, and MLX's cache of freed buffers is emptied
         then if it holds more than :attr:`idle_cache_bytes`."""
-        if self.residency is not None and self.busy:
-            self.residency.acquire()
         try:
+            if self.residency is not None and self.busy:
+                self.residency.acquire()
             busy = self._pump()
         except Exception as e:
             self.fail_all(e)
             busy = False
         if not busy:
-            if self.residency is not None:
-                self.residency.release()
-            if mx.get_cache_memory() > self.idle_cache_bytes:
-                mx.clear_cache()
+            try:
+                if self.residency is not None:
+                    self.residency.release()
+                if mx.get_cache_memory() > self.idle_cache_bytes:
+                    mx.clear_cache()
+            except Exception:  # housekeeping: ending the worker would hang every caller
+                pass
         return busy
 
     def fail_all(self, error: BaseException) -> None:

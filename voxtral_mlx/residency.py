@@ -12,6 +12,7 @@ the last that stops. Off Metal all of this does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from typing import Any
@@ -33,7 +34,10 @@ def _device_info(backend: Any) -> dict[str, Any]:
 
 def _warn(what: str, error: BaseException) -> None:
     detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-    warnings.warn(MemoryWarning(f"{what}: {detail}"), stacklevel=3)
+    # Warnings turned into errors must not fail generation (acquire and release run on the
+    # model's worker, between frames): it goes on without residency.
+    with contextlib.suppress(Exception):
+        warnings.warn(MemoryWarning(f"{what}: {detail}"), stacklevel=3)
 
 
 class _Wiring:
