@@ -81,6 +81,60 @@ def test_say_reports_the_close(tts):
     assert playback.done
 
 
+class _PlayingSink:
+    """A player that plays out in "real time": finish() returns when stop() is called, or
+    after 30 s."""
+
+    def __init__(self) -> None:
+        self.finishing = threading.Event()
+        self.stopped = threading.Event()
+
+    def feed(self, audio):
+        pass
+
+    def finish(self):
+        self.finishing.set()
+        self.stopped.wait(30)
+
+    def stop(self):
+        self.stopped.set()
+
+
+def test_close_silences_say_whose_audio_is_all_generated(tts):
+    """The generation is over, the player still has audio to play: close() stops it, and
+    wait() says why, as when it closes mid-generation."""
+    sink = _PlayingSink()
+    playback = tts.say("Hi.", VOICE, wait=False, max_frames=2, player=sink)
+    assert sink.finishing.wait(30)
+    tts.close()
+    assert sink.stopped.is_set()
+    with pytest.raises(VoxtralError, match="closed"):
+        playback.wait(5)
+    assert playback.done
+
+
+def test_say_interrupted_as_it_starts_leaves_nothing_playing(tts, monkeypatch):
+    """Ctrl-C landing while say() starts its playback thread: the caller never got a
+    handle, so nothing may go on generating or playing."""
+    import voxtral_mlx.tts as tts_module
+
+    class InterruptedPlayback(tts_module.Playback):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)  # the thread runs: then the signal lands
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(tts_module, "Playback", InterruptedPlayback)
+    sink = _PlayingSink()
+    with pytest.raises(KeyboardInterrupt):
+        tts.say("One. Two. Three.", VOICE, max_frames=300, player=sink)
+    assert sink.stopped.is_set()
+    deadline = time.monotonic() + 10
+    while any(t.name == "voxtral-mlx-say" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the playback thread went on"
+        time.sleep(0.01)
+    assert tts.call(tts.engine.stats)["active"] == 0
+
+
 def test_loading_again_and_again_reuses_the_closed_models_threads(tiny_checkpoint_noend, tmp_path):
     """Threads are never ended (MLX would abort): a closed model's thread serves the next
     one, so repeated loads, and failed ones, do not pile up threads."""

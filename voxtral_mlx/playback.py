@@ -70,6 +70,15 @@ class Playback:
         self.stream.cancel()
         self.player.stop()
 
+    def end(self, error: BaseException) -> None:
+        """Stop, with ``error`` for :meth:`wait` to raise (the model was closed), unless
+        playback had already ended or failed."""
+        if self.done or self._stopped:
+            return
+        if self.error is None:
+            self.error, self._error_tb = error, None
+        self.stop()
+
     def wait(self, timeout: float | None = None) -> bool:
         """True once playback has ended (False on timeout). Ctrl-C stops playback."""
         if not self.done:

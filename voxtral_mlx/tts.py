@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import queue
 import secrets
@@ -116,6 +117,10 @@ class VoxtralTTS:
         residency: Residency | None = None,
     ):
         self.worker = worker
+        # say()'s handles still playing: close() silences them (audio already generated
+        # would otherwise play on, up to a minute of it).
+        self._playbacks: weakref.WeakSet[Playback] = weakref.WeakSet()
+        self._playbacks_lock = threading.Lock()
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
         self.tokenizer: TekkenTokenizer = loaded.tokenizer
@@ -281,10 +286,15 @@ class VoxtralTTS:
         self.worker.call(self.engine.clear_prefix_cache)
 
     def close(self) -> None:
-        """Stop this model's work (pending requests fail) and free the model; its worker
-        thread is kept for the next model loaded. The object is unusable after. Dropping
-        the last reference to the object does the same, later."""
+        """Stop this model's work (pending requests fail; say() stops playing, its wait()
+        raising) and free the model; its worker thread is kept for the next model loaded.
+        The object is unusable after. Dropping the last reference to the object does the
+        same, later."""
         self._finalizer.detach()
+        with self._playbacks_lock:
+            playing = list(self._playbacks)
+        for playback in playing:
+            playback.end(closed_error())
         # The memory comes back now, not when this object goes: switching models (close,
         # then load) must not hold both. The worker lets go of the rest.
         self.model = _ClosedModel()
@@ -793,23 +803,30 @@ class VoxtralTTS:
             stream.close()
             raise
         horizon = None
-        if player is None:
-            from .audio.horizon import PlaybackHorizon
-            from .audio.player import AudioPlayer
+        try:
+            if player is None:
+                from .audio.horizon import PlaybackHorizon
+                from .audio.player import AudioPlayer
 
-            try:
                 player = AudioPlayer(self.sample_rate, device=device)
-            except BaseException:
-                stream.close()
-                raise
-            # As speak's: the pre-roll plans for the text's length, so audio generated
-            # slower than real time plays without gaps.
-            started = time.monotonic()
+                # As speak's: the pre-roll plans for the text's length, so audio generated
+                # slower than real time plays without gaps.
+                started = time.monotonic()
 
-            def horizon() -> PlaybackHorizon:
-                return PlaybackHorizon(self, stream, max_frames, pause, started)
+                def horizon() -> PlaybackHorizon:
+                    return PlaybackHorizon(self, stream, max_frames, pause, started)
 
-        playback = Playback(stream, player, horizon, refuse_wait=self.worker.refuse_wait)
+            playback = Playback(stream, player, horizon, refuse_wait=self.worker.refuse_wait)
+        except BaseException:  # e.g. Ctrl-C as the thread starts: nothing plays on unseen
+            stream.close()
+            if player is not None:
+                with contextlib.suppress(Exception):
+                    player.stop()
+            raise
+        with self._playbacks_lock:
+            self._playbacks.add(playback)
+        if self.worker.closed:  # close() ran meanwhile, before it could see this one
+            playback.end(closed_error())
         if wait:
             playback.wait()
         return playback
