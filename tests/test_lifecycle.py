@@ -81,6 +81,26 @@ def test_say_reports_the_close(tts):
     assert playback.done
 
 
+def test_a_submitted_job_keeps_its_model(tiny_checkpoint_noend):
+    """An app that keeps only the job it submitted: the model is not collected (and so
+    closed) under it."""
+
+    def start():
+        model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+        return model.submit(model.job("Hello there.", VOICE, seed=1, max_frames=40))
+
+    job = start()
+    gc.collect()
+    frames = 0
+    while (item := job.output.get(timeout=60)) is not DONE:
+        assert not isinstance(item, BaseException), item
+        frames += item.frames
+    assert frames == 40
+    model = job.owner
+    del job
+    model.close()
+
+
 class _PlayingSink:
     """A player that plays out in "real time": finish() returns when stop() is called, or
     after 30 s."""

@@ -137,6 +137,9 @@ class Job:
     _suspended: _Prefill | None = field(default=None, repr=False)  # a prefill set aside
     _claimed: bool = field(default=False, repr=False)  # handed to an engine (see claim())
     _error: VoxtralError | None = field(default=None, repr=False)  # ends it, once it leaves
+    # The model that made it: an app holding only the job must not see the model closed
+    # (collected) under it.
+    owner: object = field(default=None, repr=False, compare=False)
 
     def cancel(self) -> None:
         """Stop generating (any thread); takes effect at the next frame boundary."""

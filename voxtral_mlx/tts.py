@@ -398,7 +398,14 @@ class VoxtralTTS:
         rows = self.voices.cached(v.name, self.dtype)
         load = None if rows is not None else partial(self.voices.embedding, v.name, self.dtype)
         return Job(
-            v.name, rows, text_ids + tail, seq, chunk_frames, self.sample_rate, load_voice=load
+            v.name,
+            rows,
+            text_ids + tail,
+            seq,
+            chunk_frames,
+            self.sample_rate,
+            load_voice=load,
+            owner=self,
         )
 
     def _reader(
