@@ -523,6 +523,23 @@ def test_an_async_stream_made_off_the_event_loop_iterates_on_it(tts):
     np.testing.assert_array_equal(here, there)
 
 
+def test_an_async_stream_whose_loop_ended_says_so_on_the_next(tts):
+    """Its first loop closed while it generated (the chunk it was handed next was lost and
+    the stream stopped): read on another loop, it must not end as if it were whole."""
+    stream = tts.astream("Hello there.", VOICE, seed=1, max_frames=50)
+    assert asyncio.run(stream.__anext__()).frames == 1
+    deadline = time.monotonic() + 10
+    while tts.engine.busy:  # the next chunk found the loop closed: the job was stopped
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+    async def rest() -> list:
+        return [c async for c in stream]
+
+    with pytest.raises(VoxtralError, match="another event loop"):
+        asyncio.run(rest())
+
+
 def test_an_async_stream_continued_on_another_event_loop_says_so_and_stops(tts):
     """Its segments hand their chunks to the loop that started it; a second loop would
     wait on queues that loop can never fill."""

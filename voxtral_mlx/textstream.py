@@ -321,7 +321,8 @@ class TextStream(_Reader):
         self.close()
 
     def __del__(self) -> None:
-        self.cancel()
+        if hasattr(self, "_source"):  # an __init__ cut short (Ctrl-C) started nothing
+            self.cancel()
 
 
 def _to_loop(
@@ -336,6 +337,7 @@ def _to_loop(
     except RuntimeError:  # the loop has closed: the stream stops, its text reader too
         reader = stream()
         if reader is not None:
+            reader._loop_closed = True
             reader._abandon()
         raise  # the engine stops the job
 
@@ -353,6 +355,7 @@ class AsyncTextStream(_Reader):
         self._queues: dict[int, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wait_cancelled = False
+        self._loop_closed = False  # its loop ended before it: what is left never comes
         self._reading = False
 
     def __aiter__(self) -> AsyncTextStream:
@@ -387,7 +390,9 @@ class AsyncTextStream(_Reader):
             loop = asyncio.get_running_loop()
             if self._loop is None:
                 self._loop = loop
-            elif loop is not self._loop and (self._ready or not self._finished):
+            elif loop is not self._loop and (
+                self._ready or not self._finished or self._loop_closed
+            ):
                 # Its segments report to the first loop; checked before a chunk already
                 # here is handed to another loop, as the next would never come.
                 raise UsageError(
@@ -447,10 +452,11 @@ class AsyncTextStream(_Reader):
     def _abandon(self) -> None:
         super()._abandon()
         pump, self._pump = getattr(self, "_pump", None), None  # None: __init__ failed
-        if pump is not None and self._loop is not None:
+        loop = getattr(self, "_loop", None)
+        if pump is not None and loop is not None:
             # From any thread: the task belongs to the stream's loop (closed: nothing runs).
             with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(pump.cancel)
+                loop.call_soon_threadsafe(pump.cancel)
 
     async def aclose(self) -> None:
         self.cancel()
@@ -463,4 +469,5 @@ class AsyncTextStream(_Reader):
         self.cancel()
 
     def __del__(self) -> None:
-        self.cancel()
+        if hasattr(self, "_source"):  # an __init__ cut short (Ctrl-C) started nothing
+            self.cancel()
