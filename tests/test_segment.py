@@ -515,6 +515,19 @@ def test_a_url_ends_where_cjk_text_follows_it() -> None:
     assert all(s.pause_after == PAUSE_AFTER["sentence"] for s in segs[:-1])
 
 
+def test_a_url_with_a_cjk_host_stays_whole() -> None:
+    for text in (
+        "请访问 http://例子.公司 了解详情。然后再说",
+        "请访问 https://例子.公司/页面?问=答 了解详情。然后再说",
+        "请访问 http://例子.公司。然后再说",
+    ):
+        for target in range(3, 20):
+            segs = split_text(text, target_chars=target, max_chars=40)
+            check_invariants(text, segs, 40)
+            url = text.split()[1].removesuffix("。然后再说")
+            assert any(url in s.text for s in segs), (target, texts(segs))
+
+
 def test_a_period_after_a_short_number_is_no_sentence_end() -> None:
     # German ordinals and dates; a comma is preferred, a space would do as well
     text = (
@@ -578,6 +591,33 @@ def test_a_price_without_cents_keeps_its_dash() -> None:
 def test_ellipsis() -> None:
     segs = split_text("I was thinking... maybe not. I waited… Then it came.", target_chars=5)
     assert texts(segs) == ["I was thinking... maybe not.", "I waited…", "Then it came."]
+
+
+def test_an_ellipsis_before_lowercase_keeps_only_itself_with_the_next_word() -> None:
+    """ "…" before a lowercase word stays with it; the sentence ends glued before it (CJK
+    writes no spaces) are still split points."""
+    text = "晴れ。晴れ。晴れ。でも…\nok"
+    segs = split_text(text, target_chars=4, max_chars=8)
+    check_invariants(text, segs, 8)
+    assert texts(segs) == ["晴れ。", "晴れ。", "晴れ。", "でも…\nok"]
+    text = "今日は晴れ。" * 100 + "でも…\nok"
+    assert all(s.text.endswith("。") for s in split_text(text)[:-1])
+
+
+@pytest.mark.parametrize(
+    ("text", "phrase"),
+    [
+        ("the door opened—Dr. Smith walked in and sat down", "Dr. Smith"),
+        ("我昨天见到了Mr. Smith先生，他很好", "Mr. Smith"),
+        ("テストMr. Smithさん", "Mr. Smith"),
+        ("all kinds of fruit,e.g. Apples and pears", "e.g. Apples"),
+        ("Der Termin:Dr. Müller kommt heute", "Dr. Müller"),
+    ],
+)
+def test_a_title_glued_to_the_word_before_stays_with_the_name(text: str, phrase: str) -> None:
+    for target in range(4, 30):
+        segs = split_text(text, target_chars=target, max_chars=max(2 * target, 24))
+        assert any(phrase in s.text for s in segs), (target, texts(segs))
 
 
 def test_a_spaced_ellipsis_is_one_mark() -> None:

@@ -110,10 +110,16 @@ _URL_BODY = (
     r"[^\s<>\"।॥؟،۔\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af"
     r"\uf900-\ufaff\ufe30-\ufe4f\uff00-\uffef]+"
 )
+# A URL whose host is written in CJK ("http://例子.公司/页面"): it runs on through CJK text,
+# up to a space or full-width punctuation.
+_IDN_URL_BODY = (
+    r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]"
+    r"[^\s<>\"।॥؟،۔\u3000-\u303f\ufe30-\ufe4f\uff00-\uffef]*"
+)
 # The lookbehinds make each pattern start only at the beginning of a run: linear time on long
 # unbroken input.
 _PROTECTED = re.compile(
-    r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://" + _URL_BODY + "|"
+    r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://(?:" + _IDN_URL_BODY + "|" + _URL_BODY + ")|"
     r"(?<![\w.])www\." + _URL_BODY + "|"
     r"(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+"
     # a number and its percent or currency sign, spaced as French and German write them:
@@ -136,6 +142,7 @@ _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
 _CJK = r"\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 # ... and "." "!" "?" typed between two CJK characters ("晴れです.明日は"): a sentence end
 # (not "...": a pause inside one).
+_CJK_CHAR = re.compile(f"[{_CJK}]")
 _NO_SPACE_BREAK = re.compile(
     r"(?:[。！？｡．؟۔।॥，；：、､—―]|--)+" rf"|(?<=[{_CJK}])(?:[!?]+|\.)(?=[{_CJK}])"
 )
@@ -418,8 +425,9 @@ def _classify(
         return SENTENCE
     nxt = _next_char(text, s)
     t0 = _word_start(text, j - 1)
-    if _protected_period(text, t0, j, s, nxt):
-        forbid[t0 + 1 : s + 1] = b"\x01" * (s - t0)
+    protected = _protected_period(text, t0, j, s, nxt)
+    if protected is not None:
+        forbid[protected + 1 : s + 1] = b"\x01" * (s - protected)
         return None
     if nxt.islower() or nxt.isdigit() or (nxt.isupper() and _maybe_ordinal(text, t0, j)):
         return WORD  # "etc. and"; "ext. 1234", "Hauptstr. 5", "3 déc. 2024"
@@ -450,14 +458,40 @@ def _maybe_ordinal(text: str, t0: int, j: int) -> bool:
     return j - t0 <= 4 and text[t0 : j - 1].isdigit()
 
 
-def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> bool:
-    """True when the period ending the token ``text[t0:j]`` must stay with the next word."""
+def _protected_period(text: str, t0: int, j: int, s: int, nxt: str) -> int | None:
+    """Where the protected end of the token ``text[t0:j]`` starts when the period ending it
+    must stay with the next word, else None."""
     k = _after_openers(text, t0, j)
     word = text[k:j].lower()
+    # The last piece glued on without a space ("opened—Dr.", "见到了Mr.", "でも…"): only
+    # it is kept whole, not the sentence ends glued before it.
+    g = _glued_start(text, k, j)
     if word.endswith(("..", "…")) or (word == "." and _after_dot(text, k)):  # ". . ."
-        return nxt.islower()
+        return g if nxt.islower() else None
     if word in _TITLES or _second_part(text, k, word):
-        return True
+        return t0
+    piece = text[g:j].lower()
+    if g > k and piece in _TITLES:
+        return g
+    return t0 if _protected_word(text, t0, k, s, word, nxt) else None
+
+
+def _glued_start(text: str, k: int, j: int) -> int:
+    """Start of the last piece of ``text[k:j]`` (which ends in punctuation) that follows
+    a dash, comma, colon, slash or CJK character with no space between."""
+    i = j - 1
+    while i > k:
+        ch = text[i - 1]
+        if not (ch.isalnum() or ch in ".'’") or _CJK_CHAR.match(ch):
+            break
+        i -= 1
+    return i
+
+
+def _protected_word(text: str, t0: int, k: int, s: int, word: str, nxt: str) -> bool:
+    """The period ending ``word`` (the token from ``t0``, ``k`` after its openers,
+    lowercased) stays with the next word: a number's abbreviation, an initial, a numbered
+    item's number."""
     if word in _NUMBER_ABBREVIATIONS:
         return nxt.isdigit()
     if _INITIALISM.fullmatch(word):
