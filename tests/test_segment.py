@@ -684,6 +684,14 @@ def test_ascii_sentence_marks_between_cjk_characters() -> None:
     ]  # "..." is a pause inside a sentence
 
 
+@pytest.mark.parametrize("sentence", ["မင်္ဂလာပါ။", "សួស្តី។"], ids=["burmese", "khmer"])
+def test_unspaced_burmese_and_khmer_sentences_split_at_their_full_stops(sentence: str) -> None:
+    text = sentence * 60
+    segs = split_text(text, target_chars=50, max_chars=100)
+    check_invariants(text, segs, 100)
+    assert len(segs) > 1 and all(s.text.endswith(sentence[-1]) for s in segs)
+
+
 def test_a_url_ends_before_a_danda() -> None:
     segs = split_text("देखें https://example.com।अगला वाक्य यहाँ है।", target_chars=10, max_chars=30)
     assert texts(segs) == ["देखें https://example.com।", "अगला वाक्य यहाँ है।"]

@@ -45,9 +45,10 @@ PAUSE_AFTER: dict[str, float] = {
 }
 
 TERMINALS = frozenset(".!?…‼⁇⁈⁉‽。！？｡．؟۔।॥։።፧။។៕།\u037e")  # U+037E: Greek question mark
-# Sentence ends that end a sentence with no space after them (CJK never spaces; Arabic and
-# Devanagari text usually does, but "؟" and "।" are unambiguous when it does not).
-_NO_SPACE_HARD = frozenset("。！？｡．؟۔।॥")
+# Sentence ends that end a sentence with no space after them (CJK, Burmese and Khmer put
+# none; Arabic and Devanagari text usually does, but "؟" and "।" are unambiguous when it
+# does not).
+_NO_SPACE_HARD = frozenset("。！？｡．؟۔।॥။។៕")
 _MID = frozenset(",;:，；：、､،؛")
 _DASHES = frozenset("—–―")
 _CLOSERS = frozenset("\"'”’»›)]}」』）】〕〉》〗〙〛＂＇")
@@ -144,7 +145,7 @@ _CJK = r"\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 # (not "...": a pause inside one).
 _CJK_CHAR = re.compile(f"[{_CJK}]")
 _NO_SPACE_BREAK = re.compile(
-    r"(?:[。！？｡．؟۔।॥，；：、､—―]|--)+" rf"|(?<=[{_CJK}])(?:[!?]+|\.)(?=[{_CJK}])"
+    r"(?:[。！？｡．؟۔।॥။។៕，；：、､—―]|--)+" rf"|(?<=[{_CJK}])(?:[!?]+|\.)(?=[{_CJK}])"
 )
 
 # Appended period by the script of the last letter; default ".". Arabic-script text uses the
