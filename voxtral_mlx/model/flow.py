@@ -87,6 +87,8 @@ class FlowHead(nn.Module):
     def _semantic(self, h: mx.array) -> tuple[mx.array, mx.array]:
         """The semantic code ``[B]`` and whether ``h`` and its logits are finite ``[B]``
         (argmax over NaN logits still picks some valid-looking index)."""
+        # The product in the compute dtype, then float32, as the PyTorch implementations do
+        # (`semantic_codebook_output(h).float()`): SPEC's "in float32" is the logits' dtype.
         logits = self.semantic_codebook_output(h).astype(mx.float32)
         finite = mx.all(mx.isfinite(h), axis=-1) & mx.all(mx.isfinite(logits), axis=-1)
         return mx.argmax(logits + self._semantic_mask, axis=-1), finite
