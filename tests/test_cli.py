@@ -122,7 +122,7 @@ def test_verbose_names_the_weights_read():
     import mlx.core as mx
 
     from voxtral_mlx.checkpoint import QuantSpec
-    from voxtral_mlx.cli import _weights_summary
+    from voxtral_mlx.cli.loading import weights_summary
 
     tts = SimpleNamespace(
         layout="mlx-community",
@@ -131,7 +131,7 @@ def test_verbose_names_the_weights_read():
         | {"d": QuantSpec(4, 32, "mxfp4")},
         dtype=mx.bfloat16,
     )
-    assert _weights_summary(tts) == (
+    assert weights_summary(tts) == (
         "mlx-community layout (model-00001-of-00003.safetensors, "
         "model-00002-of-00003.safetensors, ... 1 more), 2 layers 4-bit, 1 layer 8-bit, "
         "1 layer mxfp4, bfloat16 compute"

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -578,7 +579,7 @@ def test_speak_will_not_write_over_its_own_text_file(tmp_path):
 def test_progress_line_clears_what_a_longer_line_left(capsys):
     from types import SimpleNamespace
 
-    from voxtral_mlx.cli import Progress
+    from voxtral_mlx.cli.progress import Progress
 
     progress = Progress(total=3)
     timings = SimpleNamespace(audio_s=1.5)
@@ -597,9 +598,10 @@ def test_progress_of_text_still_arriving_counts_what_is_done(capsys, monkeypatch
     import argparse
     from types import SimpleNamespace
 
-    from voxtral_mlx import cli
+    from voxtral_mlx.cli import progress as progress_line
+    from voxtral_mlx.cli import speak as speak_cmd
 
-    progress = cli.Progress(None)
+    progress = progress_line.Progress(None)
     timings = SimpleNamespace(audio_s=0.0)
     for segment, frames in [(0, 1), (0, 0), (1, 1), (1, 0)]:  # the pauses end segments
         timings.audio_s += 0.5
@@ -612,13 +614,13 @@ def test_progress_of_text_still_arriving_counts_what_is_done(capsys, monkeypatch
         "voxtral-mlx: 1 segment done, 1.0 s of audio",
         "voxtral-mlx: 2 segments done, 2.0 s of audio",  # 1.5 s: within 0.1 s, held back
     ]
-    monkeypatch.setattr(cli, "_stderr_is_terminal", lambda: True)
+    monkeypatch.setattr(speak_cmd, "_stderr_is_terminal", lambda: True)
     live = SimpleNamespace(live=True, segments=[])
     for file, tty, shown in [(None, False, True), ("-", True, False), ("t.fifo", True, True)]:
-        monkeypatch.setattr(cli.sys, "stdin", SimpleNamespace(isatty=lambda tty=tty: tty))
+        monkeypatch.setattr(sys, "stdin", SimpleNamespace(isatty=lambda tty=tty: tty))
         args = argparse.Namespace(quiet=False, file=file)
-        assert cli._show_progress(args, live) is shown
-    assert not cli._show_progress(argparse.Namespace(quiet=True, file=None), live)
+        assert speak_cmd._show_progress(args, live) is shown
+    assert not speak_cmd._show_progress(argparse.Namespace(quiet=True, file=None), live)
 
 
 def test_progress_counts_segments_joined_without_a_pause(capsys):
@@ -626,7 +628,7 @@ def test_progress_counts_segments_joined_without_a_pause(capsys):
     segment's first chunk does (the line stayed at "segment 1/N" to the end)."""
     from types import SimpleNamespace
 
-    from voxtral_mlx.cli import Progress
+    from voxtral_mlx.cli.progress import Progress
 
     progress = Progress(total=3)
     timings = SimpleNamespace(audio_s=1.0)
@@ -645,11 +647,11 @@ def test_progress_redraws_at_most_ten_times_a_second(capsys, monkeypatch):
     the line is redrawn at most every 0.1 s, and close() draws the last one held back."""
     from types import SimpleNamespace
 
-    from voxtral_mlx import cli
+    from voxtral_mlx.cli import progress as progress_line
 
     clock = [100.0]
-    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
-    progress = cli.Progress(total=2)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    progress = progress_line.Progress(total=2)
     for i in range(1, 31):  # 30 frames of segment 0, 10 ms apart
         clock[0] += 0.01
         chunk = SimpleNamespace(is_final=False, frames=1, audio=[0.0], segment=0)
@@ -667,7 +669,7 @@ def test_progress_never_steps_back_after_an_interrupt_while_drawing(monkeypatch)
     import io
     from types import SimpleNamespace
 
-    from voxtral_mlx import cli
+    from voxtral_mlx.cli import progress as progress_line
 
     class Stderr(io.StringIO):
         interrupt = False
@@ -678,10 +680,10 @@ def test_progress_never_steps_back_after_an_interrupt_while_drawing(monkeypatch)
                 raise KeyboardInterrupt
 
     clock = [100.0]
-    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     err = Stderr()
-    monkeypatch.setattr(cli.sys, "stderr", err)
-    progress = cli.Progress(total=3)
+    monkeypatch.setattr(sys, "stderr", err)
+    progress = progress_line.Progress(total=3)
     for seconds in (0.08, 0.48):  # the second within 0.1 s: held back
         chunk = SimpleNamespace(is_final=False, frames=1, audio=[0.0], segment=0)
         progress.update(chunk, SimpleNamespace(audio_s=seconds))
@@ -702,10 +704,10 @@ def test_progress_line_fits_the_terminal(capsys, monkeypatch, columns):
     (330 lines for one run on a 20-column terminal)."""
     from types import SimpleNamespace
 
-    from voxtral_mlx import cli
+    from voxtral_mlx.cli import progress as progress_line
 
-    monkeypatch.setattr(cli, "_columns", lambda: columns)
-    progress = cli.Progress(total=15)
+    monkeypatch.setattr(progress_line, "_columns", lambda: columns)
+    progress = progress_line.Progress(total=15)
     for segment in range(3):
         chunk = SimpleNamespace(is_final=False, frames=0, audio=[0.0], segment=segment)
         progress.update(chunk, SimpleNamespace(audio_s=17.6))
@@ -826,11 +828,12 @@ def test_an_interrupt_as_the_written_output_is_handed_back_says_it_is_complete(
     a context manager, here the call that starts holding them), said "interrupted" alone
     for a complete conversion (seen about once in ten Ctrl-Cs sent as it finished)."""
     from voxtral_mlx import cli
+    from voxtral_mlx.cli import conversions
 
     def interrupted_here():
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "hold_from_now", interrupted_here)
+    monkeypatch.setattr(conversions, "hold_from_now", interrupted_here)
     out = tmp_path / "out"
     args = {
         "random-checkpoint": ["random-checkpoint", str(out), "--size", "tiny"],
@@ -1028,16 +1031,16 @@ def test_a_long_text_says_it_is_being_split(monkeypatch, chars, tty, flags, show
     import io
     from types import SimpleNamespace
 
-    from voxtral_mlx import cli
+    from voxtral_mlx.cli import speak as speak_cmd
 
     class Stderr(io.StringIO):
         def isatty(self) -> bool:
             return tty
 
     err = Stderr()
-    monkeypatch.setattr(cli.sys, "stderr", err)
+    monkeypatch.setattr(sys, "stderr", err)
     args = SimpleNamespace(**{"no_split": False, "quiet": False, **flags})
-    with pytest.raises(InputError), cli._splitting_notice(args, "x" * chars):
+    with pytest.raises(InputError), speak_cmd._splitting_notice(args, "x" * chars):
         raise InputError("a failed split")
     expected = f"\rvoxtral-mlx: splitting {chars:,} characters into segments\x1b[K\r\x1b[K"
     assert err.getvalue() == (expected if shown else "")
@@ -1049,11 +1052,11 @@ def test_progress_eta_counts_down_between_segment_ends(capsys, monkeypatch):
     measured when a segment ends, weighted by the text left, and counted down meanwhile."""
     from types import SimpleNamespace
 
-    from voxtral_mlx import cli
+    from voxtral_mlx.cli import progress as progress_line
 
     clock = [100.0]
-    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
-    progress = cli.Progress(total=3, sizes=[10, 10, 40])
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    progress = progress_line.Progress(total=3, sizes=[10, 10, 40])
 
     def chunk(segment: int, end: bool) -> None:
         c = SimpleNamespace(is_final=False, frames=0 if end else 1, audio=[0.0], segment=segment)

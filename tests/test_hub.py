@@ -950,7 +950,7 @@ def test_an_interrupted_download_leaves_no_partial_file(
     partial file (up to 8 GB, never resumed by huggingface_hub 2.x) stayed in the cache.
     Only the files this process is writing go: another process's, made meanwhile, and
     huggingface_hub 1.x's resumable ones stay."""
-    from voxtral_mlx import cli
+    from voxtral_mlx.cli import loading as cli_loading
 
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(hub_module, "_DOWNLOAD_FOLDERS", set())
@@ -971,7 +971,7 @@ def test_an_interrupted_download_leaves_no_partial_file(
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
     args = SimpleNamespace(quiet=False)
     try:
-        with pytest.raises(KeyboardInterrupt), cli._downloads_reported(args):
+        with pytest.raises(KeyboardInterrupt), cli_loading.downloads_reported(args):
             resolve_model_dir(DEFAULT_REPO)
     finally:
         writing[0].close()

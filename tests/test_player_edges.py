@@ -240,7 +240,7 @@ def test_signal_during_a_blocked_frame_wait_is_handled_promptly(
     tmp_path, monkeypatch, capsys, main_thread_sigint, sig, code
 ):
     stream = _HangingStream(hang_s=4.0)
-    monkeypatch.setattr(cli, "_load", lambda args: _FakeTTS(stream))
+    monkeypatch.setattr(cli.speak, "load_model", lambda args: _FakeTTS(stream))
     out = tmp_path / "out.wav"
     _signal_from_elsewhere(sig, after_s=0.3)
     t0 = time.monotonic()
@@ -265,7 +265,7 @@ def test_a_second_ctrl_c_while_keeping_the_file_still_says_what_was_kept(
     from voxtral_mlx.audio.io import AudioFileWriter
 
     stream = _HangingStream(hang_s=4.0)
-    monkeypatch.setattr(cli, "_load", lambda args: _FakeTTS(stream))
+    monkeypatch.setattr(cli.speak, "load_model", lambda args: _FakeTTS(stream))
     real_commit = AudioFileWriter.commit_partial
 
     def commit_after_a_second_ctrl_c(self):
@@ -290,7 +290,7 @@ def test_ctrl_c_inside_a_file_write_keeps_the_whole_chunk(
     import soundfile
 
     stream = _HangingStream(hang_s=4.0)
-    monkeypatch.setattr(cli, "_load", lambda args: _FakeTTS(stream))
+    monkeypatch.setattr(cli.speak, "load_model", lambda args: _FakeTTS(stream))
     real_write = soundfile.SoundFile.write
 
     def write_then_interrupt(self, data):
@@ -315,7 +315,7 @@ def test_interrupted_command_line_exits_without_teardown(tmp_path):
         "atexit.register(lambda: print('teardown ran', file=sys.stderr))\n"
         "def boom(args):\n"
         "    raise KeyboardInterrupt\n"
-        "cli._load = boom\n"
+        "cli.speak.load_model = boom\n"
         "sys.argv = ['voxtral-mlx', 'speak', '-m', 'x', '-o', sys.argv[1], 'Hi.']\n"
         "sys.exit(cli.main())\n"
     )
@@ -459,7 +459,7 @@ def test_speak_feeds_a_live_segments_empty_last_chunk_to_the_player(monkeypatch,
 
     tts = _FakeTTS(LiveStream())
     tts.samples_per_frame = 1920
-    monkeypatch.setattr(cli, "_load", lambda args: tts)
+    monkeypatch.setattr(cli.speak, "load_model", lambda args: tts)
     monkeypatch.setattr("voxtral_mlx.audio.player.AudioPlayer", Player)
     assert cli.main(["speak", "-m", "fake", "--max-frames", "25", "Hello."]) == 0, (
         capsys.readouterr().err

@@ -761,7 +761,7 @@ def test_a_model_without_its_default_voice_serves_requests_that_name_one(tiny_ch
 
     from starlette.testclient import TestClient
 
-    from voxtral_mlx.cli import _warmup_voice
+    from voxtral_mlx.cli.serve import warmup_voice
     from voxtral_mlx.server import ServerConfig, create_app
 
     model = tmp_path / "model"
@@ -775,7 +775,7 @@ def test_a_model_without_its_default_voice_serves_requests_that_name_one(tiny_ch
             default.write_bytes(b"not a pickle")
         tts = voxtral_mlx.load(model, prefix_cache_dir=None)
         try:
-            assert _warmup_voice(tts) == "ar_male"
+            assert warmup_voice(tts) == "ar_male"
             app = create_app(tts, ServerConfig(max_frames=3))
             with TestClient(app, raise_server_exceptions=False) as tc:
                 listed = [v["id"] for v in tc.get("/v1/audio/voices").json()["data"]]

@@ -1,0 +1,102 @@
+"""Loading the model a command names (downloading it first if need be)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import ConfigError, InputError
+from ..fileio import one_line
+from ..interrupts import signals_held
+from .output import PROG, info, to_stderr
+from .waiting import interruptibly
+
+MODEL_ENV = "VOXTRAL_MLX_MODEL"
+
+
+def default_model() -> str:
+    from ..hub import DEFAULT_REPO
+
+    return os.environ.get(MODEL_ENV) or DEFAULT_REPO
+
+
+def _say_downloading(repo_id: str, cache: Path) -> None:
+    # Also where no progress bar shows (stderr not a terminal): minutes of silence else.
+    info(f"{PROG}: downloading {repo_id} into {one_line(str(cache), 200)} (once; Ctrl-C stops it)")
+
+
+def _end_download() -> None:
+    """The process is interrupted: a download under way ends with it, and its partial files
+    go (up to 8 GB that the next run cannot resume)."""
+    from ..hub import download_bars_drawn, remove_partial_downloads
+
+    with signals_held():
+        remove_partial_downloads()
+        if download_bars_drawn():  # the error line goes below the bars, not over them
+            to_stderr("\n")
+
+
+@contextlib.contextmanager
+def downloads_reported(args: argparse.Namespace) -> Iterator[None]:
+    """While a command resolves its model: a download says that it begins (unless -q), and
+    an interrupt ends it cleanly. The library's own state is left as it was."""
+    from .. import hub
+    from ..interrupts import QUICK_EXIT_CLEANUPS
+
+    before = hub.download_started
+    hub.download_started = None if getattr(args, "quiet", False) else _say_downloading
+    # Commands that end at once on a signal (serve, voices) clean up in its handler.
+    QUICK_EXIT_CLEANUPS.append(hub.remove_partial_downloads)
+    try:
+        yield
+    except KeyboardInterrupt:
+        _end_download()
+        raise
+    finally:
+        QUICK_EXIT_CLEANUPS.remove(hub.remove_partial_downloads)
+        hub.download_started = before
+
+
+def check_dtype(args: argparse.Namespace) -> None:
+    from ..loader import parse_dtype
+
+    try:
+        parse_dtype(args.dtype)
+    except ConfigError:
+        raise InputError(
+            f"--dtype {one_line(args.dtype, 40)} is not supported: use bfloat16, float16 or float32"
+        ) from None
+
+
+def load_model(args: argparse.Namespace):
+    from .. import load
+
+    check_dtype(args)
+    t0 = time.perf_counter()
+    prefixes = None if getattr(args, "no_prefix_cache", False) else "auto"
+    with downloads_reported(args):
+        tts = interruptibly(lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes))
+    if getattr(args, "verbose", False):
+        info(
+            f"loaded {tts.path} in {time.perf_counter() - t0:.2f} s: {weights_summary(tts)} "
+            "(most weights are read from disk when first used: in the first prefill and frame)"
+        )
+    return tts
+
+
+def weights_summary(tts) -> str:
+    """Which files were read, in which layout, quantized how, computing in which dtype."""
+    from ..checkpoint import some_names
+
+    shown = some_names([p.name for p in tts.weight_files], 2)
+    bits: dict[str, int] = {}
+    for spec in tts.quantized.values():
+        kind = f"{spec.bits}-bit" if spec.mode == "affine" else spec.mode
+        bits[kind] = bits.get(kind, 0) + 1
+    quant = ", ".join(f"{n} layer{'s' * (n != 1)} {kind}" for kind, n in sorted(bits.items()))
+    dtype = str(tts.dtype).removeprefix("mlx.core.")
+    return f"{tts.layout} layout ({shown}), {quant + ', ' if quant else ''}{dtype} compute"

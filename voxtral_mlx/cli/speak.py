@@ -1,0 +1,346 @@
+"""``voxtral-mlx speak``: text to the speakers, a file or stdout."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ..audio.horizon import PlaybackHorizon, plays
+from ..errors import AudioDeviceError, AudioOutputError, AudioStoppedError, InputError, VoxtralError
+from ..fileio import one_line
+from ..interrupts import held_after, hold_from_now, signals_held, terminable
+from ..textinput import read_text, text_pieces, text_source
+from .listing import print_devices, print_voices
+from .loading import check_dtype, load_model
+from .output import PROG, info, to_stderr
+from .progress import Progress
+from .waiting import Chunks
+
+SPLIT_NOTICE_CHARS = 500_000  # splitting takes ~1.7 s a million characters: say so first
+
+
+_ATTACHED_OPTIONS = (
+    ("-v", "voice"),
+    ("-f", "file"),
+    ("-o", "output"),
+    ("-a", "device"),
+    ("-m", "model"),
+)
+
+
+def _text_as_option_hint(args: argparse.Namespace) -> str:
+    """Text such as "-v is cool" reaches argparse as -v with the value " is cool"; say so."""
+    for flag, dest in _ATTACHED_OPTIONS:
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and value[:1].isspace():
+            return (
+                f" ({one_line(flag + value, 60)!r} was read as the option {flag}: text that "
+                "starts with '-' goes last, after --)"
+            )
+    return ""
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+@terminable
+def cmd_speak(args: argparse.Namespace) -> int:
+    if args.device == "?":
+        print_devices()
+        return 0
+    if args.max_frames < 1:
+        raise InputError(f"--max-frames must be at least 1, got {args.max_frames}")
+    # Before the model is loaded (or downloaded): a typo costs nothing.
+    from ..generate import check_seed
+    from ..textstream import check_pause
+
+    try:
+        check_seed(args.seed)
+        check_pause(args.pause)
+    except InputError as e:  # the library's words, with the option's name
+        raise InputError(f"--{e}") from None
+    check_dtype(args)
+    raw_out = args.raw
+    to_stdout = args.output == "-"
+    if raw_out and args.output is not None:
+        raise InputError("--raw writes PCM to stdout; do not combine it with -o")
+    if (raw_out or to_stdout) and sys.stdout is None:
+        raise AudioOutputError(
+            "stdout is closed: redirect it to a file or a pipe, or write a file with -o FILE"
+        )
+    if args.output is not None and not to_stdout:
+        from ..audio.io import check_output_path
+
+        check_output_path(args.output)
+        if args.file not in (None, "-") and _same_file(args.file, args.output):
+            raise InputError(
+                f"-o {args.output} is the text file given with -f: write the audio to another file"
+            )
+    play = args.play or (args.output is None and not raw_out)
+    if args.device is not None and not play:
+        raise InputError(
+            f"-a {one_line(args.device, 60)} picks the device to play on, but nothing is "
+            "played with -o or --raw alone: add --play"
+        )
+    if args.no_split and args.pause is not None:
+        raise InputError(
+            "--pause sets the silence between segments, and --no-split makes one: drop one"
+        )
+    if args.follow and args.no_split:
+        raise InputError(
+            "--follow speaks text as it arrives, a segment at a time, and --no-split makes "
+            "one utterance of all of it: drop one"
+        )
+    if (raw_out or to_stdout) and sys.stdout.isatty():
+        raise InputError(
+            f"{'--raw' if raw_out else '-o -'} writes binary audio to stdout, which is a "
+            "terminal: pipe it (| play ..., sox's player) or redirect it (> file)"
+        )
+    if args.voice == "?":
+        print_voices(load_model(args))
+        return 0
+    if args.follow:
+        source, source_name = text_source(args.file, args.text)
+        text: Any = text_pieces(source, source_name)
+    else:
+        text = read_text(args.file, args.text)
+        from ..segment import is_blank
+
+        if is_blank(text):
+            raise InputError(f"text is empty: give some words to speak{_text_as_option_hint(args)}")
+
+    player = None
+    if play:
+        from ..audio.player import AudioPlayer
+
+        player = AudioPlayer(device=args.device)  # fails early without PortAudio/devices
+    try:
+        tts = load_model(args)
+        if args.voice is not None:
+            tts.voices.get_voice(args.voice)
+        if args.no_split:
+            from ..tts import utterance_ids
+
+            utterance_ids(tts.tokenizer, text, "text", "drop --no-split")
+
+        started = time.monotonic()  # the player's clock
+        # The stream checks the remaining arguments: nothing may be written before it exists.
+        with _splitting_notice(args, text):
+            stream = tts.stream(
+                text,
+                voice=args.voice,
+                seed=args.seed,
+                chunk_frames=1,
+                max_frames=args.max_frames,
+                split=not args.no_split,
+                pause=args.pause,
+                add_period=not args.no_period,
+            )
+    except BaseException:
+        if player is not None:  # opened early to fail early: not left open on bad input
+            player.stop()
+        raise
+    sinks = []
+    file_writer = wav = None
+    try:
+        tts.load_voice(args.voice)  # a damaged voice file fails before any output is begun
+        if args.output is not None and not to_stdout:
+            from ..audio.io import AudioFileWriter
+
+            with signals_held():  # the temp file must not exist unreferenced
+                file_writer = AudioFileWriter(args.output, tts.sample_rate)
+        if to_stdout:
+            from ..audio.io import WavStreamWriter
+
+            wav = WavStreamWriter(sys.stdout.buffer, tts.sample_rate)
+            sinks.append(wav.write)
+        if raw_out:
+            from ..audio.io import float_to_pcm16, write_stream
+
+            sinks.append(lambda chunk: write_stream(sys.stdout.buffer, float_to_pcm16(chunk)))
+    except BaseException:
+        stream.cancel()
+        if file_writer is not None:
+            file_writer.abort()
+        if player is not None:
+            player.stop()
+        raise
+    if player is not None:
+        horizon = PlaybackHorizon(tts, stream, args.max_frames, args.pause, started)
+    progress = chunks = None
+    ok = generated = False
+    interrupted: KeyboardInterrupt | None = None
+    # The device's failure, or the file's format limit: what the file holds is kept.
+    failure: AudioStoppedError | None = None
+    text_failure: VoxtralError | None = None
+    try:
+        progress = None
+        if _show_progress(args, stream):
+            progress = (
+                Progress(None)
+                if stream.live
+                else Progress(len(stream.segments), [len(s.spoken) for s in stream.segments])
+            )
+        chunks = Chunks(stream)
+        for chunk in chunks:
+            if len(chunk.audio):
+                if file_writer is not None:
+                    with signals_held():
+                        file_writer.write(chunk.audio)
+                for sink in sinks:
+                    sink(chunk.audio)
+            if player is not None and plays(chunk):
+                player.feed(chunk.audio, expected_total_s=horizon(chunk))
+            if progress is not None:
+                progress.update(chunk, stream.timings)
+        if stream.timings.frames == 0:  # nothing to keep: no empty file is left behind
+            raise VoxtralError(
+                "the model produced no audio for this text (END on the first frame); "
+                "rephrase it or try another --seed"
+            )
+        generated = True
+        if player is not None:
+            player.finish()
+        ok = True
+    except KeyboardInterrupt as e:
+        interrupted = e
+        raise
+    except AudioStoppedError as e:
+        failure = e
+        raise
+    except VoxtralError as e:
+        if e is stream.text_error:  # --follow's text failed: the audio before it is whole
+            text_failure = e
+            if player is not None:  # heard before the error is printed (Ctrl-C stops it)
+                with contextlib.suppress(AudioStoppedError):
+                    player.finish()
+        raise
+    finally:
+        written = False
+        try:
+            with held_after(interrupted):  # a second Ctrl-C must not leave the temp file
+                stream.cancel()
+                if chunks is not None:
+                    chunks.close()
+                if progress is not None:
+                    progress.close()
+                if player is not None and not ok:
+                    player.stop()
+                if file_writer is not None:
+                    if ok:
+                        file_writer.close()
+                        written = True
+                    elif interrupted is not None and file_writer.commit_partial():
+                        kept = file_writer.duration_s
+                        # The one error line main() prints says what was kept.
+                        interrupted.detail = (
+                            f"interrupted: kept {kept:.1f} s of audio in "
+                            f"{one_line(str(args.output))}"
+                        )
+                    elif text_failure is not None and file_writer.commit_partial():
+                        text_failure.args = (
+                            f"{text_failure}; kept {file_writer.duration_s:.1f} s of audio of "
+                            f"the text before it in {one_line(str(args.output))}",
+                        )
+                    elif failure is not None and file_writer.commit_partial():
+                        path = one_line(str(args.output))
+                        kept = (
+                            f"all {file_writer.duration_s:.1f} s of audio were written to {path}"
+                            if generated
+                            else f"kept {file_writer.duration_s:.1f} s of audio in {path}"
+                        )
+                        # The device's own fix offers a file: here there is one already.
+                        fix = (
+                            "check the output device"
+                            if isinstance(failure, AudioDeviceError)
+                            else failure.fix
+                        )
+                        failure.args = (f"{failure.problem}; {kept}; {fix}",)
+                    else:
+                        file_writer.abort()
+                if wav is not None:
+                    wav.close()
+        except KeyboardInterrupt as e:  # held while the finished file was flushed
+            if written and getattr(e, "detail", None) is None:
+                from ..output_dir import written_detail
+
+                e.detail = written_detail(args.output)
+            raise
+    hold_from_now()
+    timings = stream.timings
+    if timings.cut_short:
+        n, of = timings.cut_short, len(stream.segments)
+        what = "the text" if of == 1 else f"{n} of {of} segments"
+        seconds = args.max_frames * tts.samples_per_frame / tts.sample_rate
+        frames = f"{args.max_frames} frame{'s' * (args.max_frames != 1)}"
+        info(
+            f"{PROG}: warning: {what} reached --max-frames ({frames}, "
+            f"{seconds:g} s) before the model ended {'it' if of == 1 else 'them'}: the audio "
+            f"is cut short; raise --max-frames{' or drop --no-split' if args.no_split else ''}"
+        )
+    if args.verbose:
+        _report(timings, player, started, live=args.follow)
+    return 0
+
+
+@contextlib.contextmanager
+def _splitting_notice(args: argparse.Namespace, text: str) -> Iterator[None]:
+    """A line saying why a long text is silent for a while (tens of seconds for tens of
+    megabytes) on a terminal, erased once the text is split."""
+    show = (
+        isinstance(text, str)
+        and len(text) > SPLIT_NOTICE_CHARS
+        and not args.no_split
+        and not args.quiet
+        and _stderr_is_terminal()
+    )
+    if show:
+        to_stderr(f"\r{PROG}: splitting {len(text):,} characters into segments\x1b[K")
+    try:
+        yield
+    finally:
+        if show:
+            to_stderr("\r\x1b[K")
+
+
+def _show_progress(args: argparse.Namespace, stream) -> bool:
+    if args.quiet or not _stderr_is_terminal():
+        return False
+    if stream.live:  # not over text being typed on the terminal: the line would hide it
+        typed = args.file in (None, "-") and sys.stdin is not None and sys.stdin.isatty()
+        return not typed
+    return len(stream.segments) > 1
+
+
+def _stderr_is_terminal() -> bool:
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
+def _report(t, player, started: float, live: bool = False) -> None:
+    info(f"prompt: {t.prompt_tokens} tokens, prefill {t.prefill_s * 1000:.0f} ms")
+    info(f"first audio after {t.first_audio_s * 1000:.0f} ms")
+    info(f"frames: {t.frames}, {t.ms_per_frame:.1f} ms/frame, audio {t.audio_s:.2f} s")
+    waiting = " (leaving out the waits for text)" if live else ""
+    info(
+        f"wall {t.total_s:.2f} s{waiting}, real-time factor {t.rtf:.3f} "
+        f"({1 / t.rtf if t.rtf else 0:.2f}x real time)"
+    )
+    info(f"peak memory {t.peak_memory_bytes / 2**30:.2f} GiB")
+    if player is not None:
+        s = player.stats
+        heard = ""
+        if s.first_audio_at is not None:  # time to first audio at the speakers
+            heard = f"first sound after {(s.first_audio_at - started) * 1000:.0f} ms, "
+        info(
+            f"playback: {heard}{s.underruns} underruns ({s.underrun_s:.2f} s of silence), "
+            f"{s.device_xruns} device xruns, pre-roll {s.preroll_s * 1000:.0f} ms"
+        )
