@@ -238,6 +238,18 @@ def test_params_json_and_config_json_must_agree(broken: Path) -> None:
     assert "10.0 vs 1000000.0" in message
 
 
+@pytest.mark.parametrize(("key", "value"), [("n_heads", "four"), ("n_layers", 0)])
+def test_a_config_json_model_config_that_does_not_parse_is_refused(broken, key, value) -> None:
+    """It was ignored beside params.json (mlx-audio, which reads it, would fail or differ);
+    a valid but different value was refused."""
+    config = json.loads((broken / "config.json").read_text())
+    config[key] = value
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as exc:
+        load_model_dir(broken)
+    assert "config.json" in one_line(exc.value) and key in one_line(exc.value)
+
+
 def test_config_json_params_may_differ_in_what_does_not_shape_the_model(broken: Path) -> None:
     """Keys the model does not read, and the voice list (the voice files decide), may differ:
     only a disagreement about the model itself is refused."""

@@ -434,9 +434,11 @@ def read_model_config(model_dir: Path) -> ModelConfig:
         config = ModelConfig.from_file(params_path)
         try:
             in_config = params_from_config(read_config(model_dir))
-            other = None if in_config is None else ModelConfig.from_params(in_config, "config.json")
         except ConfigError:  # not a model config to compare with; reported where it is needed
-            other = None
+            in_config = None
+        # A model config that does not even parse is as wrong as one that disagrees:
+        # mlx-audio would read it.
+        other = None if in_config is None else ModelConfig.from_params(in_config, "config.json")
         if other is not None and not _sets_decoding_steps(in_config):
             # The one knob users turn by editing params.json (SPEC): a config.json that
             # only takes the default does not contradict it.
