@@ -614,6 +614,27 @@ def test_weights_beyond_float16_are_refused_not_written_as_infinity(source, tmp_
     assert convert_model(wide, tmp_path / "bf16", dtype="bfloat16").path.is_dir()
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_damaged_weight_is_refused_not_quantized_away(source, tmp_path, value) -> None:
+    """Quantizing turned a NaN into its group's extreme value: a damaged checkpoint came
+    out looking sound, and the runtime's check for non-finite values could not catch it."""
+    wide = convert_model(source, tmp_path / "f32", dtype="float32").path
+    file = wide / "model.safetensors"
+    weights = mx.load(str(file))
+    name = next(k for k, v in weights.items() if ".layers.0." in k and v.ndim == 2)
+    damaged = np.array(weights[name])
+    damaged[0, 0] = value
+    weights[name] = mx.array(damaged)
+    mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
+    for q_bits in (4, None):
+        with pytest.raises(CheckpointError) as exc:
+            convert_model(wide, tmp_path / "out", dtype="bfloat16", q_bits=q_bits)
+        message = one_line(exc.value)
+        assert f"tensor '{to_mistral_name(name)}' holds NaN or infinite values" in message
+        assert message.endswith("re-download it")
+        assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt])
 def test_failure_midway_leaves_nothing(source, tmp_path: Path, monkeypatch, error) -> None:
     def fail(*_args):

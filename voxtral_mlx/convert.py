@@ -371,6 +371,7 @@ def _produce(
     fd = os.open(job.ref.path, os.O_RDONLY)
     try:
         for source in _blocks(job, chunk_bytes, fd):
+            _check_finite(job, source)
             block = source.astype(dtype)
             if dtype == mx.float16 and source.dtype != mx.float16:
                 _check_float16_range(job.name, source, block)
@@ -390,6 +391,16 @@ def _produce(
     finally:
         os.close(fd)
         mx.clear_cache()
+
+
+def _check_finite(job: _Job, source: mx.array) -> None:
+    """NaN or infinity in the source is damage: quantizing would hide it (a NaN becomes its
+    group's extreme value), and a converted copy must not pass for a sound one."""
+    if not mx.all(mx.isfinite(source)).item():
+        raise CheckpointError(
+            f"{job.ref.path}: tensor '{job.name}' holds NaN or infinite values: the "
+            "checkpoint is damaged; re-download it"
+        )
 
 
 def _check_float16_range(name: str, source: mx.array, block: mx.array) -> None:
