@@ -594,6 +594,27 @@ def test_unwritable_output(source: Path, tmp_path: Path) -> None:
     assert "not a directory" in one_line(exc.value)
 
 
+def test_outputs_the_finished_directory_cannot_be_renamed_onto_are_refused_first(
+    source, tmp_path, monkeypatch
+) -> None:
+    """'..' and a mount point failed at the final rename, after the whole conversion was
+    written (8 GB, on the mount point's parent file system), saying "check the free disk
+    space and permissions"."""
+    calls = []
+    monkeypatch.setattr(convert_mod, "_produce", lambda *a: calls.append(a) or iter(()))
+    with pytest.raises(InputError) as exc:
+        convert_model(source, tmp_path / "new" / "..", q_bits=4)
+    assert "ends in '..': name the directory itself" in one_line(exc.value)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mount or real_ismount(p))
+    with pytest.raises(InputError) as exc:
+        convert_model(source, mount, q_bits=4)
+    assert "is a mount point" in one_line(exc.value)
+    assert calls == [] and sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]
+
+
 def test_weights_beyond_float16_are_refused_not_written_as_infinity(source, tmp_path) -> None:
     wide = convert_model(source, tmp_path / "f32", dtype="float32").path
     file = wide / "model.safetensors"

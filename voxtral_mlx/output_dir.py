@@ -114,7 +114,14 @@ def check_output_dir(out: Path, force: bool) -> Path:
                 "which is not a directory: choose another output directory"
             )
         out = target
+    if out.name == "..":  # the rename into place would fail, after the whole write
+        raise InputError(f"output {one_line(str(out))} ends in '..': name the directory itself")
     _put_back_replaced(out)  # before the checks: it is what is there
+    if out.is_dir() and os.path.ismount(out):
+        raise InputError(
+            f"output {one_line(str(out))} is a mount point, which the finished directory "
+            "cannot be renamed onto: write into a new directory inside it"
+        )
     if out.exists():
         if not out.is_dir():
             raise InputError(
