@@ -34,6 +34,7 @@ from voxtral_mlx.errors import (
     ConfigError,
     InputError,
     ModelNotFoundError,
+    VoiceError,
     VoxtralError,
 )
 from voxtral_mlx.loader import LoadedModel, load_model_dir
@@ -667,6 +668,37 @@ def test_failure_midway_leaves_nothing(source, tmp_path: Path, monkeypatch, erro
     if isinstance(error, OSError):
         assert "No space left" in one_line(exc.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_voices_are_converted_names_the_output(source, tmp_path, monkeypatch):
+    """The voices' own error named the hidden staging directory and asked for another
+    output directory; it is now said as for the weights."""
+    import voxtral_mlx.voices as voices_mod
+
+    def full(*_args):
+        raise OSError(28, "No space left on device")
+
+    assert any((source / "voice_embedding").glob("*.pt"))
+    monkeypatch.setattr(voices_mod, "_write_safetensors", full)
+    with pytest.raises(InputError) as exc:
+        convert_model(source, tmp_path / "out", q_bits=4)
+    message = one_line(exc.value)
+    assert "No space left" in message and ".partial" not in message, message
+    assert str(tmp_path / "out") in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_voices_differing_only_in_case_are_refused_before_writing(source, tmp_path) -> None:
+    """On a Mac they are one file: refused before the weights are written (they were
+    refused after, naming the staging directory)."""
+    model = Path(shutil.copytree(source, tmp_path / "model"))
+    voices = model / "voice_embedding"
+    first = sorted(voices.glob("*.pt"))[0]
+    shutil.copyfile(first, voices / f"{first.stem.upper()}.pt")
+    with pytest.raises(VoiceError) as exc:
+        convert_model(model, tmp_path / "out", q_bits=4)
+    assert "differ only in case" in one_line(exc.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_failure_midway_keeps_the_old_output(converted, source, tmp_path, monkeypatch) -> None:

@@ -80,7 +80,7 @@ from .mlx_layout import (
 from .output_dir import check_output_dir, directory_path, resolve_output, staged_dir
 from .synthetic.safetensors_writer import TensorSpec, write_safetensors
 from .tokenizer import TekkenTokenizer
-from .voices import EMBEDDING_KEY, VoiceRegistry, convert_voice_files, unreadable
+from .voices import EMBEDDING_KEY, VoiceRegistry, convert_voice_files, folded_name, unreadable
 
 SUPPORTED_BITS = (4, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -520,7 +520,15 @@ def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> VoiceRegis
     )
     for path in registry.broken.values():
         raise VoiceError(f"voice file {unreadable(path)}; restore or remove it, then convert again")
+    seen: dict[str, str] = {}
     for name in registry:
+        other = seen.setdefault(folded_name(name), name)
+        if other != name:  # one file on a Mac (APFS ignores case): which would it hold?
+            raise VoiceError(
+                f"voices {one_line(repr(other))} and {one_line(repr(name))} in "
+                f"{one_line(str(src / 'voice_embedding'))} differ only in case: rename or "
+                "remove one, then convert again"
+            )
         registry.embedding(name)
     return registry
 
@@ -546,7 +554,14 @@ def _copy_voices(src: Path, dst: Path, registry: VoiceRegistry) -> None:
         if p.is_file() and not p.name.startswith(".") and p.stem not in converted
     )
     if pts:
-        convert_voice_files(pts, out)
+        try:
+            convert_voice_files(pts, out)
+        except VoiceError as e:
+            # Its message names the staging directory and asks for another output
+            # directory: a failed write is reported as the weights' are.
+            if isinstance(e.__cause__, OSError):
+                raise e.__cause__ from None
+            raise
 
 
 # --------------------------------------------------------------------------- entry point

@@ -430,14 +430,14 @@ def _voice_sources(sources: object) -> list[Path]:
     for file in files:  # a file named both directly and through its directory counts once
         try:  # by inode and folded name: on APFS v/a.pt and v/A.pt are one file
             st = file.stat()
-            key: object = (st.st_dev, st.st_ino, _folded(file.name))
+            key: object = (st.st_dev, st.st_ino, folded_name(file.name))
         except OSError:  # reported when it is read
             key = file.resolve()
         unique.setdefault(key, file)
     return list(unique.values())
 
 
-def _folded(name: str) -> str:
+def folded_name(name: str) -> str:
     """A name as APFS compares names: case and Unicode normalization ignored."""
     return unicodedata.normalize("NFD", name).casefold()
 
@@ -514,7 +514,7 @@ def convert_voice_files(
     targets = [out_dir / f"{src.stem}.safetensors" for src in files]
     seen: dict[str, Path] = {}
     for src, dst in zip(files, targets, strict=True):
-        key = _folded(str(dst))  # APFS: a.safetensors is A.safetensors
+        key = folded_name(str(dst))  # APFS: a.safetensors is A.safetensors
         if key in seen:
             raise VoiceError(
                 f"{one_line(str(seen[key]))} and {one_line(str(src))} would both be written to "
