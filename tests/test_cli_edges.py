@@ -171,6 +171,18 @@ def test_closed_stdout_is_one_line(model_dir, args):
     assert "stdout is closed" in one_line_error(proc)
 
 
+def test_paths_in_result_and_note_lines_are_escaped(tmp_path):
+    """Error lines were escaped, the lines saying what was written were not: a terminal
+    escape in an output name cleared the screen, a newline split the line."""
+    out = tmp_path / "e\x1b[2Jx\nb"
+    proc = run("random-checkpoint", str(out), "--size", "tiny")
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "params.json").is_file()
+    for stream in (proc.stdout, proc.stderr):
+        assert b"\x1b" not in stream and b"\\x1b[2Jx\\nb" in stream
+    assert proc.stdout.count(b"\n") == 1 and proc.stderr.count(b"\n") == 1
+
+
 def test_trailing_slash_names_a_directory(model_dir, tmp_path):
     proc = speak(model_dir, "Hi.", "-o", f"{tmp_path}/out.wav/")
     assert "slash" in one_line_error(proc)

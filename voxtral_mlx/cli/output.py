@@ -27,7 +27,8 @@ def err(message: str) -> None:
 
 
 def info(message: str) -> None:
-    to_stderr(f"{message}\n")
+    """A note on stderr, one line whatever a path in it holds (a newline, a terminal escape)."""
+    to_stderr(f"{printable(message)}\n")
 
 
 class StdoutError(VoxtralError):
@@ -39,7 +40,7 @@ def result_line(line: str) -> None:
     if sys.stdout is None:  # started with stdout closed: print() would drop it silently
         raise StdoutError("stdout is closed: redirect it to a file or a pipe")
     try:
-        print(line)
+        print(printable(line))  # one line, and no terminal escapes from a file name
     except BrokenPipeError:
         raise
     except OSError as e:
