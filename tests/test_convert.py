@@ -701,6 +701,36 @@ def test_voices_differing_only_in_case_are_refused_before_writing(source, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def _dead_pid() -> int:
+    pid = 4_000_000
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            pass
+        pid += 1
+
+
+def test_force_replaces_a_model_holding_a_killed_voice_conversions_leftover(
+    converted, source, tmp_path
+) -> None:
+    """A convert-voices run killed while writing into the model's voice_embedding/ left
+    its hidden staging directory: it is ours, not foreign, and goes with the rest. One
+    whose process still runs is someone's work in progress, and is refused."""
+    out = Path(shutil.copytree(converted["bf16"], tmp_path / "out"))
+    left = out / "voice_embedding" / f".voices.partial-{_dead_pid()}-0123abcd"
+    left.mkdir()
+    assert convert_model(source, out, q_bits=8, force=True).path == out
+    assert not left.exists()
+    busy = out / "voice_embedding" / f".voices.partial-{os.getpid()}-0123abcd"
+    busy.mkdir()
+    with pytest.raises(InputError) as exc:
+        convert_model(source, out, q_bits=8, force=True)
+    assert busy.name in one_line(exc.value)
+
+
 def test_failure_midway_keeps_the_old_output(converted, source, tmp_path, monkeypatch) -> None:
     out = Path(shutil.copytree(converted["bf16"], tmp_path / "out"))
     before = tree_bytes(out)

@@ -62,10 +62,14 @@ def _foreign(path: Path) -> list[str]:
     )
     voices = path / "voice_embedding"
     if voices.is_dir() and not voices.is_symlink():
+        # A killed convert-voices run's staging directory is ours, and goes with the rest.
+        left = {e.name for e in orphans(voices, "voices", "partial")}
         found += sorted(
             f"voice_embedding/{p.name}"
             for p in voices.iterdir()
-            if p.name != _LITTER and not (p.is_file() and p.name.endswith(_VOICE_FILES))
+            if p.name != _LITTER
+            and p.name not in left
+            and not (p.is_file() and p.name.endswith(_VOICE_FILES))
         )
     return found
 
