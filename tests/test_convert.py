@@ -584,6 +584,13 @@ def test_a_file_system_that_cannot_sync_directories_still_converts(
     assert (out / "config.json").is_file()
 
 
+def test_no_model_is_refused_not_taken_for_the_default(tmp_path: Path) -> None:
+    with pytest.raises(InputError) as exc:
+        convert_model(None, tmp_path / "out")
+    assert "model is None" in one_line(exc.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unwritable_output(source: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -591,6 +591,8 @@ def convert_model(
     if progress is not None and not callable(progress):
         raise InputError(f"progress must be a function or None, got {type(progress).__name__}")
     out_path = directory_path(out_dir)
+    if model is None:  # resolve_model_dir's default would download 8 GB unasked
+        raise InputError("model is None: give a model directory or a Hugging Face repo id")
     src = resolve_model_dir(model)
     out = _check_output(out_path.absolute(), src, force)
 
