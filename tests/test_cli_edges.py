@@ -296,6 +296,13 @@ def test_serve_refuses_an_api_key_http_cannot_carry(tmp_path, value, words):
     assert words in one_line_error(run(*args))
 
 
+def test_serve_refuses_an_empty_api_key_variable(tmp_path):
+    """As --api-key "": an unset shell variable must not serve without a key unawares."""
+    args = ("serve", "-m", str(tmp_path / "none"), "--port", "0")
+    error = one_line_error(run(*args, env={"VOXTRAL_MLX_API_KEY": ""}))
+    assert "$VOXTRAL_MLX_API_KEY is empty" in error
+
+
 def test_random_checkpoint_output_checks(model_dir, tmp_path):
     (tmp_path / "file").write_text("x")
     proc = run("random-checkpoint", str(tmp_path / "file"))

@@ -234,7 +234,15 @@ def test_the_blank_adversarial_texts_are_the_invisible_ones():
 
 @pytest.mark.parametrize(
     "text",
-    [" ", "\t\r\n", "\x0c\x1c\x85\u2028", ADVERSARIAL["zero_width_only"], "\x00\u200e\ufeff"],
+    [
+        " ",
+        "\t\r\n",
+        "\x0c\x1c\x85\u2028",
+        ADVERSARIAL["zero_width_only"],
+        "\x00\u200e\ufeff",
+        "\u0301\u0301\u0301",  # combining accents on nothing
+        "\ufe0f\ufe0f",  # variation selectors alone
+    ],
 )
 def test_whitespace_only_text_is_refused_though_the_reference_encodes_it(tts_end, text):
     with pytest.raises(InputError, match="empty"):

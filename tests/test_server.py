@@ -744,6 +744,7 @@ def test_a_voice_whose_file_is_unusable_is_not_offered_and_fails_as_the_servers_
             assert error["type"] == "server_error"
             assert f"voice '{bad}' is unavailable on this server" in error["message"]
             assert str(model) not in r.text
+            assert tc.get("/health").json()["failed"] == 1  # counted as the server's failure
             r = tc.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
             assert r.status_code == 200 and sf.info(io.BytesIO(r.content)).frames > 0
     finally:

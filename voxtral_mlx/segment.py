@@ -190,7 +190,8 @@ class Segment:
 
 def is_blank(text: str) -> bool:
     """Whether ``text`` has nothing to speak: only spaces, control and format characters
-    (zero-width spaces and joiners, byte order marks, direction marks)."""
+    (zero-width spaces and joiners, byte order marks, direction marks) and marks with no
+    character to go on (combining accents, variation selectors)."""
     return not any(_visible(ch) for ch in text)
 
 
@@ -203,10 +204,12 @@ def is_silent(text: str) -> bool:
 
 
 def _visible(ch: str) -> bool:
+    """Not a space, a control or format character, nor a mark (a combining accent or a
+    variation selector shows nothing without a character before it)."""
     if ch.isspace():
         return False
     category = unicodedata.category(ch)
-    return category[0] != "Z" and category not in ("Cc", "Cf")
+    return category[0] != "Z" and category not in ("Cc", "Cf", "Mn", "Me")
 
 
 class SplitStopped(Exception):

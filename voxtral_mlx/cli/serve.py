@@ -40,6 +40,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--api-key is empty (an unset shell variable?): give the key, or leave --api-key "
             "out to serve without one"
         )
+    if args.api_key is None and os.environ.get(API_KEY_ENV) == "":
+        raise InputError(
+            f"${API_KEY_ENV} is empty (an unset shell variable?): give the key, or unset it "
+            "to serve without one"
+        )
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if api_key is not None and (api_key != api_key.strip() or not api_key.isprintable()):
         raise InputError(

@@ -184,6 +184,7 @@ class SpeechAPI:
             body, self._named, self.default_voice, self.config.max_input_chars
         )
         if req.voice in self.unusable:  # named, or the default voice
+            self.counters.failed += 1
             raise server_error(
                 f"voice {shown(req.voice)} is unavailable on this server (its file cannot be "
                 "used; the server's log says why): choose another voice"
@@ -442,7 +443,7 @@ def _charset(params: str) -> str | None:
 def _too_large(limit: int) -> APIError:
     return APIError(
         413,
-        f"request body too large (limit {limit} bytes)",
+        f"request body too large (limit {limit} bytes): send a shorter input",
         code="request_too_large",
         headers={"Connection": "close"},  # the rest of the body is not read
     )

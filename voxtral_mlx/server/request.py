@@ -183,7 +183,8 @@ def parse_speech_request(
     """Check a decoded JSON body; :class:`APIError` (400) names the first problem."""
     if not isinstance(body, dict):
         raise bad_request(
-            f"the request body must be a JSON object ({{...}}), got {_json_type(body)}"
+            f"the request body must be a JSON object ({{...}}), got {_json_type(body)}: send "
+            '{"input": "...", "voice": "..."}'
         )
     unknown = [k for k in body if k not in FIELDS]
     if unknown:
@@ -194,10 +195,12 @@ def parse_speech_request(
         )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise bad_request("model must be a string", "model")
+        raise bad_request("model must be a string (a model id, or leave it out)", "model")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise bad_request("instructions must be a string", "instructions")
+        raise bad_request(
+            "instructions must be a string (or leave it out: this model ignores it)", "instructions"
+        )
     return SpeechRequest(
         input=_text(body, max_chars),
         voice=resolve_voice(body.get("voice"), voices, default_voice),
