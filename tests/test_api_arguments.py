@@ -336,3 +336,54 @@ def test_a_bad_value_is_shown_shortly_in_its_error(tts):
         with pytest.raises(InputError) as exc:
             call()
         assert len(str(exc.value)) < 200 and "\n" not in str(exc.value)
+
+
+class _Sink:
+    def feed(self, audio):
+        pass
+
+    def finish(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+def test_misuses_an_app_may_make_are_one_line_errors(tts, tiny_checkpoint_noend):
+    """Each of these ended in a raw TypeError/ValueError/UnicodeEncodeError from inside, an
+    error blaming the checkpoint, or files written where the app happened to run."""
+    import asyncio
+    import pathlib
+
+    from voxtral_mlx.errors import UsageError
+
+    with pytest.raises(InputError, match="current directory"):
+        voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=pathlib.Path(""))
+    with pytest.raises(ModelNotFoundError, match="lone surrogate"):
+        voxtral_mlx.load("\ud800")
+    with pytest.raises(InputError, match="standard normal"):  # was "re-download the model"
+        tts.synthesize("Hi.", VOICE, noise=np.full((4, 36), 3e38, np.float32))
+    for text in (np.array(3), np.array(["a", "b"])):
+        with pytest.raises(InputError, match="text must be a string, got ndarray"):
+            tts.synthesize(text, VOICE, split=True)
+    with pytest.raises(InputError, match="call\\(\\) takes a function"):
+        tts.call(None)
+    with pytest.raises(InputError, match="got the class _Sink"):
+        tts.say("Hi.", VOICE, player=_Sink)
+    playback = tts.say("Hi.", VOICE, player=_Sink(), wait=False, max_frames=2)
+    for timeout in ("x", float("nan"), -1):
+        with pytest.raises(InputError, match="timeout must be a number of seconds"):
+            playback.wait(timeout)
+    assert playback.wait(30)
+    with pytest.raises(UsageError, match="make it with stream\\(\\)"):
+        list(tts.astream("Hi.", VOICE, max_frames=2))
+    with pytest.raises(UsageError, match="async with"), tts.astream("Hi.", VOICE, max_frames=2):
+        pass
+
+    async def async_for_over_stream() -> None:
+        async for _ in tts.stream("Hi.", VOICE, max_frames=2):
+            pass
+
+    with pytest.raises(UsageError, match="make it with astream\\(\\)"):
+        asyncio.run(async_for_over_stream())
+    assert len(tts.synthesize("Hi.", VOICE, seed=1, max_frames=3).codes) == 3

@@ -105,8 +105,11 @@ def load(
                 f"prefix_cache_dir must be a directory path, 'auto' or None, got "
                 f"{type(prefix_cache_dir).__name__}"
             )
-        if not os.fspath(prefix_cache_dir):  # Path("") is the current directory
-            raise InputError("prefix_cache_dir is an empty path: give a directory, 'auto', or None")
+        if os.fspath(prefix_cache_dir) in ("", "."):  # Path("") is Path(".")
+            raise InputError(
+                "prefix_cache_dir is an empty path (the current directory): give a directory, "
+                "'auto', or None"
+            )
         auto = isinstance(prefix_cache_dir, str) and prefix_cache_dir == "auto"
         directory = (
             default_cache_dir() / "prefixes"

@@ -119,6 +119,10 @@ def usable_path(
     if "\0" in text:
         raise error(f"{what} {shown} holds a NUL character, which no path can: remove it")
     try:
+        os.fsencode(text)
+    except UnicodeEncodeError:  # a lone surrogate: no file name holds one
+        raise error(f"{what} {shown} is not valid text (a lone surrogate): fix the path") from None
+    try:
         out = Path(text).expanduser()
     except RuntimeError:
         user = text.split("/", 1)[0]

@@ -57,6 +57,11 @@ def to_numpy(value: object, what: str) -> np.ndarray:
         ) from None
 
 
+# A standard normal sample never comes near this; much larger start points overflow the
+# flow head (float16 at 1e6) and would be reported as damaged weights.
+MAX_NOISE = 1000.0
+
+
 class NoiseSource:
     """Start noise of the flow-matching ODE, one row of 36 per frame.
 
@@ -101,6 +106,12 @@ class NoiseSource:
             raise InputError(
                 "noise contains NaN or infinite values (as float32): pass finite start "
                 "noise (standard normal), or a seed instead"
+            )
+        if arr.size and float(np.max(np.abs(arr))) > MAX_NOISE:
+            raise InputError(
+                f"noise holds {float(np.max(np.abs(arr))):.3g}: start noise is standard normal, "
+                f"and values beyond +-{MAX_NOISE:g} overflow the flow head; pass noise within "
+                "that, or a seed instead"
             )
         return arr
 

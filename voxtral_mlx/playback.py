@@ -10,6 +10,9 @@ from types import TracebackType
 from typing import Any
 
 from .audio.horizon import plays
+from .engine import finite_float
+from .errors import InputError
+from .fileio import one_line
 from .textstream import TextStream
 
 
@@ -81,6 +84,14 @@ class Playback:
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once playback has ended (False on timeout). Ctrl-C stops playback."""
+        if timeout is not None:
+            seconds = finite_float(timeout)
+            if seconds is None or seconds < 0:
+                raise InputError(
+                    f"timeout must be a number of seconds >= 0 or None, got "
+                    f"{one_line(repr(timeout), 60)}"
+                )
+            timeout = seconds
         if not self.done:
             self._refuse_wait()
         try:

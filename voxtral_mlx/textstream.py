@@ -320,6 +320,12 @@ class TextStream(_Reader):
         """Leaving a ``with`` block stops generation, however the loop inside ended."""
         self.close()
 
+    def __aiter__(self):
+        raise UsageError(
+            "this is stream()'s stream, read with `for` or `with`: for `async for`, make it "
+            "with astream()"
+        )
+
     def __del__(self) -> None:
         if hasattr(self, "_source"):  # an __init__ cut short (Ctrl-C) started nothing
             self.cancel()
@@ -463,6 +469,20 @@ class AsyncTextStream(_Reader):
 
     async def __aenter__(self) -> AsyncTextStream:
         return self
+
+    def __iter__(self):
+        raise UsageError(
+            "this is astream()'s stream, read with `async for` or `async with`: for `for`, "
+            "make it with stream()"
+        )
+
+    def __enter__(self):
+        raise UsageError(
+            "this is astream()'s stream: use `async with`, or make it with stream() for `with`"
+        )
+
+    def __exit__(self, *exc_info: object) -> None:  # `with` needs both to call __enter__
+        pass
 
     async def __aexit__(self, *exc_info: object) -> None:
         """Leaving an ``async with`` block stops generation."""

@@ -174,6 +174,9 @@ class VoxtralTTS:
         evaluated on another); array results are evaluated before they are returned.
         """
 
+        if not callable(fn):
+            raise InputError(f"call() takes a function, got {type(fn).__name__}")
+
         def run() -> T:
             out = fn(*args, **kwargs)
             if isinstance(out, (mx.array, list, tuple, dict)):
@@ -777,6 +780,11 @@ class VoxtralTTS:
         wait = check_flag("wait", wait)
         if wait:
             self.worker.refuse_wait()  # before anything opens: playing needs the worker
+        if isinstance(player, type):
+            raise InputError(
+                f"player must be a player object, got the class {player.__name__}: pass "
+                f"{player.__name__}(...)"
+            )
         if player is not None:
             needed = ("feed", "finish", "stop")
             missing = [m for m in needed if not callable(getattr(player, m, None))]
