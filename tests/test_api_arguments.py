@@ -387,3 +387,18 @@ def test_misuses_an_app_may_make_are_one_line_errors(tts, tiny_checkpoint_noend)
     with pytest.raises(UsageError, match="make it with astream\\(\\)"):
         asyncio.run(async_for_over_stream())
     assert len(tts.synthesize("Hi.", VOICE, seed=1, max_frames=3).codes) == 3
+
+
+def test_lookahead_is_bounded_and_a_voice_object_is_told_to_pass_its_name(tts):
+    """A lookahead of 10**30 put a chapter's every segment in flight at once."""
+    with pytest.raises(InputError, match="lookahead must be at most 64"):
+        tts.stream("One. Two.", VOICE, split=True, lookahead=10**30)
+    with pytest.raises(VoiceError, match=f"pass its .name, '{VOICE}'"):
+        tts.synthesize("Hi.", tts.voices[VOICE], max_frames=2)
+
+
+def test_a_closed_model_makes_no_jobs(tiny_checkpoint_noend):
+    model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    model.close()
+    with pytest.raises(VoxtralError, match="closed"):
+        model.job("Hi.", VOICE)

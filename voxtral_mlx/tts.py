@@ -57,6 +57,7 @@ MAX_TEXT_TOKENS = 8192
 SYNTH_CHUNK_FRAMES = 16
 DECODE_PART_FRAMES = 16  # decode() runs this many frames per worker call
 DEFAULT_MAX_CHARS = 400  # longest segment when splitting text (target: half of it)
+MAX_LOOKAHEAD = 64  # segments of one text in flight at most (as many as a batch holds)
 WARMUP_TEXT = "Hello."
 # How long warmup() lets requests made meanwhile go first before it takes its turn.
 WARMUP_YIELDS_S = 2.0
@@ -382,6 +383,8 @@ class VoxtralTTS:
         chunk_frames: int = 1,
     ) -> Job:
         """Validate a request and turn it into a :class:`Job` (not yet submitted)."""
+        if self.worker.closed:  # its submit() would refuse it: say so now
+            raise closed_error()
         if not isinstance(text, str):
             raise InputError(
                 f"text must be a string, got {type(text).__name__}: pass the text itself (str)"
@@ -457,6 +460,11 @@ class VoxtralTTS:
         voice = self._voice(voice).name
         if lookahead is not None:
             lookahead = check_whole("lookahead", lookahead, 1)
+            if lookahead > MAX_LOOKAHEAD:  # each segment in flight holds its KV cache
+                raise InputError(
+                    f"lookahead must be at most {MAX_LOOKAHEAD} (segments in flight), got "
+                    f"{lookahead}"
+                )
         max_chars = check_whole("max_chars", max_chars, 2)  # as pause: even when unused
         if split:
             if noise is not None:

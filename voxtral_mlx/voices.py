@@ -195,7 +195,8 @@ class VoiceRegistry(Mapping[str, Voice]):
         for case); :class:`VoiceError` listing the valid names otherwise."""
         if not isinstance(name, str):
             what = f"{type(name).__name__} {one_line(repr(name), 60)}"
-            raise VoiceError(f"a voice is one name (a string), got {what}")
+            hint = f": pass its .name, {name.name!r}" if isinstance(name, Voice) else ""
+            raise VoiceError(f"a voice is one name (a string), got {what}{hint}")
         voice = self._voices.get(name)
         if voice is not None:
             return voice
