@@ -582,7 +582,7 @@ class VoxtralTTS:
         ``max_frames`` applies per segment; chunks carry ``segment`` and ``segments``, and
         ``ends_segment`` on a segment's last chunk of audio; memory stays bounded whatever
         the length.
-        ``lookahead``: segments in flight, the one being consumed included (at least 1;
+        ``lookahead``: segments in flight, the one being consumed included (1 to 64;
         default: the batch size with ``split``, 1 without). A segment generated ahead gives
         up its batch slot to another request's segment that someone is waiting for (it is
         set aside and resumes later, its output unchanged; so does its prompt's prefill), so
