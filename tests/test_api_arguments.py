@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import voxtral_mlx
+from tests.players import NullPlayer
 from voxtral_mlx.convert import convert_model
 from voxtral_mlx.errors import InputError, ModelNotFoundError, VoiceError, VoxtralError
 from voxtral_mlx.segment import split_text
@@ -338,17 +339,6 @@ def test_a_bad_value_is_shown_shortly_in_its_error(tts):
         assert len(str(exc.value)) < 200 and "\n" not in str(exc.value)
 
 
-class _Sink:
-    def feed(self, audio):
-        pass
-
-    def finish(self):
-        pass
-
-    def stop(self):
-        pass
-
-
 def test_misuses_an_app_may_make_are_one_line_errors(tts, tiny_checkpoint_noend):
     """Each of these ended in a raw TypeError/ValueError/UnicodeEncodeError from inside, an
     error blaming the checkpoint, or files written where the app happened to run."""
@@ -368,9 +358,9 @@ def test_misuses_an_app_may_make_are_one_line_errors(tts, tiny_checkpoint_noend)
             tts.synthesize(text, VOICE, split=True)
     with pytest.raises(InputError, match="call\\(\\) takes a function"):
         tts.call(None)
-    with pytest.raises(InputError, match="got the class _Sink"):
-        tts.say("Hi.", VOICE, player=_Sink)
-    playback = tts.say("Hi.", VOICE, player=_Sink(), wait=False, max_frames=2)
+    with pytest.raises(InputError, match="got the class NullPlayer"):
+        tts.say("Hi.", VOICE, player=NullPlayer)
+    playback = tts.say("Hi.", VOICE, player=NullPlayer(), wait=False, max_frames=2)
     for timeout in ("x", float("nan"), -1):
         with pytest.raises(InputError, match="timeout must be a number of seconds"):
             playback.wait(timeout)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import voxtral_mlx
+from tests.players import NullPlayer
 from voxtral_mlx.engine import DONE
 from voxtral_mlx.errors import InputError, VoxtralError
 from voxtral_mlx.worker import Worker
@@ -64,17 +65,7 @@ def test_close_fails_a_background_warmup_and_waiting_requests(tts):
 
 
 def test_say_reports_the_close(tts):
-    class Sink:
-        def feed(self, audio):
-            pass
-
-        def finish(self):
-            pass
-
-        def stop(self):
-            pass
-
-    playback = tts.say("One. Two. Three.", VOICE, wait=False, max_frames=300, player=Sink())
+    playback = tts.say("One. Two. Three.", VOICE, wait=False, max_frames=300, player=NullPlayer())
     tts.close()
     with pytest.raises(VoxtralError, match="closed"):
         playback.wait(60)
@@ -483,27 +474,16 @@ def test_say_with_a_damaged_voice_file_raises_and_opens_no_audio(
         model.close()
 
 
-class _Sink:
-    def feed(self, audio, **_):
-        pass
-
-    def finish(self):
-        pass
-
-    def stop(self):
-        pass
-
-
 def test_say_and_async_requests_from_the_worker_thread_are_refused(tts):
     """say(), an event loop run inside tts.call(), and a warmup future waited on there all
     waited for the worker from the worker: the model hung for good (and the process
     aborted at exit)."""
 
     def say_wait():
-        return tts.say("Hi.", VOICE, player=_Sink(), max_frames=2)
+        return tts.say("Hi.", VOICE, player=NullPlayer(), max_frames=2)
 
     def say_then_wait():
-        return tts.say("Hi.", VOICE, wait=False, player=_Sink(), max_frames=2).wait()
+        return tts.say("Hi.", VOICE, wait=False, player=NullPlayer(), max_frames=2).wait()
 
     def async_synth():
         return asyncio.run(tts.asynthesize("Hi.", VOICE, max_frames=2))
