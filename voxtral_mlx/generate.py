@@ -107,9 +107,10 @@ class NoiseSource:
                 "noise contains NaN or infinite values (as float32): pass finite start "
                 "noise (standard normal), or a seed instead"
             )
-        if arr.size and float(np.max(np.abs(arr))) > MAX_NOISE:
+        largest = float(np.max(np.abs(arr))) if arr.size else 0.0
+        if largest > MAX_NOISE:
             raise InputError(
-                f"noise holds {float(np.max(np.abs(arr))):.3g}: start noise is standard normal, "
+                f"noise holds {largest:.3g}: start noise is standard normal, "
                 f"and values beyond +-{MAX_NOISE:g} overflow the flow head; pass noise within "
                 "that, or a seed instead"
             )

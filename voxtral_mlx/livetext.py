@@ -30,6 +30,8 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterable, Callable, Iterable
 
+import numpy as np
+
 from .errors import InputError
 from .segment import (
     _KINDS,
@@ -352,6 +354,6 @@ def _sentence_end(text: str) -> bool:
 def is_text_pieces(text: object) -> bool:
     """Whether ``text`` is pieces of text to read as they come (an iterable or async
     iterable that is not itself a str or bytes)."""
-    if isinstance(text, (str, bytes, bytearray, memoryview)) or type(text).__module__ == "numpy":
+    if isinstance(text, (str, bytes, bytearray, memoryview, np.ndarray)):
         return False  # an array is data, not text: refused as not a string
     return isinstance(text, (Iterable, AsyncIterable))
