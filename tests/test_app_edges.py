@@ -717,6 +717,121 @@ def test_running_streams_get_frames_between_the_parts_of_a_long_prefill(tts, mon
         assert "audio" in between[a:b], between
 
 
+def _prefix_length(tts, voice: str) -> int:
+    return len(tts.prompt_ids("", voice)) - 2  # the prompt without its last two ids
+
+
+def _recording_parts(monkeypatch, parts: list[int], before=None) -> None:
+    prefill_part = engine_mod.prefill_part
+
+    def recording(model, embeds, cache):
+        parts.append(embeds.shape[1])
+        if before is not None:
+            before()
+        return prefill_part(model, embeds, cache)
+
+    monkeypatch.setattr(engine_mod, "prefill_part", recording)
+
+
+def test_a_new_voice_is_prefilled_in_fixed_parts_equal_to_one_pass(tts, monkeypatch):
+    """A voice not cached yet has its prompt prefix prefilled in parts of
+    PREFIX_PART_TOKENS, one per frame step, so a cancel or the streams already running wait
+    a part rather than the whole prefix; the output equals the prefix run in one pass, and
+    a later request from the cached prefix equals both."""
+    voice, text, kwargs = "casual_female", "Hello there.", dict(seed=4, max_frames=4)
+    parts: list[int] = []
+    _recording_parts(monkeypatch, parts)
+    monkeypatch.setattr(engine_mod, "PREFIX_PART_TOKENS", 10**6)
+    tts.clear_prefix_cache()
+    whole = tts.synthesize(text, voice, **kwargs)
+    n = _prefix_length(tts, voice)
+    assert parts == [n] and not whole.timings.prefix_cached
+    monkeypatch.setattr(engine_mod, "PREFIX_PART_TOKENS", 16)
+    tts.clear_prefix_cache()
+    parts.clear()
+    parted = tts.synthesize(text, voice, **kwargs)
+    assert parts == [16] * (n // 16) + [n % 16] * (n % 16 > 0)
+    assert len(parts) >= 4 and not parted.timings.prefix_cached
+    cached = tts.synthesize(text, voice, **kwargs)
+    assert cached.timings.prefix_cached and len(parts) == -(-n // 16)  # no part ran again
+    for other in (parted, cached):
+        np.testing.assert_array_equal(other.codes, whole.codes)
+        np.testing.assert_array_equal(other.audio, whole.audio)
+
+
+def test_cancel_during_a_new_voice_prefix_stops_after_one_part(tts, monkeypatch):
+    """cancel() while a new voice's prefix is being prefilled takes effect after the part
+    being run: the rest is never computed, and the unfinished prefix is not kept."""
+    voice = "hi_female"
+    tts.clear_prefix_cache()
+    stream = tts.stream("Hi.", voice, seed=2, max_frames=4)
+    parts: list[int] = []
+    _recording_parts(monkeypatch, parts, before=stream.cancel)  # on the worker thread
+    monkeypatch.setattr(engine_mod, "PREFIX_PART_TOKENS", 16)
+    assert list(stream) == []
+    tts.worker.call(lambda: None)
+    assert parts == [16] and _prefix_length(tts, voice) > 16
+    assert tts.call(lambda: list(tts.engine._prefixes)) == []
+    assert tts.engine.stats()["active"] == 0
+
+
+def test_running_streams_get_frames_between_the_parts_of_a_new_voice_prefix(tts, monkeypatch):
+    events: list[str] = []
+    deliver = tts.engine._deliver
+
+    def recording_deliver(ready):
+        events.extend("audio" for _, _, audio, _ in ready if audio is not None)
+        return deliver(ready)
+
+    voice = "es_male"
+    tts.clear_prefix_cache()
+    running = tts.stream("Keep talking.", VOICE, seed=7, max_frames=60)
+    got = [next(running)]
+    _recording_parts(monkeypatch, [], before=lambda: events.append("part"))
+    monkeypatch.setattr(engine_mod, "PREFIX_PART_TOKENS", 8)
+    monkeypatch.setattr(tts.engine, "_deliver", recording_deliver)
+    newcomer = tts.synthesize("A new voice.", voice, seed=2, max_frames=2)
+    got.extend(running)
+    assert len(newcomer.codes) == 2 and sum(c.frames for c in got) == 60
+    first, last = events.index("part"), len(events) - events[::-1].index("part") - 1
+    between = events[first : last + 1]
+    assert between.count("part") == -(-_prefix_length(tts, voice) // 8)
+    pairs = list(itertools.pairwise(i for i, e in enumerate(between) if e == "part"))
+    for a, b in pairs[1:]:  # audio is handed out a step after its frame (see above)
+        assert "audio" in between[a:b], between
+
+
+def test_a_short_request_goes_before_the_rest_of_a_new_voice_prefix(tts, monkeypatch):
+    """A request for a cached voice arriving while a new voice's prefix is prefilled goes
+    first; the prefix resumes where it stopped (no part runs twice) and both outputs are as
+    on their own."""
+    voice = "de_female"
+    tts.clear_prefix_cache()
+    solo_new = tts.synthesize("New voice here.", voice, seed=2, max_frames=3)
+    solo_short = tts.synthesize("Speak now.", VOICE, seed=5, max_frames=3)
+    prefixes = tts.engine._prefixes
+    tts.call(lambda: [prefixes.pop(k) for k in list(prefixes) if k[0] == voice])
+    assert [k[0] for k in tts.call(lambda: list(prefixes))] == [VOICE]
+    parts: list[int] = []
+    _recording_parts(monkeypatch, parts, before=lambda: time.sleep(0.02))
+    monkeypatch.setattr(engine_mod, "PREFIX_PART_TOKENS", 8)
+    monkeypatch.setattr(tts.engine, "prefix_store", None)  # not read back from disk
+    total = -(-_prefix_length(tts, voice) // 8)
+    new_job = tts.submit(tts.job("New voice here.", voice, seed=2, max_frames=3))
+    deadline = time.monotonic() + 30
+    while not parts and time.monotonic() < deadline:
+        time.sleep(0.001)
+    short = tts.synthesize("Speak now.", VOICE, seed=5, max_frames=3)
+    parts_before_short_ended = len(parts)
+    codes = []
+    while (item := new_job.output.get(timeout=60)) is not engine_mod.DONE:
+        codes.append(item.codes)
+    assert total >= 8 and parts_before_short_ended < total, (parts_before_short_ended, total)
+    assert len(parts) == total  # resumed where it stopped, nothing run twice
+    np.testing.assert_array_equal(short.codes, solo_short.codes)
+    np.testing.assert_array_equal(np.concatenate(codes), solo_new.codes)
+
+
 def test_leaving_a_with_block_stops_the_stream(tts):
     with tts.stream(TEXT, VOICE, seed=1, max_frames=500) as stream:
         next(stream)

@@ -40,6 +40,11 @@ PREFILL_PART_TOKENS = 256
 MIN_PREFILL_PART_TOKENS = 16
 FIRST_PREFILL_PART_TOKENS = 64
 FRAME_TIMES_KEPT = 8
+# A voice's prompt prefix (70-220 positions for the released voices) is prefilled in parts
+# of this many, one per frame step like a long text, but always the same split: a fresh
+# prefix is then bit-identical to a cached one (and to one from an earlier process) on any
+# device, whatever the frame times.
+PREFIX_PART_TOKENS = 64
 # Short prompts one long prompt's prefill lets go first, at most (bounds its delay).
 MAX_OVERTAKES = 8
 # Buffers freed while generating (outgrown KV caches, a long prompt's attention) stay in
@@ -249,14 +254,26 @@ def check_max_batch(value: object, name: str = "max_batch") -> int:
 
 
 @dataclass
+class _VoicePrefix:
+    """A voice's prompt prefix being prefilled (see :data:`PREFIX_PART_TOKENS`)."""
+
+    key: tuple[str, str]  # (voice, dtype): its place in the engine's memory
+    disk_key: str | None  # its file in the prefix store, if there is one
+    embeds: mx.array  # [1, positions, dim]: those not yet run
+    cache: list[KVCache]
+
+
+@dataclass
 class _Prefill:
-    """A job whose prompt is being prefilled, part by part."""
+    """A job whose prompt is being prefilled, part by part: its voice's prefix first when
+    that is not cached, then its text."""
 
     job: Job
-    cache: list[KVCache]
+    cache: list[KVCache] | None  # None while ``prefix`` is being prefilled
     text: mx.array  # [1, tokens, dim]: the embeddings not yet run
     hit: bool  # the voice prefix came from the cache
     overtaken: int = 0  # short prompts let through meanwhile (see Engine._admit)
+    prefix: _VoicePrefix | None = None
 
 
 def _priority(job: Job) -> tuple[int, int, float]:
@@ -311,42 +328,61 @@ class Engine:
 
     # -- voice prefix -------------------------------------------------------------------
 
-    def _prefix_cache(self, job: Job) -> tuple[list[KVCache], bool]:
-        """KV state after ``[BOS, BEGIN_AUDIO, voice rows..., NEXT_AUDIO_TEXT]``.
+    def _voice_prefix(self, job: Job) -> tuple[list[KVCache] | _VoicePrefix, bool]:
+        """KV state after ``[BOS, BEGIN_AUDIO, voice rows..., NEXT_AUDIO_TEXT]`` (a copy for
+        ``job``), or the prefix to prefill when it is cached neither in memory nor on disk;
+        and whether it was cached.
 
         The same for every request with this voice, so it is computed once per (voice,
         dtype) and each request starts from a copy. It is always computed on its own, never
-        as part of a longer prefill, so a cached start is bit-identical to a fresh one.
+        as part of a longer prefill, and in the same parts, so a cached start is
+        bit-identical to a fresh one.
         """
         rows = job.rows()
         key = (job.voice, str(rows.dtype))
         cached = self._prefixes.get(key)
-        hit = cached is not None
-        if cached is None:
-            n = rows.shape[0]
-            ids = self._prefix_ids[: self._voice_start] + [self._prefix_ids[self._voice_start]] * n
-            ids += self._prefix_ids[self._voice_start + 1 :]
-            store = self.prefix_store if self.prefix_cache_voices > 0 else None
-            if store is not None:
-                disk_key = store.key(ids, rows)
-                a = self.model.args
-                shape = (1, a.n_kv_heads, len(ids), a.head_dim)
-                cached = store.load(disk_key, len(self.model.layers), shape, rows.dtype)
-                job.timings.prefix_from_disk = hit = cached is not None
-            if cached is None:
-                embeds = self.model.embed_prompt(ids, rows, self._voice_start)
-                cached = self.model.make_cache()
-                self.model(embeds, cached)
-                mx.eval([c.state for c in cached])
-                if store is not None:  # written once the next frame is queued
-                    self._pending_saves.append((disk_key, cached))
-            if self.prefix_cache_voices > 0:
-                self._prefixes[key] = cached
-                while len(self._prefixes) > self.prefix_cache_voices:
-                    self._prefixes.popitem(last=False)
-        else:
+        if cached is not None:
             self._prefixes.move_to_end(key)
-        return [c.copy() for c in cached], hit
+            return [c.copy() for c in cached], True
+        n = rows.shape[0]
+        ids = self._prefix_ids[: self._voice_start] + [self._prefix_ids[self._voice_start]] * n
+        ids += self._prefix_ids[self._voice_start + 1 :]
+        disk_key = None
+        store = self.prefix_store if self.prefix_cache_voices > 0 else None
+        if store is not None:
+            disk_key = store.key(ids, rows)
+            a = self.model.args
+            shape = (1, a.n_kv_heads, len(ids), a.head_dim)
+            cached = store.load(disk_key, len(self.model.layers), shape, rows.dtype)
+            if cached is not None:
+                job.timings.prefix_from_disk = True
+                return self._keep_prefix(key, cached), True
+        embeds = self.model.embed_prompt(ids, rows, self._voice_start)
+        return _VoicePrefix(key, disk_key, embeds, self.model.make_cache()), False
+
+    def _keep_prefix(self, key: tuple[str, str], cache: list[KVCache]) -> list[KVCache]:
+        """Keep a voice's prefix in memory (the most recent :attr:`prefix_cache_voices`);
+        the state a request starts from: a copy, or ``cache`` itself when none are kept."""
+        if self.prefix_cache_voices <= 0:
+            return cache
+        self._prefixes[key] = cache
+        while len(self._prefixes) > self.prefix_cache_voices:
+            self._prefixes.popitem(last=False)
+        return [c.copy() for c in cache]
+
+    def _prefill_prefix(self, p: _Prefill) -> None:
+        """Run the next part of the voice prefix ``p`` waits for; after the last one it is
+        kept (and queued for the disk) and ``p`` goes on with its text."""
+        v = p.prefix
+        assert v is not None
+        prefill_part(self.model, v.embeds[:, :PREFIX_PART_TOKENS], v.cache)
+        v.embeds = v.embeds[:, PREFIX_PART_TOKENS:]
+        if v.embeds.shape[1]:
+            return
+        p.prefix = None
+        p.cache = self._keep_prefix(v.key, v.cache)
+        if v.disk_key is not None:  # written once the next frame is queued
+            self._pending_saves.append((v.disk_key, v.cache))
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix, in memory and this model's files on disk."""
@@ -461,13 +497,16 @@ class Engine:
             self._prefill_next()
             return True
         try:
-            cache, hit = self._prefix_cache(job)
+            cache, hit = self._voice_prefix(job)
             text = self.model.embed_text(job.text_ids)
         except Exception as e:  # handed to the job's consumer
             job.seq.finished = job.done = True
             job._emit(e)
             return False
-        self._prefilling = _Prefill(job, cache, text[None], hit)
+        if isinstance(cache, _VoicePrefix):
+            self._prefilling = _Prefill(job, None, text[None], hit, prefix=cache)
+        else:
+            self._prefilling = _Prefill(job, cache, text[None], hit)
         self._prefill_next()
         return True
 
@@ -543,6 +582,9 @@ class Engine:
             return
         self._ran_part = True
         try:
+            if p.prefix is not None:
+                self._prefill_prefix(p)
+                return
             part = self.part_tokens
             if p.text.shape[1] > part:
                 t0 = time.perf_counter()

@@ -28,7 +28,7 @@ from .errors import VoxtralError
 from .fileio import TEMP_KIND, atomic_write, one_line, remove_orphans
 from .model.cache import KVCache
 
-FORMAT = "voxtral_mlx.prefix/2"
+FORMAT = "voxtral_mlx.prefix/3"  # 3: prefilled in fixed parts
 MAX_FILES = 32  # least recently used files beyond this are deleted
 _MODEL_FILES = (".safetensors", ".json")
 _HEADER_LIMIT = 64 << 20  # a safetensors header larger than this is not one
