@@ -95,6 +95,11 @@ def test_a_stalled_input_is_cut_after_a_sentence_end_or_a_line_break_only():
         ("Version 2.0.", "1 is out."),
         ("I met Dr.", " Smith."),
         ("See e.g.", " this one."),
+        ("Open https://example.", "com/docs now."),
+        ("Go to www.example.", "org today."),
+        ("Write to bob@mail.example.", "org soon."),
+        ("Write to bob@example.", "org soon."),
+        ("Try http://例子.", "公司 too."),
     ],
 )
 def test_a_stall_after_an_abbreviation_or_a_number_is_no_sentence_end(head, tail):
@@ -106,6 +111,19 @@ def test_a_stall_after_an_abbreviation_or_a_number_is_no_sentence_end(head, tail
     lt.put(tail)
     lt.end()
     assert texts(lt) == [head + tail]
+
+
+def test_a_stall_after_a_sentence_ending_in_an_address_waits_for_what_follows():
+    """"https://example." may go on as ".com": a stall after an address's period cuts
+    nothing; the next word (or the end) decides, as split_text would."""
+    clock = Clock()
+    lt = live(clock, idle_s=0.5)
+    lt.put("The docs are at https://example.com.")
+    clock.t = 5.0
+    assert texts(lt) == []
+    lt.put(" See them.")
+    clock.t = 10.0
+    assert texts(lt) == ["The docs are at https://example.com.", "See them."]
 
 
 def test_a_paragraph_is_whole_once_text_follows_its_blank_line():

@@ -342,9 +342,12 @@ class LiveText:
 def _sentence_end(text: str) -> bool:
     """Whether ``text`` ends a sentence as :func:`split_text` would see it if a capitalised
     word followed: not after "Dr." or "e.g.", nor after a number ("$3." may go on as 3.50,
-    "Version 2.0." as 2.0.1)."""
+    "Version 2.0." as 2.0.1) or in a URL or e-mail address."""
     if not _ends_terminal(text) or (text.endswith(".") and text[-2:-1].isdigit()):
         return False
+    word = text[text.rfind(" ") + 1 :].rsplit(None, 1)[-1]
+    if "://" in word or "@" in word or word[:4].lower() == "www.":
+        return False  # "https://example." may go on as ".com": what follows decides
     probe = text + " A"
     _, cands, _ = _find_splits(probe, lambda units=1: None)
     n = len(cands.ends)
