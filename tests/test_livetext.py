@@ -114,7 +114,7 @@ def test_a_stall_after_an_abbreviation_or_a_number_is_no_sentence_end(head, tail
 
 
 def test_a_stall_after_a_sentence_ending_in_an_address_waits_for_what_follows():
-    """"https://example." may go on as ".com": a stall after an address's period cuts
+    """A URL's "https://example." may go on as ".com": a stall after an address's period cuts
     nothing; the next word (or the end) decides, as split_text would."""
     clock = Clock()
     lt = live(clock, idle_s=0.5)

@@ -257,6 +257,18 @@ def test_no_pause_is_returned_after_cancel():
     assert stream._on_item(DONE) == []
 
 
+def test_timings_count_the_frames_delivered_before_cancel(noend_tts):
+    """A cancelled segment sends no final chunk: its frames delivered so far still count."""
+    text = "One sentence here. Another sentence there."
+    with noend_tts.stream(text, VOICE, seed=1, split=True, max_frames=40, chunk_frames=2) as s:
+        got = [next(s), next(s), next(s)]
+        s.cancel()
+        got += list(s)
+    frames = sum(c.frames for c in got)
+    assert frames >= 3 and not any(c.is_final for c in got)
+    assert s.timings.frames == frames
+
+
 def test_interrupted_wait_cancels_the_segments_generating_ahead():
     made: list[FakeJob] = []
 

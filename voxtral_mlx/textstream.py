@@ -191,8 +191,8 @@ class _Reader:
             )
         if not t.first_audio_s and len(item.audio):
             t.first_audio_s = self._elapsed()
+        t.frames += item.frames  # as they come: a cancelled segment sends no final chunk
         if item.is_final:
-            t.frames += c.frames
             t.cut_short += c.cut_short
         t.peak_memory_bytes = max(t.peak_memory_bytes, c.peak_memory_bytes)
         out = []
