@@ -625,6 +625,24 @@ def test_ctrl_c_keeps_a_valid_file_of_what_was_finished(endless_model_dir, tmp_p
     assert not _partial(tmp_path, "chapter")
 
 
+def test_ctrl_c_with_verbose_reports_what_ran(endless_model_dir, tmp_path):
+    out = tmp_path / "long.wav"
+    args = ["speak", "-m", str(endless_model_dir), "-o", str(out), "--verbose"]
+    args += ["--seed", "1", "--max-frames", "2000", "Interrupted while verbose."]
+
+    def ready() -> bool:
+        return any(p.stat().st_size > 50_000 for p in _partial(tmp_path, "long"))
+
+    returncode, err, _ = _interrupt(args, {}, ready)
+    lines = err.splitlines()
+    assert returncode == 130 and lines[-1].startswith("voxtral-mlx: error: interrupted: kept ")
+    frames = [line for line in lines if line.startswith("frames: ")]
+    assert len(frames) == 1, err
+    reported = int(frames[0].split()[1].rstrip(","))
+    kept = sf.info(out).frames  # a chunk taken but not yet written when Ctrl-C came is lost
+    assert kept % 1920 == 0 and 0 < kept <= reported * 1920, (kept, reported)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ALSA recording device")
 def test_ctrl_c_during_playback_stops_promptly(endless_model_dir, tmp_path):
     if not _portaudio_available():

@@ -269,6 +269,8 @@ def cmd_speak(args: argparse.Namespace) -> int:
                         file_writer.abort()
                 if wav is not None:
                     wav.close()
+                if interrupted is not None and args.verbose:  # what ran until Ctrl-C
+                    _report(stream.timings, player, started, live=args.follow)
         except KeyboardInterrupt as e:  # held while the finished file was flushed
             if written and getattr(e, "detail", None) is None:
                 from ..output_dir import written_detail
