@@ -548,6 +548,20 @@ def test_per_layer_entries_default_as_mlx_does(float_modes, tmp_path) -> None:
     _assert_speaks_like_mlx_audio(path, _float32_text_table)
 
 
+def test_per_layer_true_entries_take_the_sections_bits(community, tmp_path) -> None:
+    """``"layer": true`` is what an mlx-lm quantization predicate returning True leaves:
+    MLX quantizes such a layer with the section's bits and group size (6 here), not
+    ``to_quantized``'s defaults (4 bits, which refused the directory)."""
+    path = Path(shutil.copytree(community["6bit"], tmp_path / "6bit"))
+    quantized, _ = _stored(path)
+    assert quantized
+    _edit_quantization(path, lambda q: q.update({layer: True for layer in quantized}))
+    loaded = load_model_dir(path, "float32")
+    assert loaded.quantized == load_model_dir(community["6bit"], "float32").quantized
+    assert {s.bits for s in loaded.quantized.values()} == {6}
+    _assert_speaks_like_mlx_audio(path)
+
+
 def test_bits_mlx_does_not_support_are_one_line_errors(broken: Path) -> None:
     _edit_quantization(broken, lambda q: q.update(bits=7))
     with pytest.raises(CheckpointError) as exc:

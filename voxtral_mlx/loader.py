@@ -281,9 +281,10 @@ def _quantized_layers(
 ) -> dict[str, QuantSpec]:
     """Module path -> spec for every layer stored quantized, with bits and group size from
     config.json or the shapes. A layer is stored quantized when its ``.scales`` are present
-    (a packed weight or ``.biases`` without them is a damaged file, said so);
-    config.json entries for other layers (unquantized ones, or modules that do not exist)
-    are ignored, as mlx-audio ignores them."""
+    (a packed weight or ``.biases`` without them is a damaged file, said so): the weights
+    decide, so config.json entries for other layers (unquantized ones, or modules that do
+    not exist) are ignored (mlx-audio ignores those of codec layers and of missing modules,
+    and refuses a directory with such an entry for a backbone or flow-head layer)."""
     _check_scales(tensors, source)
     paths = {n[: -len(".scales")] for n in tensors if n.endswith(".scales")}
     out: dict[str, QuantSpec] = {}

@@ -347,13 +347,15 @@ def read_quantization(config: Mapping[str, Any] | None, rename: bool) -> QuantCo
         if value is False:
             out[name] = None
             continue
+        # ``true``: MLX quantizes it with the section's mode, bits and group size.
+        own = path in own_defaults and value is not True
         if value is True:
             value = {}
         if isinstance(value, int) and not isinstance(value, bool):
             value = {"bits": value}
         if not isinstance(value, dict):
             raise ConfigError(f"config.json key '{where}' must be an object, a bit count or false")
-        if path in own_defaults and isinstance(value, dict):
+        if own:
             layer_mode = _mode(value.get("mode", "affine"), f"{where}.mode")
             default_group, default_bits = MODE_DEFAULTS.get(layer_mode, (None, None))
         else:
