@@ -113,6 +113,16 @@ def test_speak_verbose_reports_timings(model_dir, tmp_path):
     for needle in ("loaded", "prefill", "ms/frame", "real-time factor", "peak memory"):
         assert needle in err, err
     assert "mistral layout (consolidated.safetensors), bfloat16 compute" in err, err
+    assert "\nprompt: " in err, err
+
+
+def test_verbose_says_the_prompt_is_the_first_segments(model_dir, tmp_path):
+    """Of a text split in segments, the prompt and prefill shown are its first segment's."""
+    out = tmp_path / "v.wav"
+    text = "A first sentence of the text. " + "And then a second sentence comes. " * 8
+    proc = run("speak", "-m", str(model_dir), "--seed", "1", "-o", str(out), "--verbose", text)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "\nfirst segment's prompt: " in proc.stderr.decode()
 
 
 def test_verbose_names_the_weights_read():

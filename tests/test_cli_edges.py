@@ -143,13 +143,23 @@ def test_full_stdout_is_one_line(model_dir, args):
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
-@pytest.mark.parametrize("args", [["--help"], ["speak", "-h"]], ids=["top", "speak"])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["speak", "-h"], ["--version"]], ids=["top", "speak", "version"]
+)
 def test_help_that_cannot_be_written_is_an_error(args):
     # argparse drops the failed write and exits 0 (Python >= 3.12).
     with open("/dev/full", "wb") as full:
         proc = run(*args, stdout=full, stderr=subprocess.PIPE)
     assert proc.returncode == 1
     assert "writing to stdout failed: No space left on device" in one_line_error(proc)
+
+
+def test_version_is_the_packages():
+    from importlib.metadata import version
+
+    proc = run("--version", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.returncode == 0 and proc.stderr == b""
+    assert proc.stdout.decode() == f"voxtral-mlx {version('voxtral_mlx')}\n"
 
 
 def test_help_with_stdout_closed_goes_to_stderr():

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from .. import __version__
 from ..fileio import one_line
 from .conversions import cmd_convert, cmd_convert_voices, cmd_random_checkpoint
 from .listing import cmd_voices
@@ -104,6 +105,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Mistral's Voxtral-4B-TTS on Apple Silicon with MLX.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def model_args(p: argparse.ArgumentParser) -> None:

@@ -270,7 +270,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
                 if wav is not None:
                     wav.close()
                 if interrupted is not None and args.verbose:  # what ran until Ctrl-C
-                    _report(stream.timings, player, started, live=args.follow)
+                    _report(stream.timings, player, started, args.follow, len(stream.segments))
         except KeyboardInterrupt as e:  # held while the finished file was flushed
             if written and getattr(e, "detail", None) is None:
                 from ..output_dir import written_detail
@@ -290,7 +290,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
             f"is cut short; raise --max-frames{' or drop --no-split' if args.no_split else ''}"
         )
     if args.verbose:
-        _report(timings, player, started, live=args.follow)
+        _report(timings, player, started, args.follow, len(stream.segments))
     return 0
 
 
@@ -327,8 +327,9 @@ def _stderr_is_terminal() -> bool:
     return sys.stderr is not None and sys.stderr.isatty()
 
 
-def _report(t, player, started: float, live: bool = False) -> None:
-    info(f"prompt: {t.prompt_tokens} tokens, prefill {t.prefill_s * 1000:.0f} ms")
+def _report(t, player, started: float, live: bool = False, segments: int = 1) -> None:
+    whose = "first segment's prompt" if segments > 1 or live else "prompt"
+    info(f"{whose}: {t.prompt_tokens} tokens, prefill {t.prefill_s * 1000:.0f} ms")
     info(f"first audio after {t.first_audio_s * 1000:.0f} ms")
     info(f"frames: {t.frames}, {t.ms_per_frame:.1f} ms/frame, audio {t.audio_s:.2f} s")
     waiting = " (leaving out the waits for text)" if live else ""
