@@ -62,6 +62,7 @@ FULL = [
     ["weight_bound.py", "--config", "full", "--repeats", "3"],
     ["long_prompt.py", "--configs", "tiny", "--tokens", "1000,2000"],
     ["newcomer.py", "--configs", "tiny"],
+    ["new_voice.py", "--configs", "tiny"],
     ["live_text.py", "--configs", "tiny"],
 ]
 

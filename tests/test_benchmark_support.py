@@ -349,3 +349,15 @@ def test_batch_throughput_measures_a_directory_in_its_own_dtype(tmp_path, script
     path = build_random_checkpoint(tmp_path / "f32", "tiny", dtype="float32")
     assert main(["--config", str(path), "--frames", "1", "--repeats", "1", "--no-record"]) == 0
     assert "f32: float32 compute" in capsys.readouterr().out
+
+
+def test_new_voice_measures_both_ways_and_restores_the_part_size(tiny_checkpoint, scripts):
+    import new_voice
+
+    import voxtral_mlx.engine as engine
+
+    m = new_voice.measure(str(tiny_checkpoint), 1)
+    assert engine.PREFIX_PART_TOKENS == 64
+    assert m["positions"] > 64  # the longest voice: more than one part
+    for key in ("ttfa", "stall", "cancel"):
+        assert 0 < m[f"{key}_parts"] < 60 and 0 < m[f"{key}_one"] < 60, m
