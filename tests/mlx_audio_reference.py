@@ -1,8 +1,16 @@
 """mlx-audio's Voxtral TTS modules, loaded on our random checkpoints, as an independent reference.
 
-mlx-audio differs from Mistral's reference (SPEC §6) in two places, patched here:
-  * codec ALiBi slopes: mlx-audio uses [1/2, ..., 1/256] for 8 heads, Mistral [1, ..., 1/128];
-  * semantic codebook floor: mlx-audio divides by max(cluster_usage, 1e-8), Mistral 1e-5.
+mlx-audio differs from Mistral's reference (SPEC) in three places, each adjusted by the tests:
+  * codec ALiBi slopes (SPEC §6): mlx-audio uses [1/2, ..., 1/256] for 8 heads, Mistral
+    [1, ..., 1/128] (patched here: :func:`spec_alibi_slopes`);
+  * semantic codebook floor (SPEC §6): mlx-audio divides by max(cluster_usage, 1e-8),
+    Mistral 1e-5 (patched here: :func:`spec_codebook_floor`);
+  * voice rows (SPEC §2: they replace the [AUDIO] rows, they are not added to them):
+    mlx-audio writes them as ``e + (v - e)`` in the text table's dtype. With a text table
+    quantized to a float format (mxfp4, nvfp4, mxfp8) that dtype is bfloat16, and the two
+    bf16 roundings change even rows exactly representable in bf16, so the prompt is no
+    longer the voice's rows. This is a precision flaw of the reference, not of voxtral_mlx;
+    tests/test_mlx_community.py::_float32_text_table makes that table return float32.
 Its start noise comes from the global ``mx.random.normal``; :func:`injected_noise` replaces
 that with given rows so both implementations integrate the same ODE.
 """

@@ -11,9 +11,13 @@ from fractions import Fraction
 import mlx.core as mx
 import numpy as np
 import pytest
+import torch
+from mistral_common.protocol.speech.request import SpeechRequest
+from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
 import voxtral_mlx
 from tests.players import NullPlayer
+from tests.spec_reference import SpecReference
 from voxtral_mlx.convert import convert_model
 from voxtral_mlx.errors import InputError, ModelNotFoundError, VoiceError, VoxtralError
 from voxtral_mlx.segment import split_text
@@ -51,8 +55,22 @@ def test_cfg_alpha_that_is_no_finite_number_is_refused(tts, alpha):
         tts.synthesize("Hi.", VOICE, max_frames=1, cfg_alpha=alpha)
 
 
-def test_cfg_alpha_at_the_limit_is_taken(tts):
-    assert tts.synthesize("Hi.", VOICE, seed=0, max_frames=2, cfg_alpha=-100).codes.shape[0] == 2
+@pytest.mark.parametrize("alpha", [-100, 100])
+def test_cfg_alpha_at_the_limit_is_taken(tts, tiny_checkpoint_noend, alpha):
+    """The limits are accepted and used as given: the codes are SPEC's (tests/spec_reference,
+    float64 torch) at that alpha, not those of the default alpha or of a clamped one (with
+    these noise rows, ±99.5 already give other codes than ±100)."""
+    noise = np.random.default_rng(12).standard_normal((3, 36)).astype(np.float32)
+    got = tts.synthesize("Hi.", VOICE, noise=noise, max_frames=3, cfg_alpha=alpha).codes
+    rows = torch.load(tiny_checkpoint_noend / "voice_embedding" / f"{VOICE}.pt", weights_only=True)
+    ids = MistralTokenizer.from_file(str(tiny_checkpoint_noend / "tekken.json"))
+    ids = ids.instruct_tokenizer.encode_speech_request(SpeechRequest(input="Hi.", voice=VOICE))
+    spec = SpecReference(tiny_checkpoint_noend)
+    want = spec.generate(ids.tokens, rows, noise, 3, alpha=float(alpha)).numpy()
+    assert want.shape == (3, 37)
+    np.testing.assert_array_equal(got, want)
+    default = tts.synthesize("Hi.", VOICE, noise=noise, max_frames=3).codes
+    assert not np.array_equal(got, default)
 
 
 @pytest.mark.parametrize("voice", [["ar_male"], {"ar_male"}, {"ar_male": 1}, 3, b"ar_male"])

@@ -91,8 +91,24 @@ def test_a_period_cut_off_from_a_long_url_is_only_a_pause(tts):
     assert [c.segment for c in chunks if c.frames] == [0, 0, 0, 2, 2, 2]
 
 
-def test_invisible_characters_next_to_words_are_spoken(tts):
-    speech = tts.synthesize("Hi \u200bthere\u2060.", VOICE, seed=0, max_frames=2)
+def test_invisible_characters_next_to_words_are_spoken(tts, tiny_checkpoint_noend):
+    """Zero-width characters beside words are kept in the prompt as written (prompt_ids:
+    raw text, no normalisation): the ids are mistral-common's encode_speech_request ones,
+    both as built and as the engine runs them, and the request is spoken, not refused."""
+    from mistral_common.protocol.speech.request import SpeechRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    text = "Hi \u200bthere\u2060."
+    ref = MistralTokenizer.from_file(str(tiny_checkpoint_noend / "tekken.json"))
+    request = SpeechRequest(input=text, voice=VOICE)
+    expected = ref.instruct_tokenizer.encode_speech_request(request).tokens
+    visible = SpeechRequest(input="Hi there.", voice=VOICE)
+    assert expected != ref.instruct_tokenizer.encode_speech_request(visible).tokens
+    assert tts.prompt_ids(text, VOICE) == expected
+    text_start = expected.index(tts.tokenizer.special_id("[NEXT_AUDIO_TEXT]")) + 1
+    job = tts.job(text, VOICE, seed=0, max_frames=2)
+    assert list(job.text_ids) == expected[text_start:]
+    speech = tts.synthesize(text, VOICE, seed=0, max_frames=2)
     assert len(speech.codes) == 2
 
 

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tests.mlx_audio_reference import spec_alibi_slopes
 from voxtral_mlx.checkpoint import sanitize
 from voxtral_mlx.config import ModelConfig
 from voxtral_mlx.errors import InputError
@@ -70,7 +71,8 @@ def build_reference(config: ModelConfig, raw: dict[str, mx.array], patch: str = 
     """mlx-audio's decoder on the same raw weights.
 
     SPEC §6: mlx-audio uses ALiBi slopes [1/2 .. 1/256] and a 1e-8 codebook floor; Mistral
-    uses [1 .. 1/128] and 1e-5. ``patch`` selects which of the two to set to Mistral's.
+    uses [1 .. 1/128] and 1e-5. ``patch`` selects which of the two to set to Mistral's
+    (the slopes from tests.mlx_audio_reference, not from voxtral_mlx).
     """
     from mlx_audio.tts.models.voxtral_tts import audio_tokenizer as at
 
@@ -80,7 +82,7 @@ def build_reference(config: ModelConfig, raw: dict[str, mx.array], patch: str = 
                                                                if k in fields}))  # fmt: skip
     ref.load_weights(list(raw.items()), strict=True)
     if patch in ("both", "slopes"):
-        ref._alibi_slopes = mx.array(alibi_slopes(config.codec.n_heads), dtype=mx.float32)
+        ref._alibi_slopes = spec_alibi_slopes(config.codec.n_heads)
     if patch in ("both", "floor"):
         # max(max(u, 1e-5), 1e-8) == max(u, 1e-5): Mistral's floor through mlx-audio's code.
         sc = ref.quantizer.semantic_codebook

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.spec_reference import codec_windows
 from voxtral_mlx.config import MAX_DECODING_STEPS, MAX_WINDOW, ModelConfig
 from voxtral_mlx.errors import ConfigError
 from voxtral_mlx.synthetic.checkpoint import REAL_PARAMS, make_params
@@ -312,8 +313,17 @@ def test_integral_float_is_accepted_for_an_int() -> None:
     ],
 )
 def test_sizes_of_buffers_built_from_the_config_are_bounded(path: str, limit: int) -> None:
-    """No tensor's shape checks these: a huge value allocated its buffer and crashed."""
-    assert ModelConfig.from_params(with_value(path, limit)) is not None
+    """No tensor's shape checks these: a huge value allocated its buffer and crashed. The
+    limit itself is taken as written (the codec windows as Mistral derives them from it:
+    tests/spec_reference.codec_windows)."""
+    params = with_value(path, limit)
+    config = ModelConfig.from_params(params)
+    assert config.flow.n_decoding_steps == (limit if path.startswith(AT) else 7)
+    codec = params["multimodal"]["audio_tokenizer_args"]
+    assert config.codec.attn_sliding_window_size == codec["attn_sliding_window_size"]
+    assert config.codec.windows == tuple(codec_windows(codec))
+    if path.startswith(TOK):
+        assert config.codec.windows == (limit // 8, limit // 4, limit // 2, limit)
     for value in (limit + 1, 10**9):
         message = config_error(with_value(path, value))
         assert f"key '{path}' must be between 1 and {limit}" in message

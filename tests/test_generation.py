@@ -319,8 +319,20 @@ def test_bad_request_parameters_are_input_errors(tiny_tts, kwargs):
 
 
 def test_largest_seed_and_split_segments_wrap_around(tiny_tts):
-    speech = tiny_tts.synthesize("One. Two.", VOICE, seed=2**64 - 1, split=True, max_frames=2)
-    assert speech.seed == 2**64 - 1
+    """Segment i uses seed (seed + i) mod 2**64: after 2**64 - 1 comes 0."""
+    top, text, kwargs = 2**64 - 1, "One.\n\nTwo.", {"max_frames": 3, "split": True}
+    chunks = list(tiny_tts.stream(text, VOICE, seed=top, **kwargs))
+    seeds = {c.segment: c.seed for c in chunks if c.frames}  # a pause has no seed
+    assert seeds == {0: top, 1: 0}
+    speech = tiny_tts.synthesize(text, VOICE, seed=top, **kwargs)
+    assert speech.seed == top
+    first = tiny_tts.synthesize("One.", VOICE, seed=top, max_frames=3).codes
+    second = tiny_tts.synthesize("Two.", VOICE, seed=0, max_frames=3).codes
+    assert len(first) == len(second) == 3
+    assert not np.array_equal(
+        second, tiny_tts.synthesize("Two.", VOICE, seed=top, max_frames=3).codes
+    )
+    np.testing.assert_array_equal(speech.codes, np.concatenate([first, second]))
 
 
 def test_nan_in_the_flow_head_marks_codes_in_range(tiny_checkpoint):

@@ -19,6 +19,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from mistral_common.protocol.speech.request import SpeechRequest
+from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from mlx.utils import tree_flatten
 
 import voxtral_mlx
@@ -265,12 +267,24 @@ def test_tokenizer_encode(tiny_tts) -> None:
         assert ids == [22177, 1046]
 
 
+@pytest.fixture(scope="module")
+def speech_reference(tiny_checkpoint):
+    """mistral-common's instruct tokenizer on the checkpoint's tekken.json (its real BPE
+    vocabulary and voices)."""
+    return MistralTokenizer.from_file(str(tiny_checkpoint / "tekken.json")).instruct_tokenizer
+
+
 @pytest.mark.parametrize("voice", sorted(REAL_VOICES))
-def test_prompt_ids_layout(tiny_tts, voice: str) -> None:
+def test_prompt_ids_layout(tiny_tts, speech_reference, voice: str) -> None:
+    """mistral-common's encode_speech_request, in SPEC §2's layout: [BOS, BEGIN_AUDIO],
+    one [AUDIO] per voice row, [NEXT_AUDIO_TEXT], text, [REPEAT_AUDIO_TEXT, BEGIN_AUDIO]."""
     text = "Bonjour, ça va? 123"
     ids = tiny_tts.prompt_ids(text, voice)
-    expected = [1, 25] + [24] * REAL_VOICES[voice] + [36] + tiny_tts.tokenizer.encode(text)
-    assert ids == [*expected, 35, 25]
+    request = SpeechRequest(input=text, voice=voice)
+    assert ids == speech_reference.encode_speech_request(request).tokens
+    n = REAL_VOICES[voice]
+    assert ids[: n + 3] == [1, 25] + [24] * n + [36]
+    assert ids[-2:] == [35, 25] and len(ids) > n + 5
 
 
 def test_prompt_ids_of_the_spec_example(tiny_tts) -> None:

@@ -59,13 +59,26 @@ def voice_rows(path, name: str) -> torch.Tensor:
     return torch.load(path / "voice_embedding" / f"{name}.pt", weights_only=True)
 
 
+def speech_prompt(path, text: str, voice: str) -> list[int]:
+    """mistral-common's prompt ids for ``text`` in ``voice`` (the checkpoint's tekken.json)."""
+    from mistral_common.protocol.speech.request import SpeechRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    tokenizer = MistralTokenizer.from_file(str(path / "tekken.json")).instruct_tokenizer
+    return tokenizer.encode_speech_request(SpeechRequest(input=text, voice=voice)).tokens
+
+
 def test_speech_matches_the_spec_reference(default_tiny):
+    """A run of 20+ frames that ends by END: every frame's codes, the stopping frame and
+    the audio equal SPEC's. These noise rows (seed 7) were picked for that length: with
+    seed 0, END came after 2 frames."""
     path, tts, ref = default_tiny
-    voice = sorted(tts.voices)[0]
-    noise = np.random.default_rng(0).standard_normal((40, 36)).astype(np.float32)
-    speech = tts.synthesize(TEXT, voice, noise=noise, max_frames=40)
-    codes = ref.generate(tts.prompt_ids(TEXT, voice), voice_rows(path, voice), noise, 40)
-    assert len(codes) > 0
+    voice, max_frames = sorted(tts.voices)[0], 40
+    noise = np.random.default_rng(7).standard_normal((max_frames, 36)).astype(np.float32)
+    speech = tts.synthesize(TEXT, voice, noise=noise, max_frames=max_frames)
+    ids = speech_prompt(path, TEXT, voice)
+    codes = ref.generate(ids, voice_rows(path, voice), noise, max_frames)
+    assert 20 <= len(codes) < max_frames  # long, and the reference stopped on END
     np.testing.assert_array_equal(speech.codes, codes.numpy())
     assert rel(speech.audio, ref.decode(codes).numpy()) < 1e-4
 

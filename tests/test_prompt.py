@@ -82,14 +82,22 @@ def test_matches_mistral_common_for_every_voice(tok, ref, voice):
         assert ours == ref_prompt(ref, text, voice), (voice, text)
 
 
-def test_layout(tok):
+def test_layout(tok, tmp_path):
+    """Voices of 3 and of 0 rows, against mistral-common on a tekken.json that has them."""
+    voices = {"three": 3, "none": 0}
+    source = mistral_common_tekken_path()
+    path = write_tekken(tmp_path / "tekken.json", build_tekken(voices, vocab_source=source))
+    ref = MistralTokenizer.from_file(str(path)).instruct_tokenizer
     text = "Bonjour."
+    body = Tekkenizer.from_file(path).encode(text, bos=False, eos=False)
+    assert len(body) > 1
     ids = speech_prompt_ids(tok, text, 3)
-    body = tok.encode(text)
+    assert ids == ref_prompt(ref, text, "three")
     assert ids[:6] == [1, 25, 24, 24, 24, 36]
     assert ids[6:-2] == body
     assert ids[-2:] == [35, 25]
-    assert speech_prompt_ids(tok, text, 0) == [1, 25, 36, *body, 35, 25]
+    none = speech_prompt_ids(tok, text, 0)
+    assert none == ref_prompt(ref, text, "none") == [1, 25, 36, *body, 35, 25]
 
 
 def test_byte_vocab_prompt_matches_mistral_common(tmp_path):

@@ -37,6 +37,19 @@ TORCH_DTYPES = {
     "BOOL": torch.bool,
 }
 
+MX_DTYPES = {
+    "BF16": mx.bfloat16,
+    "F16": mx.float16,
+    "F32": mx.float32,
+    "F64": mx.float64,
+    "I64": mx.int64,
+    "I32": mx.int32,
+    "I16": mx.int16,
+    "I8": mx.int8,
+    "U8": mx.uint8,
+    "BOOL": mx.bool_,
+}
+
 
 def torch_bits(t: torch.Tensor) -> bytes:
     """The raw bytes of a tensor's values in C order."""
@@ -229,13 +242,23 @@ def test_read_big_endian(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.parametrize("name", list(TORCH_DTYPES))
 def test_mlx_round_trip(tmp_path: Path, name: str) -> None:
+    """to_mlx gives torch's own values, bit for bit, in the matching mlx dtype (BF16 too,
+    every bit pattern: NaNs, infinities, subnormals); from_mlx gives them back."""
     ref = random_tensor(TORCH_DTYPES[name], (3, 4))
     torch.save(ref, tmp_path / "t.pt")
-    ours = read_pt(tmp_path / "t.pt")
-    arr = to_mlx(ours)
-    assert arr.shape == [3, 4] or tuple(arr.shape) == (3, 4)
-    back = from_mlx(arr)
-    assert back == ours
+    arr = to_mlx(read_pt(tmp_path / "t.pt"))
+    assert arr.dtype == MX_DTYPES[name]
+    assert tuple(arr.shape) == (3, 4)
+    if name == "BF16":
+        bits = np.array(arr.view(mx.uint16))
+        assert np.array_equal(bits, ref.view(torch.uint16).numpy())
+        values, want = np.array(arr.astype(mx.float32)), ref.float().numpy()
+        np.testing.assert_array_equal(values, want)  # NaN == NaN here
+        assert np.array_equal(np.signbit(values), np.signbit(want))
+    else:
+        assert np.array(arr).tobytes() == torch_bits(ref)
+        np.testing.assert_array_equal(np.array(arr), ref.numpy())
+    assert_same(from_mlx(arr), ref)
 
 
 def test_pttensor_validates() -> None:
