@@ -848,6 +848,32 @@ def test_a_short_request_goes_before_the_rest_of_a_new_voice_prefix(tts, monkeyp
     np.testing.assert_array_equal(np.concatenate(codes), solo_new.codes)
 
 
+def test_a_short_request_in_a_new_voice_waits_for_a_long_prefill(tts, monkeypatch):
+    """Only a request whose voice prefix is cached goes before a long prefill (it is one
+    part); one in a new voice would take several, and waits its turn."""
+    voice = "it_female"
+    tts.clear_prefix_cache()
+    tts.synthesize("Warm.", VOICE, seed=1, max_frames=1)  # VOICE cached, voice not
+    events: list[str] = []
+
+    def before():
+        job = tts.engine._prefilling.job
+        events.append("long" if job is long_job else "new")
+        time.sleep(0.01)  # the newcomer arrives during these parts
+
+    _recording_parts(monkeypatch, [], before=before)
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 16)
+    long_job = tts.job(LONG_PROMPT, VOICE, seed=2, max_frames=2)
+    tts.submit(long_job)
+    _wait_for(lambda: len(events) >= 2)
+    newcomer = tts.synthesize("New voice.", voice, seed=3, max_frames=2)
+    while (item := long_job.output.get(timeout=60)) is not engine_mod.DONE:
+        assert item.frames
+    assert len(newcomer.codes) == 2 and "new" in events
+    first_new = events.index("new")
+    assert "long" not in events[first_new:], events  # the long prompt was done first
+
+
 def test_leaving_a_with_block_stops_the_stream(tts):
     with tts.stream(TEXT, VOICE, seed=1, max_frames=500) as stream:
         next(stream)

@@ -246,7 +246,11 @@ def test_a_callback_that_exits_ends_its_job_not_the_worker(tts):
         tts.submit(job)
         out = tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2)
         assert len(out.codes) == 2
-        assert job.done
+        deadline = time.monotonic() + 10
+        while not job.done and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert job.done and job.seq.stop_reason == "cancelled"  # ended by its callback
+        assert job.seq.frames < 50
 
 
 def test_a_stream_continued_on_the_worker_thread_is_refused(tts):

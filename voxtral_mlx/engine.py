@@ -520,21 +520,25 @@ class Engine:
     def _short_newcomer(self) -> Job | None:
         """A waiting job someone waits for whose prompt is short (at most
         :data:`PREFILL_PART_TOKENS` tokens: one part, or a few where parts are sized down
-        to a frame), to go before the long prompt being prefilled (see :meth:`_admit`), if
-        it may."""
+        to a frame) and whose voice's prefix is cached, to go before the long prompt being
+        prefilled (see :meth:`_admit`), if it may. (A prefix to compute is several parts,
+        and may be the very one being computed.)"""
         p = self._prefilling
         if (
             p is None
             or p.overtaken >= MAX_OVERTAKES
             or self._batch.live() + 2 > self.max_batch  # room for the newcomer and for it
+            or (p.prefix is None and p.text.shape[1] <= self.part_tokens)  # its last part
         ):
             return None
+        cached = {voice for voice, _ in self._prefixes}
         short = [
             job
             for job in self._waiting
             if not job.ahead
             and job._suspended is None
             and not job.seq.cancelled
+            and job.voice in cached
             and len(job.text_ids) <= PREFILL_PART_TOKENS
         ]
         return min(short, key=_priority) if short else None
