@@ -288,8 +288,12 @@ def test_snapshot_download_receives_the_layout_patterns(
     args, kwargs = fake_hub[0]
     assert (args[0] if args else kwargs["repo_id"]) == repo
     assert sorted(kwargs["allow_patterns"]) == sorted(expected)
-    # no forced download / token / revision games: the cache and HF_HUB_OFFLINE decide
-    assert not {"force_download", "token", "revision", "local_files_only"} & set(kwargs)
+    # no forced download / token games: the cache and HF_HUB_OFFLINE decide; the revision
+    # is the commit just listed, which refs/main names once the download is complete
+    assert not {"force_download", "token", "local_files_only"} & set(kwargs)
+    assert kwargs["revision"] == COMMIT
+    refs = Path(hf_constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "refs"
+    assert (refs / "main").read_text() == COMMIT
 
 
 def test_a_repo_the_hub_cannot_list_comes_from_the_cache_alone(
@@ -574,14 +578,50 @@ def test_repo_missing_from_the_cache_offline(offline_cache: Path, tiny_checkpoin
     assert "HF_HUB_OFFLINE" in message and "owner-x/not-cached" in message
 
 
-def test_cache_without_refs_main_is_missing_offline(
+def test_cache_without_refs_main_serves_a_whole_snapshot_offline(
     offline_cache: Path, tiny_checkpoint: Path
 ) -> None:
+    """huggingface_hub cannot tell which snapshot is "main": a whole one still serves; one
+    that lacks a file is no model."""
     snapshot = populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
     (snapshot.parent.parent / "refs" / "main").unlink()
+    assert resolve_model_dir(REPO) == snapshot
+    (snapshot / "tekken.json").unlink()
     with pytest.raises(ModelNotFoundError) as exc:
         resolve_model_dir(REPO)
     assert "HF_HUB_OFFLINE" in one_line(exc.value)
+
+
+@pytest.mark.parametrize("cut", ["tekken.json", "shard"])
+def test_an_update_cut_off_leaves_the_older_whole_copy_in_use_offline(
+    offline_cache: Path, tiny_checkpoint: Path, tmp_path: Path, cut: str
+) -> None:
+    """huggingface_hub points refs/main at a new commit before fetching its files: an update
+    cut off midway (by an older version of this package, or another tool) hid the complete
+    older copy from every later run, offline or with the Hub unreachable."""
+    if cut == "shard":
+        from voxtral_mlx.convert import convert_model
+
+        source = convert_model(tiny_checkpoint, tmp_path / "conv", max_shard_bytes=200_000).path
+        repo = "mlx-community/voxtral-tiny-mlx"
+    else:
+        source, repo = tiny_checkpoint, REPO
+    older = populate_hub_cache(offline_cache, repo, source)
+    newer = older.parent / ("f" * 40)
+    for file in older.rglob("*"):
+        if file.is_symlink():
+            link = newer / file.relative_to(older)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.readlink(file))
+    if cut == "shard":
+        shards = sorted(newer.glob("model-*.safetensors"))
+        assert len(shards) > 1
+        shards[-1].unlink()
+    else:
+        (newer / cut).unlink()
+    os.utime(newer)  # the most recent snapshot, but not a whole one
+    (older.parent.parent / "refs" / "main").write_text(newer.name)
+    assert resolve_model_dir(repo) == older
 
 
 @pytest.mark.parametrize(
@@ -689,7 +729,7 @@ def test_any_network_failure_falls_back_to_a_complete_cached_copy(
         resolve_model_dir(DEFAULT_REPO)
     message = one_line(exc.value)
     assert f"could not download {DEFAULT_REPO} ({type(make_error()).__name__}:" in message
-    assert "HF_HUB_OFFLINE=1" in message
+    assert "HF_HUB_OFFLINE" not in message  # the cache was tried: it has no complete copy
 
 
 @pytest.mark.parametrize(
@@ -899,6 +939,56 @@ def test_a_complete_cached_snapshot_is_used_after_one_listing(
     (snapshot.parent.parent / "refs" / "main").write_text("f" * 40)
     resolve_model_dir(DEFAULT_REPO)
     assert len(downloads) == 2
+
+
+def test_an_update_moves_refs_main_only_once_complete(
+    offline_cache: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new commit on the Hub is downloaded at that commit; refs/main names it only once
+    the download is done, so an update that fails leaves the complete older copy in use
+    (and named by refs/main for the next offline run)."""
+    older = populate_hub_cache(offline_cache, DEFAULT_REPO, tiny_checkpoint)
+    refs_main = older.parent.parent / "refs" / "main"
+    new = "e" * 40
+    files = _mistral_listing(tiny_checkpoint)
+    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files], sha=new)
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
+    real = huggingface_hub.snapshot_download
+    calls: list[dict] = []
+
+    def cut_off(*args, **kwargs):
+        calls.append(kwargs)
+        if kwargs.get("local_files_only"):
+            return real(*args, **kwargs)
+        raise _server_error()
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", cut_off)
+    assert resolve_model_dir(DEFAULT_REPO) == older
+    assert calls[0]["revision"] == new and refs_main.read_text() == COMMIT
+
+    newer = older.parent / new
+    newer.mkdir()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: str(newer))
+    assert resolve_model_dir(DEFAULT_REPO) == newer
+    assert refs_main.read_text() == new
+
+
+def test_a_file_the_hub_fails_to_serve_is_named_as_its_error(monkeypatch, tmp_path) -> None:
+    """huggingface_hub reports a file's HTTP 500 as "not in the local cache" (with the
+    error as its cause): it was called "HF_HUB_OFFLINE set or no network"."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def download(*args, **kwargs):
+        try:
+            raise _server_error()
+        except Exception as e:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("cannot find it") from e
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(DEFAULT_REPO)
+    message = one_line(exc.value)
+    assert "answered HTTP 500" in message and "HF_HUB_OFFLINE" not in message
 
 
 def _download_failing_with(error: Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from . import DEFAULT_REPO  # defined by the package, for a quick start-up
 from .errors import ModelNotFoundError
-from .fileio import one_line, usable_path
+from .fileio import atomic_write_text, one_line, usable_path
 
 KNOWN_OWNERS = ("mistralai", "mlx-community")  # their repos' layouts follow from the owner
 
@@ -200,6 +201,50 @@ def _cached_snapshot(
     return None, []
 
 
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _point_main_at(repo_id: str, commit: str) -> None:
+    """``refs/main`` of the repo's cache names ``commit`` (as huggingface_hub writes it: the
+    hash alone), so that later runs, offline ones too, find that snapshot."""
+    refs = _repo_cache(repo_id) / "refs"
+    refs.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(refs / "main", commit)
+
+
+def _whole_snapshot(repo_id: str) -> Path | None:
+    """The most recent snapshot in the cache that holds a whole model, whatever
+    ``refs/main`` names: an update cut off by an earlier version of this package, or by
+    another tool, leaves it naming an incomplete one, which huggingface_hub then refuses to
+    serve offline. Files are linked into a snapshot only once downloaded, so one that holds
+    a layout's files (and every shard its index names) is whole."""
+    try:
+        snapshots = [p for p in (_repo_cache(repo_id) / "snapshots").iterdir() if p.is_dir()]
+        snapshots.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return None
+    return next((snapshot for snapshot in snapshots if _holds_a_model(snapshot)), None)
+
+
+def _holds_a_model(folder: Path) -> bool:
+    """Whether ``folder`` holds a layout's files: tokenizer, voices, and weights (every
+    shard its index names)."""
+    try:
+        names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+        patterns = layout_patterns(names)
+        if patterns is None or "tekken.json" not in names:
+            return False
+        if not any(n.startswith("voice_embedding/") for n in names):
+            return False
+        if "model.safetensors.index.json" in names:
+            index = json.loads((folder / "model.safetensors.index.json").read_text())
+            shards = set(index.get("weight_map", {}).values())
+            return bool(shards) and shards <= names
+        return patterns != MISTRAL_PATTERNS or "params.json" in names
+    except (OSError, ValueError, AttributeError, TypeError):  # an index of another shape
+        return False
+
+
 # Called with (repo id, its cache folder) when files are about to be downloaded: the command
 # line says so (the library itself never prints).
 download_started: Callable[[str, Path], None] | None = None
@@ -369,9 +414,19 @@ def _download(repo_id: str) -> Path:
     quiet = {"tqdm_class": _silent_tqdm()}  # no "Fetching N files" bar on every load
 
     def cached(patterns: list[str]) -> Path:
-        return Path(
-            snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, **quiet)
-        )
+        try:
+            path = Path(
+                snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, **quiet)
+            )
+        except LocalEntryNotFoundError:
+            older = _whole_snapshot(repo_id)
+            if older is None:
+                raise
+            return older
+        if _holds_a_model(path):
+            return path
+        # huggingface_hub checks a snapshot against its listing only where it kept one
+        return _whole_snapshot(repo_id) or path  # (else the loader names what is missing)
 
     downloading = False
     try:
@@ -405,7 +460,16 @@ def _download(repo_id: str) -> Path:
         with _FOLDERS_LOCK:
             _DOWNLOAD_FOLDERS.add(folder / "blobs")
         try:
-            return Path(snapshot_download(repo_id, allow_patterns=patterns, **quiet))
+            if commit is None or not _COMMIT.fullmatch(commit):
+                return Path(snapshot_download(repo_id, allow_patterns=patterns, **quiet))
+            # At the commit just listed (no second request to resolve "main"), and refs/main
+            # moved to it only once every file is in: huggingface_hub moves it first, and a
+            # cut-off update then hid the complete older copy from every offline run.
+            path = Path(
+                snapshot_download(repo_id, allow_patterns=patterns, revision=commit, **quiet)
+            )
+            _point_main_at(repo_id, commit)
+            return path
         except (HFValidationError, GatedRepoError, RepositoryNotFoundError):
             raise
         except Exception as e:  # a captive portal's HTML, a proxy's 407, a dropped link...
@@ -432,6 +496,8 @@ def _download(repo_id: str) -> Path:
     except LocalEntryNotFoundError as e:
         if _status(e) in (401, 403):
             raise _auth_error(repo_id, _status(e)) from None
+        if (_status(e) or 0) >= 500:  # a file's download failed on the Hub's side
+            raise _server_error(repo_id, _status(e)) from None
         if type(e).__name__ == "IncompleteSnapshotError":
             raise ModelNotFoundError(
                 f"the copy of {repo_id} in the local Hugging Face cache is incomplete (an "
@@ -450,10 +516,7 @@ def _download(repo_id: str) -> Path:
         if status in (401, 403):
             raise _auth_error(repo_id, status) from None
         if status is not None and status >= 500:
-            raise ModelNotFoundError(
-                f"the Hugging Face Hub answered HTTP {status} for {repo_id} (a problem on its "
-                "side): try again later, or pass a local directory"
-            ) from None
+            raise _server_error(repo_id, status) from None
         cache = one_line(str(_repo_cache(repo_id).parent), 200)
         if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise ModelNotFoundError(
@@ -477,10 +540,10 @@ def _download(repo_id: str) -> Path:
                 f"could not download {repo_id}: {_first_line(e)}; check the connection and "
                 "free disk space, or pass a local directory"
             ) from None
-        raise ModelNotFoundError(
+        raise ModelNotFoundError(  # the cache was tried: it holds no complete copy
             f"could not download {repo_id} ({type(e).__name__}: {_first_line(e)}): check the "
-            "network (a proxy or a sign-in page in the way?), or set HF_HUB_OFFLINE=1 to use "
-            "a complete copy in the cache, or pass a local directory"
+            "network (a proxy or a sign-in page in the way?) and run again, or pass a local "
+            "directory"
         ) from None
 
 
@@ -495,6 +558,13 @@ def _status(e: BaseException | None) -> int | None:
             return status
         e = e.__cause__ or e.__context__
     return None
+
+
+def _server_error(repo_id: str, status: int | None) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"the Hugging Face Hub answered HTTP {status} for {repo_id} (a problem on its side): "
+        "try again later, or pass a local directory"
+    )
 
 
 def _auth_error(repo_id: str, status: int | None) -> ModelNotFoundError:
