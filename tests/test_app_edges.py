@@ -791,6 +791,27 @@ def test_cancel_during_a_new_voice_prefix_stops_after_one_part(tts, monkeypatch)
     assert tts.engine.stats()["active"] == 0
 
 
+def test_a_prefix_being_computed_when_the_cache_is_cleared_is_not_kept(tts, monkeypatch):
+    """clear_prefix_cache() between the parts of a new voice's prefix: its request still
+    speaks as ever, but the prefix is kept neither in memory nor on disk."""
+    voice = "nl_male"
+    tts.clear_prefix_cache()
+    alone = tts.synthesize("Cleared.", voice, seed=2, max_frames=3)
+    tts.clear_prefix_cache()
+    parts: list[int] = []
+    _recording_parts(
+        monkeypatch, parts, before=lambda: len(parts) == 1 and tts.engine.clear_prefix_cache()
+    )
+    monkeypatch.setattr(engine_mod, "PREFIX_PART_TOKENS", 16)
+    speech = tts.synthesize("Cleared.", voice, seed=2, max_frames=3)
+    assert len(parts) > 2 and not speech.timings.prefix_cached
+    np.testing.assert_array_equal(speech.codes, alone.codes)
+    assert tts.call(lambda: list(tts.engine._prefixes)) == []
+    store = tts.engine.prefix_store
+    assert store is not None and tts.call(store._files) == []
+    assert not tts.synthesize("Cleared.", voice, seed=2, max_frames=3).timings.prefix_cached
+
+
 def test_running_streams_get_frames_between_the_parts_of_a_new_voice_prefix(tts, monkeypatch):
     events: list[str] = []
     deliver = tts.engine._deliver

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,6 +86,16 @@ def hub_listing(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict]]:
     return calls
 
 
+def whole_stand_in(folder: Path) -> Path:
+    """A folder holding the names of a whole model of either layout (and no voices), for
+    a snapshot that nothing loads: the download is checked to have brought every file."""
+    folder.mkdir(parents=True)
+    for name in ("params.json", "config.json", "consolidated.safetensors", "model.safetensors"):
+        (folder / name).write_bytes(b"")
+    (folder / "tekken.json").write_text("{}")
+    return folder
+
+
 class FakeHub(list):
     """snapshot_download's calls; ``cached``: whether the local cache has a complete copy."""
 
@@ -96,8 +107,7 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeHub:
     """snapshot_download recording its arguments and returning an empty snapshot directory
     (with ``local_files_only``, only if ``fake_hub.cached``: the local cache is empty)."""
     calls = FakeHub()
-    snapshot = tmp_path / "snapshot"
-    snapshot.mkdir()
+    snapshot = whole_stand_in(tmp_path / "snapshot")
 
     def fake(*args, **kwargs):
         calls.append((args, kwargs))
@@ -469,7 +479,7 @@ def test_load_default_goes_through_the_hub(
     fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ModelNotFoundError) as exc:  # the fake snapshot is empty
+    with pytest.raises(VoxtralError) as exc:  # the fake snapshot's files are empty
         voxtral_mlx.load()
     assert "params.json" in one_line(exc.value)
     assert fake_hub[0][0][0] == DEFAULT_REPO
@@ -592,7 +602,7 @@ def test_cache_without_refs_main_serves_a_whole_snapshot_offline(
     assert "HF_HUB_OFFLINE" in one_line(exc.value)
 
 
-@pytest.mark.parametrize("cut", ["tekken.json", "shard"])
+@pytest.mark.parametrize("cut", ["tekken.json", "shard", "voice"])
 def test_an_update_cut_off_leaves_the_older_whole_copy_in_use_offline(
     offline_cache: Path, tiny_checkpoint: Path, tmp_path: Path, cut: str
 ) -> None:
@@ -617,11 +627,28 @@ def test_an_update_cut_off_leaves_the_older_whole_copy_in_use_offline(
         shards = sorted(newer.glob("model-*.safetensors"))
         assert len(shards) > 1
         shards[-1].unlink()
+    elif cut == "voice":  # the weights and tekken.json are in, one of its voices is not
+        sorted((newer / "voice_embedding").iterdir())[-1].unlink()
     else:
         (newer / cut).unlink()
     os.utime(newer)  # the most recent snapshot, but not a whole one
     (older.parent.parent / "refs" / "main").write_text(newer.name)
     assert resolve_model_dir(repo) == older
+
+
+def test_of_two_whole_snapshots_the_one_written_last_serves(
+    offline_cache: Path, tiny_checkpoint: Path
+) -> None:
+    """refs/main names neither: the snapshot whose files came last serves, whatever the
+    times of the folders themselves (they change with their top-level entries only)."""
+    first = populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
+    second = first.parent / ("e" * 40)
+    shutil.copytree(first, second, symlinks=True)
+    for link in second.rglob("*"):
+        os.utime(link, (2e9, 2e9), follow_symlinks=False)
+    os.utime(first, (3e9, 3e9))  # the older folder touched later
+    (first.parent.parent / "refs" / "main").unlink()
+    assert resolve_model_dir(REPO) == second
 
 
 @pytest.mark.parametrize(
@@ -969,6 +996,12 @@ def test_an_update_moves_refs_main_only_once_complete(
     newer = older.parent / new
     newer.mkdir()
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: str(newer))
+    # An empty folder: huggingface_hub answers a failed listing with the folder it has of
+    # that commit, whole or not. The complete one serves, and refs/main stays.
+    assert resolve_model_dir(DEFAULT_REPO) == older
+    assert refs_main.read_text() == COMMIT
+    newer.rmdir()
+    whole_stand_in(newer)
     assert resolve_model_dir(DEFAULT_REPO) == newer
     assert refs_main.read_text() == new
 

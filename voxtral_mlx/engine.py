@@ -261,6 +261,7 @@ class _VoicePrefix:
     disk_key: str | None  # its file in the prefix store, if there is one
     embeds: mx.array  # [1, positions, dim]: those not yet run
     cache: list[KVCache]
+    cleared: int  # Engine._cleared when it began: a clear meanwhile means it is not kept
 
 
 @dataclass
@@ -312,6 +313,7 @@ class Engine:
         self._jobs: dict[int, Job] = {}  # by id(seq): in the batch, or parked
         self._prefixes: OrderedDict[tuple[str, str], list[KVCache]] = OrderedDict()
         self.prefix_cache_voices = PREFIX_CACHE_VOICES
+        self._cleared = 0  # clear_prefix_cache() calls
         self._part_tokens = FIRST_PREFILL_PART_TOKENS  # adapted by _learn_part
         self._frame_times: deque[float] = deque(maxlen=FRAME_TIMES_KEPT)
         self._ran_part = False  # in this pump
@@ -358,7 +360,7 @@ class Engine:
                 job.timings.prefix_from_disk = True
                 return self._keep_prefix(key, cached), True
         embeds = self.model.embed_prompt(ids, rows, self._voice_start)
-        return _VoicePrefix(key, disk_key, embeds, self.model.make_cache()), False
+        return _VoicePrefix(key, disk_key, embeds, self.model.make_cache(), self._cleared), False
 
     def _keep_prefix(self, key: tuple[str, str], cache: list[KVCache]) -> list[KVCache]:
         """Keep a voice's prefix in memory (the most recent :attr:`prefix_cache_voices`);
@@ -366,6 +368,7 @@ class Engine:
         if self.prefix_cache_voices <= 0:
             return cache
         self._prefixes[key] = cache
+        self._prefixes.move_to_end(key)  # computed again (by two jobs at once): used last
         while len(self._prefixes) > self.prefix_cache_voices:
             self._prefixes.popitem(last=False)
         return [c.copy() for c in cache]
@@ -380,12 +383,17 @@ class Engine:
         if v.embeds.shape[1]:
             return
         p.prefix = None
+        if v.cleared != self._cleared:  # clear_prefix_cache() came meanwhile: used, not kept
+            p.cache = v.cache
+            return
         p.cache = self._keep_prefix(v.key, v.cache)
         if v.disk_key is not None:  # written once the next frame is queued
             self._pending_saves.append((v.disk_key, v.cache))
 
     def clear_prefix_cache(self) -> None:
-        """Forget every cached prefix, in memory and this model's files on disk."""
+        """Forget every cached prefix, in memory and this model's files on disk (one being
+        computed is used by its job and not kept)."""
+        self._cleared += 1
         self._prefixes.clear()
         self._pending_saves.clear()
         if self.prefix_store is not None:

@@ -201,6 +201,55 @@ def _cached_snapshot(
     return None, []
 
 
+def _whole_snapshot(repo_id: str) -> Path | None:
+    """The most recent snapshot in the cache that holds a whole model, whatever
+    ``refs/main`` names: an update cut off by an earlier version of this package, or by
+    another tool, leaves it naming an incomplete one, which huggingface_hub then refuses to
+    serve offline. Files are linked into a snapshot only once downloaded, so one that holds
+    a layout's files (every shard its index names, every voice its tekken.json lists) is
+    whole; the most recent is the one whose latest file came last."""
+    try:
+        snapshots = [p for p in (_repo_cache(repo_id) / "snapshots").iterdir() if p.is_dir()]
+    except OSError:
+        return None
+    snapshots.sort(key=_last_written, reverse=True)
+    return next((snapshot for snapshot in snapshots if _holds_a_model(snapshot)), None)
+
+
+def _last_written(folder: Path) -> float:
+    """When the latest file was linked into a snapshot (its folder's own time changes with
+    its top-level entries only)."""
+    times = [0.0]
+    with contextlib.suppress(OSError):
+        times.extend(p.lstat().st_mtime for p in folder.rglob("*"))
+    return max(times)
+
+
+def _holds_a_model(folder: Path) -> bool:
+    """Whether ``folder`` holds a layout's files: tokenizer, weights (every shard its index
+    names) and every voice its tekken.json lists."""
+    try:
+        names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+        patterns = layout_patterns(names)
+        if patterns is None or "tekken.json" not in names:
+            return False
+        if patterns == MISTRAL_PATTERNS and "params.json" not in names:
+            return False
+        if "model.safetensors.index.json" in names:
+            index = json.loads((folder / "model.safetensors.index.json").read_text())
+            shards = set(index.get("weight_map", {}).values())
+            if not shards or not shards <= names:
+                return False
+        tekken = json.loads((folder / "tekken.json").read_text("utf-8"))
+        voices = (tekken.get("audio") or {}).get("voice_num_audio_tokens") or {}
+        return all(
+            f"voice_embedding/{v}.safetensors" in names or f"voice_embedding/{v}.pt" in names
+            for v in voices
+        )
+    except (OSError, ValueError, AttributeError, TypeError):  # a file of another shape
+        return False
+
+
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -210,39 +259,6 @@ def _point_main_at(repo_id: str, commit: str) -> None:
     refs = _repo_cache(repo_id) / "refs"
     refs.mkdir(parents=True, exist_ok=True)
     atomic_write_text(refs / "main", commit)
-
-
-def _whole_snapshot(repo_id: str) -> Path | None:
-    """The most recent snapshot in the cache that holds a whole model, whatever
-    ``refs/main`` names: an update cut off by an earlier version of this package, or by
-    another tool, leaves it naming an incomplete one, which huggingface_hub then refuses to
-    serve offline. Files are linked into a snapshot only once downloaded, so one that holds
-    a layout's files (and every shard its index names) is whole."""
-    try:
-        snapshots = [p for p in (_repo_cache(repo_id) / "snapshots").iterdir() if p.is_dir()]
-        snapshots.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    except OSError:
-        return None
-    return next((snapshot for snapshot in snapshots if _holds_a_model(snapshot)), None)
-
-
-def _holds_a_model(folder: Path) -> bool:
-    """Whether ``folder`` holds a layout's files: tokenizer, voices, and weights (every
-    shard its index names)."""
-    try:
-        names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-        patterns = layout_patterns(names)
-        if patterns is None or "tekken.json" not in names:
-            return False
-        if not any(n.startswith("voice_embedding/") for n in names):
-            return False
-        if "model.safetensors.index.json" in names:
-            index = json.loads((folder / "model.safetensors.index.json").read_text())
-            shards = set(index.get("weight_map", {}).values())
-            return bool(shards) and shards <= names
-        return patterns != MISTRAL_PATTERNS or "params.json" in names
-    except (OSError, ValueError, AttributeError, TypeError):  # an index of another shape
-        return False
 
 
 # Called with (repo id, its cache folder) when files are about to be downloaded: the command
@@ -468,8 +484,16 @@ def _download(repo_id: str) -> Path:
             path = Path(
                 snapshot_download(repo_id, allow_patterns=patterns, revision=commit, **quiet)
             )
-            _point_main_at(repo_id, commit)
-            return path
+            if _holds_a_model(path):
+                _point_main_at(repo_id, commit)
+                return path
+            # huggingface_hub answers a failed listing with the folder it has of that commit,
+            # whole or not: a complete copy (refs/main's) serves rather than a partial one.
+            with contextlib.suppress(LocalEntryNotFoundError):
+                other = cached(patterns)
+                if _holds_a_model(other):
+                    return other
+            return path  # the loader names what it lacks
         except (HFValidationError, GatedRepoError, RepositoryNotFoundError):
             raise
         except Exception as e:  # a captive portal's HTML, a proxy's 407, a dropped link...
