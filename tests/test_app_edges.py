@@ -791,6 +791,50 @@ def test_cancel_during_a_new_voice_prefix_stops_after_one_part(tts, monkeypatch)
     assert tts.engine.stats()["active"] == 0
 
 
+def test_a_request_takes_over_the_prefix_a_set_aside_segment_began(tts, monkeypatch):
+    """A segment generated ahead begins a new voice's prefix; a request someone waits for,
+    in that voice, sets it aside after one part and goes on with that prefix rather than
+    computing it again; the segment then starts from the cached prefix. Both outputs are
+    as on their own."""
+    voice = "de_male"
+    solo_ahead = tts.synthesize("Ahead segment text.", voice, seed=1, max_frames=3)
+    solo_waited = tts.synthesize("Someone waits.", voice, seed=2, max_frames=3)
+    tts.clear_prefix_cache()
+    waited = tts.job("Someone waits.", voice, seed=2, max_frames=3)
+    ahead = tts.job("Ahead segment text.", voice, seed=1, max_frames=3)
+    ahead.ahead = True
+    parts: list[str] = []
+
+    def before():
+        parts[-1] = "ahead" if tts.engine._prefilling.job is ahead else "waited"
+        if len(parts) == 1:  # a consumer's request arrives (we are on the worker thread)
+            waited.claim()
+            tts.engine.submit(waited)
+
+    prefill_part = engine_mod.prefill_part
+
+    def recording(model, embeds, cache):
+        parts.append("")
+        before()
+        return prefill_part(model, embeds, cache)
+
+    monkeypatch.setattr(engine_mod, "prefill_part", recording)
+    monkeypatch.setattr(engine_mod, "PREFIX_PART_TOKENS", 16)
+    tts.submit(ahead)
+    got = {}
+    for name, job in (("ahead", ahead), ("waited", waited)):
+        codes = []
+        while (item := job.output.get(timeout=60)) is not engine_mod.DONE:
+            assert not isinstance(item, BaseException), item
+            codes.append(item.codes)
+        got[name] = np.concatenate(codes)
+    total = -(-_prefix_length(tts, voice) // 16)
+    assert parts == ["ahead"] + ["waited"] * (total - 1), parts  # each part once
+    assert ahead.timings.prefix_cached and not waited.timings.prefix_cached
+    np.testing.assert_array_equal(got["ahead"], solo_ahead.codes)
+    np.testing.assert_array_equal(got["waited"], solo_waited.codes)
+
+
 def test_a_prefix_being_computed_when_the_cache_is_cleared_is_not_kept(tts, monkeypatch):
     """clear_prefix_cache() between the parts of a new voice's prefix: its request still
     speaks as ever, but the prefix is kept neither in memory nor on disk."""

@@ -500,23 +500,36 @@ class Engine:
     def _start(self, job: Job) -> bool:
         """Begin (or resume) ``job``'s prefill and run its first part; False if it failed
         before starting (the error went to its consumer)."""
-        if job._suspended is not None:
-            job._suspended, self._prefilling = None, job._suspended
-            self._prefill_next()
-            return True
+        p, job._suspended = job._suspended, None
         try:
-            cache, hit = self._voice_prefix(job)
-            text = self.model.embed_text(job.text_ids)
+            if p is None:
+                text = self.model.embed_text(job.text_ids)
+                p = _Prefill(job, None, text[None], False)
+            if p.cache is None and p.prefix is None:  # new, or its prefix went on elsewhere
+                cache, p.hit = self._voice_prefix(job)
+                if isinstance(cache, _VoicePrefix):
+                    p.prefix = self._adopt(cache)
+                else:
+                    p.cache = cache
         except Exception as e:  # handed to the job's consumer
             job.seq.finished = job.done = True
             job._emit(e)
             return False
-        if isinstance(cache, _VoicePrefix):
-            self._prefilling = _Prefill(job, None, text[None], hit, prefix=cache)
-        else:
-            self._prefilling = _Prefill(job, cache, text[None], hit)
+        self._prefilling = p
         self._prefill_next()
         return True
+
+    def _adopt(self, prefix: _VoicePrefix) -> _VoicePrefix:
+        """The same voice's prefix, partly computed by a prefill set aside, if there is one:
+        the new job goes on with it (the other, when it resumes, starts from the cached
+        prefix), rather than computing it a second time."""
+        mine = (prefix.key, prefix.cleared)
+        for other in self._waiting:
+            p = other._suspended
+            if p is not None and p.prefix is not None and (p.prefix.key, p.prefix.cleared) == mine:
+                taken, p.prefix = p.prefix, None
+                return taken
+        return prefix
 
     def _suspend_prefill(self) -> None:
         """The prefilling job goes back to the queue, to resume where it stopped."""
