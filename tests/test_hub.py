@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -88,7 +89,7 @@ def hub_listing(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict]]:
 
 def whole_stand_in(folder: Path) -> Path:
     """A folder holding the names of a whole model of either layout (and no voices), for
-    a snapshot that nothing loads: the download is checked to have brought every file."""
+    a snapshot that nothing loads: one served from the cache is checked to be whole."""
     folder.mkdir(parents=True)
     for name in ("params.json", "config.json", "consolidated.safetensors", "model.safetensors"):
         (folder / name).write_bytes(b"")
@@ -108,12 +109,26 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeHub:
     (with ``local_files_only``, only if ``fake_hub.cached``: the local cache is empty)."""
     calls = FakeHub()
     snapshot = whole_stand_in(tmp_path / "snapshot")
+    listed: list[str] = []
+    list_files = hub_module._list_files
+
+    def listing(repo_id):
+        files, commit = list_files(repo_id)
+        listed[:] = files
+        return files, commit
 
     def fake(*args, **kwargs):
         calls.append((args, kwargs))
         if kwargs.get("local_files_only") and not calls.cached:
             raise huggingface_hub.errors.LocalEntryNotFoundError("not in the cache")
+        if not kwargs.get("local_files_only"):  # "fetches" what the listing holds
+            for name in listed:
+                if any(fnmatch.fnmatch(name, p) for p in kwargs.get("allow_patterns") or []):
+                    (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+                    (snapshot / name).touch()
         return str(snapshot)
+
+    monkeypatch.setattr(hub_module, "_list_files", listing)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
@@ -954,6 +969,8 @@ def test_a_complete_cached_snapshot_is_used_after_one_listing(
 
     def download(*args, **kwargs):
         downloads.append(kwargs)
+        for sibling in listing.siblings:  # fetched
+            (snapshot / sibling.rfilename).touch()
         return str(snapshot)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
@@ -997,11 +1014,12 @@ def test_an_update_moves_refs_main_only_once_complete(
     newer.mkdir()
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: str(newer))
     # An empty folder: huggingface_hub answers a failed listing with the folder it has of
-    # that commit, whole or not. The complete one serves, and refs/main stays.
+    # that commit, whole or not. The complete one serves, and refs/main stays. (Checked
+    # against the listing: a repo may lack voices its tekken.json names.)
     assert resolve_model_dir(DEFAULT_REPO) == older
     assert refs_main.read_text() == COMMIT
     newer.rmdir()
-    whole_stand_in(newer)
+    shutil.copytree(older, newer, symlinks=True)  # every file the listing names
     assert resolve_model_dir(DEFAULT_REPO) == newer
     assert refs_main.read_text() == new
 

@@ -501,7 +501,8 @@ def _download(repo_id: str) -> Path:
             path = Path(
                 snapshot_download(repo_id, allow_patterns=patterns, revision=commit, **quiet)
             )
-            if _holds_a_model(path):
+            wanted = [f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)]
+            if all((path / f).is_file() for f in wanted):  # every file the listing named
                 _point_main_at(repo_id, commit)
                 return path
             # huggingface_hub answers a failed listing with the folder it has of that commit,
