@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -361,6 +363,43 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def longest_gap(tts, voice: str, newcomer: Callable[[], object]) -> float:
+    """The longest gap between chunks of a stream in ``voice``, already running, while
+    ``newcomer()`` runs on another thread (the stall a listener would hear without
+    pre-roll)."""
+    running = tts.stream("Keep talking while the other one starts.", voice, seed=1)
+    next(running)
+    done = threading.Event()
+
+    def run() -> None:
+        newcomer()
+        done.set()
+
+    worker = threading.Thread(target=run)
+    arrivals = [time.perf_counter()]
+    worker.start()
+    for _ in running:
+        arrivals.append(time.perf_counter())
+        if done.is_set():
+            break
+    worker.join()
+    running.close()
+    return max(b - a for a, b in itertools.pairwise(arrivals))
+
+
+def cancel_latency(stream, delay_s: float) -> float:
+    """From ``stream.cancel()``, sent ``delay_s`` after a consumer starts reading it, to the
+    stream's end."""
+    ended: list[float] = []
+    consumer = threading.Thread(target=lambda: (list(stream), ended.append(time.perf_counter())))
+    consumer.start()
+    time.sleep(delay_s)
+    t0 = time.perf_counter()
+    stream.cancel()
+    consumer.join()
+    return ended[0] - t0
 
 
 def blas() -> str:

@@ -20,7 +20,6 @@ of a fixed N tokens, as before the sizing):
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import threading
@@ -29,9 +28,11 @@ import time
 from common import (
     TINY_AND_WIDE,
     at_least_one,
+    cancel_latency,
     command_line,
     config_list,
     label,
+    longest_gap,
     pick_voice,
     record,
     resolve,
@@ -64,37 +65,7 @@ def ttfa(tts, text: str, voice: str) -> float:
 
 def stall(tts, text: str, voice: str) -> float:
     """The longest gap between chunks of a running stream while ``text`` is prefilled."""
-    running = tts.stream("Keep talking while the other one starts.", voice, seed=1)
-    next(running)
-    done = threading.Event()
-
-    def newcomer() -> None:
-        tts.synthesize(text, voice, seed=0, max_frames=1)
-        done.set()
-
-    worker = threading.Thread(target=newcomer)
-    arrivals = [time.perf_counter()]
-    worker.start()
-    for _ in running:
-        arrivals.append(time.perf_counter())
-        if done.is_set():
-            break
-    worker.join()
-    running.close()
-    return max(b - a for a, b in itertools.pairwise(arrivals))
-
-
-def cancel_latency(tts, text: str, voice: str, part_s: float) -> float:
-    """From cancel() (sent a third of the way into the prefill) to the stream's end."""
-    stream = tts.stream(text, voice, seed=0, max_frames=1)
-    ended: list[float] = []
-    consumer = threading.Thread(target=lambda: (list(stream), ended.append(time.perf_counter())))
-    consumer.start()
-    time.sleep(part_s)
-    t0 = time.perf_counter()
-    stream.cancel()
-    consumer.join()
-    return ended[0] - t0
+    return longest_gap(tts, voice, lambda: tts.synthesize(text, voice, seed=0, max_frames=1))
 
 
 def short_first_audio(tts, text: str, voice: str, part_s: float) -> float:
@@ -133,8 +104,9 @@ def measure(name: str, tokens: int, repeats: int, fixed: int | None) -> dict[str
         out[f"ttfa_{key}"] = statistics.median(ttfa(tts, text, voice) for _ in range(repeats))
         out[f"stall_{key}"] = statistics.median(stall(tts, text, voice) for _ in range(repeats))
         third = out[f"ttfa_{key}"] / 3
-        out[f"cancel_{key}"] = statistics.median(
-            cancel_latency(tts, text, voice, third) for _ in range(repeats)
+        out[f"cancel_{key}"] = statistics.median(  # sent a third of the way in
+            cancel_latency(tts.stream(text, voice, seed=0, max_frames=1), third)
+            for _ in range(repeats)
         )
         out[f"short_{key}"] = statistics.median(
             short_first_audio(tts, text, voice, third) for _ in range(repeats)

@@ -17,18 +17,18 @@ within a part. Measured on the same model in one run, parts against one pass:
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
-import threading
 import time
 
 from common import (
     TINY_AND_WIDE,
     at_least_one,
+    cancel_latency,
     command_line,
     config_list,
     label,
+    longest_gap,
     pick_voice,
     record,
     resolve,
@@ -57,40 +57,16 @@ def ttfa(tts, voice: str) -> float:
 
 
 def stall(tts, voice: str, other: str) -> float:
-    """The longest gap between chunks of a running stream while ``voice`` starts."""
-    running = tts.stream("Keep talking while the other one starts.", other, seed=1)
-    next(running)
+    """The longest gap between chunks of a running stream (``other``) while ``voice``
+    starts."""
     forget(tts, voice)
-    done = threading.Event()
-
-    def newcomer() -> None:
-        tts.synthesize(SHORT, voice, seed=0, max_frames=1)
-        done.set()
-
-    worker = threading.Thread(target=newcomer)
-    arrivals = [time.perf_counter()]
-    worker.start()
-    for _ in running:
-        arrivals.append(time.perf_counter())
-        if done.is_set():
-            break
-    worker.join()
-    running.close()
-    return max(b - a for a, b in itertools.pairwise(arrivals))
+    return longest_gap(tts, other, lambda: tts.synthesize(SHORT, voice, seed=0, max_frames=1))
 
 
-def cancel_latency(tts, voice: str, delay_s: float) -> float:
+def cancel(tts, voice: str, delay_s: float) -> float:
     """From cancel() (sent ``delay_s`` after the request) to the stream's end."""
     forget(tts, voice)
-    stream = tts.stream(SHORT, voice, seed=0, max_frames=1)
-    ended: list[float] = []
-    consumer = threading.Thread(target=lambda: (list(stream), ended.append(time.perf_counter())))
-    consumer.start()
-    time.sleep(delay_s)
-    t0 = time.perf_counter()
-    stream.cancel()
-    consumer.join()
-    return ended[0] - t0
+    return cancel_latency(tts.stream(SHORT, voice, seed=0, max_frames=1), delay_s)
 
 
 def measure(name: str, repeats: int) -> dict[str, float]:
@@ -111,9 +87,7 @@ def measure(name: str, repeats: int) -> dict[str, float]:
         out[f"ttfa_{key}"] = statistics.median(ttfa(tts, voice) for _ in range(repeats))
         out[f"stall_{key}"] = statistics.median(stall(tts, voice, other) for _ in range(repeats))
         third = out[f"ttfa_{key}"] / 3
-        out[f"cancel_{key}"] = statistics.median(
-            cancel_latency(tts, voice, third) for _ in range(repeats)
-        )
+        out[f"cancel_{key}"] = statistics.median(cancel(tts, voice, third) for _ in range(repeats))
     engine.PREFIX_PART_TOKENS = default
     tts.close()
     return out

@@ -370,6 +370,16 @@ def _wait_for(condition, timeout: float = 60) -> None:
         time.sleep(0.005)
 
 
+def _codes_of(job) -> np.ndarray:
+    """A submitted job's codes, once it is done (the error it ended with is raised)."""
+    codes = []
+    while (item := job.output.get(timeout=60)) is not engine_mod.DONE:
+        if isinstance(item, BaseException):
+            raise item
+        codes.append(item.codes)
+    return np.concatenate(codes)
+
+
 def test_a_new_request_takes_the_slot_of_a_segment_generated_ahead(tts):
     """A long text's segments fill the batch (lookahead = max_batch): a new request does not
     wait for one of them to finish; the segment generated furthest ahead is set aside and
@@ -689,17 +699,13 @@ def test_a_short_request_goes_before_the_rest_of_a_long_prefill(tts, monkeypatch
     monkeypatch.setattr(engine_mod, "prefill_part", slow_part)
     total = (len(tts.job(LONG_PROMPT, VOICE).text_ids) - 1) // 16
     long_job = tts.submit(tts.job(LONG_PROMPT, VOICE, seed=2, max_frames=3))
-    deadline = time.monotonic() + 30
-    while not parts and time.monotonic() < deadline:
-        time.sleep(0.001)
+    _wait_for(lambda: parts, 30)
     short = tts.synthesize("Speak now.", VOICE, seed=5, max_frames=3)
     parts_before_short_ended = len(parts)
-    codes = []
-    while (item := long_job.output.get(timeout=60)) is not engine_mod.DONE:
-        codes.append(item.codes)
+    codes = _codes_of(long_job)
     assert total >= 10 and parts_before_short_ended < total, (parts_before_short_ended, total)
     np.testing.assert_array_equal(short.codes, solo_short.codes)
-    np.testing.assert_array_equal(np.concatenate(codes), solo_long.codes)
+    np.testing.assert_array_equal(codes, solo_long.codes)
     assert len(parts) == total  # resumed where it stopped, nothing run twice
 
 
@@ -821,13 +827,7 @@ def test_a_request_takes_over_the_prefix_a_set_aside_segment_began(tts, monkeypa
     monkeypatch.setattr(engine_mod, "prefill_part", recording)
     monkeypatch.setattr(engine_mod, "PREFIX_PART_TOKENS", 16)
     tts.submit(ahead)
-    got = {}
-    for name, job in (("ahead", ahead), ("waited", waited)):
-        codes = []
-        while (item := job.output.get(timeout=60)) is not engine_mod.DONE:
-            assert not isinstance(item, BaseException), item
-            codes.append(item.codes)
-        got[name] = np.concatenate(codes)
+    got = {"ahead": _codes_of(ahead), "waited": _codes_of(waited)}
     total = -(-_prefix_length(tts, voice) // 16)
     assert parts == ["ahead"] + ["waited"] * (total - 1), parts  # each part once
     assert ahead.timings.prefix_cached and not waited.timings.prefix_cached
@@ -899,18 +899,14 @@ def test_a_short_request_goes_before_the_rest_of_a_new_voice_prefix(tts, monkeyp
     monkeypatch.setattr(tts.engine, "prefix_store", None)  # not read back from disk
     total = -(-_prefix_length(tts, voice) // 8)
     new_job = tts.submit(tts.job("New voice here.", voice, seed=2, max_frames=3))
-    deadline = time.monotonic() + 30
-    while not parts and time.monotonic() < deadline:
-        time.sleep(0.001)
+    _wait_for(lambda: parts, 30)
     short = tts.synthesize("Speak now.", VOICE, seed=5, max_frames=3)
     parts_before_short_ended = len(parts)
-    codes = []
-    while (item := new_job.output.get(timeout=60)) is not engine_mod.DONE:
-        codes.append(item.codes)
+    codes = _codes_of(new_job)
     assert total >= 8 and parts_before_short_ended < total, (parts_before_short_ended, total)
     assert len(parts) == total  # resumed where it stopped, nothing run twice
     np.testing.assert_array_equal(short.codes, solo_short.codes)
-    np.testing.assert_array_equal(np.concatenate(codes), solo_new.codes)
+    np.testing.assert_array_equal(codes, solo_new.codes)
 
 
 def test_a_short_request_in_a_new_voice_waits_for_a_long_prefill(tts, monkeypatch):
@@ -932,8 +928,7 @@ def test_a_short_request_in_a_new_voice_waits_for_a_long_prefill(tts, monkeypatc
     tts.submit(long_job)
     _wait_for(lambda: len(events) >= 2)
     newcomer = tts.synthesize("New voice.", voice, seed=3, max_frames=2)
-    while (item := long_job.output.get(timeout=60)) is not engine_mod.DONE:
-        assert item.frames
+    assert len(_codes_of(long_job)) == 2  # max_frames: the model never says END
     assert len(newcomer.codes) == 2 and "new" in events
     first_new = events.index("new")
     assert "long" not in events[first_new:], events  # the long prompt was done first
