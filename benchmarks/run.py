@@ -6,8 +6,9 @@ a section to benchmarks/RESULTS.md with the command, machine, date and medians.
 
     quick: the overhead-bound figures on the tiny config (frame speed, time to first audio,
            the first request after start-up, codec cost, batched throughput,
-           quantized-code agreement) and the weight-bound
-           analysis of one wide frame
+           quantized-code agreement), the weight-bound
+           analysis of one wide frame and the bytes of weights a real frame reads at
+           each precision (with the floor that sets on each Apple Silicon chip)
            -- a few minutes here
     full:  the same plus the real widths (frame speed, time to first audio and batched
            throughput against mlx-audio; the real codec) and the full 26+3-layer model
@@ -41,6 +42,7 @@ QUICK = [
     ["batch_throughput.py", "--config", "tiny", "--frames", "20"],
     ["weight_bound.py", "--config", "wide", "--repeats", "5"],
     ["quant_agreement.py", "--record"],
+    ["weights_per_frame.py"],
 ]
 FULL = [
     *QUICK,

@@ -3,6 +3,7 @@ with END suppressed) runs the requested number of frames, in both implementation
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -111,7 +112,6 @@ def test_the_end_mask_stays_finite_in_the_logits_dtype(dtype):
 
 
 def test_the_default_voice_is_picked_only_if_tekken_lists_it(tiny_checkpoint, tmp_path):
-    import json
     import shutil
 
     from benchmarks.common import pick_voice
@@ -139,7 +139,6 @@ def test_a_directory_named_with_a_comma_is_one_config(tmp_path):
 def test_a_voice_mlx_audio_cannot_use_is_refused_in_one_line(tiny_checkpoint, tmp_path):
     """mlx-audio's tokenizer knows only the voices tekken.json lists; voxtral_mlx takes any
     voice file. The comparison picks a listed voice, or says why there is none."""
-    import json
     import shutil
 
     from benchmarks.common import pick_voice
@@ -361,3 +360,81 @@ def test_new_voice_measures_both_ways_and_restores_the_part_size(tiny_checkpoint
     assert m["positions"] > 64  # the longest voice: more than one part
     for key in ("ttfa", "stall", "cancel"):
         assert 0 < m[f"{key}_parts"] < 60 and 0 < m[f"{key}_one"] < 60, m
+
+
+def _presets(wpf) -> dict[str, object]:
+    return dict(wpf.presets())
+
+
+def test_weights_per_frame_counts_the_release_as_its_manifest(scripts):
+    """The real config's bf16 tensors come to the bytes of Mistral's published file, and
+    a frame reads the backbone once and the flow layers at each of the 7 Euler steps."""
+    import weights_per_frame as wpf
+
+    from voxtral_mlx.config import ModelConfig
+    from voxtral_mlx.synthetic.checkpoint import make_params
+
+    manifest = json.loads(
+        (Path(__file__).parent / "data/reference/checkpoint_manifest.json").read_text()
+    )
+
+    def bf16_bytes(prefix: str) -> int:
+        return sum(
+            2 * int(np.prod(t["shape"])) for n, t in manifest.items() if n.startswith(prefix)
+        )
+
+    config = ModelConfig.from_params(make_params("full"))
+    parts = wpf.frame_bytes(config, _presets(wpf)["bf16 (Mistral's release)"], 1)
+    assert parts["stored"] == bf16_bytes("")
+    assert parts["backbone"] == bf16_bytes("layers.") + bf16_bytes("norm.")
+    flow = bf16_bytes("acoustic_transformer.")
+    once = sum(
+        bf16_bytes(f"acoustic_transformer.{n}")
+        for n in ("semantic_codebook_output", "llm_projection")
+    )
+    never = bf16_bytes("acoustic_transformer.time_projection")
+    assert parts["flow head"] == once + 7 * (flow - once - never)
+
+
+@pytest.mark.parametrize(
+    ("label", "bits", "flow_bits"),
+    [
+        ("convert --q-bits 4 (flow head 8)", 4, None),
+        ("convert --q-bits 6 (flow head 8)", 6, None),
+        ("convert --q-bits 4 --q-flow-bits 4", 4, 4),
+    ],
+)
+def test_weights_per_frame_counts_what_convert_writes(
+    tiny_checkpoint_bf16, tmp_path, scripts, label, bits, flow_bits
+):
+    import weights_per_frame as wpf
+
+    from voxtral_mlx.convert import convert_model
+    from voxtral_mlx.loader import open_weights, read_model_config
+
+    out = convert_model(
+        tiny_checkpoint_bf16, tmp_path / "q", q_bits=bits, q_flow_bits=flow_bits
+    ).path
+    config = read_model_config(out)
+    weights = open_weights(out, config)
+    spec = _presets(wpf)[label]
+    assert wpf.layer_specs(config, spec) == weights.quantized
+    written = sum(r.info.end - r.info.start for r in weights.tensors.values())
+    assert wpf.frame_bytes(config, spec, 1)["stored"] == written
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_weights_per_frame_quantizes_what_mlx_audio_converts(
+    tiny_checkpoint_bf16, tmp_path, scripts, bits
+):
+    """The mlx-community rows pack the layers mlx-audio's own converter packs."""
+    import weights_per_frame as wpf
+
+    from tests.mlx_audio_reference import build_mlx_community
+    from voxtral_mlx.loader import open_weights, read_model_config
+
+    out = build_mlx_community(tiny_checkpoint_bf16, tmp_path / f"{bits}bit", bits)
+    config = read_model_config(out)
+    packed = wpf.layer_specs(config, _presets(wpf)[f"mlx-community {bits}bit"])
+    assert packed == open_weights(out, config).quantized
+    assert "acoustic_transformer.layers.0.attention.wq" in packed

@@ -144,6 +144,29 @@ def test_jobs_that_end_without_a_frame_let_go_of_their_kv_rows(tts, monkeypatch)
         assert ended.done and ended.seq._cache is None and ended.seq._h is None
 
 
+
+def test_jobs_that_ran_frames_let_go_of_their_kv_rows_and_codec_state(tts):
+    """A job kept its codec stream state (conv tails, attention windows: MBs on the real
+    codec) after its last chunk, for as long as the caller held the Job."""
+
+    def scenario():
+        e = tts.engine
+        ended = job(tts, "Runs to its limit.", 0, False, seed=1, max_frames=3)
+        cancelled = job(tts, "Cancelled after a frame.", 0, False, seed=2, max_frames=50)
+        failed = job(tts, "Ended by a failure.", 0, False, seed=3, max_frames=50)
+        for made in (ended, cancelled, failed):
+            e.submit(made)
+        pump_while(e, lambda: cancelled.seq.frames < 2 or failed.seq.frames < 2)
+        assert cancelled._codec_state is not None  # the premise: it was decoding
+        cancelled.cancel()
+        pump_while(e, lambda: not (ended.done and cancelled.done))
+        e.fail_all(RuntimeError("a failed frame"))
+        return ended, cancelled, failed
+
+    for made in tts.call(scenario):
+        assert made.done
+        assert made._codec_state is None and made.seq._cache is None and made.seq._h is None
+
 def test_a_failure_as_a_prefilled_job_joins_reaches_its_consumer(tts, monkeypatch):
     """Between leaving the prefill and entering the engine's books a job was in no list:
     an error there (e.g. out of memory) left its consumer waiting for ever."""

@@ -674,6 +674,7 @@ class Engine:
         failed.update((id(r[0]), r[0]) for r in [*self._inflight, *self._first])
         for job in failed.values():
             job.seq._h = job.seq._cache = job._suspended = None  # their KV rows: let go
+            job._codec_state = None
             if not job.done:
                 job.seq.finished = job.done = True
                 job._emit(_own_copy(error))
@@ -769,6 +770,8 @@ class Engine:
         now = time.perf_counter()
         peak = mx.get_peak_memory()
         for job, codes, audio, final in ready:
+            if final:  # its stream state (conv tails, attention windows) is not needed
+                job._codec_state = None
             t = job.timings
             if audio is not None and job._error is None:
                 codes_np = np.array(codes)
