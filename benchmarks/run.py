@@ -7,8 +7,9 @@ a section to benchmarks/RESULTS.md with the command, machine, date and medians.
     quick: the overhead-bound figures on the tiny config (frame speed, time to first audio,
            the first request after start-up, codec cost, batched throughput,
            quantized-code agreement), the weight-bound
-           analysis of one wide frame and the bytes of weights a real frame reads at
-           each precision (with the floor that sets on each Apple Silicon chip)
+           analysis of one wide frame, the bytes of weights a real frame reads at
+           each precision (with the floor that sets on each Apple Silicon chip) and a
+           played stream's cost per frame as its chunks grow
            -- a few minutes here
     full:  the same plus the real widths (frame speed, time to first audio and batched
            throughput against mlx-audio; the real codec) and the full 26+3-layer model
@@ -43,6 +44,7 @@ QUICK = [
     ["weight_bound.py", "--config", "wide", "--repeats", "5"],
     ["quant_agreement.py", "--record"],
     ["weights_per_frame.py"],
+    ["live_chunks.py", "--configs", "tiny"],
 ]
 FULL = [
     *QUICK,

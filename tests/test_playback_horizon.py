@@ -202,6 +202,9 @@ def test_an_empty_last_chunk_of_a_live_segment_still_starts_what_came():
         def cancel(self):
             text_comes.set()
 
+        def set_chunk_frames(self, frames):
+            self.chunk_frames = frames
+
         def __iter__(self):
             for _ in range(5):  # 0.4 s at 0.5x real time, then END
                 clock.advance(2 * FRAME_S)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from .audio.chunking import follow_player
 from .audio.horizon import plays
 from .engine import finite_float
 from .errors import InputError
@@ -26,10 +27,12 @@ class Playback:
         player: Any,
         horizon: Callable[[], Callable] | None = None,
         refuse_wait: Callable[[], None] = lambda: None,
+        frame_s: float = 0.08,
     ) -> None:
         self.stream = stream
         self.player = player
         self._horizon = horizon  # makes the per-chunk expected_total_s (for AudioPlayer)
+        self._frame_s = frame_s  # audio seconds per frame, to size chunks (for AudioPlayer)
         self._refuse_wait = refuse_wait  # raises on the model's worker thread
         self.error: BaseException | None = None  # raised before stop(), if any
         self._error_tb: TracebackType | None = None
@@ -52,6 +55,7 @@ class Playback:
                         self.player.feed(chunk.audio)
                 elif plays(chunk):
                     self.player.feed(chunk.audio, expected_total_s=horizon(chunk))
+                    follow_player(self.stream, self.player, self._frame_s)
             if not self._stopped:  # a stopped player has nothing left to play out
                 self.player.finish()
         except BaseException as e:  # handed to wait()

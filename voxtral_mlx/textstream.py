@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .engine import DONE, AudioChunk, Job, Timings, finite_float
+from .engine import DONE, AudioChunk, Job, Timings, check_whole, finite_float
 from .errors import InputError, UsageError
 from .fileio import one_line
 from .livetext import END, LiveText
@@ -65,6 +65,7 @@ class _Reader:
         self._pause_due: tuple[int, float] | None = None  # (segment, seconds) to play next
         check_pause(pause)
         self._unsubmitted: list[Job] = []
+        self._chunk_frames: int | None = None  # set_chunk_frames(): for jobs made later
         # A callable splits the text later, at the first item or prepare(): ``segments`` is
         # empty until then. It is given a function saying whether the stream was stopped
         # meanwhile (a book takes a second to split).
@@ -102,6 +103,8 @@ class _Reader:
             self._next += 1
             job = self._make_job(i, self.segments[i])
             job.ahead = bool(self.jobs)  # the consumer waits for the first job in flight only
+            if self._chunk_frames is not None:
+                job.chunk_frames = self._chunk_frames
             self.jobs.append((i, job))
             if self._finished:  # cancel() ran while the job was being made: it missed it
                 job.cancel()
@@ -230,6 +233,17 @@ class _Reader:
         chunk = AudioChunk(audio, self.sample_rate, 0, frames, False, codes, self.timings, None)
         chunk.segment, chunk.segments = i, len(self.segments)
         return chunk
+
+    def set_chunk_frames(self, frames: int) -> None:
+        """Decode ``frames`` frames per chunk from now on, in the segments in flight and
+        those after them (any thread; frames already generated are decoded at the next
+        chunk). Larger chunks cost less per frame, smaller ones arrive sooner: a player
+        that holds audio ahead can take larger ones (see
+        :func:`~voxtral_mlx.audio.chunking.live_chunk_frames`)."""
+        frames = check_whole("frames", frames, 1)
+        self._chunk_frames = frames
+        for _, job in list(self.jobs):  # a snapshot: the consumer may be changing it
+            job.chunk_frames = frames
 
     def cancel(self) -> None:
         """Stop generating (any thread); already queued segments are cancelled too."""

@@ -570,6 +570,9 @@ class VoxtralTTS:
         The first chunk is ready after the prompt's prefill and one frame. The last chunk has
         ``is_final=True`` (it may be empty when END falls on a chunk boundary).
         ``cancel()`` (any thread) or ``close()`` stops generation within a frame.
+        ``set_chunk_frames(n)`` (any thread) sizes the chunks from then on: larger ones
+        cost less per frame (the codec runs once per chunk), as a player holding audio
+        ahead can take (``speak`` and :meth:`say` do so).
         Concatenated chunks equal :meth:`synthesize` for the same seed or noise.
 
         ``split=True`` reads text of any length: it is cut into segments at natural pauses
@@ -839,7 +842,13 @@ class VoxtralTTS:
                 def horizon() -> PlaybackHorizon:
                     return PlaybackHorizon(self, stream, max_frames, pause, started)
 
-            playback = Playback(stream, player, horizon, refuse_wait=self.worker.refuse_wait)
+            playback = Playback(
+                stream,
+                player,
+                horizon,
+                refuse_wait=self.worker.refuse_wait,
+                frame_s=self.samples_per_frame / self.sample_rate,
+            )
         except BaseException:  # e.g. Ctrl-C as the thread starts: nothing plays on unseen
             stream.close()
             if player is not None:

@@ -1,0 +1,209 @@
+"""Chunks that grow once a player is ahead: one-frame chunks for first audio, then fewer,
+larger codec steps (the codec's weights read once per chunk) without changing the audio."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+import voxtral_mlx
+from voxtral_mlx.audio.chunking import MARGIN, live_chunk_frames
+from voxtral_mlx.errors import InputError
+
+VOICE = "neutral_male"
+TEXT = "The keeper climbed the stairs before dawn. The lamp was still warm, the sea calm."
+FRAME_S = 0.08
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoint_noend):
+    """Float32 tiny model whose END never fires, so every segment runs ``max_frames``."""
+    model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    yield model
+    model.close()
+
+
+def _frames(chunks) -> list[int]:
+    """Frames per chunk of generated audio (a pause between segments has none)."""
+    return [c.frames for c in chunks if c.frames]
+
+
+@pytest.mark.parametrize(
+    ("buffered_s", "speed", "started", "frames"),
+    [
+        (30.0, 10.0, False, 1),  # not playing yet: the pre-roll is reached soonest
+        (30.0, None, True, 1),  # speed not measured yet
+        (30.0, 0.0, True, 1),
+        (30.0, float("nan"), True, 1),
+        (0.0, 10.0, True, 1),
+        (30.0, 10.0, True, 8),
+        (30.0, float("inf"), True, 8),
+        # speed 1 (a frame per 80 ms): n frames need MARGIN * (n + 1) * 0.08 s buffered
+        (MARGIN * 3 * FRAME_S, 1.0, True, 2),
+        (MARGIN * 3 * FRAME_S - 0.01, 1.0, True, 1),
+        (MARGIN * 5 * FRAME_S, 1.0, True, 4),
+        (MARGIN * 9 * FRAME_S, 1.0, True, 8),
+        (MARGIN * 5 * 2 * FRAME_S, 0.5, True, 4),  # half real time: a frame takes 0.16 s
+    ],
+)
+def test_chunks_grow_only_as_far_as_the_buffer_covers_them(buffered_s, speed, started, frames):
+    assert live_chunk_frames(buffered_s, speed, started, FRAME_S) == frames
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_set_chunk_frames_changes_later_chunks_and_not_the_audio(tts, split):
+    options = {"max_chars": 60} if split else {}
+    expected = tts.synthesize(TEXT, VOICE, seed=5, max_frames=20, split=split, **options)
+    stream = tts.stream(TEXT, VOICE, seed=5, max_frames=20, split=split, **options)
+    chunks = [next(stream)]
+    stream.set_chunk_frames(4)
+    chunks += list(stream)
+    frames = _frames(chunks)
+    assert frames[0] == 1 and 4 in frames and max(frames) <= 4
+    if split:
+        assert {c.segment for c in chunks} == {0, 1}  # the second segment's chunks too
+    audio = np.concatenate([c.audio for c in chunks])
+    np.testing.assert_allclose(audio, expected.audio, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4", True, None])
+def test_set_chunk_frames_takes_a_whole_number_of_frames(tts, bad):
+    stream = tts.stream(TEXT, VOICE, max_frames=2)
+    try:
+        with pytest.raises(InputError, match="frames must be a whole number >= 1"):
+            stream.set_chunk_frames(bad)
+    finally:
+        stream.close()
+
+
+class AheadPlayer:
+    """An AudioPlayer's measurements for a machine generating 10x real time and playing
+    with seconds buffered (after its first chunk); records what it is fed."""
+
+    instances: ClassVar[list[AheadPlayer]] = []
+
+    def __init__(self, *args, **kwargs):
+        self.fed: list[np.ndarray] = []
+        self.finished = self.stopped = False
+        AheadPlayer.instances.append(self)
+
+    def feed(self, audio, expected_total_s=None):
+        self.fed.append(np.array(audio))
+
+    @property
+    def started(self) -> bool:
+        return len(self.fed) > 1
+
+    @property
+    def buffered_s(self) -> float:
+        return 5.0
+
+    def generation_speed(self):
+        return 10.0
+
+    def finish(self):
+        self.finished = True
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_say_decodes_larger_chunks_once_its_player_is_ahead(tts, monkeypatch):
+    import voxtral_mlx.audio.player as player_mod
+
+    monkeypatch.setattr(player_mod, "AudioPlayer", AheadPlayer)
+    AheadPlayer.instances.clear()
+    tts.say(TEXT, VOICE, seed=7, max_frames=30)
+    (player,) = AheadPlayer.instances
+    assert player.finished and not player.stopped
+    frames = [len(a) // tts.samples_per_frame for a in player.fed if len(a)]
+    assert frames[:2] == [1, 1] and max(frames) == 8  # 1 until playing, then 8
+    played = np.concatenate(player.fed)
+    expected = tts.synthesize(TEXT, VOICE, seed=7, max_frames=30, split=True)
+    np.testing.assert_allclose(played, expected.audio, atol=1e-5)
+
+
+def test_speak_decodes_larger_chunks_once_its_player_is_ahead(
+    tiny_checkpoint_noend, tmp_path, monkeypatch, capsys
+):
+    import voxtral_mlx.audio.player as player_mod
+    from voxtral_mlx import cli
+
+    monkeypatch.setattr(player_mod, "AudioPlayer", AheadPlayer)
+    monkeypatch.setenv("VOXTRAL_MLX_CACHE", str(tmp_path / "cache"))
+    AheadPlayer.instances.clear()
+    out = tmp_path / "out.wav"
+    args = ["-m", str(tiny_checkpoint_noend), "--max-frames", "30", "--seed", "7", TEXT]
+    assert cli.main(["speak", "--play", "-o", str(out), *args]) == 0, capsys.readouterr().err
+    (player,) = AheadPlayer.instances
+    frames = [len(a) // 1920 for a in player.fed if len(a)]
+    assert frames[:2] == [1, 1] and max(frames) == 8
+    import soundfile as sf
+
+    written, _ = sf.read(out, dtype="float32")  # 16-bit, clipped
+    played = np.clip(np.concatenate(player.fed), -1.0, 1.0)
+    np.testing.assert_allclose(played, written, atol=1.0 / 32768)
+
+
+@pytest.mark.parametrize("speed", [1.05, 1.5, 3.0, 10.0])
+def test_growing_chunks_play_without_a_gap(speed):
+    """A player fed by a generator at ``speed`` x real time whose chunk size follows the
+    player (as speak and say() do): once playing, no gap, and the chunks grow where the
+    generator is ahead."""
+    from test_player import FRAME, FRAME_S, FakeClock, frame, make_player
+
+    from voxtral_mlx.audio.chunking import follow_player
+
+    frames_total = 150
+    clock = FakeClock(0.0)
+    player, sd = make_player(clock)
+    device = sd.streams[0]
+    stream = _ChunkSink()
+    step_s = FRAME_S / speed
+    generated = delivered = played = 0
+    sizes = []
+    next_step, next_block = step_s, FRAME_S
+    for _ in range(100_000):  # bounded: a bug here must fail, not hang
+        t = min(next_step, next_block)
+        clock.advance(t - clock.t)
+        if t == next_step:
+            next_step += step_s
+            if generated < frames_total:
+                generated += 1
+                pending = generated - delivered
+                if pending >= stream.frames or generated == frames_total:
+                    audio = np.concatenate([frame(i) for i in range(delivered, generated)])
+                    sizes.append(pending)
+                    delivered = generated
+                    player.feed(audio, expected_total_s=frames_total * FRAME_S)
+                    follow_player(stream, player, FRAME_S)
+                    if delivered == frames_total:
+                        player._start(t)  # as finish() does, without its blocking drain
+        if t == next_block:
+            next_block += FRAME_S
+            if device.active:
+                device.pump()
+                played += 1
+                if played >= frames_total:
+                    break
+    else:
+        pytest.fail("the simulation did not play everything")
+    assert player.stats.underruns == 0 and player.stats.underrun_s == 0
+    audio = np.concatenate(device.blocks)
+    expected = np.concatenate([frame(i) for i in range(frames_total)])
+    assert np.array_equal(audio[: len(expected)], expected)
+    assert sizes[0] == 1
+    if speed >= 1.5:
+        assert max(sizes) == 8, sizes
+    assert sum(sizes) == frames_total and len(device.blocks) * FRAME >= len(expected)
+
+
+class _ChunkSink:
+    """What follow_player() needs of a stream: the chunk size it sets."""
+
+    frames = 1
+
+    def set_chunk_frames(self, frames: int) -> None:
+        self.frames = frames
