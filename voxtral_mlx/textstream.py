@@ -103,7 +103,9 @@ class _Reader:
             self._next += 1
             job = self._make_job(i, self.segments[i])
             job.ahead = bool(self.jobs)  # the consumer waits for the first job in flight only
-            if self._chunk_frames is not None:
+            if self._chunk_frames is not None and job.ahead:
+                # One the consumer already waits for (live text that stalled) starts at its
+                # own size: whatever was buffered ahead may have played out meanwhile.
                 job.chunk_frames = self._chunk_frames
             self.jobs.append((i, job))
             if self._finished:  # cancel() ran while the job was being made: it missed it
@@ -236,10 +238,11 @@ class _Reader:
 
     def set_chunk_frames(self, frames: int) -> None:
         """Decode ``frames`` frames per chunk from now on, in the segments in flight and
-        those after them (any thread; frames already generated are decoded at the next
-        chunk). Larger chunks cost less per frame, smaller ones arrive sooner: a player
-        that holds audio ahead can take larger ones (see
-        :func:`~voxtral_mlx.audio.chunking.live_chunk_frames`)."""
+        those submitted ahead of the one being read (any thread; frames already generated
+        are decoded at the next chunk); a segment submitted when nothing is in flight
+        starts at the stream's own ``chunk_frames``. Larger chunks cost less per frame,
+        smaller ones arrive sooner: a player that holds audio ahead can take larger ones
+        (see :func:`~voxtral_mlx.audio.chunking.live_chunk_frames`)."""
         frames = check_whole("frames", frames, 1)
         self._chunk_frames = frames
         for _, job in list(self.jobs):  # a snapshot: the consumer may be changing it
