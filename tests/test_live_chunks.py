@@ -207,3 +207,51 @@ class _ChunkSink:
 
     def set_chunk_frames(self, frames: int) -> None:
         self.frames = frames
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _client_sizes(speed: float, rate: float, chunks: int) -> list[int]:
+    """Chunk sizes a ClientBuffer asks for when one frame, then four-frame chunks, are
+    generated at ``speed`` x real time and sent at once."""
+    from voxtral_mlx.audio.chunking import ClientBuffer
+
+    clock = _Clock()
+    client = ClientBuffer(rate, clock)
+    got = [client.sent(FRAME_S, 1)]  # the first chunk starts the client's clock
+    for _ in range(chunks):
+        clock.t += 4 * FRAME_S / speed
+        got.append(client.sent(4 * FRAME_S, 4))
+    return got
+
+
+def test_a_client_buffer_grows_chunks_as_far_as_a_real_time_listener_is_ahead():
+    # 1.25x real time: a frame takes 64 ms, so after k chunks the client is
+    # 0.08 + 0.064 k s ahead; n frames need MARGIN * (n + 1) * 64 ms of it.
+    sizes = _client_sizes(1.25, 1.0, 30)
+    assert sizes[:8] == [1] * 8
+    assert (sizes.index(2), sizes.index(4), sizes.index(8)) == (8, 14, 26)
+    assert sizes == sorted(sizes)
+    # 10x real time: 0.37 s ahead after the first chunk of four.
+    assert _client_sizes(10.0, 1.0, 3) == [1, 8, 8, 8]
+    # The same at speed 2 (the client plays it twice as fast): 0.17 s ahead, then 0.30.
+    assert _client_sizes(10.0, 0.5, 3) == [1, 4, 8, 8]
+    # Slower than real time: the client is never ahead.
+    assert _client_sizes(0.9, 1.0, 30) == [1] * 31
+
+
+def test_a_client_buffer_counts_pauses_as_audio_sent():
+    from voxtral_mlx.audio.chunking import ClientBuffer
+
+    clock = _Clock()
+    client = ClientBuffer(1.0, clock)
+    client.sent(FRAME_S, 1)
+    clock.t = FRAME_S  # one frame in real time: nothing ahead
+    assert client.sent(FRAME_S, 1) == 1
+    assert client.sent(2.0, 0) == 4  # a 2 s pause: 2.08 s ahead, 8 frames need 2.16

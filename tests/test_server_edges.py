@@ -393,3 +393,37 @@ def test_bind_errors_name_the_fix_for_their_cause(monkeypatch):
     monkeypatch.setattr(socket.socket, "bind", refused)
     with pytest.raises(ServerError, match="ports below 1024 need administrator rights"):
         bind("127.0.0.1", 80)
+
+
+@pytest.mark.parametrize("speed", [1.0, 2.0])
+def test_a_streamed_response_asks_for_larger_chunks_once_the_client_is_ahead(
+    live, monkeypatch, speed
+):
+    """The tiny model runs ~10x real time: after the first one-frame chunk, a client that
+    started playing at the first byte holds enough for chunks of 8 frames. The bytes are
+    those of one-frame chunks throughout."""
+    import voxtral_mlx.server.app as app_mod
+    from voxtral_mlx.textstream import _Reader
+
+    asked: list[int] = []
+    set_chunk_frames = _Reader.set_chunk_frames
+
+    def recorded(self, frames):
+        asked.append(frames)
+        set_chunk_frames(self, frames)
+
+    monkeypatch.setattr(_Reader, "set_chunk_frames", recorded)
+    body = {"input": "Hello there, how are you?", "response_format": "pcm", "seed": 4}
+    body["speed"] = speed
+
+    def post() -> bytes:
+        r = httpx.post(f"{live.url}/v1/audio/speech", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.content
+
+    grown = post()
+    assert asked[0] == 1 and 8 in asked, asked
+    asked.clear()
+    monkeypatch.setattr(app_mod.ClientBuffer, "sent", lambda self, audio_s, frames: 1)
+    assert post() == grown
+    assert set(asked) == {1}

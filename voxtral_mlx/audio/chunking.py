@@ -1,16 +1,18 @@
-"""How many frames a player-fed stream decodes at a time once playback has started.
+"""How many frames a stream decodes at a time once its listener holds audio ahead.
 
 The codec reads all its weights and launches its whole step once per decoded chunk, so
 one-frame chunks (what first audio needs) cost the most per frame: on a Mac the codec is
-~6-9 % of what a quantized frame reads (``benchmarks/weights_per_frame.py``), here on the
-CPU ~1.5 of a tiny frame's ~7 ms. Once the player holds audio ahead of what it is playing,
-chunks can grow without a gap: a chunk of ``n`` frames arrives ``n`` frame times after the
-previous one, which the buffer covers with a margin.
+~3-9 % of what a frame reads (``benchmarks/weights_per_frame.py``), here on the CPU
+~1.5 ms of a tiny frame's ~7 ms. Once the listener (a player, an HTTP client) holds audio
+ahead of what it is playing, chunks can grow without a gap: a chunk of ``n`` frames
+arrives ``n`` frame times after the previous one, which that audio covers with a margin.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 LIVE_CHUNK_FRAMES = (1, 2, 4, 8)  # few sizes: each is one more compiled codec graph
@@ -27,14 +29,50 @@ def live_chunk_frames(buffered_s: float, speed: float | None, started: bool, fra
     player is playing (before that, chunks of one frame reach its pre-roll soonest);
     ``frame_s``: audio seconds per frame.
     """
-    if not started or speed is None or not speed > 0 or not math.isfinite(buffered_s):
+    if not started or speed is None or not speed > 0:
         return 1
-    wall_per_frame = frame_s / speed if math.isfinite(speed) else 0.0
+    return frames_covered(buffered_s, frame_s / speed)
+
+
+def frames_covered(ahead_s: float, wall_per_frame: float) -> int:
+    """The largest chunk size whose arrival (``wall_per_frame`` seconds per frame) the
+    listener's ``ahead_s`` seconds of audio cover ``MARGIN`` times over (1 at least)."""
+    if not math.isfinite(ahead_s) or not wall_per_frame >= 0:
+        return 1
     best = 1
     for n in LIVE_CHUNK_FRAMES:
-        if MARGIN * (n + 1) * wall_per_frame <= buffered_s:
+        if MARGIN * (n + 1) * wall_per_frame <= ahead_s:
             best = n
     return best
+
+
+class ClientBuffer:
+    """What a client playing a streamed response holds at least, for a sender with no view
+    of it (the HTTP server): the audio sent since the first chunk, less the time since then,
+    as if playback had started at the first chunk and ran at real time (later or slower
+    playback holds more). ``rate``: seconds of the client's audio per second of the model's
+    (1 / the response's speed)."""
+
+    def __init__(self, rate: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.rate, self._clock = rate, clock
+        self._first_at: float | None = None
+        self._sent_s = 0.0  # the model's audio seconds sent, pauses included
+        self._frames = 0  # frames generated after the first chunk
+
+    def sent(self, audio_s: float, frames: int) -> int:
+        """A chunk of ``audio_s`` seconds (``frames`` generated) was sent: the chunk size
+        to ask for next."""
+        now = self._clock()
+        self._sent_s += audio_s
+        if self._first_at is None:
+            if audio_s > 0:
+                self._first_at = now
+            return 1
+        self._frames += frames
+        elapsed = now - self._first_at
+        if self._frames == 0 or elapsed <= 0:
+            return 1
+        return frames_covered(self._sent_s * self.rate - elapsed, elapsed / self._frames)
 
 
 def follow_player(stream: Any, player: Any, frame_s: float) -> None:

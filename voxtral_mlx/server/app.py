@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..audio.chunking import ClientBuffer
 from ..errors import VoxtralError
 from ..textstream import AsyncTextStream
 from ..tts import DEFAULT_MAX_FRAMES, SYNTH_CHUNK_FRAMES, VoxtralTTS
@@ -239,7 +240,7 @@ class SpeechAPI:
         if req.speed != 1.0:
             stretcher = TimeStretcher(req.speed, self.tts.sample_rate)
         done = Progress()
-        audio = self._encoded(stream, encoder, stretcher, done)
+        audio = self._encoded(stream, encoder, stretcher, done, grow=fmt.streams)
 
         async def on_close(outcome: str) -> None:
             stream.cancel()
@@ -294,8 +295,12 @@ class SpeechAPI:
         encoder: Encoder,
         stretcher: TimeStretcher | None,
         done: Progress,
+        grow: bool = False,
     ) -> AsyncGenerator[bytes, None]:
-        """The response's bytes as the engine's chunks arrive."""
+        """The response's bytes as the engine's chunks arrive. ``grow``: a streamed one
+        asks for larger chunks as far as what the client must hold covers them (the codec
+        then runs once per chunk, not per frame)."""
+        client = ClientBuffer(1.0 if stretcher is None else 1.0 / stretcher.speed)
         try:
             async for chunk in stream:
                 done.frames += chunk.frames
@@ -304,6 +309,9 @@ class SpeechAPI:
                 if len(chunk.audio):
                     audio = chunk.audio if stretcher is None else stretcher.process(chunk.audio)
                     yield encoder.write(audio)
+                if grow:
+                    frames = client.sent(len(chunk.audio) / chunk.sample_rate, chunk.frames)
+                    stream.set_chunk_frames(frames)
             if stretcher is not None:
                 yield encoder.write(stretcher.flush())
             yield encoder.finish()
