@@ -23,7 +23,8 @@ Endpoints
     refused) is logged and left out, and a request naming it is a 500.
     ``GET /v1/models``  the loaded model (id: the directory name or repo given with -m);
     ``GET /v1/models/{id}`` that model (404 for another id).
-    ``GET /health``  ``{"status": "ok", "requests": speech requests in progress,
+    ``GET /health``  ``{"status": "ok", "model": the id /v1/models lists, "requests":
+    speech requests in progress,
     "active": text segments generating in the engine's batch (or set aside), "waiting":
     segments waiting to join it, "parked": read-ahead segments set aside for a newcomer,
     "max_batch", "max_queue", and counts since start: "completed",
@@ -38,7 +39,9 @@ Audio and streaming
     Mono, 24 kHz. Long input is split into segments at natural pauses and the segments are
     generated as one batch (``split=True``); concurrent requests share the engine's batch
     frame by frame. Bytes go out as frames are decoded (chunked transfer, first bytes after
-    the first 80 ms frame): ``pcm`` is raw 16-bit little-endian; ``wav`` is PCM16 whose
+    the first 80 ms frame; later frames in chunks of up to 8, as far as a client playing in
+    real time from the first byte is ahead, so the codec runs once per chunk): ``pcm`` is
+    raw 16-bit little-endian; ``wav`` is PCM16 whose
     header declares an unknown length (0xFFFFFFFF); ``mp3`` (128 kbit/s CBR) is one MPEG
     stream without a LAME/Xing header, so it starts with the encoder's delay (about 80 ms,
     one silent frame included) and players learn its length only at the end; ``opus`` is
