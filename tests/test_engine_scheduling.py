@@ -144,7 +144,6 @@ def test_jobs_that_end_without_a_frame_let_go_of_their_kv_rows(tts, monkeypatch)
         assert ended.done and ended.seq._cache is None and ended.seq._h is None
 
 
-
 def test_jobs_that_ran_frames_let_go_of_their_kv_rows_and_codec_state(tts):
     """A job kept its codec stream state (conv tails, attention windows: MBs on the real
     codec) after its last chunk, for as long as the caller held the Job."""
@@ -166,6 +165,7 @@ def test_jobs_that_ran_frames_let_go_of_their_kv_rows_and_codec_state(tts):
     for made in tts.call(scenario):
         assert made.done
         assert made._codec_state is None and made.seq._cache is None and made.seq._h is None
+
 
 def test_a_failure_as_a_prefilled_job_joins_reaches_its_consumer(tts, monkeypatch):
     """Between leaving the prefill and entering the engine's books a job was in no list:
@@ -246,3 +246,35 @@ def test_set_aside_jobs_rejoin_only_ahead_of_every_waiting_job():
     engine._waiting = []
     engine._rejoin_parked(reserve=1)
     assert engine._batch.added == ["needed", "later"]
+
+
+def test_grown_chunks_start_with_the_first_chunk_and_flush_when_the_job_is_needed(tts):
+    """A job whose later chunks are 8 frames still sends its first chunk at its own size,
+    and when its reader reaches it (needed()), what it generated ahead goes out at the
+    next frame instead of waiting for the eighth."""
+
+    def scenario():
+        e = tts.engine
+        ahead = job(tts, "Generated ahead of its reader.", 1, True, seed=1, max_frames=30)
+        ahead.later_chunk_frames = 8
+        e.submit(ahead)
+        sizes = []
+
+        def delivered() -> None:
+            while not ahead.output.empty():
+                item = ahead.output.get()
+                if isinstance(item, engine_mod.AudioChunk) and item.frames:
+                    sizes.append(item.frames)
+
+        pump_while(e, lambda: ahead.seq.frames < 4)
+        delivered()
+        assert sizes == [1]  # the first chunk, then 3 frames held for the eighth
+        ahead.needed()
+        e.pump()
+        delivered()
+        pump_while(e, lambda: e.busy)
+        delivered()
+        return sizes
+
+    # 1, then frames 2-4 and the one made as it was needed, then 8s, then the rest.
+    assert tts.call(scenario) == [1, 4, 8, 8, 8, 1]

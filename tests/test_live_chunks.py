@@ -255,3 +255,25 @@ def test_a_client_buffer_counts_pauses_as_audio_sent():
     clock.t = FRAME_S  # one frame in real time: nothing ahead
     assert client.sent(FRAME_S, 1) == 1
     assert client.sent(2.0, 0) == 4  # a 2 s pause: 2.08 s ahead, 8 frames need 2.16
+
+
+def test_a_segment_queued_behind_a_full_batch_starts_with_one_frame(tiny_checkpoint_noend):
+    """A later segment that could not join the batch took the grown size for its first
+    chunk: its reader waited ~8 frames for its first audio once the segment before ended."""
+    tts = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None, max_batch=2)
+    try:
+        other = tts.stream("Another listener, for a long while.", VOICE, seed=1, max_frames=150)
+        next(other)  # it holds one of the two slots
+        options = {"seed": 5, "max_frames": 30, "split": True, "max_chars": 60}
+        stream = tts.stream(TEXT, VOICE, lookahead=2, **options)
+        chunks = [next(stream)]
+        stream.set_chunk_frames(8)
+        chunks += list(stream)
+        other.close()
+        later = [c.frames for c in chunks if c.segment == 1 and c.frames]
+        assert later[0] == 1 and 8 in later, later
+        audio = np.concatenate([c.audio for c in chunks])
+        expected = tts.synthesize(TEXT, VOICE, **options)
+        np.testing.assert_allclose(audio, expected.audio, atol=1e-5)
+    finally:
+        tts.close()

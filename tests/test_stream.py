@@ -437,7 +437,7 @@ def test_waiting_for_playback_on_the_model_worker_raises_instead_of_hanging():
     assert playback.wait() is True  # done: nothing left to wait for, so no refusal
 
 
-@pytest.mark.parametrize(("lookahead", "later"), [(3, 8), (1, 1)])
+@pytest.mark.parametrize(("lookahead", "later"), [(3, 8), (1, None)])
 def test_set_chunk_frames_reaches_segments_in_flight_and_ahead(lookahead, later):
     """Segments submitted ahead take the size set; one the consumer waits for from its
     start (nothing in flight: live text that stalled, lookahead 1) starts at its own."""
@@ -445,12 +445,12 @@ def test_set_chunk_frames_reaches_segments_in_flight_and_ahead(lookahead, later)
 
     def make_job(i, seg):
         made.append(FakeJob(i))
-        made[-1].chunk_frames = 1
+        made[-1].later_chunk_frames = None
         return made[-1]
 
     stream = TextStream(_answer, make_job, _segments(5), 24000, lookahead, None)
     stream.set_chunk_frames(8)
-    assert [j.chunk_frames for j in made] == [8] * lookahead  # in flight
+    assert [j.later_chunk_frames for j in made] == [8] * lookahead  # in flight
     chunks = list(stream)
     assert len(made) == 5 and chunks[-1].is_final
-    assert [j.chunk_frames for j in made[lookahead:]] == [later] * (5 - lookahead)
+    assert [j.later_chunk_frames for j in made[lookahead:]] == [later] * (5 - lookahead)

@@ -135,6 +135,9 @@ class Job:
     # ``waited_since`` (when it was submitted, or stopped being ahead: see :meth:`needed`).
     ahead: bool = False
     waited_since: float = field(default_factory=time.perf_counter)
+    # Frames per chunk after the first (None: ``chunk_frames``), changed by its reader while
+    # it runs: a player holding audio ahead takes larger chunks, which cost less per frame.
+    later_chunk_frames: int | None = None
     _codes: list[mx.array] = field(default_factory=list, repr=False)
     _next_index: int = 0  # frames handed to the codec
     _delivered_frames: int = 0
@@ -142,6 +145,9 @@ class Job:
     _suspended: _Prefill | None = field(default=None, repr=False)  # a prefill set aside
     _claimed: bool = field(default=False, repr=False)  # handed to an engine (see claim())
     _error: VoxtralError | None = field(default=None, repr=False)  # ends it, once it leaves
+    # Its consumer started waiting for it (needed()): what it generated ahead and has not
+    # decoded yet goes out in the next chunk, whatever size later chunks have.
+    _flush: bool = field(default=False, repr=False)
     # The model that made it: an app holding only the job must not see the model closed
     # (collected) under it.
     owner: object = field(default=None, repr=False, compare=False)
@@ -173,6 +179,7 @@ class Job:
         """Its text's consumer now waits for it (any thread): no longer generated ahead."""
         if self.ahead:
             self.waited_since = time.perf_counter()
+            self._flush = True
             self.ahead = False
 
     def _emit(self, item: AudioChunk | _Done | BaseException) -> None:
@@ -750,6 +757,7 @@ class Engine:
                 ready.append((job, mx.stack(job._codes), None, final))
                 job._codes = []
                 job._next_index += n
+                job._flush = False
             elif final:
                 ready.append((job, None, None, True))
             if final:
@@ -763,8 +771,13 @@ class Engine:
         return ready
 
     def _chunk_due(self, job: Job) -> int:
-        """Frames that make a job's next chunk due (the first chunk may need more)."""
-        return job.chunk_frames if job._next_index else max(job.chunk_frames, self._first_chunk)
+        """Frames that make a job's next chunk due: its first chunk is ``chunk_frames``
+        (or more, as the codec's start needs), however large later chunks have grown."""
+        if not job._next_index:
+            return max(job.chunk_frames, self._first_chunk)
+        if job._flush:
+            return 1
+        return job.later_chunk_frames or job.chunk_frames
 
     def _deliver(self, ready: list[tuple[Job, mx.array, mx.array, bool]]) -> None:
         now = time.perf_counter()

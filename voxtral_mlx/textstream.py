@@ -104,9 +104,9 @@ class _Reader:
             job = self._make_job(i, self.segments[i])
             job.ahead = bool(self.jobs)  # the consumer waits for the first job in flight only
             if self._chunk_frames is not None and job.ahead:
-                # One the consumer already waits for (live text that stalled) starts at its
-                # own size: whatever was buffered ahead may have played out meanwhile.
-                job.chunk_frames = self._chunk_frames
+                # One the consumer already waits for (live text that stalled) keeps its own
+                # size: whatever was buffered ahead may have played out meanwhile.
+                job.later_chunk_frames = self._chunk_frames
             self.jobs.append((i, job))
             if self._finished:  # cancel() ran while the job was being made: it missed it
                 job.cancel()
@@ -237,16 +237,18 @@ class _Reader:
         return chunk
 
     def set_chunk_frames(self, frames: int) -> None:
-        """Decode ``frames`` frames per chunk from now on, in the segments in flight and
-        those submitted ahead of the one being read (any thread; frames already generated
-        are decoded at the next chunk); a segment submitted when nothing is in flight
-        starts at the stream's own ``chunk_frames``. Larger chunks cost less per frame,
-        smaller ones arrive sooner: a player that holds audio ahead can take larger ones
-        (see :func:`~voxtral_mlx.audio.chunking.live_chunk_frames`)."""
+        """Decode ``frames`` frames per chunk from now on (any thread; frames already
+        generated go out at the next chunk), in the segments in flight and those submitted
+        ahead of the one being read. A segment's first chunk keeps the stream's own
+        ``chunk_frames``, as does a segment submitted when nothing is in flight (the text
+        came late), and a segment generated ahead sends what it holds at once when the
+        reader reaches it. Larger chunks cost less per frame, smaller ones arrive sooner:
+        a player that holds audio ahead can take larger ones (see
+        :func:`~voxtral_mlx.audio.chunking.live_chunk_frames`)."""
         frames = check_whole("frames", frames, 1)
         self._chunk_frames = frames
         for _, job in list(self.jobs):  # a snapshot: the consumer may be changing it
-            job.chunk_frames = frames
+            job.later_chunk_frames = frames
 
     def cancel(self) -> None:
         """Stop generating (any thread); already queued segments are cancelled too."""

@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-LIVE_CHUNK_FRAMES = (1, 2, 4, 8)  # few sizes: each is one more compiled codec graph
+# The sizes asked for. A chunk may hold fewer frames (a segment's end; what is pending when
+# the size shrinks): each length is compiled once, a few ms on first use.
+LIVE_CHUNK_FRAMES = (1, 2, 4, 8)
 # The buffer must hold this many times a chunk's arrival time: chunks arrive in bursts
 # and generation speed varies (another stream joins the batch, a long prefill).
 MARGIN = 3.0
