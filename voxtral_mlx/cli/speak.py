@@ -177,7 +177,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
         raise
     if player is not None:
         horizon = PlaybackHorizon(tts, stream, args.max_frames, args.pause, started)
-    frame_s = tts.samples_per_frame / tts.sample_rate
+        frame_s = tts.samples_per_frame / tts.sample_rate
     progress = chunks = None
     ok = generated = False
     interrupted: KeyboardInterrupt | None = None
