@@ -3,6 +3,7 @@ larger codec steps (the codec's weights read once per chunk) without changing th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import ClassVar
 
 import numpy as np
@@ -154,13 +155,14 @@ def test_growing_chunks_play_without_a_gap(speed):
     generator is ahead."""
     from test_player import FRAME, FRAME_S, FakeClock, frame, make_player
 
-    from voxtral_mlx.audio.chunking import follow_player
+    from voxtral_mlx.audio.chunking import PlayerPace
 
     frames_total = 150
     clock = FakeClock(0.0)
     player, sd = make_player(clock)
     device = sd.streams[0]
     stream = _ChunkSink()
+    pace = PlayerPace(stream, player, FRAME_S)
     step_s = FRAME_S / speed
     generated = delivered = played = 0
     sizes = []
@@ -178,7 +180,8 @@ def test_growing_chunks_play_without_a_gap(speed):
                     sizes.append(pending)
                     delivered = generated
                     player.feed(audio, expected_total_s=frames_total * FRAME_S)
-                    follow_player(stream, player, FRAME_S)
+                    timings = SimpleNamespace(ms_per_frame=1000 * step_s)
+                    pace.fed(SimpleNamespace(frames=pending, timings=timings))
                     if delivered == frames_total:
                         player._start(t)  # as finish() does, without its blocking drain
         if t == next_block:
@@ -201,7 +204,7 @@ def test_growing_chunks_play_without_a_gap(speed):
 
 
 class _ChunkSink:
-    """What follow_player() needs of a stream: the chunk size it sets."""
+    """What PlayerPace needs of a stream: the chunk size it sets."""
 
     frames = 1
 
@@ -277,3 +280,51 @@ def test_a_segment_queued_behind_a_full_batch_starts_with_one_frame(tiny_checkpo
         np.testing.assert_allclose(audio, expected.audio, atol=1e-5)
     finally:
         tts.close()
+
+
+class _MeasuredPlayer:
+    """An AudioPlayer's measurements: playing, ``buffered_s`` ahead, audio arriving at
+    ``speed`` x real time."""
+
+    def __init__(self, buffered_s: float, speed: float):
+        self.buffered_s, self._speed, self.started = buffered_s, speed, True
+
+    def generation_speed(self) -> float:
+        return self._speed
+
+
+def test_the_segment_heard_sets_the_pace_not_bursts_of_segments_made_beside_it():
+    """Four segments generated side by side reach the player at 4x the pace of the one
+    being heard (the others arrive in bursts when it ends): its chunks must be sized by
+    its own frames' pace, 60 ms here, or a chunk of 8 (480 ms) could outlast 1 s of audio
+    ahead."""
+    from voxtral_mlx.audio.chunking import PlayerPace
+
+    stream = _ChunkSink()
+    pace = PlayerPace(stream, _MeasuredPlayer(buffered_s=1.0, speed=4 * FRAME_S / 0.06), FRAME_S)
+    pace.fed(SimpleNamespace(frames=1, timings=SimpleNamespace(ms_per_frame=60.0)))
+    assert stream.frames == 4  # MARGIN * (4 + 1) * 60 ms <= 1 s < MARGIN * (8 + 1) * 60 ms
+    pace.fed(SimpleNamespace(frames=0, timings=None))  # a pause keeps the pace it knows
+    assert stream.frames == 4
+    unpaced = PlayerPace(stream, _MeasuredPlayer(buffered_s=1.0, speed=5.3), FRAME_S)
+    unpaced.fed(SimpleNamespace(frames=0, timings=None))
+    assert stream.frames == 8  # what audio arriving at 5.3x real time alone would allow
+
+
+def test_a_client_buffer_takes_the_segment_pace_too():
+    """Audio sent at 20x real time on average (segments made side by side arrive in
+    bursts) while the segment heard makes a frame every 60 ms."""
+    from voxtral_mlx.audio.chunking import ClientBuffer
+
+    slow = SimpleNamespace(frames=4, timings=SimpleNamespace(ms_per_frame=60.0))
+    sizes = []
+    for chunk in (slow, None):
+        clock = _Clock()
+        client = ClientBuffer(1.0, clock)
+        client.sent(FRAME_S, 1)
+        clock.t = 0.1
+        assert client.sent(3.84, 48) == 8  # 3.82 s ahead
+        clock.t = 2.5  # 1.42 s ahead; 52 ms per frame on average
+        sizes.append(client.sent(0.0, 0, chunk))
+    # MARGIN * (8 + 1) * 60 ms > 1.42 s >= MARGIN * (4 + 1) * 60 ms; at 52 ms, 8 fits.
+    assert sizes == [4, 8]

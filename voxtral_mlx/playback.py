@@ -9,7 +9,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from .audio.chunking import follow_player
+from .audio.chunking import PlayerPace
 from .audio.horizon import plays
 from .engine import finite_float
 from .errors import InputError
@@ -47,6 +47,7 @@ class Playback:
                 return
             # Made here, not in say(): it tokenizes every segment (a chapter's worth).
             horizon = self._horizon() if self._horizon is not None else None
+            pace = PlayerPace(self.stream, self.player, self._frame_s)
             for chunk in self.stream:
                 if self._stopped:
                     break
@@ -55,7 +56,7 @@ class Playback:
                         self.player.feed(chunk.audio)
                 elif plays(chunk):
                     self.player.feed(chunk.audio, expected_total_s=horizon(chunk))
-                    follow_player(self.stream, self.player, self._frame_s)
+                    pace.fed(chunk)
             if not self._stopped:  # a stopped player has nothing left to play out
                 self.player.finish()
         except BaseException as e:  # handed to wait()

@@ -60,12 +60,15 @@ class ClientBuffer:
         self._first_at: float | None = None
         self._sent_s = 0.0  # the model's audio seconds sent, pauses included
         self._frames = 0  # frames generated after the first chunk
+        self._segment_pace = _SegmentPace()
 
-    def sent(self, audio_s: float, frames: int) -> int:
-        """A chunk of ``audio_s`` seconds (``frames`` generated) was sent: the chunk size
-        to ask for next."""
+    def sent(self, audio_s: float, frames: int, chunk: Any = None) -> int:
+        """A chunk of ``audio_s`` seconds (``frames`` generated; ``chunk``: the
+        :class:`~voxtral_mlx.engine.AudioChunk`, whose segment's own pace counts too) was
+        sent: the chunk size to ask for next."""
         now = self._clock()
         self._sent_s += audio_s
+        pace = self._segment_pace.update(chunk)
         if self._first_at is None:
             if audio_s > 0:
                 self._first_at = now
@@ -74,18 +77,45 @@ class ClientBuffer:
         elapsed = now - self._first_at
         if self._frames == 0 or elapsed <= 0:
             return 1
-        return frames_covered(self._sent_s * self.rate - elapsed, elapsed / self._frames)
+        wall_per_frame = max(elapsed / self._frames, pace)
+        return frames_covered(self._sent_s * self.rate - elapsed, wall_per_frame)
 
 
-def follow_player(stream: Any, player: Any, frame_s: float) -> None:
-    """Size ``stream``'s next chunks (``set_chunk_frames``) by what ``player`` (an
-    :class:`~voxtral_mlx.audio.player.AudioPlayer`, just fed) holds ahead. A player that
-    does not say (a stand-in with ``feed`` alone) keeps one-frame chunks."""
-    speed = getattr(player, "generation_speed", None)
-    if not callable(speed) or not hasattr(player, "buffered_s"):
-        return
-    stream.set_chunk_frames(
-        live_chunk_frames(
-            player.buffered_s, speed(), bool(getattr(player, "started", False)), frame_s
-        )
-    )
+class _SegmentPace:
+    """Wall seconds per frame of the segment being heard, as its job measured them (from
+    joining the batch to its latest chunk). Audio arriving per wall second overstates it
+    when segments generated beside it arrive in bursts: their frames came at the same
+    pace, not one after another."""
+
+    def __init__(self) -> None:
+        self.wall_per_frame = 0.0
+
+    def update(self, chunk: Any) -> float:
+        timings = getattr(chunk, "timings", None)
+        if getattr(chunk, "frames", 0) and timings is not None:
+            ms = getattr(timings, "ms_per_frame", 0.0)
+            if isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0:
+                self.wall_per_frame = ms / 1000.0
+        return self.wall_per_frame
+
+
+class PlayerPace:
+    """Sizes a stream's chunks (``set_chunk_frames``) by what an
+    :class:`~voxtral_mlx.audio.player.AudioPlayer` holds ahead, after each chunk it is fed
+    (:meth:`fed`). A player that does not say (a stand-in with ``feed`` alone) leaves
+    chunks of one frame."""
+
+    def __init__(self, stream: Any, player: Any, frame_s: float):
+        self.stream, self.player, self.frame_s = stream, player, frame_s
+        self._segment_pace = _SegmentPace()
+
+    def fed(self, chunk: Any) -> None:
+        speed = getattr(self.player, "generation_speed", None)
+        pace = self._segment_pace.update(chunk)
+        if not callable(speed) or not hasattr(self.player, "buffered_s"):
+            return
+        started = bool(getattr(self.player, "started", False))
+        frames = live_chunk_frames(self.player.buffered_s, speed(), started, self.frame_s)
+        if frames > 1 and pace > 0:
+            frames = min(frames, frames_covered(self.player.buffered_s, pace))
+        self.stream.set_chunk_frames(frames)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..audio.chunking import follow_player
+from ..audio.chunking import PlayerPace
 from ..audio.horizon import PlaybackHorizon, plays
 from ..errors import AudioDeviceError, AudioOutputError, AudioStoppedError, InputError, VoxtralError
 from ..fileio import one_line
@@ -177,7 +177,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
         raise
     if player is not None:
         horizon = PlaybackHorizon(tts, stream, args.max_frames, args.pause, started)
-        frame_s = tts.samples_per_frame / tts.sample_rate
+        pace = PlayerPace(stream, player, tts.samples_per_frame / tts.sample_rate)
     progress = chunks = None
     ok = generated = False
     interrupted: KeyboardInterrupt | None = None
@@ -202,7 +202,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
                     sink(chunk.audio)
             if player is not None and plays(chunk):
                 player.feed(chunk.audio, expected_total_s=horizon(chunk))
-                follow_player(stream, player, frame_s)
+                pace.fed(chunk)
             if progress is not None:
                 progress.update(chunk, stream.timings)
         if stream.timings.frames == 0:  # nothing to keep: no empty file is left behind

@@ -310,7 +310,8 @@ class SpeechAPI:
                     audio = chunk.audio if stretcher is None else stretcher.process(chunk.audio)
                     yield encoder.write(audio)
                 if grow:
-                    frames = client.sent(len(chunk.audio) / chunk.sample_rate, chunk.frames)
+                    seconds = len(chunk.audio) / chunk.sample_rate
+                    frames = client.sent(seconds, chunk.frames, chunk)
                     stream.set_chunk_frames(frames)
             if stretcher is not None:
                 yield encoder.write(stretcher.flush())
