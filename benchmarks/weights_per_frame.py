@@ -23,7 +23,7 @@ from common import command_line, record, run_script
 
 from voxtral_mlx.checkpoint import QuantSpec, expected_tensors, quantized_shapes
 from voxtral_mlx.config import ModelConfig
-from voxtral_mlx.convert import QuantOptions
+from voxtral_mlx.convert import QuantOptions, component
 from voxtral_mlx.synthetic.checkpoint import make_params
 
 FRAME_MS = 80.0  # audio per frame: a frame decoded slower than this cannot play live
@@ -77,7 +77,7 @@ def tensor_bytes(shape: tuple[int, ...], spec: QuantSpec | None) -> float:
     return rows * width * spec.bits / 8 + 2 * BF16 * rows * (width // spec.group_size)
 
 
-def reads_per_frame(name: str, steps: int, chunk_frames: int, rows: int) -> float:
+def reads_per_frame(name: str, config: ModelConfig, chunk_frames: int, rows: int) -> float:
     """How many times a frame reads the tensor ``name`` (a fraction: part of it)."""
     if name.startswith("layers.") or name == "norm.weight":
         return 1
@@ -86,13 +86,13 @@ def reads_per_frame(name: str, steps: int, chunk_frames: int, rows: int) -> floa
             return 0  # its 7 outputs are computed once at load
         if "semantic_codebook_output" in name or "llm_projection" in name:
             return 1
-        return steps  # the layers, the norm, the input and acoustic outputs: every step
+        return config.flow.n_decoding_steps  # the layers, the norm, input and output: each step
     if name.startswith("audio_tokenizer."):
         if name.endswith(("cluster_usage", "embedding_sum")):
             return 0  # the codebook: looked up row by row (a few KB)
         return 1 / chunk_frames
     if name.endswith("audio_codebook_embeddings.embeddings.weight"):
-        return 37 / rows  # one row per codebook
+        return config.num_codebooks / rows  # one row per codebook
     return 0  # the text embedding: prompts only
 
 
@@ -111,21 +111,12 @@ def layer_specs(config: ModelConfig, spec) -> dict[str, QuantSpec]:
 
 def frame_bytes(config: ModelConfig, spec, chunk_frames: int) -> dict[str, float]:
     """Bytes read per frame by component, and the weights' whole size ("stored")."""
-    steps = config.flow.n_decoding_steps
     packed = layer_specs(config, spec)
-    parts = {"backbone": 0.0, "flow head": 0.0, "codec": 0.0, "other": 0.0, "stored": 0.0}
+    parts = {"backbone": 0.0, "flow_head": 0.0, "codec": 0.0, "embeddings": 0.0, "stored": 0.0}
     for name, exp in expected_tensors(config).items():
         size = tensor_bytes(exp.shape, packed.get(name.removesuffix(".weight")))
         parts["stored"] += size
-        n = reads_per_frame(name, steps, chunk_frames, exp.shape[0])
-        if name.startswith("layers.") or name == "norm.weight":
-            parts["backbone"] += n * size
-        elif name.startswith("acoustic_transformer."):
-            parts["flow head"] += n * size
-        elif name.startswith("audio_tokenizer."):
-            parts["codec"] += n * size
-        else:
-            parts["other"] += n * size
+        parts[component(name)] += reads_per_frame(name, config, chunk_frames, exp.shape[0]) * size
     return parts
 
 
@@ -155,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for label, spec in presets():
         p = frame_bytes(config, spec, args.codec_chunk)
-        per_frame = p["backbone"] + p["flow head"] + p["codec"] + p["other"]
+        per_frame = p["backbone"] + p["flow_head"] + p["codec"] + p["embeddings"]
         shares = " / ".join(
-            f"{100 * p[k] / per_frame:.0f} %" for k in ("backbone", "flow head", "codec")
+            f"{100 * p[k] / per_frame:.0f} %" for k in ("backbone", "flow_head", "codec")
         )
         floors = []
         for bw in CHIPS.values():

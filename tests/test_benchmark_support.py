@@ -393,7 +393,7 @@ def test_weights_per_frame_counts_the_release_as_its_manifest(scripts):
         for n in ("semantic_codebook_output", "llm_projection")
     )
     never = bf16_bytes("acoustic_transformer.time_projection")
-    assert parts["flow head"] == once + 7 * (flow - once - never)
+    assert parts["flow_head"] == once + 7 * (flow - once - never)
 
 
 @pytest.mark.parametrize(
