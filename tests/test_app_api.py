@@ -3,6 +3,7 @@ asyncio, cancellation and say()."""
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import threading
 import time
@@ -266,6 +267,31 @@ def test_cancelling_an_async_task_stops_generation(tts):
     assert job.seq.stop_reason == "cancelled" and job.seq.frames < 500
 
 
+def test_cancelling_an_asynthesize_task_stops_generation(tts, monkeypatch):
+    made = []
+    job = tts.job
+
+    def recording_job(*args, **kwargs):
+        made.append(job(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tts, "job", recording_job)
+
+    async def main():
+        task = asyncio.create_task(tts.asynthesize("Cancel me " * 20, VOICE, max_frames=500))
+        while not (made and made[0].seq.frames):
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while not made[0].done and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert made[0].seq.stop_reason == "cancelled" and made[0].seq.frames < 100
+
+
 class RecordingPlayer:
     def __init__(self):
         self.fed, self.finished, self.stopped = [], False, False
@@ -303,6 +329,33 @@ def test_say_plays_everything_and_can_be_stopped(tts):
     assert playback.wait(timeout=10)
     # A stopped player is not asked to play out the rest (a custom sink would drain).
     assert player2.stopped and player2.after_stop == [] and not player2.finished
+
+
+class PlayingOutPlayer(RecordingPlayer):
+    """finish() plays out for up to 5 s, until stopped; once it starts, the main thread is
+    interrupted without a signal, as ``_thread.interrupt_main()`` does (IDLE stops code so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.released = threading.Event()
+
+    def finish(self):
+        super().finish()
+        threading.Timer(0.2, _thread.interrupt_main).start()
+        self.released.wait(5)
+
+    def stop(self):
+        super().stop()
+        self.released.set()
+
+
+def test_an_interrupt_without_a_signal_stops_say_while_it_plays_out(tts):
+    player = PlayingOutPlayer()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        tts.say("Hello there.", VOICE, seed=3, player=player, max_frames=4)
+    assert time.monotonic() - t0 < 3  # not after the 5 s play-out
+    assert player.finished and player.stopped
 
 
 def test_say_splits_its_text_on_the_playback_thread(tts, split_threads):

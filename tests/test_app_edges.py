@@ -63,6 +63,18 @@ def test_bad_arguments_are_input_errors(tts, name, value):
     assert tts.engine.stats()["waiting"] == 0
 
 
+@pytest.mark.parametrize(("name", "value"), [("pause", 0.5), ("pause", 0), ("lookahead", 2)])
+def test_segment_options_without_split_are_refused_not_ignored(tts, name, value):
+    calls = (tts.stream, tts.astream) + ((tts.synthesize,) if name == "pause" else ())
+    for call in calls:
+        with pytest.raises(InputError, match=f"{name}= applies to the segments.*split=True"):
+            call("One. Two.", VOICE, seed=0, **{name: value})
+    # A bad value is named as such, split or not.
+    with pytest.raises(InputError, match="pause must be a number of seconds"):
+        tts.synthesize("One. Two.", VOICE, seed=0, pause=-1)
+    assert tts.engine.stats()["waiting"] == 0
+
+
 @pytest.mark.parametrize("text", [" \t\n\u3000", "\u200b\u2060\ufeff", "\u200e \x00\x1f"])
 @pytest.mark.parametrize("split", [False, True])
 def test_text_with_nothing_visible_is_empty(tts, text, split):

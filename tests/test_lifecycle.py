@@ -20,7 +20,7 @@ import pytest
 import voxtral_mlx
 from tests.players import NullPlayer
 from voxtral_mlx.engine import DONE
-from voxtral_mlx.errors import InputError, VoxtralError
+from voxtral_mlx.errors import InputError, UsageError, VoxtralError
 from voxtral_mlx.worker import Worker
 
 VOICE = "neutral_male"
@@ -258,7 +258,7 @@ def test_a_stream_continued_on_the_worker_thread_is_refused(tts):
     when iterated there: the model hung."""
     stream = tts.stream("Hello there.", VOICE, seed=1, max_frames=40)
     next(stream)
-    with pytest.raises(VoxtralError, match="worker thread"):
+    with pytest.raises(UsageError, match="worker thread"):
         tts.worker.submit(lambda: list(stream)).result(timeout=60)
     assert len(tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2).codes) == 2
 
@@ -282,7 +282,7 @@ def test_close_frees_the_model_while_the_object_is_still_held(tiny_checkpoint_no
     model.close()
     gc.collect()
     assert refs[0]() is None and refs[1]() is None  # ``model`` itself is still held
-    with pytest.raises(VoxtralError, match="this model was closed") as exc:
+    with pytest.raises(UsageError, match="this model was closed") as exc:
         model.decode(np.full((2, 37), 2, np.int32))
     assert "\n" not in str(exc.value)
     with pytest.raises(VoxtralError, match="this model was closed"):

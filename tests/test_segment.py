@@ -416,17 +416,41 @@ def test_cjk_without_spaces() -> None:
 def test_dialogue_quotes_stay_with_sentence() -> None:
     text = '"Stop!" he said. "Why?" she asked. «Parce que.» Il est parti. (Really?) Yes.'
     segs = split_text(text, target_chars=5, max_chars=40)
+    # A lowercase word after "!" or "?" continues the sentence, as after "etc."
     assert texts(segs) == [
-        '"Stop!"',
-        "he said.",
-        '"Why?"',
-        "she asked.",
+        '"Stop!" he said.',
+        '"Why?" she asked.',
         "«Parce que.»",
         "Il est parti.",
         "(Really?)",
         "Yes.",
     ]
     assert all(s.spoken == s.text for s in segs)
+
+
+def test_question_or_exclamation_before_lowercase_is_no_sentence_end() -> None:
+    text = "Oh! what a day. Was it? Yes! It was! ¡Hola! ¿Qué? nada. 本当？ はい。"
+    segs = split_text(text, target_chars=1, max_chars=60)
+    check_invariants(text, segs, 60)
+    assert texts(segs) == [
+        "Oh! what a day.",
+        "Was it?",
+        "Yes!",
+        "It was!",
+        "¡Hola!",
+        "¿Qué? nada.",
+        "本当？",
+        "はい。",
+    ]
+    # Where the window forces a cut, a real sentence end is taken rather than the "?"
+    # of a quoted question inside one ('"Why?" and left').
+    filler = "The committee met in the old hall and discussed the budget at length "
+    text = (
+        f'{filler}until he asked, "Why?" and left the room without a word, slamming the '
+        f"door. {filler}."
+    )
+    segs = split_text(text)
+    assert not any(s.text.endswith('"Why?"') for s in segs)
 
 
 def test_abbreviations_and_initials() -> None:

@@ -692,6 +692,25 @@ def test_legacy_format(tmp_path: Path, protocol: int) -> None:
     assert "uses torch's legacy (pre-1.6) non-zip format" in one_line(exc)
 
 
+class _Shell:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_a_bare_pickle_is_named_as_such_and_never_run(tmp_path: Path, monkeypatch, protocol):
+    """pickle.dumps of anything (a hostile object here) was called torch's legacy format,
+    whose suggested fix (re-save it) makes no sense for it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "evil.pt").write_bytes(pickle.dumps(_Shell(), protocol=protocol))
+    (tmp_path / "dict.pt").write_bytes(pickle.dumps({"a": 1}, protocol=protocol))
+    for name in ("evil.pt", "dict.pt"):
+        with pytest.raises(VoiceError) as exc:
+            read_pt(tmp_path / name)
+        assert f"{name} is a bare Python pickle, not a torch.save file" in one_line(exc)
+    assert not (tmp_path / "PWNED").exists()
+
+
 @pytest.mark.parametrize("keep", [0.3, 0.6, 0.95])
 def test_truncated_zip(tmp_path: Path, keep: float) -> None:
     torch.save(random_tensor(torch.bfloat16, (20, 32)), tmp_path / "full.pt")

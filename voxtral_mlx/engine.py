@@ -81,9 +81,14 @@ class Timings:
         return self.total_s / self.audio_s if self.audio_s else float("inf")
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: ``==`` on its arrays would be ambiguous
 class AudioChunk:
-    """A piece of a streamed utterance, playable as soon as it arrives."""
+    """A piece of a streamed utterance, playable as soon as it arrives.
+
+    Of a split text, a segment's pause comes as a chunk of its own after the segment's
+    ``ends_segment`` chunk, before the next segment's audio: silence (empty for a pause of
+    0), ``frames`` 0, ``seed`` None, ``segment`` the segment it follows.
+    """
 
     audio: np.ndarray  # [frames * samples_per_frame] float32 (silence between segments: frames 0)
     sample_rate: int

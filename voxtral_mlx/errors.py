@@ -53,8 +53,9 @@ class InputError(VoxtralError, ValueError):
 
 
 class UsageError(VoxtralError, RuntimeError):
-    """A call the object cannot serve in its state: an async stream continued on another
-    event loop, or after a cancelled wait for its next chunk."""
+    """A call the object cannot serve in its state: a model that was closed, a blocking
+    request made on the model's own worker thread, an async stream continued on another
+    event loop or after a cancelled wait for its next chunk."""
 
 
 class AudioOutputError(VoxtralError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -15,6 +16,8 @@ from .engine import finite_float
 from .errors import InputError
 from .fileio import one_line
 from .textstream import TextStream
+
+_JOIN_SLICE_S = 0.1
 
 
 class Playback:
@@ -71,9 +74,12 @@ class Playback:
 
     @property
     def done(self) -> bool:
+        """Whether playback has ended: played out, stopped or failed."""
         return not self._thread.is_alive()
 
     def stop(self) -> None:
+        """Silence it within 200 ms and stop generating; from any thread, any number of
+        times. :meth:`wait` then returns, raising only an error that came before the stop."""
         self._stopped = True
         self.stream.cancel()
         self.player.stop()
@@ -99,8 +105,15 @@ class Playback:
             timeout = seconds
         if not self.done:
             self._refuse_wait()
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self._thread.join(timeout)
+            # In slices: an interrupt raised without a signal (``_thread.interrupt_main()``,
+            # as IDLE and other hosts stop code) lands only between them.
+            while self._thread.is_alive():
+                left = _JOIN_SLICE_S if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._thread.join(min(left, _JOIN_SLICE_S))
         except KeyboardInterrupt:
             self.stop()
             raise

@@ -16,7 +16,8 @@ No split ever falls inside a number, URL or e-mail address, between a title-like
 inside a spaced ellipsis (". . ."), or after an ellipsis followed by a lowercase word. Any
 other period ends a sentence only when the next word is not lowercase: "etc. and" continues,
 "Apple Inc. The" ends; after a number of up to three digits it may be an ordinal ("am 3.
-Mai") and counts as a word split.
+Mai") and counts as a word split. A "!" or "?" before a lowercase word is a word split too
+('"Why?" she asked').
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ TERMINALS = frozenset(".!?…‼⁇⁈⁉‽。！？｡．؟۔।॥։።፧။
 # Sentence ends that end a sentence with no space after them (CJK, Burmese and Khmer put
 # none; Arabic and Devanagari text usually does, but "؟" and "।" are unambiguous when it
 # does not).
+# Sentence ends of cased scripts other than the period (which has rules of its own).
+_CASED_TERMINALS = frozenset("!?‼⁇⁈⁉‽")
 _NO_SPACE_HARD = frozenset("。！？｡．؟۔।॥။។៕")
 _MID = frozenset(",;:，；：、､،؛")
 _DASHES = frozenset("—–―")
@@ -227,7 +230,10 @@ def split_text(
     """Split ``text`` into segments of about ``target_chars`` and at most ``max_chars``.
 
     Segments are stripped, non-empty, in order and non-overlapping; only whitespace between
-    them is dropped. ``spoken`` is the segment with a script-appropriate period when it lacks
+    them is dropped. A segment may still have nothing to speak (:func:`is_blank`: zero-width
+    or control characters alone; :func:`is_silent`: punctuation alone): the speaking calls
+    keep such a segment as its pause only (a whole text of punctuation alone is spoken).
+    ``spoken`` is the segment with a script-appropriate period when it lacks
     terminal punctuation and ``add_period`` (a trailing comma/colon/dash becomes the period).
     ``stop`` is called every few thousand words: when it returns True, :class:`SplitStopped`
     is raised (a book's split takes about a second, which a Stop button should not wait for).
@@ -425,9 +431,10 @@ def _classify(
         return CLAUSE  # a dash: a spaced hyphen, or "--", a plain-text book's dash
     if c not in TERMINALS:
         return WORD
-    if c not in ".…":
-        return SENTENCE
     nxt = _next_char(text, s)
+    if c not in ".…":
+        # '"Why?" she asked', 'Oh! what a day': a lowercase word continues the sentence.
+        return WORD if c in _CASED_TERMINALS and nxt.islower() else SENTENCE
     t0 = _word_start(text, j - 1)
     protected = _protected_period(text, t0, j, s, nxt)
     if protected is not None:

@@ -374,12 +374,17 @@ _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch's legacy serialization magic num
 
 def _is_legacy_pickle(head: bytes) -> bool:
     # torch.save(..., _use_new_zipfile_serialization=False) starts with a pickled magic number
-    # (as a text LONG with pickle protocol 0 or 1).
-    return (
-        head[:1] == b"\x80"
-        or head[:2] == b"\x8a\x0a"
-        or head.startswith(b"L" + str(_LEGACY_MAGIC).encode())
-    )
+    # (LONG1 after the protocol mark; a text LONG with pickle protocol 0 or 1).
+    magic = b"\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little")
+    if head[:1] == b"\x80":  # PROTO n, and from protocol 4 a FRAME (opcode, 8-byte length)
+        body = head[11:] if head[2:3] == b"\x95" else head[2:]
+        return body.startswith(magic)
+    return head.startswith(magic) or head.startswith(b"L" + str(_LEGACY_MAGIC).encode())
+
+
+def _is_pickle(head: bytes) -> bool:
+    # Protocol 2 and later open with PROTO and the protocol's number.
+    return head[:1] == b"\x80" and 2 <= head[1] <= 5
 
 
 def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
@@ -408,6 +413,11 @@ def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
             raise VoiceError(
                 f"{src} uses torch's legacy (pre-1.6) non-zip format, which is not supported; "
                 f"re-save it with torch.save's default format"
+            )
+        if _is_pickle(head):
+            raise VoiceError(
+                f"{src} is a bare Python pickle, not a torch.save file (nothing in it was run); "
+                f"use the voice files the model came with"
             )
         raise VoiceError(f"{src} is not a torch.save zip archive; check the file")
     try:

@@ -42,7 +42,7 @@ from .playback import Playback
 from .prefix_store import PrefixStore
 from .residency import Residency
 from .segment import Segment, SplitStopped, is_blank, is_silent, split_text
-from .textstream import AsyncTextStream, TextStream
+from .textstream import AsyncTextStream, TextStream, check_pause
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
 from .voices import Voice, VoiceRegistry
 from .worker import Worker, WorkerFuture, closed_error
@@ -63,7 +63,7 @@ WARMUP_TEXT = "Hello."
 WARMUP_YIELDS_S = 2.0
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: ``==`` on its arrays would be ambiguous
 class Speech:
     """A whole utterance."""
 
@@ -465,7 +465,14 @@ class VoxtralTTS:
                     f"lookahead must be at most {MAX_LOOKAHEAD} (segments in flight), got "
                     f"{lookahead}"
                 )
-        max_chars = check_whole("max_chars", max_chars, 2)  # as pause: even when unused
+        max_chars = check_whole("max_chars", max_chars, 2)
+        check_pause(pause)
+        for name, value in (("pause", pause), ("lookahead", lookahead)):
+            if value is not None and not split:  # one utterance: no segments to apply it to
+                raise InputError(
+                    f"{name}= applies to the segments of a split text: pass split=True, or "
+                    f"leave {name} out"
+                )
         if split:
             if noise is not None:
                 raise InputError("noise= gives one utterance's noise: it cannot be split")
@@ -581,12 +588,13 @@ class VoxtralTTS:
         with the pause each boundary implies (``pause`` seconds instead, if given);
         ``add_period=False`` sends segments as written (END is less reliable without
         final punctuation); a segment of invisible characters alone (zero-width spaces,
-        format marks) makes no sound but its pause. Segment ``i`` uses seed ``seed + i``;
-        ``max_frames`` applies per segment; chunks carry ``segment`` and ``segments``, and
-        ``ends_segment`` on a segment's last chunk of audio; memory stays bounded whatever
-        the length.
+        format marks) makes no sound but its pause. Segment ``i`` uses seed
+        ``(seed + i) % 2**64``; ``max_frames`` applies per segment; chunks carry ``segment``
+        and ``segments``, and ``ends_segment`` on a segment's last chunk of audio; a pause
+        is a chunk of its own (see :class:`AudioChunk`); memory stays bounded whatever the
+        length. ``pause`` and ``lookahead`` need ``split=True``.
         ``lookahead``: segments in flight, the one being consumed included (1 to 64;
-        default: the batch size with ``split``, 1 without). A segment generated ahead gives
+        default: the batch size). A segment generated ahead gives
         up its batch slot to another request's segment that someone is waiting for (it is
         set aside and resumes later, its output unchanged; so does its prompt's prefill), so
         a new request starts at once even while a long text fills the batch. Segments

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from .errors import VoxtralError
+from .errors import UsageError
 
 T = TypeVar("T")
 
@@ -184,9 +184,9 @@ def _run_task(fn: Callable[[], Any], future: Future) -> None:
             future.set_exception(e)
 
 
-def worker_wait_error() -> VoxtralError:
+def worker_wait_error() -> UsageError:
     """What a request that would wait for the worker gets when made on the worker itself."""
-    return VoxtralError(
+    return UsageError(
         "a blocking speech request cannot be made on the model's worker thread (inside "
         "tts.call() or a job's on_output callback): make it from another thread"
     )
@@ -213,6 +213,6 @@ class WorkerFuture(Future):
             self._worker.refuse_wait()
 
 
-def closed_error() -> VoxtralError:
+def closed_error() -> UsageError:
     """What requests to a closed model get."""
-    return VoxtralError("this model was closed: load it again to use it")
+    return UsageError("this model was closed: load it again to use it")
