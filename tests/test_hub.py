@@ -216,6 +216,28 @@ def test_missing_path_like_string_never_calls_the_hub(
     assert not no_hub
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "acme/tiny@main",
+        "acme/tiny:v1",
+        "https://huggingface.co/acme/tiny",
+        "https://huggingface.co/acme/tiny/tree/main",
+        "hf.co/acme/tiny",
+    ],
+)
+def test_a_page_address_or_a_revision_names_the_repo_id_to_pass(
+    spec: str, no_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """They were "model directory ... does not exist"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(spec)
+    message = one_line(exc.value)
+    assert "pass the repo id alone, acme/tiny (" in message and "revisions are not" in message
+    assert not no_hub
+
+
 def test_path_object_is_never_a_repo(no_hub, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelNotFoundError):
@@ -758,8 +780,12 @@ def test_any_network_failure_falls_back_to_a_complete_cached_copy(
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
     monkeypatch.chdir(tmp_path)
+    failed: list[tuple[str, str]] = []
+    monkeypatch.setattr(hub_module, "download_failed", lambda *a: failed.append(a))
     assert resolve_model_dir(DEFAULT_REPO) == snapshot
     assert [c.get("local_files_only", False) for c in calls] == [False, True]
+    # The older copy is used, and said to be (after "downloading", silence misleads).
+    assert failed == [(DEFAULT_REPO, f"{type(make_error()).__name__}: {make_error()}")]
 
     def nothing_cached(*args, **kwargs):
         if kwargs.get("local_files_only"):
@@ -1024,12 +1050,18 @@ def test_an_update_moves_refs_main_only_once_complete(
     assert refs_main.read_text() == new
 
 
-def test_a_file_the_hub_fails_to_serve_is_named_as_its_error(monkeypatch, tmp_path) -> None:
+@pytest.mark.parametrize("cache_miss", ["plain", "same"])
+def test_a_file_the_hub_fails_to_serve_is_named_as_its_error(
+    monkeypatch, tmp_path, cache_miss
+) -> None:
     """huggingface_hub reports a file's HTTP 500 as "not in the local cache" (with the
-    error as its cause): it was called "HF_HUB_OFFLINE set or no network"."""
+    error as its cause): it was called "HF_HUB_OFFLINE set or no network". Then the cache
+    was asked for an older copy, and its own miss ("plain": no status) hid the 500."""
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
     def download(*args, **kwargs):
+        if kwargs.get("local_files_only") and cache_miss == "plain":
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not in the cache")
         try:
             raise _server_error()
         except Exception as e:
@@ -1209,6 +1241,23 @@ def test_a_hub_that_never_answers_does_not_hang_a_cached_model(tmp_path, tiny_ch
         server.wait()
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()).name == COMMIT
+
+
+def test_fetching_again_is_said_once_with_the_command(monkeypatch, tmp_path) -> None:
+    from voxtral_mlx import _name_the_cache_fix
+    from voxtral_mlx.errors import CheckpointError
+
+    monkeypatch.setattr(hub_module, "cached_repo", lambda path: REPO)
+    error = CheckpointError(
+        "model-2.safetensors is missing: the download is incomplete; fetch it again"
+    )
+    _name_the_cache_fix(error, tmp_path)
+    message = str(error)
+    assert message.count("fetch it again") == 1
+    assert message.endswith(
+        "incomplete; this copy is in the Hugging Face cache: fetch it again with "
+        f"`hf download {REPO} --force-download`"
+    )
 
 
 def test_a_damaged_file_in_the_cache_names_the_command_that_fetches_it_again(

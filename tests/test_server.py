@@ -859,6 +859,31 @@ def test_ctrl_c_stops_the_server_cleanly_mid_stream(checkpoint, tmp_path):
     assert "ERROR" not in log and "without completing response" not in log
 
 
+def test_a_client_that_stops_reading_is_cut_off_with_one_warning(checkpoint, tmp_path):
+    """uvicorn's "ASGI callable returned without completing response." ERROR followed the
+    warning for every such cut-off, made on purpose."""
+    srv = start_server(tmp_path, checkpoint, "--max-frames", "400", "--send-timeout", "2")
+    host, port = srv.url.removeprefix("http://").split(":")
+    data = json.dumps({"input": LONG, "response_format": "pcm"}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # full after a few frames
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(
+            f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        wait_until(lambda: srv.health()["cancelled"] == 1, timeout=60)
+    finally:
+        # (The connection stays until the client closes it: asyncio flushes before closing.)
+        sock.close()
+    assert stop_server(srv) == 0
+    log = srv.log.read_text()
+    assert "client stopped reading for 2 s: its speech response is cut off" in log
+    assert "ERROR" not in log and "without completing response" not in log
+
+
 def test_a_second_ctrl_c_cuts_the_grace_short(checkpoint, tmp_path):
     """As uvicorn's own: the first Ctrl-C lets streams finish for 3 s, the second stops now."""
     srv = start_server(tmp_path, checkpoint, "--max-frames", "400")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -154,6 +155,47 @@ def test_unknown_voice_lists_names(tmp_path: Path) -> None:
         reg.embedding("klingon_male")
     with pytest.raises(KeyError):
         reg["klingon_male"]
+
+
+def test_a_listed_voice_without_a_file_is_named_as_missing(tmp_path: Path) -> None:
+    """A snapshot missing one voice file said "unknown voice" (or "has no voice
+    'casual_male', the default one"), as if the model never had it."""
+    vdir = make_voice_dir(tmp_path / "v", {"neutral_male": 5, "de_female": 5})
+    listed = {"neutral_male": 5, "de_female": 5, "casual_male": 5}
+    reg = VoiceRegistry.from_dir(vdir, listed, DIM)
+    assert list(reg) == ["de_female", "neutral_male"] and reg.missing == ["casual_male"]
+    for name in ("casual_male", "Casual_Male"):
+        with pytest.raises(VoiceError) as exc:
+            reg.get_voice(name)
+        text = one_line(exc)
+        assert f"voice '{name}' is listed in tekken.json but has no file in {vdir}" in text
+        assert "fetch the model again" in text
+    with pytest.raises(VoiceError, match="unknown voice 'klingon_male'"):
+        reg.get_voice("klingon_male")
+
+
+def test_the_cli_names_a_missing_default_voice_file(tiny_checkpoint, tmp_path, capsys) -> None:
+    from voxtral_mlx import cli
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    (model / "voice_embedding" / "casual_male.pt").unlink()
+    assert cli.main(["speak", "-m", str(model), "Hi.", "-o", str(tmp_path / "x.wav")]) == 1
+    err = capsys.readouterr().err
+    assert "has no voice 'casual_male', the default one (tekken.json lists it, but its " in err
+    assert "file is missing: an incomplete download? fetch the model again): name a voice" in err
+    args = ["speak", "-m", str(model), "-v", "casual_male", "Hi.", "-o", str(tmp_path / "x.wav")]
+    assert cli.main(args) == 1
+    assert "voice 'casual_male' is listed in tekken.json but has no file" in capsys.readouterr().err
+    assert cli.main(["voices", "-m", str(model)]) == 0
+    out, err = capsys.readouterr()
+    assert "casual_male" not in out and "neutral_male" in out
+    assert "tekken.json lists voices that have no file" in err and "casual_male" in err
+    for path in (model / "voice_embedding").iterdir():
+        path.unlink()
+    # No voice file at all: the folder is what is missing, as before.
+    assert cli.main(["voices", "-m", str(model)]) == 1
+    assert "has no voices in voice_embedding/" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["pt", "safetensors"])

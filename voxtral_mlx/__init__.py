@@ -150,7 +150,10 @@ def _name_the_cache_fix(error: BaseException, model_dir: os.PathLike[str]) -> No
         and "download" in error.args[0]
     )
     if damaged:
+        message = error.args[0]
+        for said in ("; fetch it again", ": fetch it again"):  # said once, with the how
+            message = message.removesuffix(said)
         error.args = (
-            f"{error.args[0]}; this copy is in the Hugging Face cache: fetch it again with "
+            f"{message}; this copy is in the Hugging Face cache: fetch it again with "
             f"`hf download {repo} --force-download`",
         )

@@ -281,6 +281,9 @@ def _point_main_at(repo_id: str, commit: str) -> None:
 # Called with (repo id, its cache folder) when files are about to be downloaded: the command
 # line says so (the library itself never prints).
 download_started: Callable[[str, Path], None] | None = None
+# Called with (repo id, why) when a download failed and a complete older copy in the cache
+# is used instead: the command line says so (after "downloading", silence misleads).
+download_failed: Callable[[str, str], None] | None = None
 
 _BARS_DRAWN = threading.Event()
 # huggingface_hub 2.x downloads into a name unique to the download, which the next run
@@ -423,11 +426,35 @@ def resolve_model_dir(path_or_repo: str | os.PathLike[str] | None = None) -> Pat
             "(its target is missing, or links loop); fix the link or pass an existing directory"
         )
     if isinstance(path_or_repo, Path) or not looks_like_repo_id(spec):
+        meant = None if isinstance(path_or_repo, Path) else _repo_id_meant(spec)
+        if meant is not None:
+            raise ModelNotFoundError(
+                f"{one_line(spec, 200)} is neither an existing directory nor a Hugging Face repo "
+                f"id: pass the repo id alone, {meant} (its latest files are used; revisions "
+                "are not supported)"
+            )
         raise ModelNotFoundError(
             f"model directory {spec} does not exist: pass an existing directory or a Hugging "
             f"Face repo id such as {DEFAULT_REPO}"
         )
     return _download(spec)
+
+
+_HUB_URL = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/", re.IGNORECASE)
+
+
+def _repo_id_meant(spec: str) -> str | None:
+    """The repo id in a model page's address or an id with a revision (``@main``, ``:v1``),
+    when that id is a valid one."""
+    rest = spec.strip()
+    url = _HUB_URL.match(rest)
+    if url:
+        rest = "/".join(rest[url.end() :].split("/")[:2])
+    else:
+        rest = re.split(r"[@:]", rest, maxsplit=1)[0]
+    if rest != spec and _REPO_ID.match(rest) and ".." not in rest and "--" not in rest:
+        return rest
+    return None
 
 
 def _download(repo_id: str) -> Path:
@@ -480,7 +507,7 @@ def _download(repo_id: str) -> Path:
                     ) from None
                 if _unreachable(e):
                     raise missing from None  # said as "not in the cache" or "incomplete"
-                raise e from None
+                raise e from e.__cause__ or e.__context__  # where its HTTP status is
         patterns = allow_patterns(repo_id, files)
         snapshot, missing = _cached_snapshot(repo_id, commit, files, patterns)
         if snapshot is not None:  # what the Hub would have answered: no second request
@@ -518,9 +545,16 @@ def _download(repo_id: str) -> Path:
             if _status(e) in (401, 403):
                 raise
             try:  # ...a complete (older) copy in the cache still serves
-                return cached(patterns)
+                older = cached(patterns)
             except LocalEntryNotFoundError:
-                raise e from None
+                # Not "from None": huggingface_hub gives a file's HTTP error as the cause.
+                raise e from e.__cause__ or e.__context__
+            if download_failed is not None:
+                status = _status(e)
+                download_failed(
+                    repo_id, f"HTTP {status}" if status else f"{type(e).__name__}: {_first_line(e)}"
+                )
+            return older
     except HFValidationError:
         raise ModelNotFoundError(
             f"{repo_id} is neither an existing directory nor a valid Hugging Face repo id"

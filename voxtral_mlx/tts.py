@@ -331,9 +331,15 @@ class VoxtralTTS:
                 "voice_embedding folder there"
             )
         names = one_line(", ".join(self.voices), 400)
+        missing = (
+            " (tekken.json lists it, but its file is missing: an incomplete download? fetch "
+            "the model again)"
+            if DEFAULT_VOICE in self.voices.missing
+            else ""
+        )
         raise VoiceError(
-            f"{one_line(str(self.path))} has no voice {DEFAULT_VOICE!r}, the default one: "
-            f"name a voice (-v on the command line, voice= in Python): {names}"
+            f"{one_line(str(self.path))} has no voice {DEFAULT_VOICE!r}, the default one"
+            f"{missing}: name a voice (-v on the command line, voice= in Python): {names}"
         )
 
     def _voice(self, voice: str | None) -> Voice:

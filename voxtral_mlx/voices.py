@@ -122,6 +122,7 @@ class VoiceRegistry(Mapping[str, Voice]):
         dim: int,
         voice_dir: Path | None = None,
         broken: Mapping[str, Path] | None = None,
+        missing: Iterable[str] = (),
     ):
         self._voices = dict(sorted(voices.items()))
         self.dim = dim
@@ -129,6 +130,11 @@ class VoiceRegistry(Mapping[str, Voice]):
         # Voice files that are not readable files (a dangling or looping link, a directory):
         # asked for by name, they are reported as such rather than as unknown voices.
         self.broken = dict(broken or {})
+        # Voices the tokenizer lists that have no file, beside others that have one (an
+        # incomplete download; with none at all, the folder is what is missing).
+        self.missing = sorted(set(missing) - set(self._voices) - set(self.broken))
+        if not self._voices:
+            self.missing = []
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, mx.Dtype | None], mx.array] = {}
 
@@ -178,7 +184,7 @@ class VoiceRegistry(Mapping[str, Voice]):
             for name, path in found.items()
         }
         broken = {n: p for n, p in broken.items() if n not in found}
-        return cls(voices, dim, voice_dir, broken)
+        return cls(voices, dim, voice_dir, broken, missing=expected_tokens)
 
     # Mapping protocol: KeyError for unknown names, as Mapping.get / `in` expect.
     def __getitem__(self, name: str) -> Voice:
@@ -213,6 +219,13 @@ class VoiceRegistry(Mapping[str, Voice]):
         if bad is not None:
             raise VoiceError(
                 f"voice {one_line(repr(name))}: {unreadable(bad)}; restore it from the checkpoint"
+            )
+        if name in self.missing or case_matches(name, [(m, m) for m in self.missing]):
+            where = one_line(str(self.voice_dir)) if self.voice_dir is not None else "the model"
+            raise VoiceError(
+                f"voice {one_line(repr(name))} is listed in tekken.json but has no file in "
+                f"{where} (an incomplete download?): fetch the model again, or restore its "
+                "voice_embedding file"
             )
         if not self._voices:
             where = f" in {one_line(str(self.voice_dir))}" if self.voice_dir is not None else ""

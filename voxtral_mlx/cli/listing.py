@@ -31,6 +31,12 @@ def print_voices(tts) -> None:
         info(f"note: voice {one_line(repr(name))} is unusable: {unreadable(path)}")
     for message in damaged:
         info(f"note: {printable(message)}")
+    if tts.voices.missing:
+        names = one_line(", ".join(tts.voices.missing), 400)
+        info(
+            f"note: tekken.json lists voices that have no file (an incomplete download?): "
+            f"{names}; fetch the model again"
+        )
 
 
 def cmd_voices(args: argparse.Namespace) -> int:

@@ -29,6 +29,13 @@ def _say_downloading(repo_id: str, cache: Path) -> None:
     info(f"{PROG}: downloading {repo_id} into {one_line(str(cache), 200)} (once; Ctrl-C stops it)")
 
 
+def _say_download_failed(repo_id: str, why: str) -> None:
+    info(
+        f"{PROG}: could not download the update of {repo_id} ({one_line(why, 200)}): "
+        "using the copy already in the cache"
+    )
+
+
 def _end_download() -> None:
     """The process is interrupted: a download under way ends with it, and its partial files
     go (up to 8 GB that the next run cannot resume)."""
@@ -47,8 +54,10 @@ def downloads_reported(args: argparse.Namespace) -> Iterator[None]:
     from .. import hub
     from ..interrupts import QUICK_EXIT_CLEANUPS
 
-    before = hub.download_started
-    hub.download_started = None if getattr(args, "quiet", False) else _say_downloading
+    before = hub.download_started, hub.download_failed
+    quiet = getattr(args, "quiet", False)
+    hub.download_started = None if quiet else _say_downloading
+    hub.download_failed = None if quiet else _say_download_failed
     # Commands that end at once on a signal (serve, voices) clean up in its handler.
     QUICK_EXIT_CLEANUPS.append(hub.remove_partial_downloads)
     try:
@@ -58,7 +67,7 @@ def downloads_reported(args: argparse.Namespace) -> Iterator[None]:
         raise
     finally:
         QUICK_EXIT_CLEANUPS.remove(hub.remove_partial_downloads)
-        hub.download_started = before
+        hub.download_started, hub.download_failed = before
 
 
 def check_dtype(args: argparse.Namespace) -> None:

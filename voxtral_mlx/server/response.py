@@ -14,6 +14,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextvars import ContextVar
 
 import anyio
 import anyio.lowlevel
@@ -24,6 +25,9 @@ from .errors import APIError, request_failed, server_error, shutting_down
 
 log = logging.getLogger("uvicorn.error")
 SSE_PIECE = 48 * 1024  # bytes of audio per SSE event at most
+# Set in the task of a response cut off on purpose (its client stopped reading): uvicorn's
+# "returned without completing response" line, logged next in that task, is noise then.
+CUT_OFF_ON_PURPOSE: ContextVar[bool] = ContextVar("voxtral_cut_off", default=False)
 
 
 class BodyResponse:
@@ -103,8 +107,8 @@ class BodyResponse:
                     await self._send_body(self._guarded(send))
                     outcome = "completed"
                 except _Stalled:
-                    # Its slot in the queue is freed; the server closes the connection
-                    # (it logs that the response was not completed).
+                    # Its slot in the queue is freed; the server closes the connection.
+                    CUT_OFF_ON_PURPOSE.set(True)
                     log.warning(
                         "client stopped reading for %g s: its speech response is cut off",
                         self.send_timeout,

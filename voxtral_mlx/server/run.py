@@ -13,6 +13,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from ..errors import VoxtralError
+from .response import CUT_OFF_ON_PURPOSE
 
 API_KEY_ENV = "VOXTRAL_MLX_API_KEY"
 SHUTDOWN_GRACE_S = 3.0  # then open streams are cancelled (their generation stops)
@@ -143,8 +144,10 @@ def serve(
 
 
 class _IntendedCutOffs(logging.Filter):
-    """Once shutdown has cut streams off (logged once, as such), uvicorn's error line for
-    each response left incomplete on purpose is noise: it is dropped then, only then."""
+    """Once shutdown has cut streams off (logged once, as such), or a response was cut off
+    because its client stopped reading (logged as such, in the task uvicorn logs from),
+    uvicorn's error line for the response left incomplete on purpose is noise: it is
+    dropped then, only then."""
 
     MESSAGE = "ASGI callable returned without completing response."
 
@@ -153,5 +156,5 @@ class _IntendedCutOffs(logging.Filter):
         self.api = api
 
     def filter(self, record: logging.LogRecord) -> bool:
-        stopping = getattr(self.api, "stopping", False)
+        stopping = getattr(self.api, "stopping", False) or CUT_OFF_ON_PURPOSE.get()
         return not (stopping and record.getMessage() == self.MESSAGE)
