@@ -672,7 +672,8 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_empty_and_non_zip_files(tmp_path: Path) -> None:
     (tmp_path / "empty.pt").write_bytes(b"")
     (tmp_path / "text.pt").write_text("hello\nworld\n")
-    for name in ("empty.pt", "text.pt"):
+    (tmp_path / "mark.pt").write_bytes(b"\x80")  # a pickle's first byte alone
+    for name in ("empty.pt", "text.pt", "mark.pt"):
         with pytest.raises(VoiceError) as exc:
             read_pt(tmp_path / name)
         assert name in one_line(exc)

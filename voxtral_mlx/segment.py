@@ -46,11 +46,11 @@ PAUSE_AFTER: dict[str, float] = {
 }
 
 TERMINALS = frozenset(".!?…‼⁇⁈⁉‽。！？｡．؟۔।॥։።፧။។៕།\u037e")  # U+037E: Greek question mark
+# Sentence ends of cased scripts other than the period (which has rules of its own).
+_CASED_TERMINALS = frozenset("!?‼⁇⁈⁉‽")
 # Sentence ends that end a sentence with no space after them (CJK, Burmese and Khmer put
 # none; Arabic and Devanagari text usually does, but "؟" and "।" are unambiguous when it
 # does not).
-# Sentence ends of cased scripts other than the period (which has rules of its own).
-_CASED_TERMINALS = frozenset("!?‼⁇⁈⁉‽")
 _NO_SPACE_HARD = frozenset("。！？｡．؟۔।॥။។៕")
 _MID = frozenset(",;:，；：、､،؛")
 _DASHES = frozenset("—–―")

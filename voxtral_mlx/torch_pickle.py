@@ -384,7 +384,7 @@ def _is_legacy_pickle(head: bytes) -> bool:
 
 def _is_pickle(head: bytes) -> bool:
     # Protocol 2 and later open with PROTO and the protocol's number.
-    return head[:1] == b"\x80" and 2 <= head[1] <= 5
+    return len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
