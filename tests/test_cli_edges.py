@@ -313,6 +313,41 @@ def test_serve_refuses_an_empty_api_key_variable(tmp_path):
     assert "$VOXTRAL_MLX_API_KEY is empty" in error
 
 
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("0:0:0:0:0:0:0:1", True),
+        ("[::1]", True),
+        ("LOCALHOST", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("192.168.1.20", False),
+        ("my-mac.local", False),
+    ],
+)
+def test_only_other_hosts_than_this_machine_warn_of_a_missing_api_key(host, loopback):
+    """127.0.0.2, an expanded ::1 and LOCALHOST warned: a string match on three names."""
+    from voxtral_mlx.cli.serve import _is_loopback
+
+    assert _is_loopback(host) is loopback
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_folder_that_takes_no_files_is_named_as_such(model_dir):
+    """/proc answers "No such file or directory" for a new file in it, which the errors
+    repeated about a folder that plainly exists."""
+    for args in (
+        ("speak", "-m", str(model_dir), "Hi.", "--max-frames", "1", "-o", "/proc/x.wav"),
+        ("random-checkpoint", "/proc/voxtral-test"),
+    ):
+        error = one_line_error(run(*args))
+        assert "/proc" in error and "it takes no new files (a system folder?)" in error
+        assert "No such file" not in error
+
+
 def test_random_checkpoint_output_checks(model_dir, tmp_path):
     (tmp_path / "file").write_text("x")
     proc = run("random-checkpoint", str(tmp_path / "file"))

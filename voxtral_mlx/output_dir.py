@@ -197,6 +197,8 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
         reason = (
             f"{one_line(str(blocking))} is a file, not a directory"
             if blocking is not None
+            else "it takes no new files (a system folder?)"
+            if e.errno == errno.ENOENT and out.parent.is_dir()  # /proc, /sys
             else one_line(e.strerror or str(e))
         )
         raise InputError(

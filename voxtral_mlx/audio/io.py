@@ -13,6 +13,7 @@ never clobbers an existing one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -339,8 +340,11 @@ class AudioFileWriter:
             # O_EXCL: never reuse someone else's file; mode 0o666 lets the umask decide.
             fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         except OSError as e:
+            reason = e.strerror
+            if e.errno == errno.ENOENT and self._target.parent.is_dir():  # /proc, /sys
+                reason = "it takes no new files (a system folder?)"
             raise AudioOutputError(
-                f"cannot create a file in {str(self._target.parent)!r}: {e.strerror}; "
+                f"cannot create a file in {str(self._target.parent)!r}: {reason}; "
                 "choose another location"
             ) from e
         with contextlib.suppress(OSError):  # a file replaced keeps its permissions (0600...)

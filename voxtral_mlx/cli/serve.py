@@ -74,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         send_timeout=args.send_timeout,
     )
-    if api_key is None and args.host not in ("127.0.0.1", "::1", "localhost"):
+    if api_key is None and not _is_loopback(args.host):
         info(f"{PROG}: warning: serving on {args.host} without an API key (--api-key)")
 
     def ready(url: str) -> None:
@@ -104,3 +104,16 @@ def warmup_voice(tts) -> str | None:
             except VoxtralError:
                 continue
     return None
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1 however written,
+    localhost in any case): no warning for serving there without an API key."""
+    import ipaddress
+
+    if host.strip().lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
