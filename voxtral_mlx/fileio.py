@@ -146,6 +146,14 @@ def usable_path(
     return out
 
 
+def creation_failure(error: OSError, folder: Path) -> str:
+    """Why a file or folder could not be made in ``folder``, for an error message: /proc and
+    its like answer "No such file or directory" for a folder that plainly exists."""
+    if error.errno == errno.ENOENT and folder.is_dir():
+        return "it takes no new files (a system folder?)"
+    return one_line(error.strerror or str(error))
+
+
 def hidden_name(stem: str, tail: str) -> str:
     """``.<stem><tail>``, the stem shortened (never inside a character) so that the name
     fits the file system: a legal long target name must still get its hidden sibling."""

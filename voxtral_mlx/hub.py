@@ -361,8 +361,15 @@ def cached_repo(path: str | os.PathLike[str]) -> str | None:
     return f"{owner}/{name}" if sep and _REPO_ID.match(f"{owner}/{name}") else None
 
 
+def _repo_id_syntax(spec: str) -> bool:
+    """``spec`` is written as a Hub repo id (whether or not a local path shadows it)."""
+    return bool(_REPO_ID.match(spec)) and not (
+        ".." in spec or "--" in spec or spec.endswith(".git")
+    )
+
+
 def looks_like_repo_id(spec: str) -> bool:
-    if not _REPO_ID.match(spec) or ".." in spec or "--" in spec or spec.endswith(".git"):
+    if not _repo_id_syntax(spec):
         return False
     # "models/tiny" with an existing local "models/" (or a link by that name, even a broken
     # one) is a path typo, not a repo.
@@ -452,9 +459,7 @@ def _repo_id_meant(spec: str) -> str | None:
         rest = "/".join(rest[url.end() :].split("/")[:2])
     else:
         rest = re.split(r"[@:]", rest, maxsplit=1)[0]
-    if rest != spec and _REPO_ID.match(rest) and ".." not in rest and "--" not in rest:
-        return rest
-    return None
+    return rest if rest != spec and _repo_id_syntax(rest) else None
 
 
 def _download(repo_id: str) -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .errors import InputError
 from .fileio import (
+    creation_failure,
     full_fsync,
     one_line,
     orphans,
@@ -197,9 +198,7 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
         reason = (
             f"{one_line(str(blocking))} is a file, not a directory"
             if blocking is not None
-            else "it takes no new files (a system folder?)"
-            if e.errno == errno.ENOENT and out.parent.is_dir()  # /proc, /sys
-            else one_line(e.strerror or str(e))
+            else creation_failure(e, out.parent)
         )
         raise InputError(
             f"cannot write to {one_line(str(out.parent))}: {reason}; choose a writable output "

@@ -13,7 +13,6 @@ never clobbers an existing one.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import stat
@@ -28,7 +27,7 @@ import numpy as np
 import soundfile as sf
 
 from ..errors import AudioFileFullError, AudioOutputError
-from ..fileio import full_fsync, one_line, owned_name, remove_orphans
+from ..fileio import creation_failure, full_fsync, one_line, owned_name, remove_orphans
 
 # extension -> (libsndfile major format, subtype). AIFF and CAF are what macOS `say -o`
 # writes, so a Mac user's `-o hello.aiff` works as it does there.
@@ -340,11 +339,9 @@ class AudioFileWriter:
             # O_EXCL: never reuse someone else's file; mode 0o666 lets the umask decide.
             fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         except OSError as e:
-            reason = e.strerror
-            if e.errno == errno.ENOENT and self._target.parent.is_dir():  # /proc, /sys
-                reason = "it takes no new files (a system folder?)"
             raise AudioOutputError(
-                f"cannot create a file in {str(self._target.parent)!r}: {reason}; "
+                f"cannot create a file in {str(self._target.parent)!r}: "
+                f"{creation_failure(e, self._target.parent)}; "
                 "choose another location"
             ) from e
         with contextlib.suppress(OSError):  # a file replaced keeps its permissions (0600...)
