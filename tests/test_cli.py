@@ -167,6 +167,16 @@ def test_text_from_file_and_stdin(model_dir, reference, tmp_path):
     assert np.array_equal(float_to_int16(audio), float_to_int16(reference.audio))
 
 
+@pytest.mark.parametrize("dash", [["-"], ["--", "-"]], ids=["dash", "after-double-dash"])
+def test_a_lone_dash_reads_stdin(model_dir, reference, dash):
+    """As ``cat -`` does: it spoke a dash and dropped the piped text, with exit status 0."""
+    base = ["speak", "-m", str(model_dir), "-v", "neutral_female", "--seed", "5"]
+    proc = run(*base, "--max-frames", "40", "-o", "-", *dash, input=TEXT.encode())
+    assert proc.returncode == 0, proc.stderr.decode()
+    audio, _ = sf.read(io.BytesIO(proc.stdout), dtype="float32")
+    assert np.array_equal(float_to_int16(audio), float_to_int16(reference.audio))
+
+
 def test_follow_speaks_piped_text_as_it_arrives(model_dir):
     """``--follow``: a sentence is spoken while the program writing the text is still
     writing; the rest is cut as it comes, and the audio is each segment's with its pause."""

@@ -25,7 +25,7 @@ from tests.mlx_audio_reference import (
     recorded_frames,
     spec_codebook_floor,
 )
-from voxtral_mlx.checkpoint import CheckpointMismatch, affine_bits, expected_tensors
+from voxtral_mlx.checkpoint import affine_bits, expected_tensors
 from voxtral_mlx.config import ModelConfig
 from voxtral_mlx.errors import CheckpointError, ConfigError, ModelNotFoundError, VoxtralError
 from voxtral_mlx.loader import load_model_dir
@@ -358,20 +358,40 @@ def test_a_stray_weight_file_is_named_with_its_tensors(broken: Path, source: Pat
     assert "unexpected (embedding in stray.safetensors)" in message
 
 
-def test_wrong_bits_in_config_are_reported_by_name(broken: Path) -> None:
+@pytest.mark.parametrize(
+    ("key", "value", "stated"),
+    [("bits", 8, "8 bits and group size 64"), ("group_size", 32, "4 bits and group size 32")],
+)
+def test_a_config_json_contradicting_the_tensors_is_named(
+    broken: Path, key: str, value: int, stated: str
+) -> None:
+    """config.json's bits or group size disagreeing with the packed shapes: config.json is
+    named, with what the tensors hold (it was a list of mis-shaped tensors, blaming them)."""
     config = json.loads((broken / "config.json").read_text())
-    config["quantization"]["bits"] = 8
+    config["quantization"][key] = value
     (broken / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointMismatch) as exc:
+    with pytest.raises(CheckpointError) as exc:
         load_model_dir(broken)
     message = one_line(exc.value)
-    assert "mis-shaped" in message and "expected [" in message
-    assert "does not match params.json and config.json" in message
-    # Named as the files name them (they were given Mistral's names, not in any file).
-    names = {m[0] for m in exc.value.misshaped}
-    assert not any(n.startswith(("layers.", "mm_audio_embeddings.")) for n in names)
-    assert "language_model.model.model.layers.0.self_attn.k_proj.weight" in names
-    assert "language_model.model.model.embed_tokens.weight" in names
+    assert "config.json's quantization section gives layer '" in message
+    assert f"{stated}, but its tensors are 4-bit with group size 64" in message
+    assert "mis-shaped" not in message
+    # As the file names it.
+    assert "language_model.model.model." in message or "acoustic_transformer." in message
+    del config["quantization"]
+    (broken / "config.json").write_text(json.dumps(config))
+    assert load_model_dir(broken).quantized  # the fix the message offers
+
+
+def test_a_group_size_the_width_cannot_take_names_the_files(broken: Path) -> None:
+    config = json.loads((broken / "config.json").read_text())
+    config["quantization"]["group_size"] = 128  # the tiny widths are 64
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert message.startswith(str(broken))
+    assert "group size 128" in message
 
 
 def test_a_quantized_layer_without_scales_is_a_damaged_file(broken: Path) -> None:

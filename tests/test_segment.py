@@ -350,6 +350,70 @@ def test_the_text_is_scanned_in_pieces_with_the_same_matches(text: str, chunk: i
         assert [m.span() for m in segment._scan(pattern, text, chunk)] == whole
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.lists(
+        st.sampled_from(
+            [
+                "a",
+                "b",
+                "a",
+                "é",
+                "这",
+                "是",
+                "😀",
+                "★",
+                "1",
+                ".",
+                "!",
+                "?",
+                "。",
+                "，",
+                "-",
+                "--",
+                "@",
+                "://",
+                "www.",
+                "WwW.",
+                "http",
+                "x.y",
+                " ",
+                "\n",
+                "5 %",
+                "€ 5",
+                "_",
+            ]
+        ),
+        max_size=150,
+    ).map("".join),
+    chunk=st.integers(1, 12),
+)
+def test_runs_without_whitespace_are_cut_with_the_same_matches(text: str, chunk: int) -> None:
+    """A run with no whitespace is cut between letters or symbols (a 5 MB one was one C call
+    holding the GIL for a second): exactly what one scan finds, URLs and numbers included."""
+    for pattern in (segment._PROTECTED, segment._NO_SPACE_BREAK):
+        whole = [m.span() for m in pattern.finditer(text)]
+        assert [m.span() for m in segment._scan(pattern, text, chunk)] == whole
+
+
+@pytest.mark.parametrize("run", ["a" * 100_000, "这是一个测试句子，我们在这里说话。" * 6000])
+def test_a_long_run_without_whitespace_is_scanned_in_pieces(run: str) -> None:
+    pieces = []
+    for pattern in (segment._PROTECTED, segment._NO_SPACE_BREAK):
+        whole = [m.span() for m in pattern.finditer(run)]
+        calls = []
+        found = [m.span() for m in segment._scan(pattern, run, check=calls.append)]
+        assert found == whole
+        pieces.append(len(calls))
+    assert min(pieces) >= len(run) // (2 * segment._SCAN_CHARS)
+    # A URL through the run is one match, scanned whole.
+    url = "see http://" + run
+    calls = []
+    spans = [m.span() for m in segment._scan(segment._PROTECTED, url, check=calls.append)]
+    assert spans == [m.span() for m in segment._PROTECTED.finditer(url)]
+    assert len(calls) == 1
+
+
 def test_flags_pair_from_run_start() -> None:
     text = "x" + "🇫🇷" * 300
     segs = split_text(text, target_chars=50, max_chars=100)

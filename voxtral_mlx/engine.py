@@ -67,7 +67,8 @@ class Timings:
     prefix_cached: bool = False  # the voice prefix came from memory or disk
     prefix_from_disk: bool = False
     # Utterances (segments, with split) that reached max_frames (or the end of the given
-    # noise) before the model's END: their audio is cut short.
+    # noise) before the model's END: their audio is cut short. (None with max_frames=0,
+    # which asks for no frames.)
     cut_short: int = 0
 
     @property

@@ -41,6 +41,7 @@ from .checkpoint import (
     checkpoint_dtype,
     expected_tensors,
     load_tensors,
+    quantized_shapes,
     read_safetensors_header,
     sanitize,
     some_names,
@@ -331,8 +332,47 @@ def _quantized_layers(
                 f"{', '.join(map(str, affine_bits()))}; group size 32, 64 or 128): re-convert "
                 "it, or upgrade mlx if a newer one supports it"
             )
-        out[path] = QuantSpec(bits=bits, group_size=group, mode=mode)
+        spec = QuantSpec(bits=bits, group_size=group, mode=mode)
+        _check_recorded_spec(path, spec, tensors, base, source)
+        out[path] = spec
     return out
+
+
+def _check_recorded_spec(
+    path: str,
+    spec: QuantSpec,
+    tensors: Mapping[str, TensorRef],
+    base: Mapping[str, Expected],
+    source: str,
+) -> None:
+    """config.json's bits and group size for ``path`` against its tensors: a section that
+    disagrees with the packed shapes is named as such (verification would list every
+    layer as mis-shaped and blame the weights), as is a group size its width cannot take."""
+    weight = base.get(f"{path}.weight")
+    if weight is None or len(weight.shape) != 2:
+        return
+    layer = tensors[f"{path}.scales"].key.rpartition(".")[0]
+    read = _infer_spec(path, tensors, base)
+    if (
+        read is not None
+        and read.mode == spec.mode == "affine"
+        and (read.bits, read.group_size) != (spec.bits, spec.group_size)
+        and read.bits in affine_bits()
+        and read.group_size in QUANT_GROUP_SIZES
+    ):
+        raise CheckpointError(
+            f"{source}: config.json's quantization section gives layer '{one_line(layer, 80)}' "
+            f"{spec.bits} bits and group size {spec.group_size}, but its tensors are "
+            f"{read.bits}-bit with group size {read.group_size}: correct config.json (or "
+            "remove its quantization section: the bits are then read off the tensors), or "
+            "re-download the model"
+        )
+    if quantized_shapes(weight.shape, spec) is None:
+        raise CheckpointError(
+            f"{source}: layer '{one_line(layer, 80)}' is marked quantized with group size "
+            f"{spec.group_size} and {spec.bits} bits, but its input width {weight.shape[1]} "
+            "is not a multiple of the group size: re-convert the model"
+        )
 
 
 def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:

@@ -299,14 +299,56 @@ def _scan(
 ) -> Iterator[re.Match]:
     """``pattern.finditer(text)`` in pieces of about ``chunk`` characters, for patterns
     whose matches hold no whitespace but a space before a digit (the same matches: the
-    lookbehinds still see the text before each piece). ``check`` is told of each piece."""
+    lookbehinds still see the text before each piece). ``check`` is told of each piece.
+
+    Pieces end at whitespace; a run of ``chunk`` characters without any (a CJK paragraph
+    written without spaces, a pasted blob) is cut between two letters or symbols, which no
+    match of :data:`_NO_SPACE_BREAK` holds, nor one of :data:`_PROTECTED` in a run without
+    ``@``, ``://`` or ``www.`` (one scan of 5 MB of such a run held the GIL for a second)."""
     n, pos = len(text), 0
+    run_end, cuttable = -1, False  # the first break at or after pos + chunk, once searched
     while pos < n:
         check(chunk // 8)  # a piece scanned costs about what an eighth of its words do
-        brk = _SCAN_BREAK.search(text, pos + chunk) if pos + chunk < n else None
-        end = brk.start() if brk else n
+        end = n
+        if pos + chunk < n:
+            if run_end < pos + chunk:
+                brk = _SCAN_BREAK.search(text, pos + chunk)
+                run_end = brk.start() if brk else n
+                cuttable = pattern is not _PROTECTED or not _spans_letters(text, pos, run_end)
+            end = run_end
+            if cuttable and end - pos > 2 * chunk:
+                end = _letter_cut(text, pos + chunk, end, chunk)
         yield from pattern.finditer(text, pos, end)
         pos = end
+
+
+_LETTER_SPANNING = re.compile(r"www\.", re.IGNORECASE)
+
+
+def _spans_letters(text: str, start: int, end: int) -> bool:
+    """Whether ``text[start:end]`` may hold a URL or e-mail address (a match of
+    :data:`_PROTECTED` that runs through letters)."""
+    return (
+        text.find("@", start, end) >= 0
+        or text.find("://", start, end) >= 0
+        or (
+            text.find(".", start, end) >= 0
+            and _LETTER_SPANNING.search(text, start, end) is not None
+        )
+    )
+
+
+def _letter_cut(text: str, at: int, end: int, within: int) -> int:
+    """The first place from ``at`` (up to ``within`` further) between two letters or symbols
+    (no number, punctuation or sign on either side); ``end`` if there is none."""
+    plain = False
+    for p in range(at - 1, min(end, at + within)):
+        ch = text[p]
+        now = ch.isalpha() or unicodedata.category(ch) == "So"
+        if now and plain:
+            return p
+        plain = now
+    return end
 
 
 class _Splits:

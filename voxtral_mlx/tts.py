@@ -388,7 +388,9 @@ class VoxtralTTS:
         cfg_alpha: float = DEFAULT_CFG_ALPHA,
         chunk_frames: int = 1,
     ) -> Job:
-        """Validate a request and turn it into a :class:`Job` (not yet submitted)."""
+        """Validate a request and turn it into a :class:`Job` (not yet submitted: see
+        :meth:`submit`). Its chunks arrive in ``job.output``, or through ``job.on_output``
+        when that is set before submitting (called on the worker thread: hand them over)."""
         if self.worker.closed:  # its submit() would refuse it: say so now
             raise closed_error()
         if not isinstance(text, str):
@@ -728,7 +730,8 @@ class VoxtralTTS:
         explicitly as ``[frames, 36]`` floats (frame i uses row i; generation stops after
         ``len(noise)`` frames at most). ``max_frames`` bounds runaway generation (80 ms per
         frame); ``Speech.timings.cut_short`` counts the utterances (segments, with
-        ``split``) it stopped before the model's END, and the audio is empty when the model
+        ``split``) it stopped before the model's END (``max_frames=0`` asks for none: not
+        counted), and the audio is empty when the model
         ends at once. ``split``, ``pause``, ``max_chars``: see :meth:`stream`.
         """
         stream = self.stream(

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     speak = sub.add_parser("speak", help="speak text (plays it, or writes it with -o)")
-    speak.add_argument("text", nargs="*", help="text to speak")
+    speak.add_argument("text", nargs="*", help="text to speak ('-' alone: stdin)")
     speak.add_argument(
         "-f", "--file", type=_given("-f FILE"), help="read the text from FILE ('-' for stdin)"
     )

@@ -60,6 +60,8 @@ def cmd_speak(args: argparse.Namespace) -> int:
         return 0
     if args.max_frames < 1:
         raise InputError(f"--max-frames must be at least 1, got {args.max_frames}")
+    if args.file is None and args.text == ["-"]:  # as cat reads it, -- - too
+        args.file, args.text = "-", []
     # Before the model is loaded (or downloaded): a typo costs nothing.
     from ..generate import check_seed
     from ..textstream import check_pause
