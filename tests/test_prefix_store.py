@@ -337,3 +337,72 @@ def test_a_bad_prefix_cache_dir_is_a_one_line_error(tiny_checkpoint):
 
     with pytest.raises(InputError, match="prefix_cache_dir must be a directory path"):
         voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=3)
+
+
+def test_pruning_leaves_files_the_cache_did_not_write(tiny_checkpoint, tmp_path, noise):
+    """A folder shared with other files (voices, weights): only the cache's own files are
+    pruned (it deleted the oldest *.safetensors it found, whatever they were)."""
+    theirs = [tmp_path / f"user_{i:02d}.safetensors" for i in range(4)]
+    theirs.append(tmp_path / ("A" * 16 + "-" + "0" * 32 + ".safetensors"))  # not hex
+    for i, path in enumerate(theirs):
+        path.write_bytes(b"not ours")
+        os.utime(path, ns=(i * 10**9, i * 10**9))  # older than anything the cache writes
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
+    try:
+        tts.engine.prefix_store.max_files = 1
+        tts.synthesize(TEXT, VOICE, noise=noise)
+        tts.synthesize(TEXT, "neutral_female", noise=noise)
+        tts.clear_prefix_cache()
+    finally:
+        tts.close()
+    assert all(p.read_bytes() == b"not ours" for p in theirs)
+    assert sorted(files(tmp_path)) == sorted(theirs)
+
+
+def test_the_models_own_folder_is_refused(tiny_checkpoint, tmp_path):
+    """Its prefix files would be hashed with the weights (a new fingerprint each run) and
+    pruned beside them: the 33rd run deleted consolidated.safetensors."""
+    from voxtral_mlx.errors import InputError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    before = sorted(p.name for p in model.iterdir())
+    for given in (model, tmp_path / "link", f"{model}/."):
+        (tmp_path / "link").unlink(missing_ok=True)
+        (tmp_path / "link").symlink_to(model)
+        with pytest.raises(InputError, match="is the model's folder"):
+            voxtral_mlx.load(model, prefix_cache_dir=given)
+    assert sorted(p.name for p in model.iterdir()) == before
+    inside = model / "prefix-cache"  # a folder of its own inside it is fine
+    tts = voxtral_mlx.load(model, prefix_cache_dir=inside)
+    tts.close()
+
+
+def test_a_relative_folder_is_the_one_at_load_time(tiny_checkpoint, tmp_path, noise, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir="rel")
+    try:
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        tts.synthesize(TEXT, VOICE, noise=noise)
+    finally:
+        tts.close()
+    assert len(files(tmp_path / "rel")) == 1
+    assert not (tmp_path / "elsewhere" / "rel").exists()
+
+
+def test_the_key_names_the_mlx_build_and_device(tiny_checkpoint, tmp_path):
+    """A prefix computed by another MLX version or on another device (CPU vs GPU) differs in
+    its last bits from one computed here: it is another key."""
+    from voxtral_mlx.prefix_store import PrefixStore
+
+    store = PrefixStore(tmp_path, model_fingerprint(tiny_checkpoint))
+    rows = mx.zeros((3, 8), dtype=mx.bfloat16)
+    here = store.key([1, 2], rows)
+    assert store.key([1, 2], rows) == here
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mx, "__version__", mx.__version__ + ".other")
+        assert store.key([1, 2], rows) != here
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mx, "default_device", lambda: "Device(gpu, 0)")
+        assert store.key([1, 2], rows) != here

@@ -204,6 +204,16 @@ ODD_BODIES = [
     ("Infinity", b'{"input": "Hi.", "speed": Infinity}', "Infinity is not a JSON number", None),
     ("-Infinity", b'{"input": "Hi.", "seed": -Infinity}', "-Infinity is not a JSON number", None),
     ("not UTF-8", b'{"input": "caf\xe9"}', "not UTF-8 text (byte 0xe9 at offset 14)", None),
+    (
+        "not UTF-8 after a BOM",
+        b'\xef\xbb\xbf{"input": "caf\xe9"}',
+        "not UTF-8 text (byte 0xe9 at offset 17)",
+        None,
+    ),
+    # json.loads() of bytes guesses UTF-16 and UTF-32, and such bodies were spoken.
+    ("UTF-16", '{"input": "Grüße."}'.encode("utf-16"), "NUL bytes, as UTF-16", None),
+    ("UTF-16-LE", '{"input": "Grüße."}'.encode("utf-16-le"), "NUL bytes, as UTF-16", None),
+    ("UTF-32-BE", '{"input": "Grüße."}'.encode("utf-32-be"), "NUL bytes, as UTF-16", None),
     ("400-digit speed", b'{"input": "Hi.", "speed": 1' + b"0" * 400 + b"}", "speed must", "speed"),
     ("400-digit seed", b'{"input": "Hi.", "seed": 1' + b"0" * 400 + b"}", "seed must", "seed"),
     (
@@ -249,6 +259,13 @@ def test_odd_bodies_get_a_one_line_400(live, what, body, expected, param):
     if param is not None:
         assert error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_utf8_body_may_start_with_a_byte_order_mark(live):
+    body = b"\xef\xbb\xbf" + json.dumps({"input": "Grüße.", "response_format": "pcm"}).encode()
+    headers = {**AUTH, "Content-Type": "application/json"}
+    r = httpx.post(f"{live.url}/v1/audio/speech", content=body, headers=headers, timeout=60)
+    assert r.status_code == 200 and len(r.content) > 0
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,7 @@ def load(
     """
     _import_tts()  # MLX missing: one clear error
     from .engine import check_max_batch
-    from .fileio import usable_path
+    from .fileio import one_line, usable_path
     from .hub import resolve_model_dir
     from .loader import load_model_dir
     from .prefix_store import PrefixStore, model_fingerprint
@@ -117,6 +117,12 @@ def load(
             else usable_path(prefix_cache_dir, "prefix_cache_dir")
         )
     model_dir = resolve_model_dir(path_or_repo)
+    if directory is not None and _same_dir(directory, model_dir):
+        raise InputError(
+            f"prefix_cache_dir {one_line(str(directory))} is the model's folder, whose files "
+            "would mix with the weights: give a folder of its own (e.g. a prefix-cache "
+            "folder inside it), 'auto', or None"
+        )
     worker = Worker()
     try:
         loaded = worker.call(load_model_dir, model_dir, dtype)
@@ -132,6 +138,13 @@ def load(
         worker.close()
         _name_the_cache_fix(e, model_dir)
         raise
+
+
+def _same_dir(a: os.PathLike[str], b: os.PathLike[str]) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # the cache folder does not exist yet
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _name_the_cache_fix(error: BaseException, model_dir: os.PathLike[str]) -> None:

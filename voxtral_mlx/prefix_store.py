@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -33,6 +34,9 @@ MAX_FILES = 32  # least recently used files beyond this are deleted
 _MODEL_FILES = (".safetensors", ".json")
 _HEADER_LIMIT = 64 << 20  # a safetensors header larger than this is not one
 _SAMPLE = 64  # bytes of each tensor read at its start, middle and end
+# The files this cache writes (see PrefixStore._path): pruning and clear() touch no other,
+# whatever else the folder holds.
+_OWN_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{32}\.safetensors")
 
 
 class PrefixCacheWarning(UserWarning):
@@ -111,14 +115,18 @@ class PrefixStore:
     def __init__(
         self, directory: str | os.PathLike[str], fingerprint: str, max_files: int = MAX_FILES
     ):
-        self.directory = Path(directory).expanduser()
+        # Absolute: an app that changes its working directory keeps using this folder.
+        self.directory = Path(directory).expanduser().absolute()
         self.fingerprint = fingerprint
         self.max_files = max_files
         self._warned = False
 
     def key(self, prompt_ids: list[int], voice_rows: mx.array) -> str:
-        """The full key of a prefix: model, dtype, prompt ids and the voice rows' bytes."""
+        """The full key of a prefix: model, dtype, prompt ids and the voice rows' bytes, and
+        the MLX version and device that compute it (another kernel's last bits would make
+        the output differ from an uncached run's)."""
         h = hashlib.sha256(f"{FORMAT}\0{self.fingerprint}\0{voice_rows.dtype}\0".encode())
+        h.update(f"{mx.__version__}\0{mx.default_device()}\0".encode())
         h.update(json.dumps(prompt_ids).encode())
         h.update(str(tuple(voice_rows.shape)).encode())
         h.update(_bytes(voice_rows))
@@ -218,11 +226,7 @@ class PrefixStore:
 
     def _files(self) -> list[Path]:
         try:
-            return [
-                p
-                for p in self.directory.iterdir()
-                if p.suffix == ".safetensors" and not p.name.startswith(".")
-            ]
+            return [p for p in self.directory.iterdir() if _OWN_NAME.fullmatch(p.name)]
         except OSError:
             return []
 

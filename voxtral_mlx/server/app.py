@@ -485,11 +485,17 @@ def _decode_json(data: bytes) -> Any:
     """Strict JSON (RFC 8259): no NaN or Infinity, no key given twice (Python would keep
     the last silently); each refusal names the problem."""
     prefix = "we could not parse the JSON body of your request"
+    # Decoded here: json.loads() of bytes would take UTF-16 and UTF-32 too, by guessing.
+    skip = 3 if data.startswith(b"\xef\xbb\xbf") else 0  # a BOM, which RFC 8259 lets us ignore
+    if b"\x00" in data:  # no JSON text holds one: UTF-16 or UTF-32 does
+        raise bad_request(f"{prefix}: it holds NUL bytes, as UTF-16 or UTF-32 does: send UTF-8")
     try:
-        return json.loads(data, object_pairs_hook=_object, parse_constant=_constant)
+        text = data[skip:].decode("utf-8")
+        return json.loads(text, object_pairs_hook=_object, parse_constant=_constant)
     except UnicodeDecodeError as e:
+        at = skip + e.start
         raise bad_request(
-            f"{prefix}: it is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+            f"{prefix}: it is not UTF-8 text (byte 0x{data[at]:02x} at offset {at})"
         ) from None
     except json.JSONDecodeError as e:
         raise bad_request(
