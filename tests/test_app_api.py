@@ -449,7 +449,7 @@ def test_say_plans_its_pre_roll_for_the_text_as_speak_does(tts, monkeypatch):
             self.expected: list[float | None] = []
             players.append(self)
 
-        def feed(self, audio, expected_total_s=None):
+        def feed(self, audio, expected_total_s=None, more_coming=False):
             self.expected.append(expected_total_s)
             super().feed(audio)
 

@@ -90,7 +90,7 @@ class AheadPlayer:
         self.finished = self.stopped = False
         AheadPlayer.instances.append(self)
 
-    def feed(self, audio, expected_total_s=None):
+    def feed(self, audio, expected_total_s=None, more_coming=False):
         self.fed.append(np.array(audio))
 
     @property

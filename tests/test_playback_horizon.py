@@ -173,12 +173,16 @@ def test_live_text_whose_segment_ended_early_plays_what_came_while_the_text_stal
         chunk = live_chunk(0, ends_segment=i == 4)
         player.feed(chunk.audio, expected_total_s=horizon(chunk, now=clock.t))
         assert sd.streams[0].active == (i == 4)
+        # The text waits after its segment's end (no next one cut): a gap then is no
+        # slow generation, and the player plays the next audio at once (AudioPlayer.feed).
+        assert horizon.more_coming == (i != 4)
     assert horizon.segment_s == [2.0]
     # When the next segment was cut already, the horizon is fed + the pause + its guess.
     segments.append(SimpleNamespace(spoken="word " * 3, pause_after=0.0))
     horizon = PlaybackHorizon(fake_tts(), stream, FRAMES, 0.25, started=0.0)
     got = horizon(live_chunk(0, ends_segment=True), now=1.0)
     assert got == pytest.approx(FRAME_S + 0.25 + 0.9)
+    assert horizon.more_coming  # the next segment is on its way
 
 
 def test_an_empty_last_chunk_of_a_live_segment_still_starts_what_came():

@@ -621,6 +621,77 @@ def test_underrun_plays_silence_counts_and_resumes_without_restart():
     assert p.stats.played_s == pytest.approx((4 * FRAME + 500) / SR)
 
 
+def play_slowly(p: AudioPlayer, sd: FakeSD, frames: int, guess: int, waits: bool = False):
+    """Generation at half real time (a frame fed every second block) of ``frames`` frames
+    whose expected length is ``guess`` frames, pumped block by block, then finish(): the
+    blocks played, split into runs of audio and of silence (lengths in blocks)."""
+    s, fed, played = sd.streams[0], 0, []
+    p.feed(frame(0), expected_total_s=guess * FRAME_S, more_coming=not waits)
+    fed = 1
+    step = 0
+    while fed < frames:
+        step += 1
+        sd.clock.advance(FRAME_S)
+        if step % 2 == 0:
+            p.feed(frame(fed), expected_total_s=guess * FRAME_S, more_coming=not waits)
+            fed += 1
+        block = s.pump()
+        if block is not None:
+            played.append(block)
+    t, _ = run_in_thread(p.finish)
+    while (block := s.pump()) is not None:
+        played.append(block)
+        sd.clock.advance(FRAME_S)
+        time.sleep(0.002)
+    t.join(2)
+    assert not t.is_alive()
+    runs: list[list] = []  # [is audio, blocks]
+    for block in played:
+        audio = bool(block.any())
+        if runs and runs[-1][0] == audio:
+            runs[-1][1] += 1
+        else:
+            runs.append([audio, 1])
+    audio = np.concatenate([b for b in played if b.any()])
+    assert np.array_equal(audio, np.concatenate([frame(i) for i in range(frames)]))
+    while runs and not runs[-1][0]:  # trailing silence before the stream ends
+        runs.pop()
+    return runs
+
+
+def test_a_slow_generation_that_runs_dry_refills_once_rather_than_stuttering():
+    """Speech running longer than its guess while generated at half real time: the buffer
+    runs dry, and playback waits to refill, one gap, instead of playing each frame as it
+    comes (a gap of a frame between every two, heard as a stutter)."""
+    p, sd = make_player()
+    runs = play_slowly(p, sd, frames=30, guess=10)
+    gaps = [n for audio, n in runs if not audio]
+    assert len(gaps) == 1 and p.stats.underruns == 1, runs
+    assert p.stats.underrun_s == pytest.approx(gaps[0] * FRAME_S)
+
+
+def test_a_gap_where_the_input_waits_resumes_at_once():
+    """Live text whose writer has not gone further: the next audio plays as it comes."""
+    p, sd = make_player()
+    runs = play_slowly(p, sd, frames=30, guess=10, waits=True)
+    assert len([n for audio, n in runs if not audio]) > 3, runs  # each frame when it came
+
+
+def test_a_refill_after_a_short_guess_waits_for_the_guessed_rest():
+    """The expected total not yet reached: refill for what is still to play, as the
+    pre-roll would, not for the unknown-length maximum."""
+    p, sd = make_player()
+    p.feed(frame(0), expected_total_s=40 * FRAME_S)
+    sd.clock.advance(2 * FRAME_S)
+    p.feed(frame(1), expected_total_s=40 * FRAME_S)
+    p._played = 20 * FRAME  # as if 20 frames had played
+    need = p.resume_need_s()
+    left = 20 * FRAME_S
+    assert need == pytest.approx(min(left, p.min_preroll_s + 1.1 * (1 - 0.5) * left))
+    p._played = 45 * FRAME  # past the guess: the unknown-length rule, at most 3 s
+    assert p.resume_need_s() == pytest.approx(3.0)
+
+
 def test_chunks_spanning_blocks_are_played_in_order():
     p, sd = make_player()
     x = np.concatenate([frame(i) for i in range(5)])

@@ -432,7 +432,7 @@ def test_speak_feeds_a_live_segments_empty_last_chunk_to_the_player(monkeypatch,
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             pass
 
-        def feed(self, audio, expected_total_s=None):
+        def feed(self, audio, expected_total_s=None, more_coming=False):
             feeds.append((len(audio), expected_total_s))
 
         def finish(self):

@@ -754,3 +754,13 @@ def test_a_pattern_that_backtracks_without_end_fails_in_one_line(tmp_path):
     message = str(info.value)
     assert "\n" not in message and "the tokenizer failed on this text" in message
     assert "restore tekken.json from the model's download" in message
+
+
+def test_a_run_too_long_for_tekkens_own_pattern_is_named(built_tok):
+    """Tekken's pattern backtracks past Oniguruma's bound on ~10 M spaces (mistral-common
+    refuses 1 M): the file is intact, and the message said to restore it."""
+    with pytest.raises(TokenizerError) as info:
+        built_tok.encode(" " * 10_200_000)
+    message = str(info.value)
+    assert "\n" not in message and "holds a run too long to tokenize" in message
+    assert "10,200,000 characters" in message and "restore" not in message

@@ -58,7 +58,10 @@ class Playback:
                     if len(chunk.audio):
                         self.player.feed(chunk.audio)
                 elif plays(chunk):
-                    self.player.feed(chunk.audio, expected_total_s=horizon(chunk))
+                    total = horizon(chunk)
+                    self.player.feed(
+                        chunk.audio, expected_total_s=total, more_coming=horizon.more_coming
+                    )
                     pace.fed(chunk)
             if not self._stopped:  # a stopped player has nothing left to play out
                 self.player.finish()

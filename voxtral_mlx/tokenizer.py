@@ -209,6 +209,14 @@ class TekkenTokenizer:
             if type(e).__name__ != "PanicException":
                 raise
             reason = one_line(str(e).splitlines()[0] if str(e) else "a panic", 120)
+            # Oniguruma's backtracking bound, which Tekken's own pattern reaches only on a run
+            # of millions of characters (a damaged pattern on a short text: restore it).
+            if "retry-limit" in reason and len(text) >= 1_000_000:
+                raise TokenizerError(
+                    f"the tokenizer's pattern gave up on this text ({reason}): it holds a run "
+                    f"too long to tokenize ({len(text):,} characters; e.g. millions of spaces), "
+                    "as mistral-common's does too: shorten that run"
+                ) from None
             raise TokenizerError(
                 f"{self.path}: the tokenizer failed on this text ({reason}), which Tekken's "
                 "own config.pattern does not: restore tekken.json from the model's download"

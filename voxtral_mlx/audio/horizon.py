@@ -57,6 +57,10 @@ class PlaybackHorizon:
         self.live = bool(getattr(stream, "live", False))
         self.segment_s: list[float] = []
         self.total_s: float | None = None
+        # The latest chunk's: False where live text has no more audio on its way yet (its
+        # segment ended and none is cut after it): a gap then is the text waiting, not slow
+        # generation (AudioPlayer.feed's ``more_coming``).
+        self.more_coming = True
         if self.live:
             return
         segments, head = stream.segments, stream.segments[:TOKENIZED_AHEAD]
@@ -89,11 +93,13 @@ class PlaybackHorizon:
                     len(self.tts.tokenizer.encode(spoken))
                 )
         self._segment_fed += seconds
+        self.more_coming = True
         if self.live and chunk.ends_segment:
             # Its segment is over, before its guess or not: what follows is the next segment
             # if it was cut already, else nothing yet, and what came must play meanwhile.
             nxt = chunk.segment + 1
             if nxt >= len(self.stream.segments):
+                self.more_coming = False
                 return self._fed
             self._guess_up_to(nxt)
             pause = self.stream.segments[chunk.segment].pause_after

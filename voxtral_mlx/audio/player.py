@@ -7,7 +7,11 @@ things keep speech from stuttering:
   the end without a gap at the generation speed measured so far (see
   :meth:`AudioPlayer.required_preroll_s`);
 * the stream is never stopped and restarted on an underrun: the callback plays silence
-  for the missing part and resumes as soon as data arrives.
+  for the missing part and resumes as soon as data arrives, or, when generation is slower
+  than real time, once enough is buffered again to play on without a gap (one pause, not
+  a stutter of short ones: see :meth:`AudioPlayer.resume_need_s`) when the feeder said
+  more was coming (``feed(..., more_coming=True)``; not where text is still being waited
+  for).
 
 A generator faster than real time is held back once ``max_buffer_s`` of audio waits to be
 played (``feed()`` blocks), so memory stays flat however long the text is.
@@ -317,6 +321,8 @@ class AudioPlayer:
         self._expected_total_s: float | None = None
         self._eof = False
         self._gap = 0  # silence samples played since the buffer ran dry
+        self._refilling = False  # ran dry: silence until resume_need_s() is buffered
+        self._more_coming = False  # the latest feed said more audio is on its way
         self._missed = 0  # silence played because the lock was busy
         self._last_end_at: float | None = None  # when the latest real sample leaves the DAC
         self._last_sample_at: float | None = None  # same, for the very last sample
@@ -421,13 +427,47 @@ class AudioPlayer:
             need = min(need, total)
         return need
 
+    def resume_need_s(self, now: float | None = None) -> float:
+        """Audio to buffer again after the buffer ran dry mid-audio before playing on.
+
+        Generation at least as fast as real time (or unmeasured): none, the gap was a
+        hiccup. Slower: as :meth:`required_preroll_s` for what is still to play (the
+        expected total less what was played), or, when that guess is used up (the speech
+        runs longer than the text suggested), as for an unknown total: at most
+        ``MAX_UNKNOWN_PREROLL_S``. Never more than ``max_buffer_s``, where ``feed()`` holds
+        the generator."""
+        speed = self.generation_speed(now)
+        if speed is None or speed >= 1.0:
+            return 0.0
+        played_s = self._played / self.sample_rate
+        total = self._expected_total_s
+        if total is not None and total > played_s + self.buffered_s:
+            left = total - played_s
+            need = min(left, self.min_preroll_s + PREROLL_SAFETY * (1.0 - speed) * left)
+        else:
+            need = min(
+                MAX_UNKNOWN_PREROLL_S,
+                self.min_preroll_s + PREROLL_SAFETY * (1.0 - speed) * UNKNOWN_HORIZON_S,
+            )
+        return min(need, self.max_buffer_s)
+
     # -- producer side --------------------------------------------------------------
 
-    def feed(self, chunk: np.ndarray, *, expected_total_s: float | None = None) -> None:
+    def feed(
+        self,
+        chunk: np.ndarray,
+        *,
+        expected_total_s: float | None = None,
+        more_coming: bool = False,
+    ) -> None:
         """Queue audio for playback; starts the stream once the pre-roll is buffered.
 
         ``expected_total_s`` (the whole utterance's expected length, if known) sharpens
         the pre-roll when generation is slower than real time; the latest value wins.
+        ``more_coming``: more audio is on its way after this (not text still being
+        written that has gone no further): if the buffer runs dry meanwhile, generation
+        is too slow, and playback waits to refill (:meth:`resume_need_s`) rather than
+        playing each chunk as it comes. Without it, the next audio plays as it comes.
         Feeding after ``stop()`` is a no-op (the generator may still be running). Blocks
         while more than ``max_buffer_s`` of audio waits to be played (the stream starts
         then, whatever the pre-roll): a long text must not pile up in memory.
@@ -445,6 +485,7 @@ class AudioPlayer:
         with self._lock:
             if expected_total_s is not None:
                 self._expected_total_s = float(expected_total_s)
+            self._more_coming = bool(more_coming)
             if a.size:
                 if self._first_feed_at is None:
                     self._first_feed_at = now
@@ -536,6 +577,12 @@ class AudioPlayer:
             if self._stopped.is_set():
                 outdata.fill(0)
                 return
+            if self._refilling and not self._eof:
+                if self._buffered < self.resume_need_s(now) * self.sample_rate:
+                    outdata.fill(0)
+                    self._gap += frames
+                    return
+                self._refilling = False
             n = self._pop_into(out, frames)
             if n < frames:
                 outdata[n:] = 0
@@ -566,6 +613,7 @@ class AudioPlayer:
                 return
             if n < frames:
                 self._gap += frames - n
+                self._refilling = self._more_coming
         finally:
             self._lock.release()
 

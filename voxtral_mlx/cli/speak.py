@@ -203,7 +203,8 @@ def cmd_speak(args: argparse.Namespace) -> int:
                 for sink in sinks:
                     sink(chunk.audio)
             if player is not None and plays(chunk):
-                player.feed(chunk.audio, expected_total_s=horizon(chunk))
+                total = horizon(chunk)
+                player.feed(chunk.audio, expected_total_s=total, more_coming=horizon.more_coming)
                 pace.fed(chunk)
             if progress is not None:
                 progress.update(chunk, stream.timings)
