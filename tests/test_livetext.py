@@ -87,6 +87,61 @@ def test_a_stalled_input_is_cut_after_a_sentence_end_or_a_line_break_only():
     assert lt.take(False).pause_after == PAUSE_AFTER[PARAGRAPH]
 
 
+@pytest.mark.parametrize("after", [["\n"], ["\r", "\n"], [" ", "", "\n  "], ["\u2029"]])
+def test_a_blank_line_completed_after_a_stall_makes_a_paragraph_pause(after):
+    """Someone typing lines: "...here.\n", a stall cuts it, then "\n" and the next line.
+    The blank line is the paragraph split_text sees in the whole text: its pause is the
+    paragraph's (it was the sentence's, by what had come at the cut)."""
+    clock = Clock()
+    lt = live(clock, idle_s=0.5)
+    lt.put("First paragraph ends here.\n")
+    clock.t = 1.0
+    seg = lt.take(False)
+    assert seg.text == "First paragraph ends here."
+    assert seg.pause_after == PAUSE_AFTER[SENTENCE] and lt.pause_after(0) is None
+    for piece in after:
+        lt.put(piece)
+        lt.take(False)
+    lt.put("Second one.")
+    lt.end()
+    assert texts(lt) == ["Second one."]
+    assert lt.pause_after(0) == PAUSE_AFTER[PARAGRAPH]
+
+
+def test_a_single_line_break_after_a_stall_keeps_its_pause():
+    clock = Clock()
+    lt = live(clock, idle_s=0.5)
+    lt.put("A line.\n")
+    clock.t = 1.0
+    assert lt.take(False).pause_after == PAUSE_AFTER[SENTENCE]
+    lt.put("Next line.\n\nMore.")  # a blank line later, after other text: not this one's
+    lt.end()
+    assert texts(lt) == ["Next line.", "More."]
+    assert lt.pause_after(0) is None
+
+
+def test_a_stream_plays_the_paragraph_pause_completed_after_its_segment_was_cut(tts):
+    """Through the API: the pause played (and the segment reported) is the paragraph's, as
+    for the text given whole."""
+
+    def pieces():
+        yield "First paragraph ends here.\n"
+        time.sleep(1.0)  # past the 0.6 s stall: the first line is cut alone
+        yield "\nSecond paragraph starts here."
+
+    with tts.stream(pieces(), VOICE, split=True, seed=1, max_frames=8) as live_stream:
+        live_audio = np.concatenate([c.audio for c in live_stream])
+    whole = "First paragraph ends here.\n\nSecond paragraph starts here."
+    with tts.stream(whole, VOICE, split=True, seed=1, max_frames=8) as whole_stream:
+        whole_audio = np.concatenate([c.audio for c in whole_stream])
+    assert (
+        [s.pause_after for s in live_stream.segments]
+        == [s.pause_after for s in whole_stream.segments]
+        == [PAUSE_AFTER[PARAGRAPH], 0.0]
+    )
+    assert np.array_equal(live_audio, whole_audio)
+
+
 @pytest.mark.parametrize(
     "head, tail",
     [

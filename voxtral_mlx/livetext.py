@@ -88,6 +88,11 @@ class LiveText:
         self._error: BaseException | None = None
         self._last_put = clock()
         self._ready: deque[Segment] = deque()
+        self._added = 0  # segments made so far (the next one's index)
+        # A segment cut at a stall, with the whitespace after it seen so far: a blank line
+        # completed by the next piece makes its pause a paragraph's (see pause_after()).
+        self._open: tuple[int, str] | None = None
+        self._later_pauses: dict[int, float] = {}
         self._checked = -1  # ``_version`` when the text last gave no segment
         self._checked_idle = False
         self._version = 0
@@ -262,6 +267,15 @@ class LiveText:
             self._pieces.clear()
         rest = self._rest
         lead = _LEADING_SPACE.match(rest).end()  # no copy of a long text per call
+        if self._open is not None and lead:
+            i, space = self._open
+            space += rest[:lead]
+            self._open = (i, space)
+            if _line_breaks(space) > 1:
+                self._later_pauses[i] = PAUSE_AFTER[PARAGRAPH]
+                self._open = None
+        if lead < len(rest):  # text follows: the whitespace after that segment is whole
+            self._open = None
         if lead == len(rest):
             self._drop(lead)
             return bool(lead)
@@ -312,9 +326,17 @@ class LiveText:
             kind = PARAGRAPH if _line_breaks(trailing) > 1 else SENTENCE
             self._add(segments, lead, last_pause=PAUSE_AFTER[kind])
             self._drop(len(rest))
+            self._open = (self._added - 1, trailing) if kind != PARAGRAPH else None
             return True
         self._checked, self._checked_idle = self._version, idle
         return False
+
+    def pause_after(self, index: int) -> float | None:
+        """The pause after segment ``index`` if it has changed since the segment was cut
+        (any thread): cut at a stall after a line break, it gets a paragraph's pause when
+        the next piece completes the blank line (someone typing lines); else None."""
+        with self._cond:
+            return self._later_pauses.get(index)
 
     def _segment(self, text: str, a: int, b: int, kind: str) -> Segment:
         piece = text[a:b]
@@ -331,6 +353,7 @@ class LiveText:
                     seg, start=seg.start + offset, end=seg.end + offset, pause_after=pause
                 )
             )
+            self._added += 1
 
     def _drop(self, n: int) -> None:
         self._rest = self._rest[n:]

@@ -8,6 +8,7 @@ long the text is. The same logic serves blocking iteration and ``async for``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import weakref
@@ -202,7 +203,14 @@ class _Reader:
         t.peak_memory_bytes = max(t.peak_memory_bytes, c.peak_memory_bytes)
         out = []
         if self._pause_due is not None:
-            out.append(self._pause(*self._pause_due))
+            j, seconds = self._pause_due
+            later = None
+            if self.pause is None and isinstance(self._source, LiveText):
+                later = self._source.pause_after(j)  # a blank line completed after its cut
+            if later is not None:
+                seconds = later
+                self.segments[j] = dataclasses.replace(self.segments[j], pause_after=later)
+            out.append(self._pause(j, seconds))
             self._pause_due = None
         self._add_audio(item.audio)
         self._codes_width = item.codes.shape[-1]  # every segment ends with a chunk
