@@ -41,7 +41,6 @@ from .checkpoint import (
     checkpoint_dtype,
     expected_tensors,
     load_tensors,
-    quantized_shapes,
     read_safetensors_header,
     sanitize,
     some_names,
@@ -347,11 +346,7 @@ def _check_recorded_spec(
 ) -> None:
     """config.json's bits and group size for ``path`` against its tensors: a section that
     disagrees with the packed shapes is named as such (verification would list every
-    layer as mis-shaped and blame the weights), as is a group size its width cannot take."""
-    weight = base.get(f"{path}.weight")
-    if weight is None or len(weight.shape) != 2:
-        return
-    layer = tensors[f"{path}.scales"].key.rpartition(".")[0]
+    layer as mis-shaped and blame the weights)."""
     read = _infer_spec(path, tensors, base)
     if (
         read is not None
@@ -360,18 +355,13 @@ def _check_recorded_spec(
         and read.bits in affine_bits()
         and read.group_size in QUANT_GROUP_SIZES
     ):
+        layer = tensors[f"{path}.scales"].key.rpartition(".")[0]
         raise CheckpointError(
             f"{source}: config.json's quantization section gives layer '{one_line(layer, 80)}' "
             f"{spec.bits} bits and group size {spec.group_size}, but its tensors are "
             f"{read.bits}-bit with group size {read.group_size}: correct config.json (or "
             "remove its quantization section: the bits are then read off the tensors), or "
             "re-download the model"
-        )
-    if quantized_shapes(weight.shape, spec) is None:
-        raise CheckpointError(
-            f"{source}: layer '{one_line(layer, 80)}' is marked quantized with group size "
-            f"{spec.group_size} and {spec.bits} bits, but its input width {weight.shape[1]} "
-            "is not a multiple of the group size: re-convert the model"
         )
 
 
@@ -405,7 +395,10 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:
             ) from None
     base = expected_tensors(config)
     quantized = _quantized_layers(tensors, qconfig, base, source)
-    expected = expected_tensors(config, quantized)
+    try:
+        expected = expected_tensors(config, quantized)
+    except CheckpointError as e:  # a group size a layer's width cannot take: name the files
+        raise CheckpointError(f"{source}: {e}") from None
     try:
         verify_tensors(
             {n: r.info.shape for n, r in tensors.items()},

@@ -205,7 +205,7 @@ class _Reader:
         if self._pause_due is not None:
             j, seconds = self._pause_due
             later = None
-            if self.pause is None and isinstance(self._source, LiveText):
+            if self.pause is None and self._source is not None:
                 later = self._source.pause_after(j)  # a blank line completed after its cut
             if later is not None:
                 seconds = later
