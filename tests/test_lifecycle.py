@@ -253,6 +253,68 @@ def test_a_callback_that_exits_ends_its_job_not_the_worker(tts):
         assert job.seq.frames < 50
 
 
+def _collect(item, codes: list[np.ndarray], done: threading.Event | None) -> None:
+    if item is DONE:
+        if done is not None:
+            done.set()
+    elif not isinstance(item, BaseException):
+        codes.append(np.asarray(item.codes))
+
+
+def test_a_callback_can_chain_the_next_job(tts):
+    """submit() only hands a job over, yet it was refused on the worker thread like the
+    requests that wait for audio: an app could not chain jobs from on_output."""
+    done = threading.Event()
+    codes: dict[str, list[np.ndarray]] = {"first": [], "second": []}
+    second = tts.job("And then this.", VOICE, seed=2, max_frames=6)
+    second.on_output = lambda item: _collect(item, codes["second"], done)
+    first = tts.job("First this.", VOICE, seed=1, max_frames=4)
+
+    def on_first(item) -> None:
+        _collect(item, codes["first"], None)
+        if item is DONE:
+            tts.submit(second)  # on the worker thread
+
+    first.on_output = on_first
+    tts.submit(first)
+    assert done.wait(60)
+    assert second.seq.stop_reason == "max_frames" and first.seq.stop_reason == "max_frames"
+    alone = tts.synthesize("And then this.", VOICE, seed=2, max_frames=6)
+    np.testing.assert_array_equal(np.concatenate(codes["second"]), alone.codes)
+    # Calling submit() inside tts.call() is a hand-over too.
+    third = tts.job("Third.", VOICE, seed=3, max_frames=2)
+    assert tts.call(lambda: tts.submit(third)) is third
+    chunks = []
+    while (item := third.output.get(timeout=60)) is not DONE:
+        chunks.append(item)
+    assert sum(c.frames for c in chunks) == 2
+
+
+def test_a_job_chained_while_the_model_closes_gets_the_closed_error(tiny_checkpoint_noend):
+    model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    errors: list[BaseException] = []
+    started, ended = threading.Event(), threading.Event()
+    job = model.job("A long one.", VOICE, seed=1, max_frames=500)
+
+    def on_output(item) -> None:
+        started.set()
+        if isinstance(item, BaseException):
+            try:
+                model.submit(later)
+            except BaseException as e:
+                errors.append(e)
+            ended.set()
+
+    later = model.job("Later.", VOICE, seed=1, max_frames=2)
+    job.on_output = on_output
+    model.submit(job)
+    assert started.wait(60)
+    model.close()
+    assert ended.wait(60)
+    assert len(errors) == 1 and isinstance(errors[0], UsageError)
+    assert "closed" in str(errors[0])
+
+
 def test_a_stream_continued_on_the_worker_thread_is_refused(tts):
     """A stream whose segment was already in flight blocked the worker on its own output
     when iterated there: the model hung."""
@@ -498,7 +560,10 @@ def test_say_and_async_requests_from_the_worker_thread_are_refused(tts):
     def warmup_result():
         return tts.warmup(VOICE, wait=False).result()
 
-    for request in (say_wait, say_then_wait, async_synth, warmup_result):
+    def warmup_wait():
+        return tts.warmup(VOICE)
+
+    for request in (say_wait, say_then_wait, async_synth, warmup_result, warmup_wait):
         with pytest.raises(VoxtralError, match="worker thread"):
             tts.worker.submit(request).result(timeout=60)
     assert len(tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2).codes) == 2

@@ -451,6 +451,12 @@ def test_cancel_while_waiting_for_text_stops_at_once(tts):
         ({}, ["a", "b"], "pass split=True"),
         ({"split": True}, 42, "text must be a string, got int"),
         ({"split": True, "noise": np.zeros((3, 36), np.float32)}, ["a."], "cannot be split"),
+        # Spoken as their keys / in an arbitrary order: no pieces of text in order.
+        ({"split": True}, {"Hello there.": 1}, "got a dict, whose order is not the text's"),
+        ({"split": True}, {"One.", "Two."}, "got a set, whose order"),
+        ({"split": True}, frozenset({"One."}), "got a frozenset, whose order"),
+        ({"split": True}, {"a.": 1}.keys(), "got a dict_keys, whose order"),
+        ({}, {"One.", "Two."}, "got a set, whose order"),
     ],
 )
 def test_live_text_arguments_are_checked_by_the_call(tts, kwargs, text, match):

@@ -685,16 +685,17 @@ class Engine:
             failed[id(self._prefilling.job)] = self._prefilling.job
             self._prefilling = None
         failed.update((id(r[0]), r[0]) for r in [*self._inflight, *self._first])
+        # Emptied before the consumers hear: a callback may submit a new job meanwhile.
+        self._jobs.clear()
+        self._waiting = []
+        self._inflight, self._first = [], []
+        self._batch = FrameBatch(self.model)
         for job in failed.values():
             job.seq._h = job.seq._cache = job._suspended = None  # their KV rows: let go
             job._codec_state = None
             if not job.done:
                 job.seq.finished = job.done = True
                 job._emit(_own_copy(error))
-        self._jobs.clear()
-        self._waiting.clear()
-        self._inflight, self._first = [], []
-        self._batch = FrameBatch(self.model)
 
     def release(self) -> None:
         """Let go of the model and every array (once :meth:`fail_all` has ended the jobs, when

@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Mapping, MappingView, Set
 
 import numpy as np
 
@@ -382,4 +382,11 @@ def is_text_pieces(text: object) -> bool:
     iterable that is not itself a str or bytes)."""
     if isinstance(text, (str, bytes, bytearray, memoryview, np.ndarray)):
         return False  # an array is data, not text: refused as not a string
+    if is_unordered(text):
+        return False  # a set's order is arbitrary, a dict's items are no text pieces
     return isinstance(text, (Iterable, AsyncIterable))
+
+
+def is_unordered(text: object) -> bool:
+    """Whether ``text`` is a mapping, a set or a dict view (no pieces of text in order)."""
+    return isinstance(text, (Mapping, Set, MappingView))

@@ -316,6 +316,7 @@ class TextStream(_Reader):
             while not self._ready:
                 if self._finished:
                     raise StopIteration
+                self._refuse_wait()  # what comes next needs the worker, or waits for text
                 self.prepare()
                 pending = self._pending()
                 if pending:  # one hand-over for all: the first segment is not held back
@@ -326,7 +327,6 @@ class TextStream(_Reader):
                     self._take(block=True)
                     continue
                 _, job = self.jobs[0]
-                self._refuse_wait()  # the worker would wait for itself
                 self._ready.extend(self._on_item(job.output.get()))
         except StopIteration:
             raise

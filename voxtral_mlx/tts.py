@@ -35,7 +35,7 @@ from .engine import (
 from .errors import InputError, VoiceError, VoxtralError
 from .fileio import one_line
 from .generate import NoiseSource, Sequence, to_numpy
-from .livetext import LiveText, is_text_pieces
+from .livetext import LiveText, is_text_pieces, is_unordered
 from .loader import LoadedModel
 from .model.flow import DEFAULT_CFG_ALPHA, MAX_CFG_ALPHA
 from .playback import Playback
@@ -253,6 +253,7 @@ class VoxtralTTS:
         return future
 
     def _warm(self, voices: list[str]) -> float:
+        self.worker.refuse_wait()  # it waits for the jobs below, which need the worker
         t0 = time.perf_counter()
         batch = self.engine.max_batch
         # Jobs join one per frame, so with batch + 1 frames each the batch passes through
@@ -452,6 +453,12 @@ class VoxtralTTS:
             raise InputError(
                 "text given in pieces (an iterable of str) is spoken as it arrives, cut into "
                 "segments at natural pauses: pass split=True"
+            )
+        if is_unordered(text):
+            raise InputError(
+                f"text must be a string, got a {type(text).__name__}, whose order is not the "
+                "text's: pass the text itself (str; or, with split=True, a list or generator "
+                "of str pieces in order)"
             )
         if not pieces and not isinstance(text, str):
             raise InputError(
@@ -689,9 +696,10 @@ class VoxtralTTS:
         )
 
     def submit(self, job: Job) -> Job:
-        """Hand ``job`` to the engine (from any thread); its output arrives in ``job.output``
-        (or its ``on_output`` callback). A job runs once: submitting it again is an
-        :class:`InputError`."""
+        """Hand ``job`` to the engine (from any thread, a job's ``on_output`` callback and
+        :meth:`call` included: it does not wait for audio); its output arrives in
+        ``job.output`` (or its ``on_output`` callback). A job runs once: submitting it again
+        is an :class:`InputError`."""
         if not isinstance(job, Job):
             raise InputError(f"submit() takes a Job made by tts.job(...), got {type(job).__name__}")
         self._submit_all([job])
@@ -700,7 +708,11 @@ class VoxtralTTS:
     def _submit_all(self, jobs: list[Job]) -> None:
         # One hand-over to the worker, which takes tasks only between frames: one per job
         # would hold the caller (and so the first job's audio) for a frame each.
-        self.worker.refuse_wait()  # it would wait for itself, and so would every request
+        if self.worker.in_worker:  # a callback chaining jobs: queue them, nothing to wait for
+            if self.worker.closed:
+                raise closed_error()
+            self._enqueue(jobs)
+            return
         self.worker.submit(lambda: self._enqueue(jobs)).result()
 
     def _enqueue(self, jobs: list[Job]) -> None:
