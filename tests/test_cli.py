@@ -231,6 +231,13 @@ def test_follow_decodes_text_split_anywhere():
     assert next(text_pieces(lambda: next(reads), "stdin")) == "Yo\n"
     with pytest.raises(voxtral_mlx.errors.InputError, match="holds NUL bytes"):
         pieces(b"a\x00b c d", 2)
+    # With a UTF-16 byte-order mark the NUL is a character: no "UTF-16 without a mark".
+    for split in (1, 3):
+        with pytest.raises(voxtral_mlx.errors.InputError, match="holds NUL characters") as e:
+            pieces("Hi\x00 there.".encode("utf-16"), split)
+        assert "UTF-16" not in str(e.value)
+    with pytest.raises(voxtral_mlx.errors.InputError, match="holds NUL characters"):
+        decode_text("Hi\x00 there.".encode("utf-32"), "text file t.txt")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
@@ -306,6 +313,13 @@ def test_voices_of_a_model_without_voices_is_an_error(model_dir, tmp_path):
         proc = run(*args, "-m", str(bare))
         assert "has no voices in voice_embedding/" in one_line_error(proc)
         assert proc.stdout == b""
+    # Voices kept under another folder's name: that folder is named.
+    shutil.copytree(model_dir / "voice_embedding", bare / "voices")
+    proc = run("speak", "-m", str(bare), "Hi.", "-o", str(tmp_path / "x.wav"))
+    assert "its voices/ folder holds voice files: rename it voice_embedding" in (
+        one_line_error(proc)
+    )
+    assert not (tmp_path / "x.wav").exists()
 
 
 @pytest.mark.parametrize(

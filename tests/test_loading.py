@@ -255,6 +255,35 @@ def test_a_missing_or_broken_default_voice_is_an_error_not_another_voice(
         tts.close()
 
 
+def test_the_default_voice_is_found_but_for_case_as_a_named_one(tiny_checkpoint, tmp_path):
+    """A casual_male file renamed Casual_Male was found by -v casual_male but not as the
+    default: "has no voice 'casual_male' (its file is missing)", listing Casual_Male."""
+    import shutil
+
+    from voxtral_mlx.errors import VoiceError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    vdir = model / "voice_embedding"
+    (vdir / "casual_male.pt").rename(vdir / "Casual_Male.pt")
+    tts = voxtral_mlx.load(model, prefix_cache_dir=None)
+    try:
+        assert tts.default_voice == "Casual_Male" and tts.voices.missing == []
+        a = tts.synthesize("Hi.", seed=1, max_frames=2)
+        b = tts.synthesize("Hi.", "casual_male", seed=1, max_frames=2)
+        assert a.voice == b.voice == "Casual_Male"
+        np.testing.assert_array_equal(a.codes, b.codes)
+    finally:
+        tts.close()
+    shutil.copy(vdir / "Casual_Male.pt", vdir / "CASUAL_MALE.pt")
+    tts = voxtral_mlx.load(model, prefix_cache_dir=None)
+    try:
+        with pytest.raises(VoiceError, match="'casual_male' is ambiguous"):
+            tts.synthesize("Hi.", max_frames=1)
+    finally:
+        tts.close()
+
+
 def test_voice_embeddings_have_the_tekken_row_counts(tiny_tts) -> None:
     for name in ("ar_male", "neutral_female"):
         assert tiny_tts.voices.embedding(name).shape == (REAL_VOICES[name], 64)

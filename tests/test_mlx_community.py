@@ -374,7 +374,7 @@ def test_a_config_json_contradicting_the_tensors_is_named(
         load_model_dir(broken)
     message = one_line(exc.value)
     assert "config.json's quantization section gives layer '" in message
-    assert f"{stated}, but its tensors are 4-bit with group size 64" in message
+    assert f"{stated}, but its tensors are 4 bits and group size 64" in message
     assert "mis-shaped" not in message
     # As the file names it.
     assert "language_model.model.model." in message or "acoustic_transformer." in message
@@ -471,12 +471,28 @@ def test_an_unknown_quantization_mode_says_to_convert_the_original(broken: Path)
 
 
 def test_a_float_mode_that_does_not_fit_the_stored_shapes_is_named(broken: Path) -> None:
+    """config.json naming a mode its tensors are not in blamed the layer ("re-convert it"),
+    not config.json, as a wrong bits or group size does."""
     _edit_quantization(broken, lambda q: q.update(mode="mxfp4"))  # the weights are affine g64
     with pytest.raises(CheckpointError) as exc:
         load_model_dir(broken)
-    assert "mode mxfp4 with 4 bits and group size 64, but mxfp4 has 4 bits and group size 32" in (
-        one_line(exc.value)
-    )
+    message = one_line(exc.value)
+    assert "config.json's quantization section gives layer '" in message
+    assert "mode mxfp4 (4 bits and group size 64), but its tensors are 4 bits and group" in message
+    assert "correct config.json (or remove its quantization section" in message
+
+
+def test_an_affine_section_over_float_mode_tensors_names_config_json(float_modes, tmp_path):
+    """An mxfp4 conversion whose config.json says affine: a list of 29 missing biases and
+    wrongly typed scales, blaming the weights."""
+    path = Path(shutil.copytree(float_modes["mxfp4"], tmp_path / "m"))
+    _edit_quantization(path, lambda q: q.update(mode="affine"))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(path)
+    message = one_line(exc.value)
+    assert "config.json's quantization section gives layer '" in message
+    assert ", but its tensors are mode mxfp4 (4 bits and group size 32): correct" in message
+    assert "missing" not in message
 
 
 FLOAT_MODES = ["mxfp4", "mxfp8", "nvfp4"]
@@ -583,7 +599,24 @@ def test_per_layer_true_entries_take_the_sections_bits(community, tmp_path) -> N
 
 
 def test_bits_mlx_does_not_support_are_one_line_errors(broken: Path) -> None:
+    # config.json's 7 bits over 4-bit tensors: config.json is what is wrong.
+    config = json.loads((broken / "config.json").read_text())
     _edit_quantization(broken, lambda q: q.update(bits=7))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken, "float32")
+    assert "gives layer '" in one_line(exc.value) and "7 bits and group size 64, but its " in (
+        one_line(exc.value)
+    )
+    # A layer whose tensors are 7-bit (packed as MLX would, if it could) and say so.
+    (broken / "config.json").write_text(json.dumps(config))
+    index = json.loads((broken / "model.safetensors.index.json").read_text())["weight_map"]
+    layer = _stored(broken)[0][0]
+    shard = broken / index[f"{layer}.weight"]
+    tensors = dict(mx.load(str(shard)))
+    rows, packed = tensors[f"{layer}.weight"].shape
+    tensors[f"{layer}.weight"] = mx.zeros((rows, packed * 7 // 4), mx.uint32)
+    mx.save_safetensors(str(shard), tensors, metadata={"format": "mlx"})
+    _edit_quantization(broken, lambda q: q.update({layer: {"bits": 7, "group_size": 64}}))
     with pytest.raises(CheckpointError) as exc:
         load_model_dir(broken, "float32")
     message = one_line(exc.value)

@@ -705,16 +705,25 @@ def test_an_unknown_voice_suggests_the_names_it_looks_like():
     assert _close_names("fr-female", names) == ["fr_female"]
     assert _close_names("Neutral Male", names) == ["neutral_male"]
     assert _close_names("bob", names) == [] and _close_names("  ", names) == []
+    # Part of a name, or a language in full: -v neutral, -v french were not understood.
+    assert _close_names("neutral", names) == ["neutral_male"]
+    assert _close_names("French", names) == ["fr_female", "fr_male"]
+    assert _close_names("french female", names) == ["fr_female"]
+    assert _close_names("english", names) == ["casual_female", "casual_male", "neutral_male"]
+    assert _close_names("male", names) == ["casual_male", "fr_male", "neutral_male"]
 
 
 def test_the_unknown_voice_error_names_the_likely_one_and_an_empty_name(tmp_path: Path) -> None:
     vdir = tmp_path / "voice_embedding"
     vdir.mkdir()
-    for name in ["casual_male", "fr_female"]:
+    for name in ["casual_male", "fr_female", "fr_male"]:
         (vdir / f"{name}.pt").write_bytes(b"not read")
     reg = VoiceRegistry.from_dir(vdir, expected_tokens(), DIM)
     with pytest.raises(VoiceError, match="did you mean casual_male\\?") as e:
         reg.get_voice("casual_mal")
+    with pytest.raises(VoiceError, match="did you mean fr_female or fr_male\\? "):
+        reg.get_voice("French")
+
     assert "\n" not in str(e.value)
     with pytest.raises(VoiceError, match="empty \\(an unset shell variable\\?\\)"):
         reg.get_voice("")

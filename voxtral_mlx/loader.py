@@ -289,10 +289,11 @@ def _quantized_layers(
     paths = {n[: -len(".scales")] for n in tensors if n.endswith(".scales")}
     out: dict[str, QuantSpec] = {}
     for path in sorted(paths):
+        named = one_line(tensors[f"{path}.scales"].key.removesuffix(".scales"), 80)  # as filed
         if qconfig is not None and path in qconfig.layers and qconfig.layers[path] is None:
             raise CheckpointError(
                 f"{source}: config.json's quantization section leaves layer "
-                f"'{one_line(path, 80)}' unquantized, but the files hold it quantized: "
+                f"'{named}' unquantized, but the files hold it quantized: "
                 "config.json and the weights come from different conversions; re-download "
                 "or re-convert the model"
             )
@@ -304,13 +305,15 @@ def _quantized_layers(
         mode = layer.mode if layer else (qconfig.mode if qconfig else None)
         if mode is not None and mode != "affine" and mode not in FLOAT_QUANT_MODES:
             raise CheckpointError(
-                f"{source}: layer '{one_line(path, 80)}' uses quantization mode "
+                f"{source}: layer '{named}' uses quantization mode "
                 f"{one_line(str(mode), 40)!r}, which MLX does not know (affine, "
                 f"{', '.join(FLOAT_QUANT_MODES)}): convert the original (unquantized) "
                 "checkpoint with `voxtral-mlx convert --q-bits N`"
             )
         if mode in FLOAT_QUANT_MODES:
             bits, group = bits or FLOAT_QUANT_MODES[mode][0], group or FLOAT_QUANT_MODES[mode][1]
+        if qconfig is not None:
+            _check_recorded_spec(path, (mode, bits, group), tensors, base, source)
         if bits is None or group is None or mode is None:
             inferred = _infer_spec(path, tensors, base)
             if inferred is None:
@@ -320,49 +323,55 @@ def _quantized_layers(
         if mode in FLOAT_QUANT_MODES and (bits, group) != FLOAT_QUANT_MODES[mode]:
             want_bits, want_group = FLOAT_QUANT_MODES[mode]
             raise CheckpointError(
-                f"{source}: layer '{one_line(path, 80)}' is quantized in mode {mode} with "
+                f"{source}: layer '{named}' is quantized in mode {mode} with "
                 f"{bits} bits and group size {group}, but {mode} has {want_bits} bits and "
                 f"group size {want_group}: re-convert it"
             )
         if mode == "affine" and (bits not in affine_bits() or group not in QUANT_GROUP_SIZES):
             raise CheckpointError(
-                f"{source}: layer '{one_line(path, 80)}' is quantized with {bits} bits and group "
+                f"{source}: layer '{named}' is quantized with {bits} bits and group "
                 f"size {group}, which this MLX's affine quantization does not support (bits "
                 f"{', '.join(map(str, affine_bits()))}; group size 32, 64 or 128): re-convert "
                 "it, or upgrade mlx if a newer one supports it"
             )
-        spec = QuantSpec(bits=bits, group_size=group, mode=mode)
-        _check_recorded_spec(path, spec, tensors, base, source)
-        out[path] = spec
+        out[path] = QuantSpec(bits=bits, group_size=group, mode=mode)
     return out
 
 
 def _check_recorded_spec(
     path: str,
-    spec: QuantSpec,
+    given: tuple[str | None, int | None, int | None],
     tensors: Mapping[str, TensorRef],
     base: Mapping[str, Expected],
     source: str,
 ) -> None:
-    """config.json's bits and group size for ``path`` against its tensors: a section that
-    disagrees with the packed shapes is named as such (verification would list every
-    layer as mis-shaped and blame the weights)."""
+    """config.json's mode, bits and group size for ``path`` (None where it gives none)
+    against its tensors: a section that disagrees with the packed shapes is named as such
+    (verification would list every layer as mis-shaped and blame the weights)."""
     read = _infer_spec(path, tensors, base)
-    if (
-        read is not None
-        and read.mode == spec.mode == "affine"
-        and (read.bits, read.group_size) != (spec.bits, spec.group_size)
-        and read.bits in affine_bits()
-        and read.group_size in QUANT_GROUP_SIZES
+    if read is None or (
+        read.mode == "affine"
+        and (read.bits not in affine_bits() or read.group_size not in QUANT_GROUP_SIZES)
     ):
-        layer = tensors[f"{path}.scales"].key.rpartition(".")[0]
-        raise CheckpointError(
-            f"{source}: config.json's quantization section gives layer '{one_line(layer, 80)}' "
-            f"{spec.bits} bits and group size {spec.group_size}, but its tensors are "
-            f"{read.bits}-bit with group size {read.group_size}: correct config.json (or "
-            "remove its quantization section: the bits are then read off the tensors), or "
-            "re-download the model"
-        )
+        return  # the tensors are in no format MLX reads: verification names them
+    found = (read.mode, read.bits, read.group_size)
+    if all(g is None or g == f for g, f in zip(given, found)):
+        return
+    layer = tensors[f"{path}.scales"].key.removesuffix(".scales")
+    raise CheckpointError(
+        f"{source}: config.json's quantization section gives layer '{one_line(layer, 80)}' "
+        f"{_spec_words(*given)}, but its tensors are {_spec_words(*found)}: correct "
+        "config.json (or remove its quantization section: the format is then read off the "
+        "tensors), or re-download the model"
+    )
+
+
+def _spec_words(mode: str | None, bits: int | None, group: int | None) -> str:
+    sizes = [f"{bits} bits"] * (bits is not None) + [f"group size {group}"] * (group is not None)
+    size = " and ".join(sizes)
+    if mode in (None, "affine"):
+        return size or "affine quantization"
+    return f"mode {mode}" + (f" ({size})" if size else "")
 
 
 def open_weights(model_dir: Path, config: ModelConfig) -> WeightSet:

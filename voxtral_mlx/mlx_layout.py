@@ -14,8 +14,8 @@ Two MLX layouts exist, told apart by their tensor names (never by the repo name)
   (:data:`FORMAT`) and an entry per quantized layer (the flow head keeps more bits than the
   backbone). Format version 1 used Mistral's names and a ``layers`` map; it still loads.
 
-Everything is renamed to Mistral's names before verification, so errors name tensors the
-way ``consolidated.safetensors`` does.
+Everything is renamed to Mistral's names before verification; errors name tensors and
+layers as their files do.
 """
 
 from __future__ import annotations

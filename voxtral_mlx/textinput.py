@@ -116,7 +116,7 @@ def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
                     text = text.removeprefix("\ufeff")
         first = False
         if "\x00" in text:
-            raise _nul_error(what)
+            raise _nul_error(what, wide=_is_wide(head))
         text = held + text
         held = "\r" if not end and text.endswith("\r") else ""
         text = _one_newline(text[: len(text) - len(held)])
@@ -140,7 +140,7 @@ def decode_text(raw: bytes, what: str) -> str:
     else:
         text = raw.decode("utf-8-sig")  # editors that save a byte-order mark
     if "\x00" in text:  # valid UTF-8, but no text has it: each would be a prompt token
-        raise _nul_error(what)
+        raise _nul_error(what, wide=_is_wide(raw))
     return _one_newline(text)
 
 
@@ -158,7 +158,16 @@ def _file_error(path: str, error: OSError) -> InputError:
     )
 
 
-def _nul_error(what: str) -> InputError:
+def _is_wide(head: bytes) -> bool:
+    return head.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff"))
+
+
+def _nul_error(what: str, wide: bool = False) -> InputError:
+    if wide:  # read as UTF-16 or UTF-32 by its byte-order mark: NUL characters, not bytes
+        return InputError(
+            f"{what} holds NUL characters, which no text has (binary data in it?): remove "
+            "them, or pass a text file"
+        )
     return InputError(
         f"{what} holds NUL bytes: it is not text, or UTF-16 without a byte-order mark; "
         "convert it to UTF-8 first (e.g. iconv -f UTF-16LE -t UTF-8)"

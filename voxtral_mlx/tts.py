@@ -44,7 +44,7 @@ from .residency import Residency
 from .segment import Segment, SplitStopped, is_blank, is_silent, split_text
 from .textstream import AsyncTextStream, TextStream, check_pause
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
-from .voices import Voice, VoiceRegistry
+from .voices import Voice, VoiceRegistry, case_matches, misplaced_voice_folder
 from .worker import Worker, WorkerFuture, closed_error
 
 T = TypeVar("T")
@@ -326,11 +326,18 @@ class VoxtralTTS:
         manner unasked); a damaged file of it is reported when it is used."""
         if DEFAULT_VOICE in self.voices or DEFAULT_VOICE in self.voices.broken:
             return DEFAULT_VOICE
+        # Named but for case, as -v takes it (a voice file renamed Casual_Male.pt).
+        found = case_matches(DEFAULT_VOICE, [(n, n) for n in [*self.voices, *self.voices.broken]])
+        if found:  # two such files: the voice lookup says which are ambiguous
+            return found[0] if len(found) == 1 else DEFAULT_VOICE
         if not self.voices:
-            raise InputError(
-                f"{self.path} has no voices in voice_embedding/: copy the checkpoint's "
-                "voice_embedding folder there"
+            other = misplaced_voice_folder(self.path)
+            fix = (
+                f"its {one_line(other, 60)}/ folder holds voice files: rename it voice_embedding"
+                if other is not None
+                else "copy the checkpoint's voice_embedding folder there"
             )
+            raise InputError(f"{self.path} has no voices in voice_embedding/: {fix}")
         names = one_line(", ".join(self.voices), 400)
         missing = (
             " (tekken.json lists it, but its file is missing: an incomplete download? fetch "

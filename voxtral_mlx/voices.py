@@ -38,6 +38,27 @@ def case_matches(name: str, named: Iterable[tuple[str, T]]) -> list[T]:
     return [value for n, value in named if n.casefold() == folded]
 
 
+def misplaced_voice_folder(model_dir: Path) -> str | None:
+    """The name of a folder of ``model_dir`` other than ``voice_embedding`` that holds voice
+    files (``.pt``, or ``.safetensors`` not named ``model*``), if there is one: where a
+    renamed or re-organised download keeps them. Looks at a few hundred entries at most."""
+    try:
+        with os.scandir(model_dir) as entries:
+            folders = [e for _, e in zip(range(256), entries) if e.is_dir()]
+        for folder in sorted(folders, key=lambda e: e.name):
+            if folder.name == "voice_embedding" or folder.name.startswith("."):
+                continue
+            with os.scandir(folder.path) as inside:
+                for _, e in zip(range(256), inside):
+                    if e.name.endswith(".pt") or (
+                        e.name.endswith(".safetensors") and not e.name.startswith("model")
+                    ):
+                        return folder.name
+    except OSError:
+        return None
+    return None
+
+
 LANGUAGE_NAMES: dict[str, str] = {
     "en": "English",
     "fr": "French",
@@ -99,17 +120,25 @@ def _dangling(path: Path) -> bool:
 
 
 def _close_names(name: str, names: list[str]) -> list[str]:
-    """Up to three voice names that ``name`` looks like a typo of (``casual_mal``,
-    ``fr-female``, ``French female``), compared without case and with ``-`` and spaces
-    read as ``_``."""
+    """Up to six voice names that ``name`` is part of (``neutral``, ``french``, ``male``)
+    or up to three it looks like a typo of (``casual_mal``, ``fr-female``, ``French
+    female``), compared without case and with ``-`` and spaces read as ``_``."""
     import difflib
 
     key = name.strip().lower().replace("-", "_").replace(" ", "_")
     if not key:
         return []
+    # A language named in full: "french_female" is fr_female, "english" the en voices.
+    codes = {language.lower(): code for code, language in LANGUAGE_NAMES.items()}
+    key = "_".join(codes.get(part, part) for part in key.split("_"))
     by_key = {n.lower(): n for n in names}
     if key in by_key:  # the name but for its separators
         return [by_key[key]]
+    # Part of a name ("neutral", "fr", "male"): the voices that have every part given.
+    wanted = {p for p in key.split("_") if p}
+    having = [n for k, n in by_key.items() if wanted <= {*k.split("_"), voice_language(k) or ""}]
+    if having:
+        return having[:6]
     return [by_key[k] for k in difflib.get_close_matches(key, list(by_key), n=3, cutoff=0.75)]
 
 
@@ -132,7 +161,8 @@ class VoiceRegistry(Mapping[str, Voice]):
         self.broken = dict(broken or {})
         # Voices the tokenizer lists that have no file, beside others that have one (an
         # incomplete download; with none at all, the folder is what is missing).
-        self.missing = sorted(set(missing) - set(self._voices) - set(self.broken))
+        present = {n.casefold() for n in [*self._voices, *self.broken]}
+        self.missing = sorted({m for m in missing if m.casefold() not in present})
         if not self._voices:
             self.missing = []
         self._lock = threading.Lock()
@@ -240,7 +270,8 @@ class VoiceRegistry(Mapping[str, Voice]):
                 f"the voice name is empty (an unset shell variable?); name one of: {names}"
             )
         close = _close_names(name, list(self._voices))
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        either = ", ".join(close[:-1]) + " or " + close[-1] if len(close) > 1 else "".join(close)
+        hint = f"did you mean {either}? " if close else ""
         raise VoiceError(
             f"unknown voice {one_line(repr(name))}; {hint}available voices: {names} "
             f"(run `voxtral-mlx voices` to list them with their languages)"
