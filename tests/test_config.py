@@ -697,3 +697,39 @@ def test_real_codec_windows_with_the_encoder_given_or_not(real: ModelConfig) -> 
     params = with_value(f"{TOK}.encoder_convs_strides_str", "2,2,2,1")
     params = with_value(f"{TOK}.encoder_convs_kernels_str", "4,4,4,3", params)
     assert ModelConfig.from_params(params).codec.windows == (2, 4, 8, 16)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [("rope_theta", 1e39), ("norm_eps", 1e300), (f"{AT}.sigma_max", 1e308)],
+)
+def test_a_number_beyond_float32_names_its_key(path: str, value: float) -> None:
+    """rope_theta 1e39 is finite in Python but infinite in float32: it loaded, and frame 1
+    blamed the weights for the NaN it made ("re-download it")."""
+    message = config_error(with_value(path, value))
+    assert f"'{path}' must lie within float32's range" in message
+
+
+def test_a_sampling_rate_no_audio_has_is_refused() -> None:
+    """sampling_rate 1 (frame_rate 1/1920 to match) loaded and wrote 1 Hz audio files."""
+    params = with_value(f"{ENC}.sampling_rate", 1)
+    params = with_value(f"{TOK}.sampling_rate", 1, params)
+    params = with_value(f"{ENC}.frame_rate", 1 / 1920, params)
+    message = config_error(params)
+    assert f"'{ENC}.sampling_rate'" in message and "1 Hz is no audio rate" in message
+
+
+def test_an_unreadable_params_json_says_to_let_the_user_read_it(tmp_path, monkeypatch):
+    """Permission denied said "restore it from the model's download", which would not help
+    (as root here chmod 000 cannot deny a read: the read is made to fail)."""
+    import voxtral_mlx.config as config_mod
+
+    def denied(path, limit):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(config_mod, "read_limited", denied)
+    with pytest.raises(ConfigError) as exc:
+        ModelConfig.from_file(tmp_path / "params.json")
+    message = one_line(exc.value)
+    assert "Permission denied; let this user read it (chmod or chown)" in message
+    assert "download" not in message

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -288,3 +289,25 @@ def test_non_tts_tekken_is_refused_like_mistral_common(tmp_path, tiny_checkpoint
     shutil.copy(source, model / "tekken.json")
     with pytest.raises(TokenizerError, match=r"\[AUDIO\]"):
         voxtral_mlx.load(model, prefix_cache_dir=None)
+
+
+@pytest.mark.parametrize("token", ["[NEXT_AUDIO_TEXT]", "[REPEAT_AUDIO_TEXT]"])
+def test_a_tekken_without_a_prompt_token_is_refused_by_load_and_convert(
+    tmp_path, tiny_checkpoint, token
+):
+    """Without [AUDIO] or [BEGIN_AUDIO] both refused the model; without these two, convert
+    wrote a model that every request then failed on."""
+    from voxtral_mlx.convert import convert_model
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    data = json.loads((model / "tekken.json").read_text())
+    for entry in data["special_tokens"]:
+        if entry["token_str"] == token:
+            entry["token_str"] = f"<SPECIAL_{entry['rank']}>"
+    (model / "tekken.json").write_text(json.dumps(data))
+    with pytest.raises(TokenizerError, match=re.escape(token)):
+        voxtral_mlx.load(model, prefix_cache_dir=None)
+    with pytest.raises(TokenizerError, match=re.escape(token)):
+        convert_model(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -764,3 +764,37 @@ def test_a_run_too_long_for_tekkens_own_pattern_is_named(built_tok):
     message = str(info.value)
     assert "\n" not in message and "holds a run too long to tokenize" in message
     assert "10,200,000 characters" in message and "restore" not in message
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda t: t["special_tokens"][5].update(rank="x" * 100_000),
+        lambda t: t["special_tokens"][5].update(token_str="y" * 100_000, rank=9),
+        lambda t: [t["special_tokens"][i].update(token_str="d" * 100_000) for i in (5, 6)],
+        lambda t: t["vocab"][100].update(rank="z" * 100_000),
+    ],
+    ids=["rank", "token_str", "duplicate", "vocab-rank"],
+)
+def test_a_damaged_tekken_value_is_shown_cut_short(byte_tekken_file, tmp_path, damage):
+    """A 1 MB value in tekken.json made a 1 MB error line."""
+    data = json.loads(byte_tekken_file.read_text())
+    damage(data)
+    path = tmp_path / "tekken.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TokenizerError) as exc:
+        TekkenTokenizer.from_file(path, cache_dir=tmp_path / "cache")
+    assert len(str(exc.value)) < 400 and "\n" not in str(exc.value)
+
+
+def test_a_voice_row_count_past_any_voice_is_a_damaged_tekken(byte_tekken_file, tmp_path):
+    """casual_male given 10**9 rows blamed the intact voice file ("re-download it")."""
+    data = json.loads(byte_tekken_file.read_text())
+    data["audio"]["voice_num_audio_tokens"]["ar_male"] = 10**9
+    path = tmp_path / "tekken.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TokenizerError) as exc:
+        TekkenTokenizer.from_file(path, cache_dir=tmp_path / "cache")
+    message = str(exc.value)
+    assert message.startswith(str(path)) and "ar_male 1,000,000,000 rows" in message
+    assert "re-download tekken.json" in message

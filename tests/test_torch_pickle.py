@@ -579,6 +579,13 @@ def test_refusal_message_example(tmp_path: Path) -> None:
     assert "its pickle asks for os.system, which is not part of a tensor file" in str(exc.value)
 
 
+def test_a_python2_name_is_refused_under_its_python3_name(tmp_path: Path) -> None:
+    """A protocol-2 pickle's __builtin__.exec was named so (pickle would run builtins.exec)."""
+    pkl = b"\x80\x02" + op_global("__builtin__", "exec") + op_tuple(op_str("1")) + b"R."
+    with pytest.raises(UnsafePickleError, match=r"asks for builtins\.exec, which"):
+        read_pt(make_pt(tmp_path / "p2.pt", pkl))
+
+
 def test_refused_global_with_newline_stays_one_line(tmp_path: Path) -> None:
     pkl = b"\x80\x04" + op_str("os\nx") + op_str("sys\ntem") + b"\x93."
     with pytest.raises(UnsafePickleError) as exc:

@@ -21,7 +21,7 @@ import numpy as np
 
 from .config import N_SPECIAL_AUDIO_CODES, ModelConfig, pad_to
 from .errors import CheckpointError
-from .fileio import one_line
+from .fileio import one_line, unreadable_fix
 
 # safetensors dtype name -> (bytes per element, MLX dtype)
 SAFETENSORS_DTYPES: dict[str, tuple[int, mx.Dtype]] = {
@@ -312,7 +312,8 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
     except IsADirectoryError:
         raise CheckpointError(f"{path} is a directory, expected a safetensors file") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+        fix = unreadable_fix(e, "re-download it")
+        raise CheckpointError(f"cannot read {path}: {e.strerror}; {fix}") from None
     try:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):  # incl. JSONDecodeError
@@ -493,7 +494,8 @@ def read_tensors_numpy(path: str | Path, infos: Mapping[str, TensorInfo]) -> dic
                 array = mx.array(values)
                 out[name] = array.view(mx.bfloat16) if info.dtype == "BF16" else array
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+        fix = unreadable_fix(e, "re-download it")
+        raise CheckpointError(f"cannot read {path}: {e.strerror}; {fix}") from None
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .fileio import MAX_JSON_BYTES, one_line, read_limited
+from .fileio import MAX_JSON_BYTES, one_line, read_limited, unreadable_fix
 
 N_SPECIAL_AUDIO_CODES = 2  # 0 = EMPTY_AUDIO, 1 = END_AUDIO; real codes start at 2
 END_AUDIO = 1
@@ -26,6 +26,8 @@ EMPTY_AUDIO = 0
 # Far above any real model, low enough that a hostile params.json cannot make the checks
 # themselves slow: every layer adds a dozen expected tensors before a single one is read.
 MAX_INT = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 768_000
 MAX_LAYERS = 1024
 MAX_CODEC_STAGES = 32
 MAX_CODEBOOKS = 1024
@@ -94,6 +96,10 @@ class _Reader:
             value = float(value)
             if not math.isfinite(value):
                 raise ConfigError(f"{where} must be finite, got {one_line(repr(value), 60)}")
+            if abs(value) > FLOAT32_MAX:  # computed in float32 (or less): it would be inf
+                raise ConfigError(
+                    f"{where} must lie within float32's range (+-3.4e38), got {_short(value)}"
+                )
         elif kind is str and not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {one_line(repr(value), 60)}")
         if positive and not value > 0:
@@ -559,6 +565,12 @@ class ModelConfig:
             f"{c.sampling_rate} differs from audio_encoding_args.sampling_rate "
             f"{self.sampling_rate}",
         )
+        _require(
+            MIN_SAMPLE_RATE <= self.sampling_rate <= MAX_SAMPLE_RATE,
+            f"{enc}.sampling_rate",
+            f"{self.sampling_rate} Hz is no audio rate (Voxtral's is 24000; audio files and "
+            f"devices take {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE})",
+        )
         per_frame = self.sampling_rate / self.frame_rate
         _require(
             c.samples_per_frame <= 2**53 and math.isclose(per_frame, c.samples_per_frame),
@@ -578,9 +590,8 @@ class ModelConfig:
         except UnicodeDecodeError:
             raise ConfigError(f"{path} is not UTF-8 text: re-download the model") from None
         except OSError as e:
-            raise ConfigError(
-                f"cannot read {path}: {e.strerror}; restore it from the model's download"
-            ) from None
+            fix = unreadable_fix(e, "restore it from the model's download")
+            raise ConfigError(f"cannot read {path}: {e.strerror}; {fix}") from None
         try:
             params = json.loads(text)
         except json.JSONDecodeError as e:
@@ -593,4 +604,4 @@ class ModelConfig:
                 f"{path} is not a usable params.json (absurdly long numbers or nesting): "
                 "re-download the model"
             ) from None
-        return cls.from_params(params)
+        return cls.from_params(params, str(path))

@@ -31,6 +31,14 @@ def one_line(text: str, limit: int = 160) -> str:
 MAX_JSON_BYTES = 64 << 20  # params.json, config.json, an index: kilobytes in any release
 
 
+def unreadable_fix(error: OSError, fix: str) -> str:
+    """``fix`` for a file that could not be read, unless the error is a permission one:
+    a new copy would not help, letting this user read it does."""
+    if isinstance(error, PermissionError):
+        return "let this user read it (chmod or chown), or run as its owner"
+    return fix
+
+
 def read_limited(path: str | os.PathLike[str], limit: int) -> bytes:
     """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes.
 

@@ -67,7 +67,7 @@ from .mlx_layout import (
 )
 from .model.layers import Float32QuantizedLinear
 from .model.voxtral import VoxtralModel
-from .tokenizer import TekkenTokenizer
+from .tokenizer import NEXT_AUDIO_TEXT, REPEAT_AUDIO_TEXT, TekkenTokenizer
 from .voices import VoiceRegistry
 
 DTYPES = {
@@ -130,6 +130,8 @@ def check_tokenizer(config: ModelConfig, tokenizer: TekkenTokenizer) -> None:
                 f"{expected}: the tokenizer and the weights come from different models; use the "
                 "tekken.json and params.json of one download"
             )
+    for token in (NEXT_AUDIO_TEXT, REPEAT_AUDIO_TEXT):  # every prompt has them
+        tokenizer.special_id(token)
     if tokenizer.vocab_size > config.backbone.vocab_size:
         raise ConfigError(
             f"tekken.json has {tokenizer.vocab_size} ids but params.json key 'vocab_size' is "
@@ -481,7 +483,11 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             in_config = None
         # A model config that does not even parse is as wrong as one that disagrees:
         # mlx-audio would read it.
-        other = None if in_config is None else ModelConfig.from_params(in_config, "config.json")
+        other = (
+            None
+            if in_config is None
+            else ModelConfig.from_params(in_config, str(model_dir / "config.json"))
+        )
         if other is not None and not _sets_decoding_steps(in_config):
             # The one knob users turn by editing params.json (SPEC): a config.json that
             # only takes the default does not contradict it.
@@ -509,7 +515,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             "the folder holding params.json, tekken.json and the weights, or a Hugging Face "
             "repo id"
         )
-    return ModelConfig.from_params(params, "config.json")
+    return ModelConfig.from_params(params, str(model_dir / "config.json"))
 
 
 def _sets_decoding_steps(params: Mapping[str, Any]) -> bool:

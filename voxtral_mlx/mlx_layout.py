@@ -30,7 +30,7 @@ from typing import Any
 
 from .checkpoint import FLOAT_QUANT_MODES
 from .errors import CheckpointError, ConfigError, ModelNotFoundError
-from .fileio import MAX_JSON_BYTES, one_line, read_limited
+from .fileio import MAX_JSON_BYTES, one_line, read_limited, unreadable_fix
 
 FORMAT = "voxtral-mlx"  # config.json "format" of the directories voxtral_mlx.convert writes
 FORMAT_VERSION = 2  # 1: Mistral's tensor names and a `layers` map (still read)
@@ -213,9 +213,8 @@ def _read_json(path: Path, error: type[Exception]) -> Any:
         )
         raise error(f"{path} is not valid JSON{where}: re-download or re-convert it") from None
     except OSError as e:
-        raise error(
-            f"cannot read {path}: {e.strerror}; restore it from the model's download"
-        ) from None
+        fix = unreadable_fix(e, "restore it from the model's download")
+        raise error(f"cannot read {path}: {e.strerror}; {fix}") from None
     except (ValueError, RecursionError):  # a 5000-digit number, arrays nested 10^5 deep
         raise error(
             f"{path} is not usable JSON (absurdly long numbers or nesting): re-download or "

@@ -41,6 +41,7 @@ from .fileio import (
     one_line,
     read_limited,
     remove_orphans,
+    unreadable_fix,
     usable_path,
 )
 
@@ -49,6 +50,7 @@ CACHE_FORMAT = 4  # 2: max_token_bytes; 3: merges as "a b" strings; 4: a content
 MAX_TEKKEN_BYTES = 256 << 20  # the real tekken.json holds 19 MB
 MAX_TOKEN_BYTES = 1024  # Tekken's longest token has 78 bytes
 MAX_MERGES = 4_000_000  # Tekken's vocabulary makes about 270,000
+MAX_VOICE_TOKENS = 4096  # as many rows as a voice file may have (voices.MAX_VOICE_ROWS)
 MAX_SPECIAL_TOKENS = 100_000  # Tekken has 1000
 RELEASE_GIL_CHARS = 1024  # longer texts are tokenized with the GIL released
 
@@ -161,9 +163,9 @@ class TekkenTokenizer:
                 f"{path} is a directory: pass the tekken.json file inside it"
             ) from None
         except OSError as e:
+            fix = unreadable_fix(e, "restore it from the model's download")
             raise TokenizerError(
-                f"cannot read tokenizer file {path}: {e.strerror or e}; restore it from the "
-                "model's download"
+                f"cannot read tokenizer file {path}: {e.strerror or e}; {fix}"
             ) from None
 
         digest = hashlib.sha256(raw).hexdigest()
@@ -431,14 +433,14 @@ def _special_tokens(entries: Any, n_special: int, path: Path) -> list[str]:
                 raise TokenizerError(f"{path}: special_tokens[{i}] has no string 'token_str'")
             if entry.get("rank") != i:
                 raise TokenizerError(
-                    f"{path}: special_tokens[{i}] ({entry['token_str']}) has rank "
-                    f"{entry.get('rank')!r}, expected {i}"
+                    f"{path}: special_tokens[{i}] ({one_line(entry['token_str'], 60)}) has rank "
+                    f"{one_line(repr(entry.get('rank')), 60)}, expected {i}"
                 )
             names.append(entry["token_str"])
     names += [f"<SPECIAL_{i}>" for i in range(len(names), n_special)]
     if len(set(names)) != len(names):
         dup = next(s for s in names if names.count(s) > 1)
-        raise TokenizerError(f"{path}: special token {dup} appears more than once")
+        raise TokenizerError(f"{path}: special token {one_line(dup, 60)} appears more than once")
     return names
 
 
@@ -450,6 +452,15 @@ def _voice_counts(audio: Mapping[str, Any]) -> dict[str, int]:
     ):
         raise TokenizerError(
             "audio.voice_num_audio_tokens must map voice names to non-negative integers"
+        )
+    # The release's voices have 67 to 218 rows: a count past any voice is a damaged file
+    # (the voice's own file would be blamed for not matching it).
+    huge = next(((k, v) for k, v in counts.items() if v > MAX_VOICE_TOKENS), None)
+    if huge is not None:
+        raise TokenizerError(
+            f"audio.voice_num_audio_tokens gives voice {one_line(huge[0], 60)} {huge[1]:,} "
+            f"rows (at most {MAX_VOICE_TOKENS:,} are accepted; Mistral's voices have 67 to "
+            "218): the file is damaged; re-download tekken.json"
         )
     return dict(counts)
 
@@ -466,7 +477,8 @@ def _vocab_strings(vocab: list[Any], path: Path) -> list[str]:
                 f"{path}: vocab[{i}] needs an integer 'rank' and base64 'token_bytes'"
             ) from None
         if rank != i:
-            raise TokenizerError(f"{path}: vocab[{i}] has rank {rank!r}, expected {i}")
+            shown = one_line(repr(rank), 60)
+            raise TokenizerError(f"{path}: vocab[{i}] has rank {shown}, expected {i}")
         if i < 256 and token != bytes([i]):
             raise TokenizerError(f"{path}: vocab[{i}] must be the single byte {i}, got {token!r}")
         if not token:  # a2b_base64 skips what is not base64: "@@@" decodes to nothing
@@ -507,7 +519,8 @@ def _build_backend(strings: list[str], pattern: str, offset: int, path: Path) ->
     try:
         split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
     except Exception as e:
-        raise TokenizerError(f"{path}: config.pattern is not a usable regex ({e})") from None
+        reason = one_line(str(e), 200)
+        raise TokenizerError(f"{path}: config.pattern is not a usable regex ({reason})") from None
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [

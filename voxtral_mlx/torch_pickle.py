@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import UnsafePickleError, VoiceError
-from .fileio import atomic_write, one_line
+from .fileio import atomic_write, one_line, unreadable_fix
 
 # safetensors dtype name -> numpy dtype holding the values (BF16 as raw uint16 bit patterns).
 DTYPES: dict[str, np.dtype] = {
@@ -318,6 +318,16 @@ class _UnreadDtype(VoiceError):
     """A plain tensor of a dtype without a reader here (float8, uint16, complex)."""
 
 
+def _python3_name(module: str, name: str) -> tuple[str, str]:
+    """What a protocol-2 pickle's Python 2 name (``__builtin__.exec``) means in Python 3,
+    as pickle itself would map it, for the refusal to name."""
+    import _compat_pickle
+
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, file: BinaryIO, source: str):
         super().__init__(file)
@@ -328,7 +338,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         placeholder = _ALLOWED.get((module, name))
         if placeholder is not None:
             return placeholder
-        what = one_line(f"{module}.{name}", 100)
+        what = one_line(".".join(_python3_name(module, name)), 100)
         if (module, name) == ("torch._utils", "_rebuild_tensor_v3") or (
             module == "torch" and name.endswith("Storage")
         ):  # a plain tensor file, of a dtype without a reader here (float8, uint16, complex)
@@ -405,7 +415,8 @@ def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
     except FileNotFoundError:
         raise VoiceError(f"{src} does not exist; check the path") from None
     except OSError as e:
-        raise VoiceError(f"cannot open {src}: {one_line(e.strerror or str(e))}") from e
+        fix = unreadable_fix(e, "re-download or re-create it")
+        raise VoiceError(f"cannot open {src}: {one_line(e.strerror or str(e))}; {fix}") from e
     if not head:
         raise VoiceError(f"{src} is empty; re-download or re-create it")
     if head[:4] != b"PK\x03\x04":

@@ -25,7 +25,14 @@ import numpy as np
 
 from .checkpoint import load_tensors
 from .errors import CheckpointError, InputError, VoiceError
-from .fileio import atomic_write, one_line, owned_name, remove_orphans, usable_path
+from .fileio import (
+    atomic_write,
+    one_line,
+    owned_name,
+    remove_orphans,
+    unreadable_fix,
+    usable_path,
+)
 from .output_dir import directory_path, make_dirs, remove_dirs
 from .torch_pickle import PtTensor, read_pt, to_mlx
 
@@ -197,7 +204,8 @@ class VoiceRegistry(Mapping[str, Voice]):
             except OSError as e:
                 raise VoiceError(
                     f"cannot list voice directory {one_line(str(voice_dir))}: "
-                    f"{one_line(e.strerror or str(e))}"
+                    f"{one_line(e.strerror or str(e))}; "
+                    + unreadable_fix(e, "restore the checkpoint's voice_embedding folder")
                 ) from e
             for entry in sorted(entries, key=lambda e: e.name):
                 path = Path(entry.path)
@@ -336,7 +344,8 @@ class VoiceRegistry(Mapping[str, Voice]):
         if voice.num_tokens is not None and rows != voice.num_tokens:
             raise VoiceError(
                 f"voice {voice.name!r} ({src}) has {rows} rows but tekken.json expects "
-                f"{voice.num_tokens}; {fix}"
+                f"{voice.num_tokens} (one of the two files is damaged); {fix}, or tekken.json "
+                "if the voice is intact"
             )
         if not mx.issubdtype(array.dtype, mx.floating):
             raise VoiceError(
