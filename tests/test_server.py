@@ -875,13 +875,56 @@ def test_a_client_that_stops_reading_is_cut_off_with_one_warning(checkpoint, tmp
             + data
         )
         wait_until(lambda: srv.health()["cancelled"] == 1, timeout=60)
+        # The connection is dropped with what the server held for it: it stayed open (the
+        # server waiting to flush megabytes to a client that does not read), so clients
+        # that never read held sockets and buffers without end.
+        received = _read_until_closed(sock, timeout=10)
+        assert received < 512 * 1024, received
     finally:
-        # (The connection stays until the client closes it: asyncio flushes before closing.)
         sock.close()
     assert stop_server(srv) == 0
     log = srv.log.read_text()
     assert "client stopped reading for 2 s: its speech response is cut off" in log
     assert "ERROR" not in log and "without completing response" not in log
+
+
+def test_a_stalled_client_does_not_hold_up_a_shutdown(checkpoint, tmp_path):
+    """Cut off by Ctrl-C while its client did not read, a response's connection waited to
+    be flushed: the server exited after uvicorn's own 3 s more, with an ERROR line."""
+    srv = start_server(tmp_path, checkpoint, "--max-frames", "400")
+    host, port = srv.url.removeprefix("http://").split(":")
+    data = json.dumps({"input": LONG, "response_format": "pcm", "speed": 0.25}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(
+            f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        wait_until(lambda: srv.health()["frames"] > 40, timeout=60)  # its buffers are full
+        t0 = time.monotonic()
+        assert stop_server(srv) == 0
+        took = time.monotonic() - t0
+    finally:
+        sock.close()
+    log = srv.log.read_text()
+    assert "stopping: cutting off 1 speech request(s)" in log
+    assert "ERROR" not in log and "Traceback" not in log, log
+    assert took < 5.5, took  # the 3 s grace, not 3 s more waiting for the connection
+
+
+def _read_until_closed(sock: socket.socket, timeout: float) -> int:
+    """Bytes read until the server closes the connection (or resets it)."""
+    sock.settimeout(timeout)
+    total = 0
+    try:
+        while chunk := sock.recv(65536):
+            total += len(chunk)
+    except ConnectionResetError:
+        pass
+    return total
 
 
 def test_a_second_ctrl_c_cuts_the_grace_short(checkpoint, tmp_path):

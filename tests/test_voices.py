@@ -274,7 +274,11 @@ def test_validation_errors(tmp_path: Path) -> None:
         {"embedding": torch.zeros(5, DIM, dtype=torch.bfloat16)}, str(vdir / "de_male.safetensors")
     )
     reg = VoiceRegistry.from_dir(vdir, {"de_male": 6}, DIM)
-    with pytest.raises(VoiceError, match=r"expects 6; re-convert it from the checkpoint's \.pt"):
+    with pytest.raises(
+        VoiceError,
+        match=r"expects 6 \(one of the two files is damaged\); re-convert it from the checkpoint's "
+        r"\.pt .*, or tekken\.json if the voice is intact",
+    ):
         reg.embedding("de_male")
 
 

@@ -16,7 +16,9 @@ Endpoints
     ``sse``). ``model`` is accepted and ignored (any string: the loaded model speaks; nothing
     is ever downloaded); ``instructions`` too (the model takes none). Extension: ``seed``
     (integer in [0, 2**62)) fixes the noise, so a request is reproducible: its audio equals
-    ``tts.synthesize(input, voice, seed=seed, split=True, max_frames=--max-frames)``.
+    ``tts.synthesize(input, voice, seed=seed, split=True, max_frames=--max-frames)``
+    (byte for byte in pcm, wav, flac and mp3; an opus file's Ogg stream number is random,
+    so its bytes differ while its decoded audio does not).
     Other fields are refused (400) so that typos do not pass silently.
     ``GET /v1/audio/voices``  the voices with their languages, and the OpenAI aliases.
     Every voice file is read when the server starts; one that cannot be used (damaged,
@@ -70,7 +72,9 @@ Limits and errors
     input limit (refused at once when Content-Length declares it), 415 a Content-Type
     other than JSON, 429 queue full, 500 a server failure (details only in the server's
     log). A request whose body is still arriving is not yet in the queue; a client that
-    stops reading the audio for 60 s (``--send-timeout``) is cut off and leaves it. A
+    stops reading the audio for 60 s (``--send-timeout``) is cut off and leaves it (its
+    connection is reset, dropping what was buffered for it; so is one cut off by shutdown
+    while not reading). A
     failure after audio has started closes the connection without the end of the chunked
     body. uvicorn has no deadline for the request line and headers: a connection that
     never completes them stays open (it holds a socket, not a queue slot) until the client

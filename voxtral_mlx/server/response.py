@@ -10,15 +10,18 @@ stops the body at once (its ``finally`` blocks run: generation is cancelled), an
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import math
+import socket
+import struct
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextvars import ContextVar
 
 import anyio
 import anyio.lowlevel
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import VoxtralError
 from .errors import APIError, request_failed, server_error, shutting_down
@@ -28,6 +31,39 @@ SSE_PIECE = 48 * 1024  # bytes of audio per SSE event at most
 # Set in the task of a response cut off on purpose (its client stopped reading): uvicorn's
 # "returned without completing response" line, logged next in that task, is noise then.
 CUT_OFF_ON_PURPOSE: ContextVar[bool] = ContextVar("voxtral_cut_off", default=False)
+
+
+# Scope key of the connection's transport, when the server exposes it (uvicorn's ``send`` is
+# a method of an object holding it; see :func:`with_transport`).
+TRANSPORT = "voxtral_mlx.transport"
+
+
+def with_transport(app: ASGIApp) -> ASGIApp:
+    """``app`` with each HTTP request's transport in its scope: a response cut off because
+    its client stopped reading is then aborted. Closed, the connection would wait for that
+    client to take the megabytes already buffered, holding its socket (and a shutdown)."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            if callable(getattr(transport, "abort", None)):
+                scope[TRANSPORT] = transport
+        await app(scope, receive, send)
+
+    return wrapped
+
+
+def _drop_connection(scope: Scope) -> None:
+    transport = scope.get(TRANSPORT)
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        # Closed plainly, the kernel would go on offering the megabytes in its send queue
+        # to a client that does not read: with a zero linger it resets the connection.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()  # the bytes asyncio still holds are dropped too
 
 
 class BodyResponse:
@@ -50,6 +86,7 @@ class BodyResponse:
         self.started = False
         self._aborted = False
         self._scope: anyio.CancelScope | None = None
+        self._sending = False  # inside the server's send: its write buffer may be full
 
     def abort(self) -> None:
         """Stop sending (server shutdown): the connection is closed without the end of the
@@ -107,8 +144,9 @@ class BodyResponse:
                     await self._send_body(self._guarded(send))
                     outcome = "completed"
                 except _Stalled:
-                    # Its slot in the queue is freed; the server closes the connection.
+                    # Its slot in the queue is freed, and the connection dropped.
                     CUT_OFF_ON_PURPOSE.set(True)
+                    _drop_connection(scope)
                     log.warning(
                         "client stopped reading for %g s: its speech response is cut off",
                         self.send_timeout,
@@ -124,6 +162,8 @@ class BodyResponse:
                     log.exception("speech generation failed")
                     await self._fail(send, server_error())
                 tg.cancel_scope.cancel()
+            if self._aborted and self._sending:
+                _drop_connection(scope)  # cut off by shutdown while its client is not reading
             if self._aborted and not self.started:
                 # Cut off by shutdown before any audio (waiting for room in the batch): a
                 # proper error, not the bare 500 the server sends for an unanswered request.
@@ -138,8 +178,10 @@ class BodyResponse:
         ``send_timeout`` seconds (the server waits while its write buffer is full)."""
 
         async def guarded(message: Message) -> None:
+            self._sending = True
             with anyio.move_on_after(self.send_timeout) as scope:
                 await send(message)
+            self._sending = False
             if scope.cancelled_caught:
                 raise _Stalled
 

@@ -13,7 +13,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from ..errors import VoxtralError
-from .response import CUT_OFF_ON_PURPOSE
+from .response import CUT_OFF_ON_PURPOSE, with_transport
 
 API_KEY_ENV = "VOXTRAL_MLX_API_KEY"
 SHUTDOWN_GRACE_S = 3.0  # then open streams are cancelled (their generation stops)
@@ -128,7 +128,7 @@ def serve(
             await api.shutdown(SHUTDOWN_GRACE_S, hurry)
 
     config = uvicorn.Config(
-        app,
+        with_transport(app),
         log_level=log_level,
         lifespan="off",
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
