@@ -726,7 +726,8 @@ def test_a_voice_whose_file_is_unusable_is_not_offered_and_fails_as_the_servers_
     shutil.copytree(tiny_checkpoint, model)
     marker = tmp_path / "PWNED"
     tts = voxtral_mlx.load(model, prefix_cache_dir=None)
-    bad = next(v for v in sorted(tts.voices) if v != tts.default_voice)
+    bad = "neutral_female"  # OpenAI's alloy and shimmer
+    assert bad in tts.voices and bad != tts.default_voice
     tts.close()
     evil = _Reduce(os.system, f"touch {marker}")
     torch.save({"embedding": torch.ones(3), "extra": evil}, model / "voice_embedding" / f"{bad}.pt")
@@ -745,6 +746,11 @@ def test_a_voice_whose_file_is_unusable_is_not_offered_and_fails_as_the_servers_
             assert f"voice '{bad}' is unavailable on this server" in error["message"]
             assert str(model) not in r.text
             assert tc.get("/health").json()["failed"] == 1  # counted as the server's failure
+            # Asked by its OpenAI name: that name is what the client knows.
+            r = tc.post("/v1/audio/speech", json={"input": "Hi.", "voice": "Shimmer"})
+            error = _assert_openai_error(r, 500)
+            assert f"voice 'Shimmer' ('{bad}') is unavailable" in error["message"]
+            assert tc.get("/health").json()["failed"] == 2
             r = tc.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
             assert r.status_code == 200 and sf.info(io.BytesIO(r.content)).frames > 0
     finally:

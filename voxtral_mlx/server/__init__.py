@@ -79,7 +79,8 @@ Limits and errors
     body. uvicorn has no deadline for the request line and headers: a connection that
     never completes them stays open (it holds a socket, not a queue slot) until the client
     or shutdown closes it; put a reverse proxy with a header timeout in front of a server
-    exposed to untrusted clients.
+    exposed to untrusted clients. A client that half-closes its side after sending the
+    request (``nc -N``) is taken by uvicorn as gone: its request is cancelled.
 
 Shutdown
     Ctrl-C (or SIGTERM) stops accepting connections, answers a request whose body is still

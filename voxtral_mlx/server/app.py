@@ -186,8 +186,13 @@ class SpeechAPI:
         )
         if req.voice in self.unusable:  # named, or the default voice
             self.counters.failed += 1
+            asked = body.get("voice") if isinstance(body, dict) else None
+            asked = asked.get("id") if isinstance(asked, dict) else asked
+            named = shown(req.voice)
+            if isinstance(asked, str) and asked != req.voice:  # an OpenAI name for it
+                named = f"{shown(asked)} ({named})"
             raise server_error(
-                f"voice {shown(req.voice)} is unavailable on this server (its file cannot be "
+                f"voice {named} is unavailable on this server (its file cannot be "
                 "used; the server's log says why): choose another voice"
             )
         c = self.counters
