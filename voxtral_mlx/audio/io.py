@@ -28,6 +28,7 @@ import soundfile as sf
 
 from ..errors import AudioFileFullError, AudioOutputError
 from ..fileio import creation_failure, full_fsync, one_line, owned_name, remove_orphans
+from .ogg import renumber_file
 
 # extension -> (libsndfile major format, subtype). AIFF and CAF are what macOS `say -o`
 # writes, so a Mac user's `-o hello.aiff` works as it does there.
@@ -428,6 +429,8 @@ class AudioFileWriter:
                 return None
             assert handle is not None
             handle.close()
+            if self._format == "OGG":  # the same audio, the same bytes (see audio.ogg)
+                renumber_file(self._tmp)
             if self.frames_written:
                 _check_complete(
                     self.path, self._tmp, self._format, self.frames_written, self._pending

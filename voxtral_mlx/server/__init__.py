@@ -17,8 +17,7 @@ Endpoints
     is ever downloaded); ``instructions`` too (the model takes none). Extension: ``seed``
     (integer in [0, 2**62)) fixes the noise, so a request is reproducible: its audio equals
     ``tts.synthesize(input, voice, seed=seed, split=True, max_frames=--max-frames)``
-    (byte for byte in pcm, wav, flac and mp3; an opus file's Ogg stream number is random,
-    so its bytes differ while its decoded audio does not).
+    (byte for byte, in every format: an opus stream's Ogg serial number is fixed).
     Other fields are refused (400) so that typos do not pass silently.
     ``GET /v1/audio/voices``  the voices with their languages, and the OpenAI aliases.
     Every voice file is read when the server starts; one that cannot be used (damaged,

@@ -20,6 +20,7 @@ import numpy as np
 import soundfile as sf
 
 from ..audio.io import float_to_int16, float_to_pcm16, wav_header
+from ..audio.ogg import PageRenumberer
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,8 @@ class SoundFileEncoder(Encoder):
         )
         if name == "opus" and self.streams:
             self._set_ogg_page_latency(OGG_PAGE_LATENCY_MS)
+        # The same audio, the same bytes: libsndfile numbers an Ogg stream at random.
+        self._pages = PageRenumberer() if fmt == "OGG" else None
 
     def _set_ogg_page_latency(self, ms: float) -> None:
         # libsndfile closes an Ogg page once it holds this much audio (default 1000 ms):
@@ -178,7 +181,12 @@ class SoundFileEncoder(Encoder):
             pass
 
     def _out(self) -> bytes:
-        return self._sink.take() if self.streams else b""
+        return self._renumbered(self._sink.take()) if self.streams else b""
+
+    def _renumbered(self, data: bytes, last: bool = False) -> bytes:
+        if self._pages is None:
+            return data
+        return self._pages.feed(data) + (self._pages.finish() if last else b"")
 
     def write(self, audio: np.ndarray) -> bytes:
         if self._sf is None:
@@ -194,7 +202,7 @@ class SoundFileEncoder(Encoder):
         handle, self._sf = self._sf, None
         if handle is not None:
             handle.close()
-        return self._sink.take()
+        return self._renumbered(self._sink.take(), last=True)
 
     def close(self) -> None:
         handle, self._sf = self._sf, None
