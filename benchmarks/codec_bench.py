@@ -272,6 +272,8 @@ def codec_size(path: str) -> str:
 
 
 def main() -> None:
+    from common import at_least_one
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--configs",
@@ -279,10 +281,12 @@ def main() -> None:
         default=["tiny", "full"],
         help=f"{', '.join(sorted(DEFAULT_FRAMES))} or checkpoint directories (any layout)",
     )
-    parser.add_argument("--frames", type=int, help="frames for the chunk-25 and one-shot runs")
-    parser.add_argument("--slow-frames", type=int, help="frames for the chunk-1 runs")
-    parser.add_argument("--streams", type=int, default=4, help="concurrent streams")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per figure (median)")
+    parser.add_argument(
+        "--frames", type=at_least_one, help="frames for the chunk-25 and one-shot runs"
+    )
+    parser.add_argument("--slow-frames", type=at_least_one, help="frames for the chunk-1 runs")
+    parser.add_argument("--streams", type=at_least_one, default=4, help="concurrent streams")
+    parser.add_argument("--repeats", type=at_least_one, default=5, help="runs per figure (median)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--no-record", action="store_true", help="the default")

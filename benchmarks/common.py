@@ -129,7 +129,10 @@ def config_list(text: str) -> list[str]:
     name may hold a comma)."""
     if Path(text).expanduser().is_dir() and text not in BUILT_IN:
         return [text]
-    return text.split(",")
+    configs = [c.strip() for c in text.split(",")]
+    if not all(configs):
+        raise SystemExit(f"--configs {text!r} holds an empty name: drop the extra comma")
+    return configs
 
 
 def label(config: str) -> str:
@@ -298,7 +301,14 @@ def _tekken_voices(model_dir: Path) -> set[str]:
 
 
 def _check_listed(model_dir: Path, voice: str) -> None:
-    if voice not in _tekken_voices(model_dir):
+    listed = _tekken_voices(model_dir)
+    if not listed:
+        raise SystemExit(
+            f"{model_dir}: tekken.json lists no voices (audio.voice_num_audio_tokens), which "
+            "mlx-audio's tokenizer needs (voxtral_mlx takes any voice file): restore it to "
+            "compare, or time voxtral_mlx alone (frame_speed.py --no-reference)"
+        )
+    if voice not in listed:
         raise SystemExit(
             f"{model_dir}: voice {voice!r} is not in tekken.json's voice list, which is all "
             "mlx-audio's tokenizer accepts (voxtral_mlx takes any voice file): list it there "
@@ -337,9 +347,12 @@ def pick_voice(model_dir: Path) -> str:
     if not names:
         raise SystemExit(f"{model_dir}: no voices in voice_embedding/ (*.pt or *.safetensors)")
     listed = _tekken_voices(model_dir)
-    if VOICE in names and (VOICE in listed or not listed):
+    # Files named but for case as tekken.json spells them (Neutral_Female.pt): voxtral_mlx
+    # finds them by that spelling too, and mlx-audio knows only it.
+    spelled = {n.casefold(): n for n in listed}
+    if VOICE in {n.casefold() for n in names} and (VOICE in listed or not listed):
         return VOICE
-    return next((n for n in names if n in listed), names[0])
+    return next((spelled[n.casefold()] for n in names if n.casefold() in spelled), names[0])
 
 
 def start_noise(model_dir: Path, frames: int, seed: int = 0) -> np.ndarray:

@@ -181,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--no-record", action="store_true", help="the default")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - set(VARIANTS))
+    if unknown:
+        parser.error(
+            f"unknown variant {unknown[0]!r}: choose from {', '.join(map(repr, VARIANTS))}"
+        )
     table = [("variant", "same history", "semantic same for", "all codes same for")]
 
     t0 = time.perf_counter()

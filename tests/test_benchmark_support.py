@@ -134,6 +134,27 @@ def test_a_directory_named_with_a_comma_is_one_config(tmp_path):
     assert config_list(str(odd)) == [str(odd)]
     assert config_list("tiny,wide") == ["tiny", "wide"]
     assert config_list(f"tiny,{tmp_path}") == ["tiny", str(tmp_path)]
+    # A trailing comma was the current directory, refused only after the first run.
+    with pytest.raises(SystemExit, match="holds an empty name"):
+        config_list("tiny,")
+
+
+def test_voice_files_named_but_for_case_are_picked_by_tekken_spelling(tiny_checkpoint, tmp_path):
+    """Neutral_Female.pt (load() finds it as neutral_female) made the comparisons pick
+    Ar_Male.pt and refuse it: not in tekken.json's list, which spells it ar_male."""
+    import shutil
+
+    from benchmarks.common import check_comparable, pick_voice
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint, model)
+    for f in (model / "voice_embedding").iterdir():
+        f.rename(f.with_name(f.stem.title() + f.suffix))
+    assert pick_voice(model) == VOICE
+    (model / "voice_embedding" / f"{VOICE.title()}.pt").unlink()
+    picked = pick_voice(model)
+    assert picked == picked.lower() and picked != VOICE
+    assert check_comparable(model, picked) == "mistral"
 
 
 def test_a_voice_mlx_audio_cannot_use_is_refused_in_one_line(tiny_checkpoint, tmp_path):
@@ -305,6 +326,27 @@ def test_the_suite_on_a_quantized_checkpoint_leaves_out_the_quantization_agreeme
     on_converted = scripts_of(converted)
     assert "quant_agreement.py" not in on_converted
     assert {"frame_speed.py", "ttfa.py", "codec_bench.py"} <= set(on_converted)
+
+
+def test_the_suite_leaves_out_comparisons_mlx_audio_cannot_make(
+    converted, scripts, tmp_path, capsys
+):
+    """MLX weights without config.json load, but mlx-audio cannot read them: three scripts
+    failed one after the other and the suite exited 1."""
+    import shutil
+
+    from run import model_suite
+
+    bare = Path(shutil.copytree(converted, tmp_path / "bare"))
+    (bare / "config.json").unlink()
+    suite = model_suite(str(bare))
+    assert [cmd[0] for cmd in suite][:3] == [
+        "frame_speed.py",
+        "codec_bench.py",
+        "batch_throughput.py",
+    ]
+    assert suite[0][-1] == "--no-reference"
+    assert "MLX weights without config.json" in capsys.readouterr().out
 
 
 def test_repeats_and_frames_must_be_at_least_one(scripts, capsys):
