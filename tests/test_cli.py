@@ -529,6 +529,13 @@ def test_no_output_device_is_a_one_line_error(model_dir, tmp_path):
     for args in (["Hi."], ["-a", "?"], ["-a", "0", "Hi."]):
         err = one_line_error(run("speak", "-m", str(model_dir), *args, env=env))
         assert "no audio output device" in err and "-o FILE" in err, err
+    # With -o given, "write a file instead (-o FILE)" told the user to do what they did.
+    out = tmp_path / "both.wav"
+    err = one_line_error(
+        run("speak", "-m", str(model_dir), "--play", "-o", str(out), "Hi.", env=env)
+    )
+    assert f"no audio output device found; connect one, or drop --play to only write {out}" in err
+    assert not out.exists()
 
 
 # A device that plays ``BLOCKS`` callbacks' worth, then goes away (unplugged headphones).

@@ -22,7 +22,7 @@ from .output import PROG, info, to_stderr
 from .progress import Progress
 from .waiting import Chunks
 
-SPLIT_NOTICE_CHARS = 500_000  # splitting takes ~1.7 s a million characters: say so first
+SPLIT_NOTICE_CHARS = 500_000  # splitting takes about a second a million characters: say so first
 
 
 _ATTACHED_OPTIONS = (
@@ -123,9 +123,18 @@ def cmd_speak(args: argparse.Namespace) -> int:
 
     player = None
     if play:
-        from ..audio.player import AudioPlayer
+        from ..audio.player import AudioPlayer, no_output_device_error
 
-        player = AudioPlayer(device=args.device)  # fails early without PortAudio/devices
+        try:
+            player = AudioPlayer(device=args.device)  # fails early without PortAudio/devices
+        except AudioOutputError as e:
+            if args.output is None or raw_out or str(e) != str(no_output_device_error()):
+                raise
+            # "write a file instead (-o FILE)" would tell someone who gave -o to give it.
+            raise AudioOutputError(
+                f"no audio output device found; connect one, or drop --play to only write "
+                f"{args.output}"
+            ) from e
     try:
         tts = load_model(args)
         if args.voice is not None:
