@@ -509,8 +509,11 @@ def test_a_cancelled_request_leaves_the_queue_at_once(pair_server):
     idle(srv)
 
 
-def _raw_request(url: str, body: dict, key: str | None = KEY) -> socket.socket:
-    """A speech request on a plain socket whose response is never read."""
+def _raw_request(
+    url: str, body: dict, key: str | None = KEY, recv_buffer: int | None = None
+) -> socket.socket:
+    """A speech request on a plain socket whose response is never read (``recv_buffer``:
+    a receive buffer that small, so the server's send blocks after a few frames)."""
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     head = (
@@ -519,8 +522,15 @@ def _raw_request(url: str, body: dict, key: str | None = KEY) -> socket.socket:
     )
     if key:
         head += f"Authorization: Bearer {key}\r\n"
-    sock = socket.create_connection((host, int(port)))
-    sock.sendall(head.encode() + b"\r\n" + data)
+    sock = socket.socket()
+    try:
+        if recv_buffer is not None:  # before connecting: it sets the window offered
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, recv_buffer)
+        sock.connect((host, int(port)))
+        sock.sendall(head.encode() + b"\r\n" + data)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -873,17 +883,9 @@ def test_a_client_that_stops_reading_is_cut_off_with_one_warning(checkpoint, tmp
     """uvicorn's "ASGI callable returned without completing response." ERROR followed the
     warning for every such cut-off, made on purpose."""
     srv = start_server(tmp_path, checkpoint, "--max-frames", "400", "--send-timeout", "2")
-    host, port = srv.url.removeprefix("http://").split(":")
-    data = json.dumps({"input": LONG, "response_format": "pcm"}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # full after a few frames
+    body = {"input": LONG, "response_format": "pcm"}
+    sock = _raw_request(srv.url, body, key=None, recv_buffer=4096)  # full after a few frames
     try:
-        sock.connect((host, int(port)))
-        sock.sendall(
-            f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
-            f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-            + data
-        )
         wait_until(lambda: srv.health()["cancelled"] == 1, timeout=60)
         # The connection is dropped with what the server held for it: it stayed open (the
         # server waiting to flush megabytes to a client that does not read), so clients
@@ -902,17 +904,9 @@ def test_a_stalled_client_does_not_hold_up_a_shutdown(checkpoint, tmp_path):
     """Cut off by Ctrl-C while its client did not read, a response's connection waited to
     be flushed: the server exited after uvicorn's own 3 s more, with an ERROR line."""
     srv = start_server(tmp_path, checkpoint, "--max-frames", "400")
-    host, port = srv.url.removeprefix("http://").split(":")
-    data = json.dumps({"input": LONG, "response_format": "pcm", "speed": 0.25}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = {"input": LONG, "response_format": "pcm", "speed": 0.25}
+    sock = _raw_request(srv.url, body, key=None, recv_buffer=4096)
     try:
-        sock.connect((host, int(port)))
-        sock.sendall(
-            f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
-            f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-            + data
-        )
         wait_until(lambda: srv.health()["frames"] > 40, timeout=60)  # its buffers are full
         t0 = time.monotonic()
         assert stop_server(srv) == 0

@@ -116,7 +116,7 @@ def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
                     text = text.removeprefix("\ufeff")
         first = False
         if "\x00" in text:
-            raise _nul_error(what, wide=_is_wide(head))
+            raise _nul_error(what, wide=head.startswith(_WIDE_BOMS))
         text = held + text
         held = "\r" if not end and text.endswith("\r") else ""
         text = _one_newline(text[: len(text) - len(held)])
@@ -140,7 +140,7 @@ def decode_text(raw: bytes, what: str) -> str:
     else:
         text = raw.decode("utf-8-sig")  # editors that save a byte-order mark
     if "\x00" in text:  # valid UTF-8, but no text has it: each would be a prompt token
-        raise _nul_error(what, wide=_is_wide(raw))
+        raise _nul_error(what, wide=raw.startswith(_WIDE_BOMS))
     return _one_newline(text)
 
 
@@ -156,10 +156,6 @@ def _file_error(path: str, error: OSError) -> InputError:
     return InputError(
         f"cannot read {what}: {error.strerror}; pass a readable text file, or - for stdin"
     )
-
-
-def _is_wide(head: bytes) -> bool:
-    return head.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff"))
 
 
 def _nul_error(what: str, wide: bool = False) -> InputError:
