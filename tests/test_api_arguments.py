@@ -193,7 +193,7 @@ def test_convert_voice_files_takes_one_path_or_a_list(tiny_checkpoint, tmp_path)
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"target_chars": None},
+        {"max_chars": None},
         {"target_chars": "10"},
         {"target_chars": 2.5, "max_chars": 5.5},
         {"target_chars": True, "max_chars": True},

@@ -218,6 +218,37 @@ def test_timings_count_the_segments_cut_short_by_max_frames(tts):
     assert tts.synthesize(text, VOICE, seed=1, max_frames=2, split=True).timings.cut_short == 2
 
 
+def test_timings_tell_the_wait_for_a_batch_slot_from_the_prefill(tts):
+    """A request queued behind a running one (max_batch 1): its wait is ``queued_s``, not
+    part of ``prefill_s``, and ``ms_per_frame`` counts from joining the batch."""
+    tts.synthesize("Warm.", VOICE, seed=1, max_frames=1)  # the prefix cached, steps compiled
+    tts.engine.max_batch = 1
+    try:
+        first = tts.job("The first request runs for a while.", VOICE, seed=1, max_frames=40)
+        second = tts.job("Hello.", VOICE, seed=2, max_frames=3)
+        tts.submit(first)
+        tts.submit(second)
+        outputs = [_drain(job) for job in (first, second)]
+    finally:
+        tts.engine.max_batch = 4
+    t1, t2 = (out[-1].timings for out in outputs)
+    assert t2.queued_s > 0.5 * t1.total_s  # it waited for most of the first one's frames
+    assert t2.prefill_s < t2.queued_s / 5
+    assert t2.frames == 3
+    rest = t2.total_s - t2.queued_s - t2.prefill_s
+    assert t2.ms_per_frame == pytest.approx(1000 * rest / 3)
+    assert 0 < rest < t2.total_s / 2
+
+
+def _drain(job):
+    out = []
+    while (item := job.output.get(timeout=60)) is not engine_mod.DONE:
+        if isinstance(item, BaseException):
+            raise item
+        out.append(item)
+    return out
+
+
 def _frames_after_cancel(tts, cancel):
     stream = tts.stream("Cancel me " * 20, VOICE, seed=1, max_frames=500)
     next(stream)

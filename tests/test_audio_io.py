@@ -456,6 +456,32 @@ def test_dropped_writer_cleans_up(tmp_path):
     assert not tmp.exists()
 
 
+@pytest.mark.parametrize("how", ["moved", "deleted"])
+@pytest.mark.parametrize("finish", ["close", "commit_partial", "abort", "dropped"])
+def test_a_folder_moved_or_deleted_meanwhile_keeps_no_temp_file(tmp_path, how, finish):
+    """The temp file is deleted where the folder went; finishing says what happened."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    w = AudioFileWriter(folder / "a.flac", SR)
+    w.write(speechlike(0.1))
+    moved = tmp_path / "moved"
+    if how == "moved":
+        folder.rename(moved)
+    else:
+        shutil.rmtree(folder)
+    if finish == "dropped":
+        del w
+        gc.collect()
+    elif finish == "abort":
+        w.abort()
+    else:
+        with pytest.raises(AudioOutputError, match="its folder was moved or deleted") as e:
+            getattr(w, finish)()
+        assert "\n" not in str(e.value)
+    if how == "moved":
+        assert list(moved.iterdir()) == []
+
+
 def test_new_file_gets_normal_permissions(tmp_path):
     old = os.umask(0o022)
     try:

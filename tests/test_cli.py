@@ -643,12 +643,12 @@ def _partial(tmp_path: Path, stem: str) -> list[Path]:
 
 @pytest.mark.parametrize(
     "sig, code",
-    [(signal.SIGINT, 130), (getattr(signal, "SIGTERM", None), 143)],
-    ids=["ctrl-c", "sigterm"],
+    [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGQUIT, 131)],
+    ids=["ctrl-c", "sigterm", "ctrl-backslash"],
 )
 def test_ctrl_c_keeps_a_valid_file_of_what_was_finished(endless_model_dir, tmp_path, sig, code):
-    """Ctrl-C (and SIGTERM, from `timeout` or `kill`) keep what was finished as a valid file
-    and never leave the hidden temp file behind."""
+    """Ctrl-C (and SIGTERM, from `timeout` or `kill`, and Ctrl-\\) keep what was finished as a
+    valid file and never leave the hidden temp file behind."""
     chapter = tmp_path / "chapter.txt"
     chapter.write_text("A sentence of a long chapter, read aloud. " * 40)
     out = tmp_path / "chapter.flac"
@@ -682,6 +682,23 @@ def test_ctrl_c_with_verbose_reports_what_ran(endless_model_dir, tmp_path):
     reported = int(frames[0].split()[1].rstrip(","))
     kept = sf.info(out).frames  # a chunk taken but not yet written when Ctrl-C came is lost
     assert kept % 1920 == 0 and 0 < kept <= reported * 1920, (kept, reported)
+
+
+def test_verbose_after_an_interrupt_before_any_audio_shows_no_made_up_figures(capsys):
+    """Ctrl-C during the prefill: no "0 tokens", "0 ms/frame" nor infinite real-time
+    factor, and the memory the process did use."""
+    import mlx.core as mx
+
+    from voxtral_mlx.cli.speak import _report
+    from voxtral_mlx.engine import Timings
+
+    held = mx.zeros(1 << 20)  # 4 MiB, so that the process's peak is not 0
+    mx.eval(held)
+    _report(Timings(), None, 0.0)
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "no audio was generated", err
+    assert "tokens" not in err and "ms/frame" not in err and "inf" not in err
+    assert err.splitlines()[-1].startswith("peak memory ") and "peak memory 0 MiB" not in err
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ALSA recording device")

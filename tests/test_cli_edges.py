@@ -476,12 +476,12 @@ def test_a_damaged_voice_file_is_not_listed_as_usable(model_dir, tmp_path):
     assert "casual_female" in listed and "casual_male" not in listed and "weird" not in listed
     assert "de_female" in listed and "de_male" not in listed
     notes = proc.stderr.decode().splitlines()
-    assert len(notes) == 3 and all(line.startswith("note: voice '") for line in notes)
+    assert len(notes) == 3 and all(line.startswith("voxtral-mlx: note: voice '") for line in notes)
     by_name = {line.split("'")[1]: line for line in notes}
     assert "'casual_male' is unusable" in by_name["casual_male"]
     assert "'weird' is unusable" in by_name["weird"]
     narrow = by_name["de_male"]
-    assert narrow.startswith("note: voice 'de_male' (") and "is 7 wide" in narrow
+    assert narrow.startswith("voxtral-mlx: note: voice 'de_male' (") and "is 7 wide" in narrow
     assert narrow.count("de_male'") == 1  # named once, not "voice X is unusable: voice X"
 
 
@@ -493,7 +493,7 @@ def test_a_voice_file_that_is_a_broken_link_is_named(model_dir, tmp_path):
     voice.symlink_to(voice.name)  # a loop
     proc = run("voices", "-m", str(model))
     assert proc.returncode == 0 and "ar_male" not in proc.stdout.decode()
-    assert "note: voice 'ar_male' is unusable" in proc.stderr.decode()
+    assert "voxtral-mlx: note: voice 'ar_male' is unusable" in proc.stderr.decode()
     proc = run("speak", "-m", str(model), "-v", "ar_male", "Hi", "-o", str(tmp_path / "x.wav"))
     assert "is not a readable file" in one_line_error(proc) and "restore it" in proc.stderr.decode()
     proc = run("convert-voices", str(model / "voice_embedding"), "-o", str(tmp_path / "out"))
@@ -558,7 +558,7 @@ COMMANDS: dict[str, Callable[[Path, Path], tuple[str, list[str]]]] = {
 }
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGQUIT"])
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_termination_while_writing_leaves_nothing(model_dir, tmp_path, command, sig):
     signum = getattr(signal, sig, None)
@@ -678,13 +678,25 @@ def test_progress_of_text_still_arriving_counts_what_is_done(capsys, monkeypatch
         "voxtral-mlx: 1 segment done, 1.0 s of audio",
         "voxtral-mlx: 2 segments done, 2.0 s of audio",  # 1.5 s: within 0.1 s, held back
     ]
-    monkeypatch.setattr(speak_cmd, "_stderr_is_terminal", lambda: True)
+    monkeypatch.setattr(speak_cmd, "_stderr_redraws", lambda: True)
     live = SimpleNamespace(live=True, segments=[])
     for file, tty, shown in [(None, False, True), ("-", True, False), ("t.fifo", True, True)]:
         monkeypatch.setattr(sys, "stdin", SimpleNamespace(isatty=lambda tty=tty: tty))
         args = argparse.Namespace(quiet=False, file=file)
         assert speak_cmd._show_progress(args, live) is shown
     assert not speak_cmd._show_progress(argparse.Namespace(quiet=True, file=None), live)
+
+
+@pytest.mark.parametrize(("term", "shown"), [("xterm-256color", True), ("dumb", False)])
+def test_no_line_is_redrawn_on_a_dumb_terminal(monkeypatch, term, shown):
+    """Emacs' shell is a terminal with TERM=dumb: ``ESC [K`` would show as ``^[[K``."""
+    from types import SimpleNamespace
+
+    import voxtral_mlx.cli.speak as speak_cmd
+
+    monkeypatch.setenv("TERM", term)
+    monkeypatch.setattr(sys, "stderr", SimpleNamespace(isatty=lambda: True))
+    assert speak_cmd._stderr_redraws() is shown
 
 
 def test_progress_counts_segments_joined_without_a_pause(capsys):

@@ -372,7 +372,11 @@ def test_windows_are_honoured(stage):
         return np.asarray(out)[0, i]
 
     def block(inp: np.ndarray) -> np.ndarray:  # the stage's 2 layers: reach 2W
-        return np.asarray(decoder._transformer(stage, mx.array(inp), decoder.new_state()))[0, i]
+        state = decoder.new_state()
+        mask = decoder._mask(stage, n, 0, mx.float32)
+        keys, values = state.keys[stage], state.values[stage]
+        out = decoder._stage_transformer(stage, mx.array(inp), keys, values, mask)
+        return np.asarray(out)[0, i]
 
     for fn, reach in ((layer0, w), (block, 2 * w)):
         base = fn(x)

@@ -1009,7 +1009,7 @@ def test_cli_convert_names_the_layers_the_group_size_leaves_unquantized(
     assert not set(result.unfit) & set(result.quantized)
     assert cli_main(["convert", str(src), "-o", str(tmp_path / "cli"), "--q-bits", "4"]) == 0
     err = capsys.readouterr().err
-    assert "note: 4 layers (layers.0.feed_forward.w2, " in err
+    assert "voxtral-mlx: note: 4 layers (layers.0.feed_forward.w2, " in err
     assert "stay unquantized: their input width is not a multiple of the group size 64" in err
     assert convert_model(tmp_path / "src", tmp_path / "q4b", q_bits=4, q_group_size=32).unfit == []
 
@@ -1022,7 +1022,7 @@ def test_cli_convert_says_when_the_source_has_no_voices(
     assert cli_main(["convert", str(bare), "-o", str(tmp_path / "out")]) == 0
     err = capsys.readouterr().err
     assert "(unquantized, no voices)" in err
-    assert f"note: {bare} has no voices in voice_embedding/" in err
+    assert f"voxtral-mlx: note: {bare} has no voices in voice_embedding/" in err
     assert not (tmp_path / "out" / "voice_embedding").exists()
 
 
@@ -1160,3 +1160,20 @@ def test_a_voice_that_cannot_load_stops_the_conversion(
         convert_model(src, tmp_path / "out")
     assert "casual_male" in one_line(exc.value) and words in str(exc.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("umask", [0o077, 0o002, 0o022])
+def test_a_written_folder_takes_the_umask_as_its_files_do(tmp_path: Path, umask: int) -> None:
+    """It was 0755 whatever the umask (private while written, then opened to all)."""
+    import stat
+
+    from voxtral_mlx.output_dir import staged_dir
+
+    old = os.umask(umask)
+    try:
+        with staged_dir(tmp_path / "model") as tmp:
+            assert stat.S_IMODE(tmp.stat().st_mode) == 0o700  # private while written
+            (tmp / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "model").stat().st_mode) == 0o777 & ~umask

@@ -362,6 +362,26 @@ def test_nan_in_the_flow_head_marks_codes_in_range(tiny_checkpoint):
         tts.close()
 
 
+@pytest.mark.parametrize("bad", [mx.inf, -mx.inf, mx.nan])
+def test_an_ode_state_that_is_not_finite_becomes_code_1(tiny_tts, bad):
+    """Infinite velocities would otherwise clip to the first or last level, a valid code."""
+    head = tiny_tts.model.acoustic_transformer
+
+    def run() -> np.ndarray:
+        def velocity(x, time_token, llm):  # conditional rows first, then unconditional
+            cond = mx.full(x.shape, bad, dtype=mx.float32)
+            return mx.concatenate([cond, mx.zeros(x.shape, mx.float32)])
+
+        head.velocity = velocity  # an instance attribute: the class's method is untouched
+        try:
+            h = mx.ones((2, tiny_tts.config.backbone.dim))
+            return np.array(head.acoustic_codes(h, mx.zeros((2, 36)), cfg_weights([1.0, 1.0])))
+        finally:
+            del head.velocity
+
+    assert (tiny_tts.call(run) == 1).all()
+
+
 def test_a_row_taken_out_of_a_batch_cache_owns_its_memory():
     """A set-aside sequence keeps only its own rows: its copy must not pin the buffer of
     the whole (padded) batch while it waits to rejoin."""

@@ -133,7 +133,7 @@ def test_an_interrupt_long_after_the_first_ends_the_process():
     assert proc.returncode == -signal.SIGINT and "reached" not in proc.stdout, proc
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
 def test_outside_a_command_a_signal_ends_the_process_in_one_line(sig):
     proc = _child(
         f"""

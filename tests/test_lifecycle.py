@@ -19,7 +19,7 @@ import pytest
 
 import voxtral_mlx
 from tests.players import NullPlayer
-from voxtral_mlx.engine import DONE
+from voxtral_mlx.engine import DONE, CallbackWarning
 from voxtral_mlx.errors import InputError, UsageError, VoxtralError
 from voxtral_mlx.worker import Worker
 
@@ -235,22 +235,28 @@ def test_each_consumer_of_a_close_gets_its_own_error(tts):
 
 def test_a_callback_that_exits_ends_its_job_not_the_worker(tts):
     """An on_output callback raising SystemExit (or KeyboardInterrupt) ended the worker
-    thread: every later request waited for ever."""
-    for exc in (SystemExit, KeyboardInterrupt):
+    thread: every later request waited for ever. The failure is told (once), not lost."""
+    for exc in (SystemExit, KeyboardInterrupt, ValueError):
         job = tts.job("Call back.", VOICE, seed=1, max_frames=50)
+        calls = []
 
-        def on_output(item, exc=exc):
-            raise exc()
+        def on_output(item, exc=exc, calls=calls):
+            calls.append(item)
+            raise exc("in the callback")
 
         job.on_output = on_output
-        tts.submit(job)
-        out = tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2)
-        assert len(out.codes) == 2
-        deadline = time.monotonic() + 10
-        while not job.done and time.monotonic() < deadline:
-            time.sleep(0.005)
+        with pytest.warns(CallbackWarning) as caught:
+            tts.submit(job)
+            out = tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2)
+            assert len(out.codes) == 2
+            deadline = time.monotonic() + 10
+            while not job.done and time.monotonic() < deadline:
+                time.sleep(0.005)
         assert job.done and job.seq.stop_reason == "cancelled"  # ended by its callback
         assert job.seq.frames < 50
+        assert len(calls) > 1  # the items after the failure still reach it (DONE last)
+        told = [w for w in caught if w.category is CallbackWarning]
+        assert len(told) == 1 and f"{exc.__name__}('in the callback')" in str(told[0].message)
 
 
 def _collect(item, codes: list[np.ndarray], done: threading.Event | None) -> None:

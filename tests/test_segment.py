@@ -231,6 +231,15 @@ def test_bad_arguments() -> None:
         split_text(b"hi")  # type: ignore[arg-type]
 
 
+def test_target_defaults_to_half_of_max_chars_as_the_speaking_calls_split() -> None:
+    text = " ".join(f"Sentence number {i} is here, and more." for i in range(10))
+    segs = split_text(text, max_chars=25)  # below the old fixed target of 200: refused
+    assert len(segs) > 10 and all(len(s.text) <= 25 for s in segs)
+    assert segs == split_text(text, target_chars=12, max_chars=25)
+    assert split_text(text) == split_text(text, target_chars=200, max_chars=400)
+    assert "".join(s.text for s in split_text("Hi. Yes.", max_chars=1)) == "Hi.Yes."
+
+
 def test_sentences_accumulate_up_to_target() -> None:
     text = " ".join(f"Sentence number {i} is here." for i in range(40))
     segs = split_text(text, target_chars=100, max_chars=200)

@@ -12,6 +12,7 @@ import voxtral_mlx
 from voxtral_mlx.engine import PREFIX_PART_TOKENS
 from voxtral_mlx.errors import InputError, VoiceError
 from voxtral_mlx.generate import FrameBatch
+from voxtral_mlx.tts import WARMUP_TEXT
 
 TEXT = "A first request, right after the app starts."
 
@@ -64,6 +65,30 @@ def test_every_batch_size_is_run(fresh, monkeypatch):
     tts.warmup()
     assert set(sizes) == {1, 2, 3}
     assert sizes[0] == 1
+
+
+def test_every_batch_size_is_run_when_the_model_says_end_at_once(tiny_checkpoint, monkeypatch):
+    sizes: list[int] = []
+    original = FrameBatch._frame
+
+    def spy(self, h, rows):
+        sizes.append(len(rows))
+        return original(self, h, rows)
+
+    monkeypatch.setattr(FrameBatch, "_frame", spy)
+    tts = voxtral_mlx.load(tiny_checkpoint, max_batch=8, prefix_cache_dir=None)
+    try:
+        # Warm-up job i (seed i) joins at frame i: here some end (END) before the eighth
+        # has joined.
+        frames = [
+            sum(c.frames for c in tts.stream(WARMUP_TEXT, seed=i, max_frames=9)) for i in range(8)
+        ]
+        assert any(n < 8 - i for i, n in enumerate(frames))
+        sizes.clear()
+        tts.warmup()
+    finally:
+        tts.close()
+    assert set(sizes) == set(range(1, 9))
 
 
 def test_background_warmup_serves_requests_meanwhile(fresh):

@@ -15,6 +15,7 @@ import numbers
 import queue
 import threading
 import time
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,25 +56,31 @@ IDLE_CACHE_BYTES = 256 * 2**20
 
 @dataclass
 class Timings:
-    """Wall-clock figures of one request (seconds unless named otherwise)."""
+    """Wall-clock figures of one request (seconds unless named otherwise), from when it
+    was submitted: ``queued_s`` waiting for a batch slot, then ``prefill_s`` prefilling its
+    prompt (frames of requests running beside it included), then its frames."""
 
     prompt_tokens: int = 0
+    queued_s: float = 0.0
     prefill_s: float = 0.0
     first_audio_s: float = 0.0
     total_s: float = 0.0
     frames: int = 0
     audio_s: float = 0.0
+    # MLX's peak memory as the process has seen it so far (weights and every request
+    # included: ``mx.get_peak_memory()`` when the latest chunk was made).
     peak_memory_bytes: int = 0
     prefix_cached: bool = False  # the voice prefix came from memory or disk
     prefix_from_disk: bool = False
     # Utterances (segments, with split) that reached max_frames (or the end of the given
-    # noise) before the model's END: their audio is cut short. (None with max_frames=0,
+    # noise) before the model's END: their audio is cut short. (0 with max_frames=0,
     # which asks for no frames.)
     cut_short: int = 0
 
     @property
     def ms_per_frame(self) -> float:
-        gen = self.total_s - self.prefill_s
+        """Wall milliseconds per frame from joining the batch to the latest chunk."""
+        gen = self.total_s - self.queued_s - self.prefill_s
         return 1000.0 * gen / self.frames if self.frames else 0.0
 
     @property
@@ -104,6 +111,16 @@ class AudioChunk:
     # The last chunk of its segment's audio (``is_final``: of the whole stream). A player of
     # text still arriving learns here that nothing more is on its way yet.
     ends_segment: bool = False
+
+
+class CallbackWarning(UserWarning):
+    """A job's ``on_output`` callback raised: the job was stopped (the worker thread, which
+    serves the other jobs, goes on)."""
+
+
+class ConsumerGone(Exception):
+    """Raised by an ``on_output`` callback whose consumer has gone away (an event loop
+    closed): the job stops without a :class:`CallbackWarning`."""
 
 
 class _Done:
@@ -154,6 +171,7 @@ class Job:
     # Its consumer started waiting for it (needed()): what it generated ahead and has not
     # decoded yet goes out in the next chunk, whatever size later chunks have.
     _flush: bool = field(default=False, repr=False)
+    _callback_failed: bool = field(default=False, repr=False)
     # The model that made it: an app holding only the job must not see the model closed
     # (collected) under it.
     owner: object = field(default=None, repr=False, compare=False)
@@ -194,11 +212,21 @@ class Job:
             return
         try:
             self.on_output(item)
-        except BaseException:
-            # The consumer is gone (e.g. its event loop closed), or its callback failed,
-            # even with sys.exit(): stop generating for it, never let it end the worker
-            # thread that serves the other jobs.
+        except ConsumerGone:
             self.cancel()
+        except BaseException as e:
+            # Even sys.exit() in the callback must not end the worker thread that serves
+            # the other jobs: this job stops, and the failure is told once.
+            self.cancel()
+            if not self._callback_failed:
+                self._callback_failed = True
+                warnings.warn(
+                    f"a job's on_output callback raised {one_line(repr(e), 200)}: the job "
+                    "was stopped (its output is cut short); make the callback only hand "
+                    "items over",
+                    CallbackWarning,
+                    stacklevel=2,
+                )
 
 
 def _own_copy(error: BaseException) -> BaseException:
@@ -516,6 +544,7 @@ class Engine:
         p, job._suspended = job._suspended, None
         try:
             if p is None:
+                job.timings.queued_s = time.perf_counter() - job.submitted_at
                 text = self.model.embed_text(job.text_ids)
                 p = _Prefill(job, None, text[None], False)
             if p.cache is None and p.prefix is None:  # new, or its prefix went on elsewhere
@@ -637,9 +666,9 @@ class Engine:
             job._emit(e)
             return
         self._prefilling = None
-        job.timings.prefix_cached = p.hit
-        job.timings.prompt_tokens = job.seq.prompt_tokens
-        job.timings.prefill_s = time.perf_counter() - job.submitted_at
+        t = job.timings
+        t.prefix_cached, t.prompt_tokens = p.hit, job.seq.prompt_tokens
+        t.prefill_s = time.perf_counter() - job.submitted_at - t.queued_s
         try:
             job._codec_state = self.model.audio_tokenizer.new_state(1)
             self._batch.add(job.seq)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -144,7 +143,9 @@ class Sequence:
     finished: bool = False
     stop_reason: str | None = None  # "end", "max_frames", "cancelled" or "not_finite"
     prompt_tokens: int = 0
-    prefill_s: float = 0.0
+    # Runs its max_frames whatever the semantic head says (warm-up: every batch size must
+    # be reached even if the model says END at once).
+    ignore_end: bool = False
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _h: mx.array | None = field(default=None, repr=False)
     _cache: list[KVCache] | None = field(default=None, repr=False)
@@ -174,11 +175,9 @@ def prefill(model: VoxtralModel, seq: Sequence, text: mx.array, cache: list[KVCa
     The hidden state of the last prompt position predicts the sequence's first frame
     directly (there is no extra ``[AUDIO]`` step).
     """
-    t0 = time.perf_counter()
     h = model(text, cache)[:, -1]
     mx.eval(h)
     seq._h, seq._cache = h, cache
-    seq.prefill_s = time.perf_counter() - t0
     seq.prompt_tokens = cache[0].offset
 
 
@@ -333,7 +332,7 @@ class FrameBatch:
             if seq.cancelled:
                 seq.finished, seq.stop_reason = True, "cancelled"
                 continue
-            if sem[i] == END_AUDIO:
+            if sem[i] == END_AUDIO and not seq.ignore_end:
                 seq.finished, seq.stop_reason = True, "end"
                 continue
             if sem[i] == NOT_FINITE:

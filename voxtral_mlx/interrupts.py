@@ -1,4 +1,4 @@
-"""Ctrl-C, SIGTERM and SIGHUP for the command line: raised where the CLI can clean up.
+"""Ctrl-C, SIGTERM, SIGHUP and SIGQUIT for the command line: raised where the CLI can clean up.
 
 Python raises a signal's exception at whatever bytecode the main thread is running. Three
 places make that harmful, and there the exception is held back and raised at the first
@@ -38,13 +38,14 @@ RETRY_S = 0.005  # how soon a held-back signal is tried again
 FORCE_AFTER_S = 3.0  # a signal this long after the first one ends the process at once
 
 _UNSAFE_FILES = frozenset(m.__file__ for m in (weakref, _weakrefset))
-_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+# SIGQUIT: Ctrl-\ on a terminal, pressed to quit at once: it too leaves no temp file.
+_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 _QUICK_EXITS: set[Any] = set()  # handlers of exit_on_signals()
 FINISHED = "after the command had finished"  # what a signal once a command is over says
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP during a command that writes: cleaned up like Ctrl-C, exit status
+    """SIGTERM, SIGHUP or SIGQUIT during a command that writes: cleaned up like Ctrl-C, exit status
     128 + signal."""
 
     def __init__(self, signum: int) -> None:

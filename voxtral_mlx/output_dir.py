@@ -9,6 +9,7 @@ import errno
 import os
 import shutil
 import signal
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,7 +192,14 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
         remove_orphans(out.parent, out.name, "partial")  # a killed run's staging directory
         remove_orphans(out.parent, out.name, OLD_KIND)  # or the model it replaced
         tmp = out.parent / owned_name(out.name, "partial")
-        tmp.mkdir(mode=0o700)
+        tmp.mkdir()  # the umask gives the finished folder's mode (as for its files)...
+        try:
+            mode = stat.S_IMODE(tmp.stat().st_mode)
+            os.chmod(tmp, 0o700)  # ...private while it is written
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.rmdir()
+            raise
     except OSError as e:
         remove_dirs(created)
         blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
@@ -208,7 +216,7 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
         yield tmp
         _sync_tree(tmp)
         with _signals_deferred() as received:
-            _swap_into_place(tmp, out, force)
+            _swap_into_place(tmp, out, force, mode)
     except BaseException as e:
         with _signals_deferred() as again:  # a second Ctrl-C must not leave half of tmp
             shutil.rmtree(tmp, ignore_errors=True)
@@ -268,13 +276,15 @@ def written_detail(out: str | Path) -> str:
 
 # SIGHUP too: a terminal closed mid-swap must not leave the old model behind, hidden.
 _DEFERRED = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
 )
 
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[list[int]]:
-    """Hold Ctrl-C, SIGTERM and SIGHUP back (collected in the list it yields, for
+    """Hold Ctrl-C, SIGTERM, SIGHUP and SIGQUIT back (collected in the list it yields, for
     :func:`_deliver`) while the output is swapped in or the staging directory removed: an
     interrupt never leaves the old model half-deleted beside the new one, or half a
     staging directory. Only the main thread can do this (elsewhere Python delivers no
@@ -303,8 +313,8 @@ def _deliver(received: list[int], detail: str | None) -> None:
         raise
 
 
-def _swap_into_place(tmp: Path, out: Path, force: bool) -> None:
-    os.chmod(tmp, 0o755)  # made private while written; the model is as readable as its files
+def _swap_into_place(tmp: Path, out: Path, force: bool, mode: int) -> None:
+    os.chmod(tmp, mode)
     if out.is_dir() and not _has_content(out):
         (out / _LITTER).unlink(missing_ok=True)  # an empty folder the Finder has shown
     if force and out.exists() and any(out.iterdir()):

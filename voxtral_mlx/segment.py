@@ -222,12 +222,13 @@ class SplitStopped(Exception):
 def split_text(
     text: str,
     *,
-    target_chars: int = 200,
+    target_chars: int | None = None,
     max_chars: int = 400,
     add_period: bool = True,
     stop: Callable[[], bool] | None = None,
 ) -> list[Segment]:
-    """Split ``text`` into segments of about ``target_chars`` and at most ``max_chars``.
+    """Split ``text`` into segments of about ``target_chars`` (default: half of
+    ``max_chars``, as the speaking calls split) and at most ``max_chars``.
 
     Segments are stripped, non-empty, in order and non-overlapping; only whitespace between
     them is dropped. A segment may still have nothing to speak (:func:`is_blank`: zero-width
@@ -241,10 +242,13 @@ def split_text(
     if not isinstance(text, str):
         raise InputError(f"text must be a str, got {type(text).__name__}: pass the text itself")
     for name, value in (("target_chars", target_chars), ("max_chars", max_chars)):
+        if value is None and name == "target_chars":
+            continue
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             shown = one_line(repr(value), 60)
             raise InputError(f"{name} must be a whole number of characters, got {shown}")
-    target_chars, max_chars = int(target_chars), int(max_chars)
+    max_chars = int(max_chars)
+    target_chars = max(1, max_chars // 2) if target_chars is None else int(target_chars)
     if not 1 <= target_chars <= max_chars:
         raise InputError(
             f"need 1 <= target_chars <= max_chars, got {target_chars} and {max_chars}: fix them"

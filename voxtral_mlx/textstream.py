@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .engine import DONE, AudioChunk, Job, Timings, check_whole, finite_float
+from .engine import DONE, AudioChunk, ConsumerGone, Job, Timings, check_whole, finite_float
 from .errors import InputError, UsageError
 from .fileio import one_line
 from .livetext import END, LiveText
@@ -190,8 +190,9 @@ class _Reader:
             return [self._pause(i, seconds)]
         t, c = self.timings, item.timings
         if i == 0:
-            t.prompt_tokens, t.prefill_s, t.prefix_cached = (
+            t.prompt_tokens, t.queued_s, t.prefill_s, t.prefix_cached = (
                 c.prompt_tokens,
+                c.queued_s,
                 c.prefill_s,
                 c.prefix_cached,
             )
@@ -372,7 +373,7 @@ def _to_loop(
         if reader is not None:
             reader._loop_closed = True
             reader._abandon()
-        raise  # the engine stops the job
+        raise ConsumerGone from None  # the engine stops the job
 
 
 class AsyncTextStream(_Reader):

@@ -266,6 +266,7 @@ class VoxtralTTS:
         jobs += [self.job(WARMUP_TEXT, v, seed=0, max_frames=0) for v in voices[1:]]
         for job in jobs:
             job.ahead = True  # nobody waits for its audio: a real request goes first
+            job.seq.ignore_end = True
         self._submit_all(jobs)
         # Requests go first for a while; then warm-up takes its turn among them, or a batch
         # kept full by requests would keep it waiting for as long as they come.

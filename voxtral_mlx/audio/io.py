@@ -219,8 +219,9 @@ def _as_mono_float(chunk: np.ndarray, channels: int) -> np.ndarray:
     return a
 
 
-def _discard(handle: sf.SoundFile | None, tmp: Path) -> None:
-    """Close the encoder and delete the temp file (used on error paths).
+def _discard(handle: sf.SoundFile | None, tmp: Path, folder_fd: int | None = None) -> None:
+    """Close the encoder and delete the temp file (used on error paths), in the folder
+    ``folder_fd`` names if given (it may have been moved or renamed since).
 
     Raises nothing of its own; a Ctrl-C that lands while the encoder closes still lets the
     temp file be deleted before it propagates.
@@ -231,7 +232,40 @@ def _discard(handle: sf.SoundFile | None, tmp: Path) -> None:
                 handle.close()
     finally:
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            if folder_fd is None:
+                tmp.unlink()
+            else:
+                os.unlink(tmp.name, dir_fd=folder_fd)
+
+
+def _discard_and_let_go(handle: sf.SoundFile | None, tmp: Path, folder_fd: int | None) -> None:
+    try:
+        _discard(handle, tmp, folder_fd)
+    finally:
+        if folder_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(folder_fd)
+
+
+def _open_folder(folder: Path) -> int | None:
+    """A descriptor of ``folder`` (None where folders cannot be opened so)."""
+    if os.unlink not in os.supports_dir_fd:
+        return None
+    try:
+        return os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return None
+
+
+def _folder_moved(folder: Path, folder_fd: int | None) -> bool:
+    """Whether ``folder`` is no longer the folder ``folder_fd`` was opened on."""
+    if folder_fd is None:
+        return False
+    try:
+        now, then = os.stat(folder), os.fstat(folder_fd)
+    except OSError:
+        return True
+    return (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
 
 
 def _mp3_stream_bytes(path: Path) -> int | None:
@@ -367,8 +401,12 @@ class AudioFileWriter:
                 f"cannot open {str(self.path)!r} for {fmt}/{subtype} at {self.sample_rate} Hz: "
                 f"{one_line(str(e), 200)}; choose another format"
             ) from e
+        # Kept to delete the temp file even if its folder is moved or renamed meanwhile.
+        self._folder_fd = _open_folder(self._target.parent)
         # Deletes the temp file if the writer is dropped without close() (or at exit).
-        self._finalizer = weakref.finalize(self, _discard, self._sf, self._tmp)
+        self._finalizer = weakref.finalize(
+            self, _discard_and_let_go, self._sf, self._tmp, self._folder_fd
+        )
 
     @property
     def temp_path(self) -> Path:
@@ -422,11 +460,20 @@ class AudioFileWriter:
             return self.path if self._kept else None
         self._closed = True
         handle, self._sf = self._sf, None
+        folder_fd, self._folder_fd = self._folder_fd, None
+        try:
+            self._finish(handle, keep, folder_fd)
+        finally:
+            if folder_fd is not None:
+                os.close(folder_fd)
+        return self.path if self._kept else None
+
+    def _finish(self, handle: sf.SoundFile | None, keep: bool, folder_fd: int | None) -> None:
         try:
             self._finalizer.detach()
             if not keep:
-                _discard(handle, self._tmp)
-                return None
+                _discard(handle, self._tmp, folder_fd)
+                return
             assert handle is not None
             handle.close()
             if self._format == "OGG":  # the same audio, the same bytes (see audio.ogg)
@@ -442,18 +489,19 @@ class AudioFileWriter:
                 os.close(fd)
             os.replace(self._tmp, self._target)
         except AudioOutputError:
-            _discard(None, self._tmp)
+            _discard(None, self._tmp, folder_fd)
             raise
         except Exception as e:
-            _discard(None, self._tmp)
-            raise AudioOutputError(
-                f"finishing {str(self.path)!r} failed: {_failure(e, self._target.parent)}"
-            ) from e
+            _discard(None, self._tmp, folder_fd)
+            if _folder_moved(self._target.parent, folder_fd):
+                why = "its folder was moved or deleted while it was being written; write it again"
+            else:
+                why = _failure(e, self._target.parent)
+            raise AudioOutputError(f"finishing {str(self.path)!r} failed: {why}") from e
         except BaseException:  # a second Ctrl-C while finishing: no temp file stays behind
-            _discard(handle, self._tmp)
+            _discard(handle, self._tmp, folder_fd)
             raise
         self._kept = True
-        return self.path
 
     def abort(self) -> None:
         """Delete the temp file; an existing target is left as it was."""

@@ -38,10 +38,14 @@ import numpy as np
 from ..errors import AudioDeviceError, AudioOutputError, InputError, UsageError
 from ..fileio import one_line
 
-# Said by the command line and by tts.say() alike, so it names both ways to a file.
+# Said by the command line and by tts.say() alike, so advice names both ways.
 _NO_DEVICE_HINT = (
     "or write a file instead (voxtral-mlx speak -o FILE; in Python, tts.synthesize() and "
     "soundfile.write)"
+)
+_PICK_DEVICE = "choose another device (speak --device; device= in Python)"
+_LIST_DEVICES = (
+    "voxtral-mlx speak -a '?' or voxtral_mlx.audio.player.list_output_devices() lists them"
 )
 _POLL_S = 0.02  # how often blocking waits look at stop() and the clock
 _STALL_S = 3.0  # a device whose callback stops for this long is considered gone
@@ -209,7 +213,7 @@ def resolve_device(spec: str | int | None, sd: Any = None) -> int | None:
     ):
         raise InputError(
             f"device must be an output device's name or index, got {type(spec).__name__} "
-            f"{spec!r}: pass e.g. 'MacBook Pro Speakers' or 2 (voxtral-mlx speak -a '?' lists them)"
+            f"{spec!r}: pass e.g. 'MacBook Pro Speakers' or 2 ({_LIST_DEVICES})"
         )
     devices = list_output_devices(sd)
     if not devices:
@@ -217,8 +221,8 @@ def resolve_device(spec: str | int | None, sd: Any = None) -> int | None:
     if spec is None or (isinstance(spec, str) and not spec.strip()):
         if not any(d["default"] for d in devices):
             raise AudioOutputError(
-                "no default audio output device; pick one with --device "
-                f"(available: {_describe(devices)}) {_NO_DEVICE_HINT}"
+                "no default audio output device; pick one (speak --device; device= in "
+                f"Python; available: {_describe(devices)}) {_NO_DEVICE_HINT}"
             )
         return None
     text = str(spec).strip()
@@ -364,8 +368,7 @@ class AudioPlayer:
             return self._sd.OutputStream(**kwargs)
         except _portaudio_errors(self._sd) as e:
             raise AudioOutputError(
-                f"cannot open audio output ({e}); choose another device with --device "
-                f"{_NO_DEVICE_HINT}"
+                f"cannot open audio output ({e}); {_PICK_DEVICE} {_NO_DEVICE_HINT}"
             ) from e
 
     # -- measurements ---------------------------------------------------------------
@@ -527,8 +530,7 @@ class AudioPlayer:
             except _portaudio_errors(self._sd) as e:
                 self._close_stream(abort=True)
                 raise AudioOutputError(
-                    f"cannot start audio output ({e}); choose another device with --device "
-                    f"{_NO_DEVICE_HINT}"
+                    f"cannot start audio output ({e}); {_PICK_DEVICE} {_NO_DEVICE_HINT}"
                 ) from e
 
     # -- device side (PortAudio's thread) -------------------------------------------

@@ -1,8 +1,8 @@
 """``voxtral-mlx``: speak text like macOS ``say``, list voices, convert files.
 
 The only package that prints. Errors are one line on stderr and a non-zero exit code:
-1 for bad input or environment, 130 when interrupted (143 / 129 for SIGTERM / SIGHUP);
-``serve`` exits 0 on Ctrl-C, the way it is meant to stop.
+1 for bad input or environment, 130 when interrupted (143 / 129 / 131 for SIGTERM, SIGHUP,
+SIGQUIT); ``serve`` exits 0 on Ctrl-C, the way it is meant to stop.
 """
 
 from __future__ import annotations

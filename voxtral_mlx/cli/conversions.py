@@ -12,7 +12,7 @@ from typing import TypeVar
 from ..errors import InputError
 from ..interrupts import FINISHED, hold_from_now, terminable
 from .loading import downloads_reported
-from .output import info, result_line
+from .output import info, note, result_line
 from .waiting import interruptibly
 
 T = TypeVar("T")
@@ -137,14 +137,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if result.unfit:
         n, first = len(result.unfit), ", ".join(result.unfit[:3])
         layers, stay, their = ("layers", "stay", "their") if n > 1 else ("layer", "stays", "its")
-        info(
-            f"note: {n} {layers} ({first}{', ...' if n > 3 else ''}) {stay} unquantized: "
+        note(
+            f"{n} {layers} ({first}{', ...' if n > 3 else ''}) {stay} unquantized: "
             f"{their} input width is not a multiple of the group size "
             f"{args.q_group_size or DEFAULT_GROUP_SIZE}"
         )
     if not result.voices:
-        info(
-            f"note: {args.model} has no voices in voice_embedding/; to speak with the "
+        note(
+            f"{args.model} has no voices in voice_embedding/; to speak with the "
             f"converted model, put voice files (.pt or .safetensors) in "
             f"{result.path / 'voice_embedding'}/ (create it)"
         )

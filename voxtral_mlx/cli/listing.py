@@ -7,7 +7,7 @@ import argparse
 from ..errors import VoxtralError, printable
 from ..fileio import one_line
 from .loading import load_model
-from .output import info, result_line
+from .output import note, result_line
 
 
 def print_voices(tts) -> None:
@@ -28,13 +28,13 @@ def print_voices(tts) -> None:
         lang = voice.language or "?"
         result_line(f"{one_line(name, 80):<20} {lang:<3} {LANGUAGE_NAMES.get(lang, 'unknown')}")
     for name, path in sorted(tts.voices.broken.items()):
-        info(f"note: voice {one_line(repr(name))} is unusable: {unreadable(path)}")
+        note(f"voice {one_line(repr(name))} is unusable: {unreadable(path)}")
     for message in damaged:
-        info(f"note: {printable(message)}")
+        note(printable(message))
     if tts.voices.missing:
         names = one_line(", ".join(tts.voices.missing), 400)
-        info(
-            f"note: tekken.json lists voices that have no file (an incomplete download?): "
+        note(
+            f"tekken.json lists voices that have no file (an incomplete download?): "
             f"{names}; fetch the model again"
         )
 

@@ -47,5 +47,10 @@ def result_line(line: str) -> None:
         raise StdoutError(f"writing to stdout failed: {e.strerror or e}; {STDOUT_FIX}") from None
 
 
+def note(message: str) -> None:
+    """Something the user may want to act on, though the command did its job."""
+    info(f"{PROG}: note: {message}")
+
+
 def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     info(f"{PROG}: warning: {message}")

@@ -318,7 +318,7 @@ def _splitting_notice(args: argparse.Namespace, text: str) -> Iterator[None]:
         and len(text) > SPLIT_NOTICE_CHARS
         and not args.no_split
         and not args.quiet
-        and _stderr_is_terminal()
+        and _stderr_redraws()
     )
     if show:
         to_stderr(f"\r{PROG}: splitting {len(text):,} characters into segments\x1b[K")
@@ -330,7 +330,7 @@ def _splitting_notice(args: argparse.Namespace, text: str) -> Iterator[None]:
 
 
 def _show_progress(args: argparse.Namespace, stream) -> bool:
-    if args.quiet or not _stderr_is_terminal():
+    if args.quiet or not _stderr_redraws():
         return False
     if stream.live:  # not over text being typed on the terminal: the line would hide it
         typed = args.file in (None, "-") and sys.stdin is not None and sys.stdin.isatty()
@@ -338,21 +338,35 @@ def _show_progress(args: argparse.Namespace, stream) -> bool:
     return len(stream.segments) > 1
 
 
-def _stderr_is_terminal() -> bool:
+def _stderr_redraws() -> bool:
+    """A line on stderr can be redrawn in place (``\r``, ``ESC [K``): a terminal, but not
+    a dumb one (Emacs' shell, some IDE consoles show the escape as text)."""
+    if os.environ.get("TERM") == "dumb":
+        return False
     return sys.stderr is not None and sys.stderr.isatty()
 
 
 def _report(t, player, started: float, live: bool = False, segments: int = 1) -> None:
+    import mlx.core as mx
+
     whose = "first segment's prompt" if segments > 1 or live else "prompt"
-    info(f"{whose}: {t.prompt_tokens} tokens, prefill {t.prefill_s * 1000:.0f} ms")
-    info(f"first audio after {t.first_audio_s * 1000:.0f} ms")
-    info(f"frames: {t.frames}, {t.ms_per_frame:.1f} ms/frame, audio {t.audio_s:.2f} s")
-    waiting = " (leaving out the waits for text)" if live else ""
-    info(
-        f"wall {t.total_s:.2f} s{waiting}, real-time factor {t.rtf:.3f} "
-        f"({1 / t.rtf if t.rtf else 0:.2f}x real time)"
-    )
-    info(f"peak memory {t.peak_memory_bytes / 2**30:.2f} GiB")
+    if t.prompt_tokens:  # 0: interrupted before its prefill was done
+        queued = f" after {t.queued_s * 1000:.0f} ms in the queue" if t.queued_s >= 0.0005 else ""
+        info(f"{whose}: {t.prompt_tokens} tokens, prefill {t.prefill_s * 1000:.0f} ms{queued}")
+    if not t.frames:
+        info("no audio was generated")
+    else:
+        info(f"first audio after {t.first_audio_s * 1000:.0f} ms")
+        info(f"frames: {t.frames}, {t.ms_per_frame:.1f} ms/frame, audio {t.audio_s:.2f} s")
+        waiting = " (leaving out the waits for text)" if live else ""
+        info(
+            f"wall {t.total_s:.2f} s{waiting}, real-time factor {t.rtf:.3f} "
+            f"({1 / t.rtf if t.rtf else 0:.2f}x real time)"
+        )
+    # The process's peak (a request interrupted before its first chunk recorded none).
+    peak = max(t.peak_memory_bytes, mx.get_peak_memory())
+    shown = f"{peak / 2**30:.2f} GiB" if peak >= 2**30 else f"{peak / 2**20:.0f} MiB"
+    info(f"peak memory {shown}")
     if player is not None:
         s = player.stats
         heard = ""

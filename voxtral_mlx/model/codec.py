@@ -293,12 +293,6 @@ class CodecDecoder(nn.Module):
             keys[j], values[j] = k[:, :, -window:], v[:, :, -window:]
         return x
 
-    def _transformer(self, s: int, x: mx.array, state: CodecState) -> mx.array:
-        """Stage ``s``'s transformer over new steps ``x``, updating ``state`` in place."""
-        start = state.position * self._plan.rates[s]
-        mask = self._mask(s, x.shape[1], min(start, self._plan.windows[s]), x.dtype)
-        return self._stage_transformer(s, x, state.keys[s], state.values[s], mask)
-
     def _mask(self, s: int, n: int, n_valid: int, dtype: mx.Dtype) -> mx.array:
         """The attention mask of stage ``s`` for ``n`` new steps: full ``[heads, n, W + n]``
         for short chunks, banded (linear in ``n``) for long ones."""

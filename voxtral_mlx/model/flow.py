@@ -125,9 +125,9 @@ class FlowHead(nn.Module):
             x = x + (cfg[:, :1] * v[:b] + cfg[:, 1:] * v[b:]) * (1.0 / n)
         levels = args.acoustic_codebook_size - 1
         q = mx.round((mx.clip(x, -1.0, 1.0) + 1.0) / 2.0 * levels)
-        # NaN (damaged weights, float16 overflow) becomes code 1: never generated, yet a
-        # row of the code embedding, so the next step stays in range until it is seen.
-        q = mx.where(mx.isnan(x), NOT_FINITE, q)
+        # NaN or inf (damaged weights, float16 overflow) becomes code 1: never generated,
+        # yet a row of the code embedding, so the next step stays in range until it is seen.
+        q = mx.where(mx.isfinite(x), q, NOT_FINITE)
         return q.astype(mx.int32) + N_SPECIAL_AUDIO_CODES
 
     def frame(self, h: mx.array, noise: mx.array, cfg: mx.array) -> tuple[mx.array, mx.array]:
