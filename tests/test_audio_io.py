@@ -308,6 +308,47 @@ def test_opus_rejects_unsupported_sample_rate(tmp_path):
     assert hidden_leftovers(tmp_path) == []
 
 
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux /proc")
+def test_each_descriptor_is_closed_once(tmp_path, monkeypatch):
+    """A failed open closed the temp file's descriptor after libsndfile had (a second close
+    can hit a file another thread opened meanwhile); every way out closes each once."""
+    failed: list[int] = []
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        try:
+            real_close(fd)
+        except OSError as e:  # EBADF: closed already (here, with nothing reusing the number)
+            failed.append(e.errno)
+            raise
+
+    monkeypatch.setattr(aio.os, "close", close)
+    before = _open_fds()
+    real_soundfile = sf.SoundFile
+
+    def refused_by_libsndfile(*args, **kwargs):  # past our checks: libsndfile's own refusal
+        return real_soundfile(*args, **{**kwargs, "samplerate": 1000})
+
+    monkeypatch.setattr(aio.sf, "SoundFile", refused_by_libsndfile)
+    with pytest.raises(AudioOutputError, match="Opus only supports"):
+        AudioFileWriter(tmp_path / "a.opus", SR)
+    monkeypatch.setattr(aio.sf, "SoundFile", real_soundfile)
+    for finish in ("close", "abort", "commit_partial", "dropped"):
+        w = AudioFileWriter(tmp_path / f"{finish}.flac", SR)
+        w.write(speechlike(0.05))
+        if finish == "dropped":
+            del w
+            gc.collect()
+        else:
+            getattr(w, finish)()
+    assert _open_fds() == before and failed == []
+    assert hidden_leftovers(tmp_path) == []
+
+
 def test_vorbis_refuses_rates_libsndfile_would_crash_on(tmp_path):
     """Above 200 kHz (a checkpoint's params.json may say so) libsndfile's Vorbis encoder
     segfaulted, leaving a hidden partial file."""

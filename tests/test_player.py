@@ -677,6 +677,32 @@ def test_a_gap_where_the_input_waits_resumes_at_once():
     assert len([n for audio, n in runs if not audio]) > 3, runs  # each frame when it came
 
 
+def test_a_segments_last_chunk_plays_while_the_text_is_awaited_after_a_refill_began():
+    """Live text generated at half real time: the buffer ran dry mid-segment (a refill),
+    then the segment's last chunk came with nothing known to follow. It used to stay
+    silent until more text came (or the input ended)."""
+    p, sd = make_player()
+    s, fed, step = None, 0, 0
+    while not p._refilling:  # half real time, more coming: runs dry, refills
+        assert step < 200
+        if step % 2 == 0:
+            fed += 1
+            p.feed(frame(fed), expected_total_s=(fed + 5) * FRAME_S, more_coming=True)
+        sd.clock.advance(FRAME_S)
+        s = s or (sd.streams[0] if sd.streams else None)
+        if s is not None:
+            s.pump()
+        step += 1
+    last = np.concatenate([frame(100), frame(101)])
+    p.feed(last, expected_total_s=(fed + 2) * FRAME_S, more_coming=False)
+    played = []
+    for _ in range(6):  # the writer of the text is still thinking: nothing more is fed
+        sd.clock.advance(FRAME_S)
+        played.append(s.pump())
+    assert np.array_equal(np.concatenate([b for b in played if b.any()])[-len(last) :], last)
+    assert p.buffered_s == 0
+
+
 def test_a_refill_after_a_short_guess_waits_for_the_guessed_rest():
     """The expected total not yet reached: refill for what is still to play, as the
     pre-roll would, not for the unknown-length maximum."""

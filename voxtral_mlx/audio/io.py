@@ -219,9 +219,12 @@ def _as_mono_float(chunk: np.ndarray, channels: int) -> np.ndarray:
     return a
 
 
-def _discard(handle: sf.SoundFile | None, tmp: Path, folder_fd: int | None = None) -> None:
-    """Close the encoder and delete the temp file (used on error paths), in the folder
-    ``folder_fd`` names if given (it may have been moved or renamed since).
+def _discard(
+    handle: sf.SoundFile | None, tmp: Path, folder_fd: int | None = None, fd: int | None = None
+) -> None:
+    """Close the encoder (and ``fd``, the descriptor it writes to) and delete the temp file
+    (used on error paths), in the folder ``folder_fd`` names if given (it may have been
+    moved or renamed since).
 
     Raises nothing of its own; a Ctrl-C that lands while the encoder closes still lets the
     temp file be deleted before it propagates.
@@ -231,6 +234,9 @@ def _discard(handle: sf.SoundFile | None, tmp: Path, folder_fd: int | None = Non
             with contextlib.suppress(Exception):
                 handle.close()
     finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         with contextlib.suppress(OSError):
             if folder_fd is None:
                 tmp.unlink()
@@ -238,9 +244,11 @@ def _discard(handle: sf.SoundFile | None, tmp: Path, folder_fd: int | None = Non
                 os.unlink(tmp.name, dir_fd=folder_fd)
 
 
-def _discard_and_let_go(handle: sf.SoundFile | None, tmp: Path, folder_fd: int | None) -> None:
+def _discard_and_let_go(
+    handle: sf.SoundFile | None, tmp: Path, folder_fd: int | None, fd: int
+) -> None:
     try:
-        _discard(handle, tmp, folder_fd)
+        _discard(handle, tmp, folder_fd, fd)
     finally:
         if folder_fd is not None:
             with contextlib.suppress(OSError):
@@ -389,23 +397,24 @@ class AudioFileWriter:
                 channels=self.channels,
                 format=fmt,
                 subtype=subtype,
-                closefd=True,
+                # Ours to close: given to own, libsndfile closes it on some failed opens and
+                # not on others, and a second close could hit a file another thread opened.
+                closefd=False,
             )
         except Exception as e:
-            with contextlib.suppress(OSError):  # libsndfile may have closed it already
-                os.close(fd)
-            _discard(None, self._tmp)
+            _discard(None, self._tmp, fd=fd)
             if _disk_full(self._target.parent):  # writing the header failed: "System error."
                 raise AudioOutputError(f"cannot write {str(self.path)!r}: {_NO_SPACE}") from e
             raise AudioOutputError(
                 f"cannot open {str(self.path)!r} for {fmt}/{subtype} at {self.sample_rate} Hz: "
                 f"{one_line(str(e), 200)}; choose another format"
             ) from e
+        self._fd: int | None = fd
         # Kept to delete the temp file even if its folder is moved or renamed meanwhile.
         self._folder_fd = _open_folder(self._target.parent)
         # Deletes the temp file if the writer is dropped without close() (or at exit).
         self._finalizer = weakref.finalize(
-            self, _discard_and_let_go, self._sf, self._tmp, self._folder_fd
+            self, _discard_and_let_go, self._sf, self._tmp, self._folder_fd, fd
         )
 
     @property
@@ -461,21 +470,28 @@ class AudioFileWriter:
         self._closed = True
         handle, self._sf = self._sf, None
         folder_fd, self._folder_fd = self._folder_fd, None
+        data_fd, self._fd = self._fd, None
         try:
-            self._finish(handle, keep, folder_fd)
+            self._finish(handle, keep, folder_fd, data_fd)
         finally:
             if folder_fd is not None:
                 os.close(folder_fd)
         return self.path if self._kept else None
 
-    def _finish(self, handle: sf.SoundFile | None, keep: bool, folder_fd: int | None) -> None:
+    def _finish(
+        self, handle: sf.SoundFile | None, keep: bool, folder_fd: int | None, data_fd: int | None
+    ) -> None:
         try:
             self._finalizer.detach()
             if not keep:
-                _discard(handle, self._tmp, folder_fd)
+                _discard(handle, self._tmp, folder_fd, data_fd)
                 return
-            assert handle is not None
-            handle.close()
+            assert handle is not None and data_fd is not None
+            try:
+                handle.close()
+            finally:
+                fd, data_fd = data_fd, None
+                os.close(fd)
             if self._format == "OGG":  # the same audio, the same bytes (see audio.ogg)
                 renumber_file(self._tmp)
             if self.frames_written:
@@ -489,17 +505,17 @@ class AudioFileWriter:
                 os.close(fd)
             os.replace(self._tmp, self._target)
         except AudioOutputError:
-            _discard(None, self._tmp, folder_fd)
+            _discard(None, self._tmp, folder_fd, data_fd)
             raise
         except Exception as e:
-            _discard(None, self._tmp, folder_fd)
+            _discard(None, self._tmp, folder_fd, data_fd)
             if _folder_moved(self._target.parent, folder_fd):
                 why = "its folder was moved or deleted while it was being written; write it again"
             else:
                 why = _failure(e, self._target.parent)
             raise AudioOutputError(f"finishing {str(self.path)!r} failed: {why}") from e
         except BaseException:  # a second Ctrl-C while finishing: no temp file stays behind
-            _discard(handle, self._tmp, folder_fd)
+            _discard(handle, self._tmp, folder_fd, data_fd)
             raise
         self._kept = True
 

@@ -444,7 +444,8 @@ class AudioPlayer:
             return 0.0
         played_s = self._played / self.sample_rate
         total = self._expected_total_s
-        if total is not None and total > played_s + self.buffered_s:
+        # (1e-9: the expected total all buffered, in float sums, is the guess used up.)
+        if total is not None and total > played_s + self.buffered_s + 1e-9:
             left = total - played_s
             need = min(left, self.min_preroll_s + PREROLL_SAFETY * (1.0 - speed) * left)
         else:
@@ -489,6 +490,8 @@ class AudioPlayer:
             if expected_total_s is not None:
                 self._expected_total_s = float(expected_total_s)
             self._more_coming = bool(more_coming)
+            if not more_coming:  # nothing known to follow (text still being written): what
+                self._refilling = False  # is buffered plays now, not after the next text
             if a.size:
                 if self._first_feed_at is None:
                     self._first_feed_at = now
@@ -666,8 +669,6 @@ class AudioPlayer:
             self.stop()
             raise
 
-    drain = finish
-
     def _check_alive(self) -> None:
         fix = f"check the output device {_NO_DEVICE_HINT}"
         if self._callback_error is not None and not self._stopped.is_set():
@@ -676,9 +677,10 @@ class AudioPlayer:
         if self._finished.is_set() and not self._stopped.is_set():
             raise AudioDeviceError("the audio stream ended unexpectedly", fix)
         last = self._last_callback_at
-        if last is not None and self._clock() - last > max(_STALL_S, 4 * self._latency):
+        limit = max(_STALL_S, 4 * self._latency)
+        if last is not None and self._clock() - last > limit:
             raise AudioDeviceError(
-                f"the audio device stopped taking audio (no callback for {_STALL_S:.0f} s)", fix
+                f"the audio device stopped taking audio (no callback for {limit:.3g} s)", fix
             )
 
     def _wait_drained(self) -> None:
