@@ -264,6 +264,29 @@ def test_safetensors_voices_come_out_keyed_embedding(source: Path, tmp_path: Pat
     assert (out / name).read_bytes() == (src / "voice_embedding" / name).read_bytes()
 
 
+def test_voices_come_out_as_the_model_reads_them(source: Path, tmp_path: Path) -> None:
+    """The copy took every *.safetensors name: a link to nothing beside the .pt the loader
+    uses failed the conversion after all the weights were written; a float64 file was
+    copied as it was, which MLX (mlx-audio) cannot read."""
+    from safetensors.numpy import save_file
+
+    src = Path(shutil.copytree(source, tmp_path / "src"))
+    dangling, wide = sorted(VOICES)
+    (src / "voice_embedding" / f"{dangling}.safetensors").symlink_to(tmp_path / "gone")
+    rows = to_mlx(read_pt(src / "voice_embedding" / f"{wide}.pt"))
+    (src / "voice_embedding" / f"{wide}.pt").unlink()
+    as_f64 = np.array(rows.astype(mx.float32)).astype(np.float64)
+    save_file({"embedding": as_f64}, str(src / "voice_embedding" / f"{wide}.safetensors"))
+    loaded = load_model_dir(src)
+    assert loaded.voices[dangling].path.suffix == ".pt"
+    out = convert_model(src, tmp_path / "out").path / "voice_embedding"
+    assert sorted(p.name for p in out.iterdir()) == [f"{v}.safetensors" for v in sorted(VOICES)]
+    assert mx.load(str(out / f"{wide}.safetensors"))["embedding"].dtype == mx.float32
+    for voice in VOICES:
+        stored = mx.load(str(out / f"{voice}.safetensors"))["embedding"]
+        assert mx.array_equal(stored, loaded.voices.embedding(voice)).item()
+
+
 def test_unquantized_conversion_is_bit_identical(converted, source: Path) -> None:
     ours = load_model_dir(converted["bf16"], "float32")
     ref = load_model_dir(source, "float32")
@@ -646,21 +669,23 @@ def test_weights_beyond_float16_are_refused_not_written_as_infinity(source, tmp_
     assert convert_model(wide, tmp_path / "bf16", dtype="bfloat16").path.is_dir()
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_a_damaged_weight_is_refused_not_quantized_away(source, tmp_path, value) -> None:
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16"])
+def test_a_damaged_weight_is_refused_not_quantized_away(source, tmp_path, value, stored) -> None:
     """Quantizing turned a NaN into its group's extreme value: a damaged checkpoint came
-    out looking sound, and the runtime's check for non-finite values could not catch it."""
-    wide = convert_model(source, tmp_path / "f32", dtype="float32").path
+    out looking sound, and the runtime's check for non-finite values could not catch it.
+    Nor may a tensor copied as it is stored (the output's dtype) pass unchecked."""
+    wide = convert_model(source, tmp_path / "src", dtype=stored).path
     file = wide / "model.safetensors"
     weights = mx.load(str(file))
     name = next(k for k, v in weights.items() if ".layers.0." in k and v.ndim == 2)
-    damaged = np.array(weights[name])
+    damaged = np.array(weights[name].astype(mx.float32))
     damaged[0, 0] = value
-    weights[name] = mx.array(damaged)
+    weights[name] = mx.array(damaged).astype(weights[name].dtype)
     mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
-    for q_bits in (4, None):
+    for dtype, q_bits in (("bfloat16", 4), ("bfloat16", None), (stored, None)):
         with pytest.raises(CheckpointError) as exc:
-            convert_model(wide, tmp_path / "out", dtype="bfloat16", q_bits=q_bits)
+            convert_model(wide, tmp_path / "out", dtype=dtype, q_bits=q_bits)
         message = one_line(exc.value)
         assert f"tensor '{to_mistral_name(name)}' holds NaN or infinite values" in message
         assert message.endswith("re-download it")

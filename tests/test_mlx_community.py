@@ -644,6 +644,45 @@ def test_scales_without_config_are_read_off_the_shapes(broken: Path) -> None:
     assert {s.bits for s in loaded.quantized.values()} == {4}
 
 
+@pytest.mark.parametrize("part", ["scales", "weight"])
+@pytest.mark.parametrize("recorded", [True, False], ids=["config", "no-config"])
+def test_a_scalar_where_a_packed_tensor_belongs_is_named(
+    broken: Path, part: str, recorded: bool
+) -> None:
+    """A 0-d .scales or packed weight raised IndexError out of load() (a traceback)."""
+    if not recorded:
+        config = json.loads((broken / "config.json").read_text())
+        del config["quantization"], config["quantization_config"]
+        (broken / "config.json").write_text(json.dumps(config))
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    name = f"language_model.model.model.layers.1.self_attn.q_proj.{part}"
+    shard = broken / index["weight_map"][name]
+    tensors = mx.load(str(shard))
+    tensors[name] = mx.array(1, dtype=tensors[name].dtype)
+    mx.save_safetensors(str(shard), tensors)
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert name in message and "mis-shaped" in message
+
+
+def test_an_index_leaving_out_a_shard_of_its_series_says_so(broken: Path) -> None:
+    """Its tensors were reported missing, with advice to check params.json and config.json."""
+    path = broken / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    names = sorted(set(index["weight_map"].values()))
+    assert len(names) > 1 and names[-1].startswith(f"model-{len(names):05d}-of-")
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != names[-1]}
+    path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert f"names {len(names) - 1} of the {len(names)} files of its series, not {names[-1]}" in (
+        message
+    )
+    assert "params.json" not in message
+
+
 def test_index_pointing_at_the_wrong_shard(broken: Path) -> None:
     path = broken / "model.safetensors.index.json"
     index = json.loads(path.read_text())

@@ -327,9 +327,40 @@ def test_temp_files_of_killed_writers_are_removed(tiny_checkpoint, tmp_path, noi
     ]
     for path in (orphan, *running):
         path.write_bytes(b"half a prefix")
+    # Named as a dead process's temp file, but not for a file of this cache: someone else's.
+    theirs = tmp_path / f".photos.tmp-{dead.pid}-abcdef12"
+    theirs.mkdir()
+    (theirs / "img.jpg").write_bytes(b"a photo")
+    other_tool = tmp_path / f".notes.txt.tmp-{dead.pid}-abcdef12"
+    other_tool.write_bytes(b"a draft")
     run(tiny_checkpoint, tmp_path, noise)
     assert not orphan.exists() and all(p.exists() for p in running)
+    assert (theirs / "img.jpg").exists() and other_tool.exists()
     assert len(files(tmp_path)) == 1
+
+
+def test_an_entry_that_cannot_be_pruned_is_passed_over(tiny_checkpoint, tmp_path, noise):
+    """The oldest entry a folder (or another user's file): pruning stopped at it, with a
+    warning that the cache could not be written, and the folder grew past its limit."""
+    blocked = tmp_path / f"{0:016x}-{'0' * 32}.safetensors"
+    blocked.mkdir()
+    os.utime(blocked, ns=(0, 0))
+    for i in range(1, 4):
+        stale = tmp_path / f"{i:016x}-{'0' * 32}.safetensors"
+        stale.write_bytes(b"old")
+        os.utime(stale, ns=(i * 10**9, i * 10**9))
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
+    try:
+        tts.engine.prefix_store.max_files = 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no PrefixCacheWarning
+            tts.synthesize(TEXT, VOICE, noise=noise)
+    finally:
+        tts.close()
+    names = sorted(p.name for p in files(tmp_path))
+    # The folder, which could not go, and the new prefix: the limit of 2 held.
+    assert blocked.is_dir() and len(names) == 2 and blocked.name in names
+    assert any(n.startswith(model_fingerprint(tiny_checkpoint)[:16]) for n in names)
 
 
 def test_a_bad_prefix_cache_dir_is_a_one_line_error(tiny_checkpoint):
@@ -373,6 +404,10 @@ def test_the_models_own_folder_is_refused(tiny_checkpoint, tmp_path):
         with pytest.raises(InputError, match="is the model's folder"):
             voxtral_mlx.load(model, prefix_cache_dir=given)
     assert sorted(p.name for p in model.iterdir()) == before
+    voices = sorted(p.name for p in (model / "voice_embedding").iterdir())
+    with pytest.raises(InputError, match="is the model's voice folder"):  # taken for voices
+        voxtral_mlx.load(model, prefix_cache_dir=model / "voice_embedding" / ".")
+    assert sorted(p.name for p in (model / "voice_embedding").iterdir()) == voices
     inside = model / "prefix-cache"  # a folder of its own inside it is fine
     tts = voxtral_mlx.load(model, prefix_cache_dir=inside)
     tts.close()

@@ -842,6 +842,40 @@ def test_duplicate_storage_declarations(tmp_path: Path) -> None:
     one_line(exc)
 
 
+def test_a_tensor_larger_than_its_storage_is_refused_beyond_a_megabyte(tmp_path: Path) -> None:
+    """expand() strides: 4 MB of storage read as 64 MB (16 rows of the same data) used to
+    pass, and a few kilobytes of deflated storage went as far as gigabytes."""
+    numel = 1 << 20
+    records = {"data/0": bytes(4 * numel)}
+    pkl = tensor_pickle(numel=numel, shape=(16, numel), stride=(0, 1))
+    with pytest.raises(VoiceError) as exc:
+        read_pt(make_pt(tmp_path / "e.pt", pkl, records))
+    assert "larger than its 4194304-byte storage" in one_line(exc)
+    small = tensor_pickle(numel=4, shape=(3, 4), stride=(0, 1))  # 48 bytes: still read
+    assert read_pt(make_pt(tmp_path / "s.pt", small)).data.tolist() == [[0, 1, 2, 3]] * 3
+
+
+def test_a_voice_larger_than_any_is_refused_before_its_data_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_pt(tmp_path / "v.pt", tensor_pickle(numel=4, shape=(2, 2), stride=(2, 1)))
+    monkeypatch.setattr(tp, "_read_record", _refusing(tp._read_record, "data/0"))
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path, max_values=3)
+    assert "shape [2, 2] (4 values), more than a voice embedding's 3" in one_line(exc)
+    monkeypatch.undo()
+    assert read_pt(path, max_values=4).data.tolist() == [[0, 1], [2, 3]]
+
+
+def _refusing(read, record: str):
+    def guarded(zf, info, src):
+        if info.filename.endswith(record):
+            raise AssertionError(f"{record} was read")
+        return read(zf, info, src)
+
+    return guarded
+
+
 def _deflated_zeros_pt(path: Path, numel: int) -> Path:
     """A .pt whose storage record is ``numel`` float32 zeros, deflated (torch never
     compresses): a few hundred kB on disk that inflate to ``4 * numel`` bytes."""
@@ -876,6 +910,39 @@ def test_zip_bomb_storage_is_refused_before_inflating(
         read_pt(path)
     message = one_line(exc)
     assert "zip bomb" in message and "bomb.pt" in message
+
+
+def test_a_compressed_size_beyond_the_file_is_no_excuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ratio was taken against the compressed size the archive declares: declaring 4 MB
+    for its 64 kB of deflated zeros let 64 MB through (and expand() strides made that
+    gigabytes)."""
+    path = _deflated_zeros_pt(tmp_path / "liar.pt", 16 << 20)
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        local = zf.getinfo("archive/data/0").header_offset
+    central = [
+        at
+        for at in range(len(data) - 4)
+        if data[at : at + 4] == b"PK\x01\x02" and data[at + 46 :].startswith(b"archive/data/0")
+    ]
+    assert len(central) == 1
+    for at in (local + 18, central[0] + 20):  # the compressed size
+        data[at : at + 4] = struct.pack("<I", 4 << 20)
+    path.write_bytes(bytes(data))
+    assert path.stat().st_size < (1 << 20)
+    real_open = zipfile.ZipFile.open
+
+    def no_inflating(self, name, *args, **kwargs):
+        if getattr(name, "filename", name).endswith("data/0"):
+            raise AssertionError("the bomb was inflated")
+        return real_open(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", no_inflating)
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    assert "zip bomb" in one_line(exc)
 
 
 def test_a_record_inflating_beyond_its_declared_size_reads_only_that(tmp_path: Path) -> None:

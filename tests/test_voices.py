@@ -140,6 +140,8 @@ def test_voice_names_ignore_case_when_unambiguous(tmp_path: Path) -> None:
     assert reg.get_voice("mixed").name == "mixed" and reg.get_voice("Mixed").name == "Mixed"
     with pytest.raises(VoiceError, match="voice 'MIXED' is ambiguous: it matches Mixed, mixed"):
         reg.get_voice("MIXED")
+    first = reg.embedding("NEUTRAL_MALE")  # read once, kept under the voice's own name
+    assert reg.embedding("Neutral_male") is first and reg.cached("neutral_male") is first
 
 
 def test_unknown_voice_lists_names(tmp_path: Path) -> None:

@@ -123,6 +123,11 @@ def load(
             "would mix with the weights: give a folder of its own (e.g. a prefix-cache "
             "folder inside it), 'auto', or None"
         )
+    if directory is not None and _same_dir(directory, model_dir / "voice_embedding"):
+        raise InputError(
+            f"prefix_cache_dir {one_line(str(directory))} is the model's voice folder, where "
+            "its files would be taken for voices: give a folder of its own, 'auto', or None"
+        )
     worker = Worker()
     try:
         loaded = worker.call(load_model_dir, model_dir, dtype)

@@ -4,7 +4,7 @@ Output (``voxtral-mlx`` layout, see :mod:`voxtral_mlx.mlx_layout`)::
 
     config.json                      how it was converted, incl. the quantization section
     params.json, tekken.json         copied unchanged
-    model.safetensors                or model-0000N-of-0000M.safetensors above 5 GB
+    model.safetensors                or model-0000N-of-0000M.safetensors above 5 GiB
     model.safetensors.index.json     tensor -> file (always written)
     voice_embedding/<name>.safetensors   one tensor, key ``embedding``
 
@@ -397,10 +397,14 @@ def _check_finite(job: _Job, source: mx.array) -> None:
     """NaN or infinity in the source is damage: quantizing would hide it (a NaN becomes its
     group's extreme value), and a converted copy must not pass for a sound one."""
     if not mx.all(mx.isfinite(source)).item():
-        raise CheckpointError(
-            f"{job.ref.path}: tensor '{job.name}' holds NaN or infinite values: the "
-            "checkpoint is damaged; re-download it"
-        )
+        raise _not_finite(job)
+
+
+def _not_finite(job: _Job) -> CheckpointError:
+    return CheckpointError(
+        f"{job.ref.path}: tensor '{job.name}' holds NaN or infinite values: the "
+        "checkpoint is damaged; re-download it"
+    )
 
 
 def _check_float16_range(name: str, source: mx.array, block: mx.array) -> None:
@@ -413,23 +417,41 @@ def _check_float16_range(name: str, source: mx.array, block: mx.array) -> None:
         )
 
 
+# Bits that are all ones in the exponent of a NaN or an infinity, per float format.
+_NOT_FINITE_BITS = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00)}
+
+
 def _raw_copy(job: _Job, chunk_bytes: int) -> Iterator[bytes]:
+    """The tensor's bytes as stored (checked for NaN and infinity as converted ones are)."""
     info = job.ref.info
     start = job.data_start + info.start
     total = info.end - info.start
+    item = SAFETENSORS_DTYPES[info.dtype][0]
+    chunk_bytes = max(item, chunk_bytes - chunk_bytes % item)  # whole values per piece
     fd = os.open(job.ref.path, os.O_RDONLY)
     try:
         done = 0
         while done < total:
             piece = os.pread(fd, min(chunk_bytes, total - done), start + done)
-            if not piece:
+            if not piece or len(piece) % item:
                 raise CheckpointError(
                     f"{job.ref.path} is truncated at tensor '{job.name}': re-download it"
                 )
+            if not _all_finite(piece, info.dtype):
+                raise _not_finite(job)
             done += len(piece)
             yield piece
     finally:
         os.close(fd)
+
+
+def _all_finite(raw: bytes, dtype: str) -> bool:
+    if dtype in _NOT_FINITE_BITS:
+        words, exponent = _NOT_FINITE_BITS[dtype]
+        return not np.any((np.frombuffer(raw, words) & exponent) == exponent)
+    if dtype in ("F32", "F64"):
+        return bool(np.isfinite(np.frombuffer(raw, _NP_DTYPES[dtype])).all())
+    return True  # integers (packed quantized weights)
 
 
 def _write_shard(
@@ -534,25 +556,28 @@ def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> VoiceRegis
 
 
 def _copy_voices(src: Path, dst: Path, registry: VoiceRegistry) -> None:
-    """Voices as ``<name>.safetensors`` holding one tensor under ``embedding``: such files
-    are copied byte for byte, others (another key, extra tensors) rewritten, .pt converted."""
-    voice_dir = src / "voice_embedding"
-    if not voice_dir.is_dir():
+    """The voices the model speaks with (the registry's choice of file for each name) as
+    ``<name>.safetensors`` holding one tensor under ``embedding``: such files in a dtype MLX
+    reads are copied byte for byte, others (another key, extra tensors, float64) rewritten,
+    .pt converted (:func:`_check_voices` has read them all)."""
+    if not (src / "voice_embedding").is_dir():
         return
     out = dst / "voice_embedding"
     out.mkdir()
-    converted = {p.stem for p in voice_dir.glob("*.safetensors") if not p.name.startswith(".")}
-    for name in sorted(converted):
-        path = voice_dir / f"{name}.safetensors"
-        if list(read_safetensors_header(path)) == [EMBEDDING_KEY]:
+    pts = []
+    for name in registry:
+        path = registry[name].path
+        if path.suffix != ".safetensors":
+            pts.append(path)
+            continue
+        header = read_safetensors_header(path)
+        if list(header) == [EMBEDDING_KEY] and header[EMBEDDING_KEY].dtype in _MLX_VOICE_DTYPES:
             shutil.copyfile(path, out / path.name)
-        else:
-            mx.save_safetensors(str(out / path.name), {EMBEDDING_KEY: registry.embedding(name)})
-    pts = sorted(
-        p
-        for p in voice_dir.glob("*.pt")
-        if p.is_file() and not p.name.startswith(".") and p.stem not in converted
-    )
+            continue
+        embedding = registry.embedding(name)
+        if embedding.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+            embedding = embedding.astype(mx.float32)  # float64: MLX (mlx-audio) cannot read it
+        mx.save_safetensors(str(out / path.name), {EMBEDDING_KEY: embedding})
     if pts:
         try:
             convert_voice_files(pts, out)
@@ -562,6 +587,9 @@ def _copy_voices(src: Path, dst: Path, registry: VoiceRegistry) -> None:
             if isinstance(e.__cause__, OSError):
                 raise e.__cause__ from None
             raise
+
+
+_MLX_VOICE_DTYPES = ("BF16", "F16", "F32")
 
 
 # --------------------------------------------------------------------------- entry point

@@ -264,6 +264,8 @@ def _infer_spec(
     )
     if expected is None or weight is None or scales is None or len(expected.shape) != 2:
         return None
+    if len(weight.info.shape) != 2 or len(scales.info.shape) != 2:  # damaged: verify names it
+        return None
     width = expected.shape[1]
     packed, groups = weight.info.shape[-1], scales.info.shape[-1]
     if not groups or width % groups or (packed * 32) % width:

@@ -39,7 +39,6 @@ SINGLE_NAME = "model.safetensors"
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
 CONSOLIDATED = "consolidated.safetensors"  # Mistral's layout, never an MLX weight file
 _SHARD_RE = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
-QUANT_MODES = ("affine",)
 # Keys of voxtral_mlx's quantization section that are not layers.
 _SUMMARY_KEYS = frozenset({"layers", "components"})
 # ``to_quantized``'s defaults by mode: (group size, bits).
@@ -139,7 +138,18 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     index_path = model_dir / INDEX_NAME
     if os.path.lexists(index_path):
         weight_map = read_index(index_path)
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        names = set(weight_map.values())
+        for total in sorted({int(m.group(2)) for n in names if (m := _SHARD_RE.match(n))}):
+            series = [SHARD_NAME.format(i + 1, total) for i in range(total)]
+            left_out = [n for n in series if n not in names]
+            if left_out and any(n in names for n in series):
+                # Its tensors would be reported missing, as if the config were the culprit.
+                raise CheckpointError(
+                    f"{index_path} names {total - len(left_out)} of the {total} files of "
+                    f"its series, not {left_out[0]}: the index is stale or damaged; "
+                    "re-download or re-convert the model"
+                )
+        files = [model_dir / name for name in sorted(names)]
         for path in files:
             refuse_unreadable(path)
             if not path.is_file():

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import VoxtralError
-from .fileio import TEMP_KIND, atomic_write, one_line, remove_orphans
+from .fileio import TEMP_KIND, atomic_write, one_line, orphans
 from .model.cache import KVCache
 
 FORMAT = "voxtral_mlx.prefix/3"  # 3: prefilled in fixed parts
@@ -232,8 +232,13 @@ class PrefixStore:
 
     def _prune(self) -> None:
         # Temp files of processes killed while writing (the CLI exits without waiting
-        # after Ctrl-C); a running process's may be a write in progress and stays.
-        remove_orphans(self.directory, None, TEMP_KIND)
+        # after Ctrl-C); a running process's may be a write in progress and stays. Only
+        # files named as this cache names them: a shared folder holds others' too.
+        for entry in orphans(self.directory, None, TEMP_KIND):
+            target = entry.name[1 : entry.name.rindex(f".{TEMP_KIND}-")]
+            if _OWN_NAME.fullmatch(target) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
         files = []
         for p in self._files():
             try:
@@ -241,5 +246,12 @@ class PrefixStore:
             except OSError:
                 continue
         files.sort()
-        for _, p in files[: max(0, len(files) - self.max_files)]:
-            p.unlink(missing_ok=True)
+        excess = len(files) - self.max_files
+        for _, p in files:
+            if excess <= 0:
+                break
+            try:  # one that cannot go (a folder of that name, another user's) is passed over
+                p.unlink(missing_ok=True)
+            except OSError:
+                continue
+            excess -= 1

@@ -23,6 +23,7 @@ import pickle
 import pickletools
 import re
 import struct
+import sys
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -88,7 +89,9 @@ _MAX_NESTING = 32  # a tensor in a dict nests 4 deep
 _IN_PLACE_OPS = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"})
 _MAX_COMPRESSION_RATIO = 32  # inflated / deflated size of one zip record, beyond: a bomb
 _BOMB_MIN_BYTES = 1 << 20  # small records may compress well (a zero voice): no ratio check
-_MAX_EXPANSION = 16  # overlapping strides may not blow a storage up beyond this factor
+# Overlapping strides (torch's expand()) may make a tensor larger than its storage, which
+# torch.save never writes for a voice: beyond 1 MB, a small file asking for gigabytes.
+_MAX_EXPANSION = 1
 # A shape numpy can still describe (its byte size must fit in 64 bits), even when a zero
 # dimension makes the tensor empty.
 _MAX_SHAPE_PRODUCT = 1 << 48
@@ -397,7 +400,9 @@ def _is_pickle(head: bytes) -> bool:
     return len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
-def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
+def read_pt(
+    path: str | os.PathLike[str], key: str | None = None, *, max_values: int | None = None
+) -> PtTensor:
     """Read the tensor a ``torch.save`` file holds, without torch and without running its pickle.
 
     The file may hold a bare tensor, an ``nn.Parameter`` or a dict (``dict``/``OrderedDict``)
@@ -405,7 +410,8 @@ def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
     without it the dict must hold exactly one tensor. Views (offsets, slices, transposes,
     shared storages) come out materialised C-contiguous. Raises :class:`UnsafePickleError`
     if the pickle names any global other than the torch tensor-rebuilding ones, and
-    :class:`VoiceError` for every other problem.
+    :class:`VoiceError` for every other problem. ``max_values`` refuses a larger tensor
+    before any of its data is read (a few kilobytes can declare gigabytes of repeats).
     """
     path = Path(path)
     src = one_line(str(path))
@@ -439,7 +445,14 @@ def read_pt(path: str | os.PathLike[str], key: str | None = None) -> PtTensor:
             f"re-download or re-create it"
         ) from e
     with zf:
-        return _read_zip(zf, src, key)
+        return _read_zip(zf, src, key, max_values)
+
+
+def _archive_bytes(zf: zipfile.ZipFile) -> int:
+    try:
+        return os.fstat(zf.fp.fileno()).st_size
+    except (AttributeError, OSError, ValueError):  # an archive in memory
+        return sys.maxsize
 
 
 def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, src: str) -> bytes:
@@ -454,14 +467,16 @@ def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, src: str) -> bytes:
     # A deflated record that inflates far beyond its size on disk is a decompression bomb
     # (3 MB of deflated zeros declaring 3 GB): refused before inflating anything. Real
     # tensor data deflates by 2x at most.
+    # The compressed size is the archive's own word too: no more than the whole file.
+    compressed = min(info.compress_size, _archive_bytes(zf))
     if (
         info.compress_type != zipfile.ZIP_STORED
         and info.file_size > _BOMB_MIN_BYTES
-        and info.file_size > _MAX_COMPRESSION_RATIO * max(info.compress_size, 1)
+        and info.file_size > _MAX_COMPRESSION_RATIO * max(compressed, 1)
     ):
         raise VoiceError(
             f"{src} is refused: its record {one_line(info.filename)} would inflate "
-            f"{info.compress_size} bytes to {info.file_size} (a zip bomb); re-save it with "
+            f"{compressed} bytes to {info.file_size} (a zip bomb); re-save it with "
             "torch.save"
         )
     try:
@@ -480,7 +495,7 @@ def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, src: str) -> bytes:
     return data
 
 
-def _read_zip(zf: zipfile.ZipFile, src: str, key: str | None) -> PtTensor:
+def _read_zip(zf: zipfile.ZipFile, src: str, key: str | None, max_values: int | None) -> PtTensor:
     pickles = [
         i for i in zf.infolist() if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1
     ]
@@ -520,7 +535,7 @@ def _read_zip(zf: zipfile.ZipFile, src: str, key: str | None) -> PtTensor:
         ) from e
 
     tensor = _select(payload, key, src)
-    return _materialise(zf, prefix, tensor, src)
+    return _materialise(zf, prefix, tensor, src, max_values)
 
 
 def _check_shape(data: bytes) -> None:
@@ -629,7 +644,16 @@ def _select(payload: Any, key: str | None, src: str) -> _TensorRef:
     )
 
 
-def _materialise(zf: zipfile.ZipFile, prefix: str, t: _TensorRef, src: str) -> PtTensor:
+def _materialise(
+    zf: zipfile.ZipFile, prefix: str, t: _TensorRef, src: str, max_values: int | None
+) -> PtTensor:
+    numel = math.prod(t.shape)
+    if max_values is not None and numel > max_values:
+        raise VoiceError(
+            f"{src} holds a tensor of shape {list(t.shape)} ({numel} values), more than a "
+            f"voice embedding's {max_values} at most; it is not a voice (take the .pt files "
+            "from the checkpoint's voice_embedding folder)"
+        )
     dtype_name = t.storage.dtype
     dtype = DTYPES[dtype_name]
     record = f"{prefix}data/{t.storage.key}"
@@ -657,7 +681,6 @@ def _materialise(zf: zipfile.ZipFile, prefix: str, t: _TensorRef, src: str) -> P
         byteorder = raw_order.decode()
 
     shape, strides, offset = t.shape, t.stride, t.offset
-    numel = math.prod(shape)
     storage_bytes = t.storage.numel * dtype.itemsize
     if info.file_size != storage_bytes:  # torch writes exactly numel * itemsize bytes
         state = "truncated" if info.file_size < storage_bytes else "malformed"
@@ -680,7 +703,7 @@ def _materialise(zf: zipfile.ZipFile, prefix: str, t: _TensorRef, src: str) -> P
     if numel * dtype.itemsize > _MAX_EXPANSION * max(storage_bytes, 1 << 20):
         raise VoiceError(
             f"{src} is malformed: a tensor of shape {list(shape)} with overlapping strides would "
-            f"expand its {storage_bytes}-byte storage beyond {_MAX_EXPANSION}x; refused"
+            f"be larger than its {storage_bytes}-byte storage; re-save it with torch.save"
         )
 
     raw = _read_record(zf, info, src)

@@ -80,6 +80,7 @@ LANGUAGE_NAMES: dict[str, str] = {
 _ENGLISH_STYLES = ("casual", "cheerful", "neutral")
 EMBEDDING_KEY = "embedding"
 MAX_VOICE_ROWS = 4096  # the release's voices have 67 to 218 rows; more is no voice (nor fits)
+MAX_VOICE_WIDTH = 16384  # a model's width (3072 for the release), for a voice read alone
 _SUFFIXES = (".safetensors", ".pt")  # preferred first
 
 
@@ -299,6 +300,7 @@ class VoiceRegistry(Mapping[str, Voice]):
     def embedding(self, name: str, dtype: mx.Dtype | None = None) -> mx.array:
         """The voice's ``[N, dim]`` embedding (file dtype unless ``dtype``), read on first use."""
         voice = self.get_voice(name)
+        name = voice.name  # one entry per voice, however its name was typed
         with self._lock:
             cached = self._cache.get((name, dtype))
             if cached is not None:
@@ -322,7 +324,7 @@ class VoiceRegistry(Mapping[str, Voice]):
     def _load(self, voice: Voice) -> mx.array:
         src = one_line(str(voice.path))
         if voice.path.suffix == ".pt":
-            array = to_mlx(_servable(read_pt(voice.path)))
+            array = to_mlx(_servable(read_pt(voice.path, max_values=MAX_VOICE_ROWS * self.dim)))
         else:
             array = _load_safetensors(voice.path, src)
         shape = tuple(array.shape)
@@ -584,7 +586,9 @@ def convert_voice_files(
                 f"{one_line(str(dst))} exists and is not a file; remove it or choose another "
                 "output directory"
             )
-    tensors = [read_pt(src) for src in files]  # voices are small: fail before writing any
+    # Voices are small: all are read before anything is written. (Their width is known
+    # only to a model: bounded as the widest a voice could be.)
+    tensors = [read_pt(src, max_values=MAX_VOICE_ROWS * MAX_VOICE_WIDTH) for src in files]
     for src, tensor in zip(files, tensors, strict=True):
         _check_voice_tensor(src, tensor)
     tensors = [_servable(t) for t in tensors]

@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="speak text from stdin (or -f FILE, e.g. a FIFO) as it arrives, a sentence or "
         "more at a time, until its end (for a program that writes it gradually, such as an "
-        "LLM); without it the text is read to its end first",
+        "LLM; a regular file ends where it ends now: use tail -f FILE | ...); without it "
+        "the text is read to its end first",
     )
     model_args(speak)
     speak.set_defaults(func=cmd_speak)
