@@ -111,6 +111,9 @@ def test_split_options_are_checked_even_without_split_and_zero_frames_make_no_pa
     assert len(speech.audio) == 0 and len(speech.codes) == 0
     spoken = tts.synthesize(text, VOICE, seed=1, split=True, max_chars=24, max_frames=2)
     assert len(spoken.audio) > 6 * tts.samples_per_frame  # 3 segments and the pauses between
+    # Without split there are no segments for it: refused, as pause= and lookahead= are.
+    with pytest.raises(InputError, match="max_chars= applies to the segments of a split text"):
+        tts.synthesize(text, VOICE, seed=1, max_chars=24, max_frames=2)
 
 
 def test_unevaluated_mlx_array_from_another_thread(tts):

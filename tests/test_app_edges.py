@@ -149,7 +149,9 @@ def test_a_paragraph_of_invisible_characters_is_only_a_pause(tts, add_period):
 
 
 def test_numpy_integers_are_accepted(tts):
-    speech = tts.synthesize("Hi.", VOICE, seed=0, max_frames=np.int64(2), max_chars=np.int32(50))
+    speech = tts.synthesize(
+        "Hi.", VOICE, seed=0, max_frames=np.int64(2), split=True, max_chars=np.int32(50)
+    )
     assert len(speech.codes) == 2
 
 

@@ -57,6 +57,20 @@ def test_a_sentence_is_cut_once_the_next_word_is_whole():
     assert lt.take(False) is END
 
 
+@pytest.mark.parametrize("text", ["我们到了！--然后呢？好的。", "وصلنا؟--ثم ماذا؟ حسنا."])
+def test_a_cut_without_a_space_waits_for_what_a_dash_may_become(text):
+    """ "！-" may yet be "！--", which ends the cut two characters further: cut at once, the
+    next segment began with "--", unlike the same text given whole."""
+    whole = [seg.text for seg in split_text(text, target_chars=1, max_chars=200)]
+    at = text.index("--") + 1
+    lt = live(target_chars=1)
+    lt.put(text[:at])
+    assert texts(lt) == []
+    lt.put(text[at:])
+    lt.end()
+    assert texts(lt) == whole and whole[0].endswith("--")
+
+
 def test_an_abbreviation_or_a_lowercase_word_is_no_sentence_end():
     lt = live()
     lt.put("I met Mr. Smith and Dr. Jones etc. and others here ")

@@ -66,7 +66,7 @@ def test_split_stream_is_bit_identical_to_synthesize(tiny_checkpoint_noend, max_
 def test_unseeded_speech_reports_the_seed_that_reproduces_it(tts):
     text = "One. Two three. Four."
     for split in (False, True):
-        kw = dict(max_frames=3, split=split, max_chars=8)
+        kw = dict(max_frames=3, split=split, **({"max_chars": 8} if split else {}))
         first = tts.synthesize(text, "ar_male", **kw)
         again = tts.synthesize(text, "ar_male", seed=first.seed, **kw)
         assert np.array_equal(first.audio, again.audio)

@@ -231,6 +231,16 @@ def test_bad_arguments() -> None:
         split_text(b"hi")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("rng", ["10--20", "1.000--2.000", "10-20", "10–20"])
+def test_a_range_of_numbers_is_never_split_at_its_dash(rng: str) -> None:
+    """ "10--20" (a dash typed as two hyphens) was cut, and the cut's dash read as a period:
+    "See pages 10." then "20 of the manual."."""
+    text = f"See pages {rng} of the manual for the details."
+    for max_chars in range(len(rng) + 1, 30):
+        segs = split_text(text, max_chars=max_chars)
+        assert any(rng in s.text for s in segs), (max_chars, [s.text for s in segs])
+
+
 def test_target_defaults_to_half_of_max_chars_as_the_speaking_calls_split() -> None:
     text = " ".join(f"Sentence number {i} is here, and more." for i in range(10))
     segs = split_text(text, max_chars=25)  # below the old fixed target of 200: refused

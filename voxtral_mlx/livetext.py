@@ -309,7 +309,10 @@ class LiveText:
         for e, s, k in zip(cands.ends, cands.starts, cands.kinds, strict=True):
             if e > max_chars:
                 break
-            if _KINDS[k] == SENTENCE and (e == s or _NEXT_WORD.search(view, s)):
+            # A cut with no space after it needs the next character, and a "-" the one
+            # after that: "！-" may yet be "！--", which ends the cut further on.
+            glued = e == s and (s + 1 < len(view) or view[s:] != "-")
+            if _KINDS[k] == SENTENCE and (glued or _NEXT_WORD.search(view, s)):
                 cost = _length_cost(e, target, max_chars)  # as split_text weighs lengths
                 if cost <= best_cost:
                     best, best_cost = (e, s), cost

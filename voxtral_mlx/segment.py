@@ -130,7 +130,8 @@ _PROTECTED = re.compile(
     # "3,5 %", "5 €", "€ 5", "R$ 1.500,00" (before the bare numbers: the first match wins)
     r"|(?<![\d.,])\d+(?:[.,]\d+)* [%‰€$£¥₹](?!\w)"
     r"|(?<![€$£¥₹])[€$£¥₹] \d+(?:[.,]\d+)*"
-    r"|(?<!\d)\d+(?:[.,:/\-–—٫٬，．：]\d+)+"  # full-width separators too: "1，000", "3：30"
+    # full-width separators too: "1，000", "3：30"; and "--" for a dash: "pages 10--20"
+    r"|(?<!\d)\d+(?:(?:--|[.,:/\-–—٫٬，．：])\d+)+"
     r"|(?<![\d.,])\d{1,2}, (?:1\d|20)\d\d(?!\d)"  # a day and its year: "May 3, 2024"
     r"|(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d)",  # thousands grouped with spaces: "1 000 000"
     re.IGNORECASE,

@@ -490,7 +490,8 @@ class VoxtralTTS:
                 )
         max_chars = check_whole("max_chars", max_chars, 2)
         check_pause(pause)
-        for name, value in (("pause", pause), ("lookahead", lookahead)):
+        changed_max = None if max_chars == DEFAULT_MAX_CHARS else max_chars
+        for name, value in (("pause", pause), ("lookahead", lookahead), ("max_chars", changed_max)):
             if value is not None and not split:  # one utterance: no segments to apply it to
                 raise InputError(
                     f"{name}= applies to the segments of a split text: pass split=True, or "
@@ -615,7 +616,8 @@ class VoxtralTTS:
         ``(seed + i) % 2**64``; ``max_frames`` applies per segment; chunks carry ``segment``
         and ``segments``, and ``ends_segment`` on a segment's last chunk of audio; a pause
         is a chunk of its own (see :class:`AudioChunk`); memory stays bounded whatever the
-        length. ``pause`` and ``lookahead`` need ``split=True``.
+        length. ``max_chars`` is the longest segment (the split aims at half of it).
+        ``pause``, ``lookahead`` and ``max_chars`` need ``split=True``.
         ``lookahead``: segments in flight, the one being consumed included (1 to 64;
         default: the batch size). A segment generated ahead gives
         up its batch slot to another request's segment that someone is waiting for (it is
