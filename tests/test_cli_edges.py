@@ -298,7 +298,12 @@ def test_random_checkpoint_negative_seed_is_one_line(tmp_path, seed):
 
 @pytest.mark.parametrize(
     ("value", "words"),
-    [("", "--api-key is empty"), (" key", "spaces"), ("ke\ty", "control characters")],
+    [
+        ("", "--api-key is empty"),
+        (" key", "spaces"),
+        ("ke\ty", "control characters"),
+        ("café", "beyond ASCII"),
+    ],
 )
 def test_serve_refuses_an_api_key_http_cannot_carry(tmp_path, value, words):
     """Checked before the model is loaded (the model path does not even exist)."""

@@ -767,6 +767,13 @@ def test_a_voice_whose_file_is_unusable_is_not_offered_and_fails_as_the_servers_
             assert tc.get("/health").json()["failed"] == 2
             r = tc.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
             assert r.status_code == 200 and sf.info(io.BytesIO(r.content)).frames > 0
+            # An unknown voice's error lists what can be asked for, as the listing does.
+            r = tc.post("/v1/audio/speech", json={"input": "Hi.", "voice": "nobody"})
+            offered = _assert_openai_error(r, 400, "voice")["message"].split("available voices: ")[
+                1
+            ]
+            assert bad not in offered and tts.default_voice in offered
+            assert "alloy" not in offered and "shimmer" not in offered  # bad's OpenAI names
     finally:
         tts.close()
     assert not marker.exists()

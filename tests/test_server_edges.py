@@ -298,9 +298,14 @@ def test_a_client_gone_mid_response_frees_the_engine(live, fmt, stream_format):
     assert live.health()["frames"] == after["frames"]  # nothing generates any more
 
 
-def test_a_client_that_stops_reading_is_cut_off_and_frees_its_slot(live):
+@pytest.mark.parametrize("fmt", ["pcm", "flac"])
+def test_a_client_that_stops_reading_is_cut_off_and_frees_its_slot(live, fmt):
+    """FLAC, made whole and then sent as one message, went into the socket's buffers at
+    once: counted completed, its slot freed, megabytes held for a client that never reads."""
     before = idle(live)
-    body = json.dumps({"input": LONG, "response_format": "pcm", "speed": 0.25})
+    # A paragraph a segment, each its 20 frames: FLAC larger than the loopback's buffers.
+    text = "\n\n".join(f"Paragraph number {i} is here." for i in range(32))
+    body = json.dumps({"input": text, "response_format": fmt, "speed": 0.25})
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
     sock.settimeout(10)
@@ -444,3 +449,24 @@ def test_a_streamed_response_asks_for_larger_chunks_once_the_client_is_ahead(
     monkeypatch.setattr(app_mod.ClientBuffer, "sent", lambda self, *args: 1)
     assert post() == grown
     assert set(asked) == {1}
+
+
+def test_a_stream_opened_while_shutdown_cuts_off_the_others_is_cut_off_too(tts):
+    """A request inside _open when shutdown's cut-off ran was added to the responses after
+    it, never cut off: shutdown waited for it to end on its own (up to 10 s more)."""
+    from starlette.testclient import TestClient
+
+    app = create_app(tts, ServerConfig(max_frames=20))
+    api = app.state.api
+    real_open = api._open
+
+    async def open_during_the_cut_off(*args, **kwargs):
+        opened = await real_open(*args, **kwargs)
+        api._cutting_off = True  # as shutdown() does while this request is being opened
+        return opened
+
+    api._open = open_during_the_cut_off
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        r = tc.post("/v1/audio/speech", json={"input": LONG, "response_format": "pcm"})
+        assert r.status_code == 503 and "shutting_down" in r.text
+        assert tc.get("/health").json()["frames"] == 0

@@ -51,6 +51,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "the API key starts or ends with spaces or holds control characters, which "
             "HTTP headers cannot carry: give one without them"
         )
+    if api_key is not None and not api_key.isascii():
+        raise InputError(
+            "the API key holds characters beyond ASCII, which HTTP clients (openai's among "
+            "them) refuse to send in a header: give an ASCII one"
+        )
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
     try:
         tts = load_model(args)

@@ -29,8 +29,8 @@ Endpoints
     "active": text segments generating in the engine's batch (or set aside), "waiting":
     segments waiting to join it, "parked": read-ahead segments set aside for a newcomer,
     "max_batch", "max_queue", and counts since start: "completed",
-    "cancelled" (client went away), "failed", "rejected" (429), "frames" (sent, counted as
-    they go)}``. Never needs the API key.
+    "cancelled" (client went away), "failed", "rejected" (429), "frames" (generated for
+    responses, counted as they go)}``. Never needs the API key.
 
 OpenAI voices (their presented gender, onto the model's English voices)
     alloy, shimmer: neutral_female; coral, nova: cheerful_female; marin, sage:

@@ -112,6 +112,7 @@ class SpeechAPI:
         self._responses: set[BodyResponse] = set()
         self._reading: set[anyio.CancelScope] = set()  # requests whose body is arriving
         self.stopping = False  # shutdown() has begun
+        self._cutting_off = False  # ... and its grace period is over
         # Voices whose files cannot be used (damaged, refused): not offered, and requests
         # naming them fail as the server's fault. Each file is read once, here (a megabyte
         # or two), as `voxtral-mlx voices` does.
@@ -153,6 +154,7 @@ class SpeechAPI:
             await asyncio.sleep(0.02)
         if self._responses:
             log.info("stopping: cutting off %d speech request(s)", len(self._responses))
+        self._cutting_off = True  # a response made from now on is cut off as it is made
         for response in list(self._responses):
             response.abort()
         deadline = loop.time() + 10.0
@@ -182,7 +184,7 @@ class SpeechAPI:
             error.headers["Connection"] = "close"  # the rest of the body may still come
             raise error
         req = parse_speech_request(
-            body, self._named, self.default_voice, self.config.max_input_chars
+            body, self._named, self.default_voice, self.config.max_input_chars, self.usable
         )
         if req.voice in self.unusable:  # named, or the default voice
             self.counters.failed += 1
@@ -284,6 +286,8 @@ class SpeechAPI:
                 send_timeout=self.config.send_timeout,
             )
         self._responses.add(response)
+        if self._cutting_off:  # its stream was opened while shutdown() cut off the others
+            response.abort()
         return response
 
     def _lookahead(self) -> int:

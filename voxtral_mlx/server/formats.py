@@ -28,15 +28,14 @@ class AudioFormat:
     name: str
     media_type: str
     streams: bool  # bytes go out as audio is generated (False: the whole file at the end)
-    lossless: bool
 
 
 FORMATS: dict[str, AudioFormat] = {
-    "mp3": AudioFormat("mp3", "audio/mpeg", True, False),
-    "opus": AudioFormat("opus", "audio/ogg", True, False),
-    "wav": AudioFormat("wav", "audio/wav", True, True),
-    "pcm": AudioFormat("pcm", "audio/pcm", True, True),
-    "flac": AudioFormat("flac", "audio/flac", False, True),
+    "mp3": AudioFormat("mp3", "audio/mpeg", True),
+    "opus": AudioFormat("opus", "audio/ogg", True),
+    "wav": AudioFormat("wav", "audio/wav", True),
+    "pcm": AudioFormat("pcm", "audio/pcm", True),
+    "flac": AudioFormat("flac", "audio/flac", False),
 }
 UNSUPPORTED_FORMATS = frozenset({"aac"})
 

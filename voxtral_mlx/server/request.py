@@ -8,7 +8,7 @@ takes no style instructions).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +70,14 @@ def voice_aliases(voices: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-def resolve_voice(value: Any, voices: Mapping[str, Any], default: str | None) -> str:
+def resolve_voice(
+    value: Any,
+    voices: Mapping[str, Any],
+    default: str | None,
+    offered: Collection[str] | None = None,
+) -> str:
+    """The voice ``value`` names among ``voices`` (an OpenAI alias too; case ignored where
+    unambiguous); an unknown one's error lists ``offered`` (default: all of ``voices``)."""
     if value is None:
         if default is None:
             raise bad_request(
@@ -98,7 +105,8 @@ def resolve_voice(value: Any, voices: Mapping[str, Any], default: str | None) ->
             "for case; give the exact name",
             "voice",
         )
-    names = ", ".join([*voices, *aliases])
+    listed = voices if offered is None else offered
+    names = ", ".join([*listed, *(a for a, target in aliases.items() if target in listed)])
     raise bad_request(
         f"unknown voice {shown(value)}; available voices: {names} "
         "(GET /v1/audio/voices lists them)",
@@ -178,9 +186,14 @@ def _json_type(value: Any) -> str:
 
 
 def parse_speech_request(
-    body: Any, voices: Mapping[str, Any], default_voice: str | None, max_chars: int
+    body: Any,
+    voices: Mapping[str, Any],
+    default_voice: str | None,
+    max_chars: int,
+    offered: Collection[str] | None = None,
 ) -> SpeechRequest:
-    """Check a decoded JSON body; :class:`APIError` (400) names the first problem."""
+    """Check a decoded JSON body; :class:`APIError` (400) names the first problem (an
+    unknown voice's lists the ``offered`` ones: see :func:`resolve_voice`)."""
     if not isinstance(body, dict):
         raise bad_request(
             f"the request body must be a JSON object ({{...}}), got {_json_type(body)}: send "
@@ -203,7 +216,7 @@ def parse_speech_request(
         )
     return SpeechRequest(
         input=_text(body, max_chars),
-        voice=resolve_voice(body.get("voice"), voices, default_voice),
+        voice=resolve_voice(body.get("voice"), voices, default_voice, offered),
         response_format=_choice(body, "response_format", "mp3", tuple(FORMATS)),
         speed=_speed(body),
         stream_format=_choice(body, "stream_format", "audio", STREAM_FORMATS),

@@ -28,6 +28,7 @@ from .errors import APIError, request_failed, server_error, shutting_down
 
 log = logging.getLogger("uvicorn.error")
 SSE_PIECE = 48 * 1024  # bytes of audio per SSE event at most
+_PIECE_BYTES = 64 * 1024  # a whole file (FLAC) is sent in messages of this size
 # Set in the task of a response cut off on purpose (its client stopped reading): uvicorn's
 # "returned without completing response" line, logged next in that task, is noise then.
 CUT_OFF_ON_PURPOSE: ContextVar[bool] = ContextVar("voxtral_cut_off", default=False)
@@ -107,7 +108,15 @@ class BodyResponse:
             data = b"".join([part async for part in self.body])
             self.started = True
             await send(self._head(len(data)))
-            await send({"type": "http.response.body", "body": data, "more_body": False})
+            # In pieces: the server's send waits for room only before it writes, so one
+            # message of the whole file would be "sent" at once into a client that never
+            # reads, past the send timeout's watch.
+            view = memoryview(data)
+            for at in range(0, len(data), _PIECE_BYTES):
+                piece = bytes(view[at : at + _PIECE_BYTES])
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                await anyio.lowlevel.checkpoint()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         async for part in self.body:
             if not part:

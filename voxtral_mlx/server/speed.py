@@ -19,7 +19,8 @@ MAX_SPEED = 4.0
 class TimeStretcher:
     """``process(chunk)`` returns the output that is final so far; ``flush()`` the rest.
 
-    The output of ``n`` input samples has ``round(n / speed)`` samples.
+    The output of ``n`` input samples has ``round(n / speed)`` samples, or up to a frame
+    hop more when a short input at a high speed has already played out further.
     """
 
     def __init__(
