@@ -834,6 +834,7 @@ def test_a_second_process_reuses_the_voice_prefix_from_disk(model_dir, reference
         (["convert", "model", "-o", ""], "-o OUT_DIR is empty"),
         (["-m", "model", "speak", "Hi."], "-m goes after the command: voxtral-mlx speak -m"),
         (["speak", "-hello"], "text that starts with '-' goes last, after --"),
+        (["speak", "-hi"], "text that starts with '-' goes last, after --"),
         (["speak", "Hi.", "-r", "200"], "unrecognized arguments: -r 200; see `voxtral-mlx speak"),
     ],
 )

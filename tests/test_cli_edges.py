@@ -465,6 +465,14 @@ def test_text_that_is_not_utf8_and_an_empty_model_are_one_line(model_dir, tmp_pa
     assert "arguments is not UTF-8" in one_line_error(proc)
     blank_model = one_line_error(run("voices", "-m", ""))
     assert "the model (-m, or $VOXTRAL_MLX_MODEL) is empty" in blank_model
+    blank_variable = subprocess.run(
+        [sys.executable, "-m", "voxtral_mlx", "voices"],
+        env=env_with_repo({"VOXTRAL_MLX_MODEL": "", "HF_HUB_OFFLINE": "1"}),
+        capture_output=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert "the model (-m, or $VOXTRAL_MLX_MODEL) is empty" in one_line_error(blank_variable)
     assert list(tmp_path.iterdir()) == [bad]
 
 

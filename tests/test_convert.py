@@ -880,6 +880,15 @@ def test_a_replaced_model_left_by_a_killed_run_is_removed_or_put_back(converted,
     assert tree_bytes(out) == tree_bytes(converted["bf16"])
     assert sorted(p.name for p in tmp_path.iterdir()) == [kept.name, "out"]
 
+    # Beside one to put back, a link to nothing of that name: it stopped every run there.
+    shutil.rmtree(out)
+    shutil.copytree(converted["bf16"], left)
+    dangling = tmp_path / f".out.old-{gone.pid}-deadbeef"
+    dangling.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(InputError, match="exists and is not empty"):
+        convert_model(source, out, q_bits=4)
+    assert tree_bytes(out) == tree_bytes(converted["bf16"])
+
 
 def test_a_second_interrupt_during_the_cleanup_leaves_nothing(source, tmp_path, monkeypatch):
     """Ctrl-C twice: the second comes while the staging directory is being removed; it is

@@ -217,6 +217,23 @@ def test_missing_path_like_string_never_calls_the_hub(
 
 
 @pytest.mark.parametrize(
+    ("name", "value"),
+    [("HF_HUB_ETAG_TIMEOUT", "2.5"), ("HF_HUB_DOWNLOAD_TIMEOUT", "ten")],
+)
+def test_a_hub_timeout_that_is_no_whole_number_is_one_line(
+    name: str, value: str, no_hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """huggingface_hub reads them with int() when first imported: a traceback (and a line
+    of its own before it), though the README tells users to set HF_HUB_ETAG_TIMEOUT."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir("acme/tiny")
+    message = one_line(exc.value)
+    assert f"${name} is '{value}', not a whole number of seconds" in message
+    assert not no_hub
+
+
+@pytest.mark.parametrize(
     "spec",
     [
         "acme/tiny@main",
@@ -765,12 +782,14 @@ def _proxy_407() -> Exception:
 
 @pytest.mark.parametrize("make_error", [_portal_html, _proxy_407], ids=["portal", "proxy"])
 def test_any_network_failure_falls_back_to_a_complete_cached_copy(
-    make_error, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    make_error, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_checkpoint: Path
 ) -> None:
-    """They were tracebacks (JSONDecodeError, ProxyError) even with the model cached."""
+    """They were tracebacks (JSONDecodeError, ProxyError) even with the model cached. An
+    incomplete copy is no fallback: the failure is said, not "using the copy" and then a
+    missing file."""
     calls: list[dict] = []
     snapshot = tmp_path / "snapshot"
-    snapshot.mkdir()
+    shutil.copytree(tiny_checkpoint, snapshot)
 
     def download(*args, **kwargs):
         calls.append(kwargs)
@@ -786,6 +805,15 @@ def test_any_network_failure_falls_back_to_a_complete_cached_copy(
     assert [c.get("local_files_only", False) for c in calls] == [False, True]
     # The older copy is used, and said to be (after "downloading", silence misleads).
     assert failed == [(DEFAULT_REPO, f"{type(make_error()).__name__}: {make_error()}")]
+
+    (snapshot / "consolidated.safetensors").unlink()  # an interrupted earlier download
+    failed.clear()
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(DEFAULT_REPO)
+    assert f"could not download {DEFAULT_REPO} ({type(make_error()).__name__}:" in one_line(
+        exc.value
+    )
+    assert failed == []
 
     def nothing_cached(*args, **kwargs):
         if kwargs.get("local_files_only"):
@@ -962,6 +990,33 @@ def test_a_download_the_disk_has_no_room_for_is_refused_before_it_begins(
     )
     free["bytes"] = 0
     assert resolve_model_dir(DEFAULT_REPO) == tmp_path / "snapshot"
+
+
+def test_an_update_the_disk_has_no_room_for_keeps_the_cached_copy(
+    offline_cache: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new commit of 8 GB on a nearly full disk: the complete older copy in the cache
+    serves (as after a failed download) rather than the whole command failing."""
+    from types import SimpleNamespace
+
+    snapshot = populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    names = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+    newer = "f" * 40
+    monkeypatch.setattr(
+        huggingface_hub,
+        "model_info",
+        lambda repo_id, **kw: SimpleNamespace(
+            siblings=[SimpleNamespace(rfilename=n, size=4 * 10**9) for n in names], sha=newer
+        ),
+    )
+    monkeypatch.setattr(hub_module.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**9))
+    failed: list[tuple[str, str]] = []
+    monkeypatch.setattr(hub_module, "download_failed", lambda *a: failed.append(a))
+    assert resolve_model_dir(REPO) == snapshot
+    assert len(failed) == 1 and failed[0][0] == REPO
+    assert "needs" in failed[0][1] and "GB more in the Hugging Face cache" in failed[0][1]
 
 
 def test_download_bars_with_stderr_closed_draw_nothing(monkeypatch):
@@ -1253,9 +1308,17 @@ def test_fetching_again_is_said_once_with_the_command(monkeypatch, tmp_path) -> 
     )
     _name_the_cache_fix(error, tmp_path)
     message = str(error)
-    assert message.count("fetch it again") == 1
+    assert "fetch it again" not in message
+    # What is missing is fetched alone (--force-download would fetch all 8 GB again).
     assert message.endswith(
-        "incomplete; this copy is in the Hugging Face cache: fetch it again with "
+        "incomplete; this copy is in the Hugging Face cache: "
+        f"`hf download {REPO}` fetches what is missing (so does a run online)"
+    )
+    damaged = CheckpointError("model-2.safetensors is truncated: fetch it again")
+    _name_the_cache_fix(damaged, tmp_path)
+    assert str(damaged).count("fetch it again") == 1
+    assert str(damaged).endswith(
+        "truncated; this copy is in the Hugging Face cache: fetch it again with "
         f"`hf download {REPO} --force-download`"
     )
 
@@ -1311,3 +1374,9 @@ def test_convert_checks_its_options_before_a_download(no_hub, capsys, tmp_path) 
         assert cli.main(["convert", DEFAULT_REPO, "-o", str(out), *flags]) == 1
         assert words in capsys.readouterr().err
     assert not out.exists()
+    # Nor an output folder that is not empty (it was found after the download).
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert cli.main(["convert", DEFAULT_REPO, "-o", str(out)]) == 1
+    assert "exists and is not empty: pass --force" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 # MLX made unimportable for the child process, as on a platform without a build.
 BLOCK_MLX = "import sys; sys.modules['mlx'] = None; sys.modules['mlx.core'] = None\n"
@@ -52,3 +54,21 @@ def test_the_library_raises_a_platform_error(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("PlatformError: MLX cannot be imported")
+
+
+@pytest.mark.parametrize(
+    ("error", "is_mlx"),
+    [
+        (ModuleNotFoundError("No module named 'mlx'", name="mlx"), True),
+        (ModuleNotFoundError("No module named 'mlx.core'", name="mlx.core"), True),
+        (ImportError("libmlx.so: cannot open shared object file"), True),
+        (ImportError("/site-packages/mlx/core.so: undefined symbol: x"), True),
+        # A broken install of this package was told Intel Macs have no MLX build.
+        (ModuleNotFoundError("No module named 'voxtral_mlx.x'", name="voxtral_mlx.x"), False),
+        (ImportError("cannot import name 'y' from 'voxtral_mlx.x'"), False),
+    ],
+)
+def test_only_mlx_itself_failing_is_called_missing_mlx(error, is_mlx):
+    from voxtral_mlx.errors import is_mlx_import_error
+
+    assert is_mlx_import_error(error) is is_mlx

@@ -154,7 +154,7 @@ def _same_dir(a: os.PathLike[str], b: os.PathLike[str]) -> bool:
 
 def _name_the_cache_fix(error: BaseException, model_dir: os.PathLike[str]) -> None:
     """A damaged file of a Hub download: rerunning will not fetch it again (the snapshot
-    looks complete), so the message says how."""
+    looks complete), so the message says how; a missing one, how to fetch just that."""
     from .errors import CheckpointError, ConfigError, ModelNotFoundError, TokenizerError
     from .hub import cached_repo
 
@@ -171,7 +171,8 @@ def _name_the_cache_fix(error: BaseException, model_dir: os.PathLike[str]) -> No
         message = error.args[0]
         for said in ("; fetch it again", ": fetch it again"):  # said once, with the how
             message = message.removesuffix(said)
-        error.args = (
-            f"{message}; this copy is in the Hugging Face cache: fetch it again with "
-            f"`hf download {repo} --force-download`",
-        )
+        if "incomplete" in message:  # files missing: fetched on their own, not 8 GB again
+            how = f"`hf download {repo}` fetches what is missing (so does a run online)"
+        else:
+            how = f"fetch it again with `hf download {repo} --force-download`"
+        error.args = (f"{message}; this copy is in the Hugging Face cache: {how}",)

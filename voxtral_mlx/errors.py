@@ -6,6 +6,8 @@ the CLI prints it as is.
 
 from __future__ import annotations
 
+import re
+
 
 def printable(text: str) -> str:
     """``text`` with its unprintable characters (newlines, terminal escapes) escaped: one
@@ -99,5 +101,10 @@ def mlx_import_error(cause: ImportError) -> PlatformError:
 
 
 def is_mlx_import_error(error: ImportError) -> bool:
+    """Whether MLX itself failed to import (not, say, a module of this package, whose name
+    holds "mlx" too)."""
     name = error.name or ""
-    return name == "mlx" or name.startswith("mlx.") or "mlx" in str(error).split(":")[0]
+    if name:
+        return name == "mlx" or name.startswith("mlx.")
+    # No name: a failing native library ("libmlx.so: cannot open shared object file").
+    return re.search(r"(?<![\w.])(lib)?mlx\b", str(error).split(":")[0]) is not None

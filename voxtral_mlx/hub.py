@@ -462,7 +462,26 @@ def _repo_id_meant(spec: str) -> str | None:
     return rest if rest != spec and _repo_id_syntax(rest) else None
 
 
+# huggingface_hub reads these with int() when first imported, printing its own line first.
+_WHOLE_SECONDS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+
+
+def _check_settings(repo_id: str) -> None:
+    for name in _WHOLE_SECONDS:
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        try:
+            int(value)
+        except ValueError:
+            raise ModelNotFoundError(
+                f"cannot fetch {repo_id}: ${name} is {one_line(repr(value), 40)}, not a whole "
+                "number of seconds; fix or unset it"
+            ) from None
+
+
 def _download(repo_id: str) -> Path:
+    _check_settings(repo_id)
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import (
@@ -475,6 +494,12 @@ def _download(repo_id: str) -> Path:
         raise ModelNotFoundError(
             f"cannot fetch {repo_id}: huggingface_hub is not installed "
             "(pip install huggingface_hub)"
+        ) from None
+    except ValueError as e:  # it reads its HF_HUB_* settings when first imported
+        raise ModelNotFoundError(
+            f"cannot fetch {repo_id}: a HF_HUB_* setting is not valid ({_first_line(e)}); "
+            "fix or unset it (HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT take whole "
+            "seconds)"
         ) from None
     quiet = {"tqdm_class": _silent_tqdm()}  # no "Fetching N files" bar on every load
 
@@ -517,7 +542,15 @@ def _download(repo_id: str) -> Path:
         snapshot, missing = _cached_snapshot(repo_id, commit, files, patterns)
         if snapshot is not None:  # what the Hub would have answered: no second request
             return snapshot
-        _check_room(repo_id, missing, files)
+        try:
+            _check_room(repo_id, missing, files)
+        except ModelNotFoundError as no_room:
+            older = _whole_snapshot(repo_id)  # an update there is no room for: the copy
+            if older is None:  # already in the cache serves, as after a failed download
+                raise
+            if download_failed is not None:
+                download_failed(repo_id, str(no_room).split(": free some space")[0])
+            return older
         downloading = True
         folder = _repo_cache(repo_id)
         if download_started is not None and (missing is None or missing or commit is None):
@@ -552,6 +585,8 @@ def _download(repo_id: str) -> Path:
             try:  # ...a complete (older) copy in the cache still serves
                 older = cached(patterns)
             except LocalEntryNotFoundError:
+                older = None
+            if older is None or not _holds_a_model(older):  # an incomplete one does not
                 # Not "from None": huggingface_hub gives a file's HTTP error as the cause.
                 raise e from e.__cause__ or e.__context__
             if download_failed is not None:

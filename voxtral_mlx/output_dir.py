@@ -242,10 +242,14 @@ def _put_back_replaced(out: Path) -> None:
     run may fail too), rather than removed."""
     if os.path.lexists(out):
         return
-    left = sorted(orphans(out.parent, out.name, OLD_KIND), key=lambda e: e.stat().st_mtime)
+    left = []
+    for entry in orphans(out.parent, out.name, OLD_KIND):
+        with contextlib.suppress(OSError):  # (a link to nothing is no model to put back)
+            if entry.is_dir(follow_symlinks=False):
+                left.append((entry.stat(follow_symlinks=False).st_mtime, entry.path))
     if left:
         with contextlib.suppress(OSError):
-            os.rename(left[-1].path, out)
+            os.rename(max(left)[1], out)
 
 
 def _sync_tree(root: Path) -> None:

@@ -124,7 +124,3 @@ def _release_stdout() -> OSError | None:
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
         return e
-
-
-if __name__ == "__main__":
-    sys.exit(main())

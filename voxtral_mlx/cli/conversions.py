@@ -159,9 +159,9 @@ def _fetch_to_convert(args: argparse.Namespace) -> Path:
     options and the output path are checked before: a typo must not cost the download."""
     from ..convert import QuantOptions, output_dtype
     from ..hub import resolve_model_dir
-    from ..output_dir import directory_path
+    from ..output_dir import check_output_dir, directory_path
 
     QuantOptions.make(args.q_bits, args.q_group_size, args.q_flow_bits)
     output_dtype(args.dtype)
-    directory_path(args.output)
+    check_output_dir(directory_path(args.output), args.force)  # again once the source is known
     return interruptibly(lambda: resolve_model_dir(args.model))

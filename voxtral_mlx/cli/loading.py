@@ -21,7 +21,9 @@ MODEL_ENV = "VOXTRAL_MLX_MODEL"
 def default_model() -> str:
     from ..hub import DEFAULT_REPO
 
-    return os.environ.get(MODEL_ENV) or DEFAULT_REPO
+    # Set but empty (an unset shell variable in `VOXTRAL_MLX_MODEL=$DIR`) is refused as
+    # `-m ""` is, not taken for the 8 GB default.
+    return os.environ.get(MODEL_ENV, DEFAULT_REPO)
 
 
 def _say_downloading(repo_id: str, cache: Path) -> None:

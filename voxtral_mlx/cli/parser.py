@@ -68,7 +68,7 @@ class _Parser(argparse.ArgumentParser):
         argv = sys.argv[1:] if args is None else list(args)
         commands = self._commands()
         first = next((i for i, a in enumerate(argv) if a in commands), None)
-        known = commands[argv[first]]._option_string_actions if first else {}
+        known = commands[argv[first]]._option_string_actions if first is not None else {}
         if first and argv[0].split("=")[0] in known and argv[0] not in ("-h", "--help"):
             # `voxtral-mlx -m DIR speak ...`: argparse would call DIR an invalid command.
             self.error(
@@ -76,7 +76,8 @@ class _Parser(argparse.ArgumentParser):
                 f"{PROG} {argv[first]}",
             )
         for arg in argv[: argv.index("--") if "--" in argv else len(argv)]:
-            if re.fullmatch(r"-h[^-\s]{2,}\S*", arg) and arg not in known:
+            flags = all(f"-{c}" in known for c in arg[1:])  # "-hq": -h and -q, as argparse
+            if re.fullmatch(r"-h[^-\s]\S*", arg) and arg not in known and not flags:
                 # Python 3.13's argparse reads "-hello" as -h and prints the help (exit 0);
                 # earlier ones call it an error. Text it is, on every version.
                 self.error(

@@ -185,8 +185,9 @@ def build_tekken(
 
 
 def write_tekken(path: str | Path, data: Mapping[str, Any]) -> Path:
-    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder, then rename)."""
+    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder, then rename),
+    indented as the released file is (14.9 MB: what loading it is timed on)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(data, ensure_ascii=False))
+    atomic_write_text(path, json.dumps(data, ensure_ascii=False, indent=2))
     return path
