@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import mlx.core as mx
@@ -257,6 +258,54 @@ def test_a_callback_that_exits_ends_its_job_not_the_worker(tts):
         assert len(calls) > 1  # the items after the failure still reach it (DONE last)
         told = [w for w in caught if w.category is CallbackWarning]
         assert len(told) == 1 and f"{exc.__name__}('in the callback')" in str(told[0].message)
+
+
+def test_a_job_chained_from_a_callback_told_of_a_failed_frame_runs(tts):
+    """After a frame failed, the worker went to sleep with the retry the failure's callback
+    had submitted still waiting: it ran only when some other request came."""
+    model, real_frame, calls = tts.model, tts.model.frame, [0]
+
+    def frame(*args):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("a frame fails once")
+        return real_frame(*args)
+
+    tts.call(lambda: setattr(model, "frame", frame))
+    try:
+        retry = tts.job("Again.", VOICE, seed=1, max_frames=5)
+        first = tts.job("Fails.", VOICE, seed=0, max_frames=20)
+
+        def on_output(item):
+            if isinstance(item, BaseException):
+                tts.submit(retry)
+
+        first.on_output = on_output
+        tts.submit(first)
+        item = retry.output.get(timeout=10)  # (queue.Empty: still waiting)
+        assert not isinstance(item, BaseException)
+    finally:
+        tts.call(lambda: setattr(model, "frame", real_frame))
+
+
+def test_a_warning_raised_as_an_error_does_not_end_the_worker(tts):
+    """Under -W error, the warning told of a failing callback was raised on the worker: every
+    running job failed with it, or, while failing jobs, the worker thread ended."""
+    job = tts.job("Call back.", VOICE, seed=1, max_frames=50)
+
+    def on_output(item):
+        raise ValueError("in the callback")
+
+    job.on_output = on_output
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tts.submit(job)
+        beside = tts.synthesize("Still serving.", VOICE, seed=1, max_frames=3)
+    assert len(beside.codes) == 3
+    deadline = time.monotonic() + 10
+    while not job.done and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert job.done and job.seq.stop_reason == "cancelled"
 
 
 def _collect(item, codes: list[np.ndarray], done: threading.Event | None) -> None:

@@ -375,6 +375,24 @@ def expected_audio(tts, segments, seed, max_frames):
     return np.concatenate(parts)
 
 
+def test_a_text_error_is_raised_once_however_long_the_audio_before_it(tts):
+    """It was raised (and caught) again at every chunk of the segments in flight, its
+    traceback one frame longer each time, all kept alive with the stream."""
+    import traceback
+
+    def pieces():
+        yield "Hello there, this is the first sentence. And this one is the second. Third. "
+        raise ValueError("the model writing the text failed")
+
+    lengths = []
+    for max_frames in (10, 120):
+        with pytest.raises(ValueError) as exc:
+            for _ in tts.stream(pieces(), VOICE, seed=1, max_frames=max_frames, split=True):
+                pass
+        lengths.append(len(list(traceback.walk_tb(exc.value.__traceback__))))
+    assert lengths[0] == lengths[1] < 20, lengths
+
+
 def test_live_text_is_spoken_before_it_ends_and_as_its_segments_would_be(tts):
     gate = threading.Event()
     stream = tts.stream(gated(STORY, gate, 20), VOICE, seed=7, split=True, max_frames=3)

@@ -8,6 +8,7 @@ corrupt each other. Chunks go back through each job's thread-safe queue (or a ca
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import decimal
 import math
@@ -220,13 +221,15 @@ class Job:
             self.cancel()
             if not self._callback_failed:
                 self._callback_failed = True
-                warnings.warn(
-                    f"a job's on_output callback raised {one_line(repr(e), 200)}: the job "
-                    "was stopped (its output is cut short); make the callback only hand "
-                    "items over",
-                    CallbackWarning,
-                    stacklevel=2,
-                )
+                # Suppressed: under -W error the warning would be raised here, on the worker.
+                with contextlib.suppress(Exception):
+                    warnings.warn(
+                        f"a job's on_output callback raised {one_line(repr(e), 200)}: the job "
+                        "was stopped (its output is cut short); make the callback only hand "
+                        "items over",
+                        CallbackWarning,
+                        stacklevel=2,
+                    )
 
 
 def _own_copy(error: BaseException) -> BaseException:
@@ -694,7 +697,7 @@ class Engine:
             busy = self._pump()
         except Exception as e:
             self.fail_all(e)
-            busy = False
+            busy = self.busy  # a job a callback submitted while told of the failure
         if not busy:
             try:
                 if self.residency is not None:

@@ -104,11 +104,13 @@ class _Reader:
             self._next += 1
             job = self._make_job(i, self.segments[i])
             job.ahead = bool(self.jobs)  # the consumer waits for the first job in flight only
+            # Listed before the size is read: a set_chunk_frames() from another thread in
+            # between then sets it in the job, or is read here.
+            self.jobs.append((i, job))
             if self._chunk_frames is not None and job.ahead:
                 # One the consumer already waits for (live text that stalled) keeps its own
                 # size: whatever was buffered ahead may have played out meanwhile.
                 job.later_chunk_frames = self._chunk_frames
-            self.jobs.append((i, job))
             if self._finished:  # cancel() ran while the job was being made: it missed it
                 job.cancel()
             new.append(job)
@@ -125,6 +127,8 @@ class _Reader:
         ``idle`` (no segment in flight) raise the text's error; else it waits for them."""
         if self._live is None or self._finished:
             return False
+        if self._source_error is not None and not (block or idle):
+            return False  # (raised once, when delivered: each raise lengthens its traceback)
         if block:
             self._refuse_wait()  # the worker would wait for text instead of generating
         t0 = time.perf_counter()

@@ -152,7 +152,10 @@ class Worker:
             if item is not ...:
                 _run_task(*item)
             item = None  # the waiting frame must not keep the last task's objects alive
-            self._busy = self.pump()
+            try:
+                self._busy = self.pump()
+            except BaseException:  # (pump fails its jobs itself) the thread must live on:
+                self._busy = False  # every later request would wait for it for ever
         with contextlib.suppress(BaseException):  # the thread must park regardless
             self.on_close()
         with self._lock:  # taken once a submit() that close() interrupted has queued
