@@ -250,9 +250,7 @@ def test_a_callback_that_exits_ends_its_job_not_the_worker(tts):
             tts.submit(job)
             out = tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2)
             assert len(out.codes) == 2
-            deadline = time.monotonic() + 10
-            while not job.done and time.monotonic() < deadline:
-                time.sleep(0.005)
+            _wait_done(job)
         assert job.done and job.seq.stop_reason == "cancelled"  # ended by its callback
         assert job.seq.frames < 50
         assert len(calls) > 1  # the items after the failure still reach it (DONE last)
@@ -302,10 +300,14 @@ def test_a_warning_raised_as_an_error_does_not_end_the_worker(tts):
         tts.submit(job)
         beside = tts.synthesize("Still serving.", VOICE, seed=1, max_frames=3)
     assert len(beside.codes) == 3
-    deadline = time.monotonic() + 10
+    _wait_done(job)
+    assert job.done and job.seq.stop_reason == "cancelled"
+
+
+def _wait_done(job, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
     while not job.done and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert job.done and job.seq.stop_reason == "cancelled"
 
 
 def _collect(item, codes: list[np.ndarray], done: threading.Event | None) -> None:

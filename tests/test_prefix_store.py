@@ -297,11 +297,17 @@ def test_clear_prefix_cache_removes_this_models_files_only(tiny_checkpoint, tmp_
         tts.close()
 
 
+def _stale(directory: Path, i: int) -> Path:
+    """An entry named as the cache names its files, last used ``i`` s after the epoch."""
+    stale = directory / f"{i:016x}-{'0' * 32}.safetensors"
+    stale.write_bytes(b"old")
+    os.utime(stale, ns=(i * 10**9, i * 10**9))
+    return stale
+
+
 def test_old_files_are_pruned(tiny_checkpoint, tmp_path, noise):
     for i in range(3):
-        stale = tmp_path / f"{i:016x}-{'0' * 32}.safetensors"
-        stale.write_bytes(b"old")
-        os.utime(stale, ns=(i * 10**9, i * 10**9))
+        _stale(tmp_path, i)
     tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
     try:
         tts.engine.prefix_store.max_files = 2
@@ -346,9 +352,7 @@ def test_an_entry_that_cannot_be_pruned_is_passed_over(tiny_checkpoint, tmp_path
     blocked.mkdir()
     os.utime(blocked, ns=(0, 0))
     for i in range(1, 4):
-        stale = tmp_path / f"{i:016x}-{'0' * 32}.safetensors"
-        stale.write_bytes(b"old")
-        os.utime(stale, ns=(i * 10**9, i * 10**9))
+        _stale(tmp_path, i)
     tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
     try:
         tts.engine.prefix_store.max_files = 2

@@ -533,12 +533,14 @@ def test_temp_files_of_killed_cache_writers_are_removed(byte_tekken_file, tmp_pa
     folder.mkdir()
     orphan = folder / f".tekken-{'0' * 16}.json.{TEMP_KIND}-{dead.pid}-0123abcd"
     mine = folder / f".tekken-{'1' * 16}.json.{TEMP_KIND}-{os.getpid()}-89abcdef"
-    for path in (orphan, mine):
+    theirs = folder / f".notes.txt.{TEMP_KIND}-{dead.pid}-abcdef12"  # not the cache's
+    for path in (orphan, mine, theirs):
         path.write_text("half a tokenizer")
     TekkenTokenizer.from_file(byte_tekken_file, cache_dir=tmp_path)
     assert not orphan.exists() and mine.exists()  # a running writer's stays
     (entry,) = _cache_files(tmp_path)
-    assert sorted(p.name for p in folder.iterdir()) == sorted([entry.name, mine.name])
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == sorted([entry.name, mine.name, theirs.name])
 
 
 def test_corrupt_cache_entry_is_rebuilt(byte_tekken_file, tmp_path):

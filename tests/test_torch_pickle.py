@@ -890,14 +890,8 @@ def _deflated_zeros_pt(path: Path, numel: int) -> Path:
     return path
 
 
-def test_zip_bomb_storage_is_refused_before_inflating(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """64 MB of zeros in ~64 kB: refused from the zip directory alone (a 3 MB file declaring
-    3 GB used to take 6 GB of memory and half a minute)."""
-    path = _deflated_zeros_pt(tmp_path / "bomb.pt", 16 << 20)
-    assert path.stat().st_size < (1 << 20)
-
+def _refuse_inflating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a storage record is opened (inflated)."""
     real_open = zipfile.ZipFile.open
 
     def no_inflating(self, name, *args, **kwargs):
@@ -906,6 +900,30 @@ def test_zip_bomb_storage_is_refused_before_inflating(
         return real_open(self, name, *args, **kwargs)
 
     monkeypatch.setattr(zipfile.ZipFile, "open", no_inflating)
+
+
+def _record_headers(path: Path, record: str) -> tuple[bytearray, int, int]:
+    """The archive's bytes and the offsets of ``record``'s local and central headers."""
+    with zipfile.ZipFile(path) as zf:
+        local = zf.getinfo(record).header_offset
+    data = bytearray(path.read_bytes())
+    central = [
+        at
+        for at in range(len(data) - 4)
+        if data[at : at + 4] == b"PK\x01\x02" and data[at + 46 :].startswith(record.encode())
+    ]
+    assert len(central) == 1
+    return data, local, central[0]
+
+
+def test_zip_bomb_storage_is_refused_before_inflating(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 MB of zeros in ~64 kB: refused from the zip directory alone (a 3 MB file declaring
+    3 GB used to take 6 GB of memory and half a minute)."""
+    path = _deflated_zeros_pt(tmp_path / "bomb.pt", 16 << 20)
+    assert path.stat().st_size < (1 << 20)
+    _refuse_inflating(monkeypatch)
     with pytest.raises(VoiceError) as exc:
         read_pt(path)
     message = one_line(exc)
@@ -919,27 +937,12 @@ def test_a_compressed_size_beyond_the_file_is_no_excuse(
     for its 64 kB of deflated zeros let 64 MB through (and expand() strides made that
     gigabytes)."""
     path = _deflated_zeros_pt(tmp_path / "liar.pt", 16 << 20)
-    data = bytearray(path.read_bytes())
-    with zipfile.ZipFile(path) as zf:
-        local = zf.getinfo("archive/data/0").header_offset
-    central = [
-        at
-        for at in range(len(data) - 4)
-        if data[at : at + 4] == b"PK\x01\x02" and data[at + 46 :].startswith(b"archive/data/0")
-    ]
-    assert len(central) == 1
-    for at in (local + 18, central[0] + 20):  # the compressed size
+    data, local, central = _record_headers(path, "archive/data/0")
+    for at in (local + 18, central + 20):  # the compressed size
         data[at : at + 4] = struct.pack("<I", 4 << 20)
     path.write_bytes(bytes(data))
     assert path.stat().st_size < (1 << 20)
-    real_open = zipfile.ZipFile.open
-
-    def no_inflating(self, name, *args, **kwargs):
-        if getattr(name, "filename", name).endswith("data/0"):
-            raise AssertionError("the bomb was inflated")
-        return real_open(self, name, *args, **kwargs)
-
-    monkeypatch.setattr(zipfile.ZipFile, "open", no_inflating)
+    _refuse_inflating(monkeypatch)
     with pytest.raises(VoiceError) as exc:
         read_pt(path)
     assert "zip bomb" in one_line(exc)
@@ -956,17 +959,9 @@ def test_a_record_inflating_beyond_its_declared_size_reads_only_that(tmp_path: P
         zf.writestr("archive/byteorder", b"little")
         zf.writestr("archive/data/0", zeros)
         zf.writestr("archive/version", b"3\n")
-    with zipfile.ZipFile(path) as zf:
-        local = zf.getinfo("archive/data/0").header_offset
-    data = bytearray(path.read_bytes())
-    central = [
-        at
-        for at in range(len(data) - 4)
-        if data[at : at + 4] == b"PK\x01\x02" and data[at + 46 :].startswith(b"archive/data/0")
-    ]
-    assert len(central) == 1
+    data, local, central = _record_headers(path, "archive/data/0")
     # CRC-32 then the compressed and uncompressed sizes, at 14 and 28 bytes in.
-    for crc_at, size_at in ((local + 14, local + 22), (central[0] + 16, central[0] + 24)):
+    for crc_at, size_at in ((local + 14, local + 22), (central + 16, central + 24)):
         data[crc_at : crc_at + 4] = struct.pack("<I", zlib.crc32(bytes(16)))
         data[size_at : size_at + 4] = struct.pack("<I", 16)
     path.write_bytes(bytes(data))

@@ -52,7 +52,9 @@ def test_output_after_warmup_equals_a_cold_start(fresh):
     assert t2.prefix_cached
 
 
-def test_every_batch_size_is_run(fresh, monkeypatch):
+@pytest.fixture
+def batch_sizes(monkeypatch) -> list[int]:
+    """The size of every batch a frame is computed for, as they come."""
     sizes: list[int] = []
     original = FrameBatch._frame
 
@@ -61,21 +63,19 @@ def test_every_batch_size_is_run(fresh, monkeypatch):
         return original(self, h, rows)
 
     monkeypatch.setattr(FrameBatch, "_frame", spy)
+    return sizes
+
+
+def test_every_batch_size_is_run(fresh, batch_sizes):
+    sizes = batch_sizes
     tts = fresh(max_batch=3)
     tts.warmup()
     assert set(sizes) == {1, 2, 3}
     assert sizes[0] == 1
 
 
-def test_every_batch_size_is_run_when_the_model_says_end_at_once(tiny_checkpoint, monkeypatch):
-    sizes: list[int] = []
-    original = FrameBatch._frame
-
-    def spy(self, h, rows):
-        sizes.append(len(rows))
-        return original(self, h, rows)
-
-    monkeypatch.setattr(FrameBatch, "_frame", spy)
+def test_every_batch_size_is_run_when_the_model_says_end_at_once(tiny_checkpoint, batch_sizes):
+    sizes = batch_sizes
     tts = voxtral_mlx.load(tiny_checkpoint, max_batch=8, prefix_cache_dir=None)
     try:
         # Warm-up job i (seed i) joins at frame i: here some end (END) before the eighth

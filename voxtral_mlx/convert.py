@@ -555,6 +555,9 @@ def _check_voices(src: Path, tokenizer: TekkenTokenizer, dim: int) -> VoiceRegis
     return registry
 
 
+_MLX_VOICE_DTYPES = ("BF16", "F16", "F32")  # a voice file in these is copied as it is
+
+
 def _copy_voices(src: Path, dst: Path, registry: VoiceRegistry) -> None:
     """The voices the model speaks with (the registry's choice of file for each name) as
     ``<name>.safetensors`` holding one tensor under ``embedding``: such files in a dtype MLX
@@ -574,10 +577,8 @@ def _copy_voices(src: Path, dst: Path, registry: VoiceRegistry) -> None:
         if list(header) == [EMBEDDING_KEY] and header[EMBEDDING_KEY].dtype in _MLX_VOICE_DTYPES:
             shutil.copyfile(path, out / path.name)
             continue
-        embedding = registry.embedding(name)
-        if embedding.dtype not in (mx.bfloat16, mx.float16, mx.float32):
-            embedding = embedding.astype(mx.float32)  # float64: MLX (mlx-audio) cannot read it
-        mx.save_safetensors(str(out / path.name), {EMBEDDING_KEY: embedding})
+        # (A float64 file is read as float32, which MLX, and so mlx-audio, can read back.)
+        mx.save_safetensors(str(out / path.name), {EMBEDDING_KEY: registry.embedding(name)})
     if pts:
         try:
             convert_voice_files(pts, out)
@@ -587,9 +588,6 @@ def _copy_voices(src: Path, dst: Path, registry: VoiceRegistry) -> None:
             if isinstance(e.__cause__, OSError):
                 raise e.__cause__ from None
             raise
-
-
-_MLX_VOICE_DTYPES = ("BF16", "F16", "F32")
 
 
 # --------------------------------------------------------------------------- entry point

@@ -100,7 +100,7 @@ def atomic_write(
         raise
 
 
-TEMP_KIND = "tmp"  # :func:`atomic_write`'s temp files: ``remove_orphans(dir, None, TEMP_KIND)``
+TEMP_KIND = "tmp"  # :func:`atomic_write`'s temp files: ``remove_orphans(dir, NAMES, TEMP_KIND)``
 NAME_MAX = 255  # bytes in a file name (APFS, HFS+, ext4)
 
 
@@ -182,9 +182,12 @@ def owned_name(stem: str, kind: str, ext: str = "") -> str:
     return hidden_name(stem, f".{kind}-{os.getpid()}-{secrets.token_hex(4)}{ext}")
 
 
-def orphans(directory: Path, stem: str | None, kind: str, ext: str = "") -> list[os.DirEntry]:
-    """What :func:`owned_name` named for ``stem`` (None: for any target) in ``directory``
-    whose process no longer runs."""
+def orphans(
+    directory: Path, stem: str | re.Pattern[str], kind: str, ext: str = ""
+) -> list[os.DirEntry]:
+    """What :func:`owned_name` named for ``stem`` (a pattern: for any target name it matches
+    whole, such as a cache's files; a folder shared with others holds theirs too) in
+    ``directory`` whose process no longer runs."""
     tail = re.compile(rf"\.{re.escape(kind)}-(\d{{1,10}})-[0-9a-f]{{8}}{re.escape(ext)}$")
     try:
         with os.scandir(directory) as it:
@@ -194,14 +197,21 @@ def orphans(directory: Path, stem: str | None, kind: str, ext: str = "") -> list
     found = []
     for entry in entries:
         match = tail.search(entry.name)
-        if match is None or (stem is not None and entry.name != hidden_name(stem, match[0])):
+        if match is None:
+            continue
+        if isinstance(stem, str):
+            if entry.name != hidden_name(stem, match[0]):
+                continue
+        elif not stem.fullmatch(entry.name[1 : match.start()]):
             continue
         if not _process_exists(int(match.group(1))):
             found.append(entry)
     return found
 
 
-def remove_orphans(directory: Path, stem: str | None, kind: str, ext: str = "") -> list[Path]:
+def remove_orphans(
+    directory: Path, stem: str | re.Pattern[str], kind: str, ext: str = ""
+) -> list[Path]:
     """Remove the :func:`orphans`: a killed conversion's hidden staging directory can hold
     gigabytes. Returns what was removed; errors are ignored (this is tidying up, never the
     job)."""

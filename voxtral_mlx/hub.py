@@ -151,29 +151,30 @@ def _list_files(repo_id: str) -> tuple[dict[str, int | None], str | None]:
     return {s.rfilename: getattr(s, "size", None) for s in info.siblings or []}, info.sha
 
 
-def _check_room(repo_id: str, missing: list[str] | None, files: Iterable[str]) -> None:
-    """Refuse a download the cache's disk has no room for before it begins (a Mac with a
-    nearly full disk learnt it gigabytes in). ``missing``: the files to fetch; ``files``:
-    names with their sizes, as :func:`_list_files` gives them (names alone skip it)."""
+def _shortfall(repo_id: str, missing: list[str] | None, files: Iterable[str]) -> str | None:
+    """Why the cache's disk has no room for a download, said before it begins (a Mac with a
+    nearly full disk learnt it gigabytes in), or None. ``missing``: the files to fetch;
+    ``files``: names with their sizes, as :func:`_list_files` gives them (names alone skip
+    it)."""
     sizes = files if isinstance(files, dict) else {}
     if not missing or any(not isinstance(sizes.get(f), int) for f in missing):
-        return  # nothing to fetch, or a size the Hub did not tell: no guess
+        return None  # nothing to fetch, or a size the Hub did not tell: no guess
     needed = sum(sizes[f] for f in missing)
     folder = _repo_cache(repo_id)
     existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
     if existing is None:
-        return
+        return None
     try:
         free = shutil.disk_usage(existing).free
     except OSError:
-        return
-    if needed > free:
-        cache = one_line(str(folder.parent), 200)
-        raise ModelNotFoundError(
-            f"{repo_id} needs {needed / 1e9:.1f} GB more in the Hugging Face cache ({cache}) "
-            f"and its disk has {free / 1e9:.1f} GB free: free some space, or set HF_HOME (or "
-            "HF_HUB_CACHE) to a disk with room, and run again"
-        )
+        return None
+    if needed <= free:
+        return None
+    cache = one_line(str(folder.parent), 200)
+    return (
+        f"{repo_id} needs {needed / 1e9:.1f} GB more in the Hugging Face cache ({cache}) "
+        f"and its disk has {free / 1e9:.1f} GB free"
+    )
 
 
 def _cached_snapshot(
@@ -542,14 +543,16 @@ def _download(repo_id: str) -> Path:
         snapshot, missing = _cached_snapshot(repo_id, commit, files, patterns)
         if snapshot is not None:  # what the Hub would have answered: no second request
             return snapshot
-        try:
-            _check_room(repo_id, missing, files)
-        except ModelNotFoundError as no_room:
+        no_room = _shortfall(repo_id, missing, files)
+        if no_room is not None:
             older = _whole_snapshot(repo_id)  # an update there is no room for: the copy
             if older is None:  # already in the cache serves, as after a failed download
-                raise
+                raise ModelNotFoundError(
+                    f"{no_room}: free some space, or set HF_HOME (or HF_HUB_CACHE) to a disk "
+                    "with room, and run again"
+                )
             if download_failed is not None:
-                download_failed(repo_id, str(no_room).split(": free some space")[0])
+                download_failed(repo_id, no_room)
             return older
         downloading = True
         folder = _repo_cache(repo_id)

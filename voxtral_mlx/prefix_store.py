@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import VoxtralError
-from .fileio import TEMP_KIND, atomic_write, one_line, orphans
+from .fileio import TEMP_KIND, atomic_write, one_line, remove_orphans
 from .model.cache import KVCache
 
 FORMAT = "voxtral_mlx.prefix/3"  # 3: prefilled in fixed parts
@@ -233,12 +233,8 @@ class PrefixStore:
     def _prune(self) -> None:
         # Temp files of processes killed while writing (the CLI exits without waiting
         # after Ctrl-C); a running process's may be a write in progress and stays. Only
-        # files named as this cache names them: a shared folder holds others' too.
-        for entry in orphans(self.directory, None, TEMP_KIND):
-            target = entry.name[1 : entry.name.rindex(f".{TEMP_KIND}-")]
-            if _OWN_NAME.fullmatch(target) and entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
+        # those of files this cache names: a shared folder holds others' too.
+        remove_orphans(self.directory, _OWN_NAME, TEMP_KIND)
         files = []
         for p in self._files():
             try:

@@ -27,6 +27,7 @@ import hashlib
 import json
 import operator
 import os
+import re
 from collections.abc import Iterable, Mapping
 from itertools import groupby
 from pathlib import Path
@@ -579,10 +580,14 @@ def _serialized(backend: Tokenizer) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
+# The cache's file names (``tekken-<sha256>-f<format>.json``), whose temp files it tidies.
+_CACHE_NAME = re.compile(r"tekken-[0-9a-f]+(?:-f\d+)?\.json")
+
+
 def _write_cache(file: Path, meta: dict[str, Any], backend: Tokenizer) -> None:
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        remove_orphans(file.parent, None, TEMP_KIND)  # of writers killed meanwhile
+        remove_orphans(file.parent, _CACHE_NAME, TEMP_KIND)  # of writers killed meanwhile
         body = _serialized(backend)
         head = json.dumps({**meta, "content": _checksum(meta, body)}, ensure_ascii=False)
         payload = head + "\n" + body

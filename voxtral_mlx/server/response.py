@@ -67,6 +67,13 @@ def _drop_connection(scope: Scope) -> None:
     transport.abort()  # the bytes asyncio still holds are dropped too
 
 
+async def _pieces(data: bytes) -> AsyncGenerator[bytes, None]:
+    """``data`` in messages of :data:`_PIECE_BYTES`."""
+    view = memoryview(data)
+    for at in range(0, len(data), _PIECE_BYTES):
+        yield bytes(view[at : at + _PIECE_BYTES])
+
+
 class BodyResponse:
     def __init__(
         self,
@@ -104,6 +111,7 @@ class BodyResponse:
         return {"type": "http.response.start", "status": 200, "headers": raw}
 
     async def _send_body(self, send: Send) -> None:
+        parts = self.body
         if not self.streams:
             data = b"".join([part async for part in self.body])
             self.started = True
@@ -111,14 +119,8 @@ class BodyResponse:
             # In pieces: the server's send waits for room only before it writes, so one
             # message of the whole file would be "sent" at once into a client that never
             # reads, past the send timeout's watch.
-            view = memoryview(data)
-            for at in range(0, len(data), _PIECE_BYTES):
-                piece = bytes(view[at : at + _PIECE_BYTES])
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
-                await anyio.lowlevel.checkpoint()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        async for part in self.body:
+            parts = _pieces(data)
+        async for part in parts:
             if not part:
                 continue
             if not self.started:
