@@ -686,18 +686,79 @@ def test_empty_and_non_zip_files(tmp_path: Path) -> None:
         assert name in one_line(exc)
 
 
-@pytest.mark.parametrize("protocol", [1, 2, 4])
-def test_legacy_format(tmp_path: Path, protocol: int) -> None:
-    """Protocol 1 pickles the magic number as text: it was called 'not a torch.save zip'."""
-    torch.save(
-        torch.ones(2),
-        tmp_path / "old.pt",
-        _use_new_zipfile_serialization=False,
-        pickle_protocol=protocol,
-    )
+def save_legacy(obj: object, path: Path, protocol: int = 2) -> Path:
+    torch.save(obj, path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    return path
+
+
+@pytest.mark.parametrize("protocol", [1, 2, 4, 5])
+def test_legacy_format_is_read_bit_exact(tmp_path: Path, protocol: int) -> None:
+    """torch.save(..., _use_new_zipfile_serialization=False) files were refused, though
+    torch reads them (protocol 1 pickles the magic number as text)."""
+    big = random_tensor(torch.bfloat16, (10, 16), seed=4)
+    cases = {
+        "bf16": (big, None),
+        "f32": (random_tensor(torch.float32, (3, 5)), None),
+        "slice": (big[3:7, 2:10], None),
+        "transposed": (big.t(), None),
+        "parameter": (torch.nn.Parameter(big.float()), None),
+        "empty": (torch.zeros(0, 4), None),
+        "scalar": (torch.tensor(3.5, dtype=torch.float64), None),
+        # Two storages: the second tensor's is read, the first's skipped.
+        "dict": ({"other": big.float()[:2], "embedding": big[5:]}, "embedding"),
+    }
+    for name, (obj, key) in cases.items():
+        path = save_legacy(obj, tmp_path / f"{name}.pt", protocol)
+        ref = torch.load(path, weights_only=False)  # its own file: weights_only lacks protocol 1
+        assert_same(read_pt(path, key), ref if key is None else ref[key])
+
+
+def test_legacy_hostile_pickle_is_refused_unexecuted(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    evil = _Reduce(os.system, f"touch {marker}")
+    path = save_legacy({"embedding": torch.ones(3), "extra": evil}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafePickleError) as exc:
+        read_pt(path)
+    assert "system" in one_line(exc)
+    assert not marker.exists()
+
+
+def test_legacy_truncated_or_damaged_is_one_voice_error(tmp_path: Path) -> None:
+    raw = save_legacy(random_tensor(torch.bfloat16, (20, 32)), tmp_path / "full.pt").read_bytes()
+    for cut in range(1, len(raw), 37):
+        (tmp_path / "cut.pt").write_bytes(raw[:cut])
+        with pytest.raises(VoiceError) as exc:
+            read_pt(tmp_path / "cut.pt")
+        assert "cut.pt" in one_line(exc)
+    # The storage's element count, the int64 before its bytes, disagreeing with the pickle.
+    count = struct.pack("<q", 20 * 32)
+    assert raw.count(count) == 1
+    (tmp_path / "count.pt").write_bytes(raw.replace(count, struct.pack("<q", 20 * 31)))
     with pytest.raises(VoiceError) as exc:
-        read_pt(tmp_path / "old.pt")
-    assert "uses torch's legacy (pre-1.6) non-zip format" in one_line(exc)
+        read_pt(tmp_path / "count.pt")
+    assert "holds 620 values but its pickle declares 640" in one_line(exc)
+
+
+def test_legacy_storage_keys_must_match_the_pickle(tmp_path: Path) -> None:
+    raw = save_legacy(torch.ones(4), tmp_path / "ok.pt").read_bytes()
+    stream, ends = io.BytesIO(raw), []
+    for _ in range(5):
+        for _ in pickletools.genops(stream):
+            pass
+        ends.append(stream.tell())
+    # The fifth pickle (after magic, version, system facts, tensor) lists the storage keys.
+    forged = raw[: ends[3]] + pickle.dumps(["1", "2"], protocol=2) + raw[ends[4] :]
+    (tmp_path / "keys.pt").write_bytes(forged)
+    with pytest.raises(VoiceError) as exc:
+        read_pt(tmp_path / "keys.pt")
+    assert "list of storages does not match" in one_line(exc)
+    bad_version = raw.replace(
+        pickle.dumps(1001, protocol=2)[2:-1], pickle.dumps(1002, protocol=2)[2:-1], 1
+    )
+    (tmp_path / "version.pt").write_bytes(bad_version)
+    with pytest.raises(VoiceError) as exc:
+        read_pt(tmp_path / "version.pt")
+    assert "format version is 1002, not 1001" in one_line(exc)
 
 
 class _Shell:

@@ -7,6 +7,8 @@ Unpickling an arbitrary pickle runs arbitrary code, so :func:`read_pt` uses an u
 tensors and refuses every other global before anything runs (:class:`UnsafePickleError`).
 The placeholders only record what the pickle asked for; values are then copied out of the
 storage record with numpy after checking every size, offset and stride against it.
+The legacy format (``_use_new_zipfile_serialization=False``: pickles followed by the raw
+storages) is read the same way.
 
 :func:`write_pt` writes the same layout (pickle opcodes emitted by hand, storage records
 64-byte aligned through a zip extra field as torch does) so that ``torch.load(weights_only=True)``
@@ -26,6 +28,7 @@ import struct
 import sys
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -332,10 +335,13 @@ def _python3_name(module: str, name: str) -> tuple[str, str]:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: BinaryIO, source: str):
+    def __init__(self, file: BinaryIO, source: str, legacy: bool = False):
         super().__init__(file)
         self._source = source
-        self._storages: dict[str, _StorageRef] = {}
+        # The legacy format's storage ids carry a sixth field, a storage view's metadata
+        # (never written since torch 1.0: always None).
+        self._id_length = 6 if legacy else 5
+        self.storages: dict[str, _StorageRef] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         placeholder = _ALLOWED.get((module, name))
@@ -364,7 +370,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> _StorageRef:
         if (
             not isinstance(pid, tuple)
-            or len(pid) != 5
+            or len(pid) != self._id_length
             or pid[0] != "storage"
             or not isinstance(pid[1], _StorageType)
             or not isinstance(pid[2], str)
@@ -373,10 +379,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
             or pid[4] < 0
         ):
             raise _Malformed("a persistent id is not a torch storage record")
-        _, storage_type, key, _location, numel = pid
-        known = self._storages.get(key)
+        if pid[5:] not in ((), (None,)):
+            raise _Malformed("it holds a storage view (written by torch before 1.0)")
+        storage_type, key, numel = pid[1], pid[2], pid[4]
+        known = self.storages.get(key)
         if known is None:
-            known = self._storages[key] = _StorageRef(storage_type.dtype, key, numel)
+            known = self.storages[key] = _StorageRef(storage_type.dtype, key, numel)
         elif known.dtype != storage_type.dtype or known.numel != numel:
             raise _Malformed(f"storage record data/{one_line(key)} is declared twice differently")
         return known
@@ -427,10 +435,14 @@ def read_pt(
         raise VoiceError(f"{src} is empty; re-download or re-create it")
     if head[:4] != b"PK\x03\x04":
         if _is_legacy_pickle(head):
-            raise VoiceError(
-                f"{src} uses torch's legacy (pre-1.6) non-zip format, which is not supported; "
-                f"re-save it with torch.save's default format"
-            )
+            try:
+                with open(path, "rb") as f:
+                    return _read_legacy(f, src, key, max_values)
+            except OSError as e:
+                fix = unreadable_fix(e, "re-download or re-create it")
+                raise VoiceError(
+                    f"cannot read {src}: {one_line(e.strerror or str(e))}; {fix}"
+                ) from e
         if _is_pickle(head):
             raise VoiceError(
                 f"{src} is a bare Python pickle, not a torch.save file (nothing in it was run); "
@@ -517,11 +529,17 @@ def _read_zip(zf: zipfile.ZipFile, src: str, key: str | None, max_values: int | 
             "the tensor alone with torch.save"
         )
 
-    data = _read_record(zf, info, src)
-    unpickler = _RestrictedUnpickler(io.BytesIO(data), src)
+    payload, _ = _unpickle(_read_record(zf, info, src), _RestrictedUnpickler, src)
+    tensor = _select(payload, key, src)
+    return _materialise(zf, prefix, tensor, src, max_values)
+
+
+def _unpickle(data: bytes, unpickler: type[_RestrictedUnpickler], src: str, **kw: Any) -> Any:
+    """The object one pickle builds, with the storages it named, or a :class:`VoiceError`."""
+    reader = unpickler(io.BytesIO(data), src, **kw)
     try:
         _check_shape(data)
-        payload = unpickler.load()
+        return reader.load(), reader.storages
     except (UnsafePickleError, _UnreadDtype):
         raise
     except _Malformed as e:
@@ -534,8 +552,75 @@ def _read_zip(zf: zipfile.ZipFile, src: str, key: str | None, max_values: int | 
             f"re-download or re-save it with torch.save"
         ) from e
 
+
+_LEGACY_PROTOCOL = 1001  # torch's legacy format version, its second pickle
+
+
+def _read_legacy(f: BinaryIO, src: str, key: str | None, max_values: int | None) -> PtTensor:
+    """A legacy ``torch.save`` file: pickles of the magic number, the format version and
+    the saving machine's facts, the tensor's pickle, the sorted storage keys; then per key
+    the storage's element count (int64) and its little-endian bytes."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(_MAX_PICKLE_BYTES)
+    pos = 0
+
+    def refuse(problem: str) -> VoiceError:
+        return VoiceError(f"{src} is not a valid legacy torch.save file: {problem}; re-save it")
+
+    def next_pickle(what: str) -> Any:
+        nonlocal pos
+        stream = io.BytesIO(head)
+        stream.seek(pos)
+        try:  # to the pickle's end (STOP), within the limit _check_shape sets
+            for count, _ in enumerate(pickletools.genops(stream)):
+                if count > _MAX_PICKLE_OPS:
+                    raise refuse(f"its {what} has over {_MAX_PICKLE_OPS} operations")
+        except ValueError:
+            state = "truncated" if size < _MAX_PICKLE_BYTES else "malformed"
+            raise VoiceError(
+                f"{src} is a {state} legacy torch.save file (its {what} ends early); "
+                "re-download or re-create it"
+            ) from None
+        data, pos = head[pos : stream.tell()], stream.tell()
+        return _unpickle(data, _RestrictedUnpickler, src, legacy=True)
+
+    if next_pickle("magic number")[0] != _LEGACY_MAGIC:
+        raise refuse("its magic number is wrong")
+    version = next_pickle("format version")[0]
+    if version != _LEGACY_PROTOCOL:
+        raise refuse(f"its format version is {_shown(version, 40)}, not {_LEGACY_PROTOCOL}")
+    if not isinstance(next_pickle("system information")[0], dict):
+        raise refuse("its system information is not a dict")
+    payload, storages = next_pickle("tensor pickle")
+    keys = next_pickle("storage keys")[0]
+    if (
+        not isinstance(keys, list)
+        or not all(isinstance(k, str) for k in keys)
+        or len(set(keys)) != len(keys)
+        or set(keys) != set(storages)
+    ):
+        raise refuse("its list of storages does not match the storages its pickle names")
     tensor = _select(payload, key, src)
-    return _materialise(zf, prefix, tensor, src, max_values)
+    _check_size(tensor, src, max_values)
+    for k in keys:
+        storage = storages[k]
+        nbytes = storage.numel * DTYPES[storage.dtype].itemsize
+        if pos + 8 + nbytes > size:
+            raise VoiceError(
+                f"{src} is truncated: storage {one_line(k, 40)} needs {nbytes} bytes after "
+                f"byte {pos + 8} of a {size}-byte file; re-download or re-create it"
+            )
+        f.seek(pos)
+        (count,) = struct.unpack("<q", f.read(8))
+        if count != storage.numel:
+            raise refuse(
+                f"storage {one_line(k, 40)} holds {count} values but its pickle declares "
+                f"{storage.numel}"
+            )
+        if k == tensor.storage.key:
+            return _view(tensor, src, lambda n=nbytes: f.read(n), "little")
+        pos += 8 + nbytes
+    raise AssertionError("the tensor's storage is among the checked keys")
 
 
 def _check_shape(data: bytes) -> None:
@@ -644,9 +729,7 @@ def _select(payload: Any, key: str | None, src: str) -> _TensorRef:
     )
 
 
-def _materialise(
-    zf: zipfile.ZipFile, prefix: str, t: _TensorRef, src: str, max_values: int | None
-) -> PtTensor:
+def _check_size(t: _TensorRef, src: str, max_values: int | None) -> None:
     numel = math.prod(t.shape)
     if max_values is not None and numel > max_values:
         raise VoiceError(
@@ -654,8 +737,13 @@ def _materialise(
             f"voice embedding's {max_values} at most; it is not a voice (take the .pt files "
             "from the checkpoint's voice_embedding folder)"
         )
-    dtype_name = t.storage.dtype
-    dtype = DTYPES[dtype_name]
+
+
+def _materialise(
+    zf: zipfile.ZipFile, prefix: str, t: _TensorRef, src: str, max_values: int | None
+) -> PtTensor:
+    _check_size(t, src, max_values)
+    dtype = DTYPES[t.storage.dtype]
     record = f"{prefix}data/{t.storage.key}"
     try:
         info = zf.getinfo(record)
@@ -680,7 +768,6 @@ def _materialise(
             )
         byteorder = raw_order.decode()
 
-    shape, strides, offset = t.shape, t.stride, t.offset
     storage_bytes = t.storage.numel * dtype.itemsize
     if info.file_size != storage_bytes:  # torch writes exactly numel * itemsize bytes
         state = "truncated" if info.file_size < storage_bytes else "malformed"
@@ -688,6 +775,17 @@ def _materialise(
             f"storage record {one_line(record)} of {src} holds {info.file_size} bytes but its "
             f"pickle declares {storage_bytes}; the file is {state}: re-download or re-create it"
         )
+    return _view(t, src, lambda: _read_record(zf, info, src), byteorder)
+
+
+def _view(t: _TensorRef, src: str, read: Callable[[], bytes], byteorder: str) -> PtTensor:
+    """The tensor's values from its storage's bytes (``read()``, called only when needed),
+    after checking its shape, strides and offset against the storage."""
+    dtype_name = t.storage.dtype
+    dtype = DTYPES[dtype_name]
+    shape, strides, offset = t.shape, t.stride, t.offset
+    numel = math.prod(shape)
+    storage_bytes = t.storage.numel * dtype.itemsize
     if numel == 0:
         return PtTensor(dtype_name, shape, np.zeros(shape, dtype))
     # A dimension of size 1 is never stepped along: its stride can be anything (torch
@@ -706,7 +804,7 @@ def _materialise(
             f"be larger than its {storage_bytes}-byte storage; re-save it with torch.save"
         )
 
-    raw = _read_record(zf, info, src)
+    raw = read()
     stored = dtype.newbyteorder(">") if byteorder == "big" else dtype
     base = np.frombuffer(raw, dtype=stored, count=t.storage.numel)
     view = np.lib.stride_tricks.as_strided(
