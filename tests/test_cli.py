@@ -240,6 +240,19 @@ def test_follow_decodes_text_split_anywhere():
         decode_text("Hi\x00 there.".encode("utf-32"), "text file t.txt")
 
 
+def test_every_source_gets_one_kind_of_line_end_and_no_nul(monkeypatch):
+    """Arguments kept "\r\n" (each "\r" a prompt token; the docstring said every source
+    loses it), and a text-only stdin (embedded use) let NUL characters through."""
+    from voxtral_mlx.textinput import read_text
+
+    assert read_text(None, ["line one\r\nline two\rthree"]) == "line one\nline two\nthree"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\ufeffa\r\nb"))
+    assert read_text("-", []) == "a\nb"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a\x00b"))
+    with pytest.raises(voxtral_mlx.errors.InputError, match="stdin holds NUL characters"):
+        read_text("-", [])
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_follow_from_a_fifo_does_not_wait_for_its_writer_before_the_model_loads(tmp_path):
     """Opening a FIFO waits for a writer: ``-f FIFO --follow`` checks it and opens it at

@@ -61,6 +61,10 @@ PROTECTED = [
     "5 €",
     "€ 5,50",
     "R$ 1.500,00",
+    "€ 1 000",  # thousands grouped with spaces beside a sign: "€ 1" was all it kept
+    "1 000 €",
+    "12 345,67 %",
+    "10―20",  # a range with U+2015, a dash elsewhere
     "Gen. Patton",
     "Capt. Hook",
     "Abs. 3",
@@ -229,6 +233,10 @@ def test_bad_arguments() -> None:
         split_text("hi", target_chars=300, max_chars=200)
     with pytest.raises(InputError):
         split_text(b"hi")  # type: ignore[arg-type]
+    # A bad max_chars is named as such (it was "need 1 <= target_chars <= max_chars").
+    for bad in (0, -5):
+        with pytest.raises(InputError, match=f"max_chars must be at least 1, got {bad}"):
+            split_text("hello world", max_chars=bad)
 
 
 @pytest.mark.parametrize("rng", ["10--20", "1.000--2.000", "10-20", "10–20"])
@@ -239,6 +247,16 @@ def test_a_range_of_numbers_is_never_split_at_its_dash(rng: str) -> None:
     for max_chars in range(len(rng) + 1, 30):
         segs = split_text(text, max_chars=max_chars)
         assert any(rng in s.text for s in segs), (max_chars, [s.text for s in segs])
+
+
+@pytest.mark.parametrize("number", ["€ 1 000", "1 000 €", "$ 1 000 000,50", "12 345,67 %", "10―20"])
+def test_a_spaced_amount_or_a_bar_range_is_never_split(number: str) -> None:
+    """ "€ 1 000" kept only "€ 1" whole (spoken "alpha beta costs € 1."), "1 000 €" lost its
+    sign, and a range written with U+2015 was cut at it."""
+    text = f"alpha beta costs {number} and then some more words follow here"
+    for max_chars in range(len(number) + 1, 45):
+        segs = split_text(text, max_chars=max_chars)
+        assert any(number in s.text for s in segs), (max_chars, [s.text for s in segs])
 
 
 def test_target_defaults_to_half_of_max_chars_as_the_speaking_calls_split() -> None:

@@ -120,6 +120,8 @@ _IDN_URL_BODY = (
     r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]"
     r"[^\s<>\"।॥؟،۔\u3000-\u303f\ufe30-\ufe4f\uff00-\uffef]*"
 )
+# A number beside a currency or percent sign, its thousands perhaps grouped with spaces.
+_SIGNED_NUMBER = r"(?:\d{1,3}(?: \d{3})+(?!\d)|\d+)(?:[.,]\d+)*"
 # The lookbehinds make each pattern start only at the beginning of a run: linear time on long
 # unbroken input.
 _PROTECTED = re.compile(
@@ -127,11 +129,12 @@ _PROTECTED = re.compile(
     r"(?<![\w.])www\." + _URL_BODY + "|"
     r"(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+"
     # a number and its percent or currency sign, spaced as French and German write them:
-    # "3,5 %", "5 €", "€ 5", "R$ 1.500,00" (before the bare numbers: the first match wins)
-    r"|(?<![\d.,])\d+(?:[.,]\d+)* [%‰€$£¥₹](?!\w)"
-    r"|(?<![€$£¥₹])[€$£¥₹] \d+(?:[.,]\d+)*"
+    # "3,5 %", "5 €", "€ 5", "R$ 1.500,00", "1 000 €" (before the bare numbers: the first
+    # match wins)
+    r"|(?<![\d.,])" + _SIGNED_NUMBER + r" [%‰€$£¥₹](?!\w)"
+    r"|(?<![€$£¥₹])[€$£¥₹] " + _SIGNED_NUMBER +
     # full-width separators too: "1，000", "3：30"; and "--" for a dash: "pages 10--20"
-    r"|(?<!\d)\d+(?:(?:--|[.,:/\-–—٫٬，．：])\d+)+"
+    r"|(?<!\d)\d+(?:(?:--|[.,:/\-–—―٫٬，．：])\d+)+"
     r"|(?<![\d.,])\d{1,2}, (?:1\d|20)\d\d(?!\d)"  # a day and its year: "May 3, 2024"
     r"|(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d)",  # thousands grouped with spaces: "1 000 000"
     re.IGNORECASE,
@@ -249,6 +252,8 @@ def split_text(
             shown = one_line(repr(value), 60)
             raise InputError(f"{name} must be a whole number of characters, got {shown}")
     max_chars = int(max_chars)
+    if max_chars < 1:
+        raise InputError(f"max_chars must be at least 1, got {max_chars}")
     target_chars = max(1, max_chars // 2) if target_chars is None else int(target_chars)
     if not 1 <= target_chars <= max_chars:
         raise InputError(

@@ -45,7 +45,7 @@ def read_text(file: str | None, words: Sequence[str]) -> str:
             raise InputError(
                 "the text given as arguments is not UTF-8; convert it first (e.g. with iconv)"
             ) from None
-        return text
+        return _one_newline(text)
     if sys.stdin is not None and not sys.stdin.isatty():
         return _read_stdin()
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
@@ -233,6 +233,8 @@ def _read_stdin() -> str:
         raise InputError(f"cannot read stdin: {e.strerror}") from None
     _check_size(raw, "stdin")
     if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
+        if "\x00" in raw:
+            raise _nul_error("stdin", wide=True)
         return _one_newline(raw.removeprefix("\ufeff"))
     try:
         return decode_text(raw, "stdin")
