@@ -262,7 +262,8 @@ def _assert_says_what_failed(error: Exception, directory: Path, free: int, fix: 
 
 @pytest.mark.parametrize("free", [0, 10 << 30])
 def test_a_failed_open_says_when_the_disk_is_full(tmp_path, monkeypatch, free):
-    """A WAV header written into a full disk fails in the open, also as "System error."."""
+    """A WAV header written into a full disk fails in the open, also as "System error.":
+    an OS error, which another format would not help with."""
     import voxtral_mlx.audio.io as audio_io
 
     def failing(*args, **kwargs):
@@ -272,7 +273,18 @@ def test_a_failed_open_says_when_the_disk_is_full(tmp_path, monkeypatch, free):
     _pretend_free(monkeypatch, tmp_path, free)
     with pytest.raises(AudioOutputError) as exc:
         AudioFileWriter(tmp_path / "full.wav", SR)
-    _assert_says_what_failed(exc.value, tmp_path, free, "choose another format")
+    _assert_says_what_failed(exc.value, tmp_path, free, "check free space and permissions")
+    assert "choose another format" not in str(exc.value)
+
+
+def test_a_format_libsndfile_refuses_says_to_choose_another(tmp_path, monkeypatch):
+    def refusing(*args, **kwargs):
+        raise RuntimeError("Error opening 4: Sample rate chosen is not supported.")
+
+    monkeypatch.setattr(aio.sf, "SoundFile", refusing)
+    with pytest.raises(AudioOutputError, match=r"not supported\.; choose another format$"):
+        AudioFileWriter(tmp_path / "x.wav", SR)
+    assert hidden_leftovers(tmp_path) == []
 
 
 @pytest.mark.parametrize("free", [0, 10 << 30])
@@ -793,6 +805,8 @@ def test_disk_full_while_finishing_is_an_error(tmp_path, ext):
     proc = run(size - 100)
     assert proc.returncode == 3, (proc.stdout, proc.stderr)
     assert proc.stdout.count("\n") == 1 and proc.stderr == ""
+    # The OS error behind libsndfile's silence (or its "System error.") is named.
+    assert "the file size limit was reached (ulimit -f" in proc.stdout, proc.stdout
     assert list(tmp_path.iterdir()) == []
 
 
@@ -843,6 +857,13 @@ def test_a_replaced_file_keeps_its_permissions(tmp_path):
     write_audio(target, speechlike(0.1), SR)
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
     assert sf.info(target).frames == int(0.1 * SR)
+    # ... and the temp file being written is as private as the file it will replace.
+    writer = AudioFileWriter(target, SR)
+    try:
+        (temp,) = [p for p in tmp_path.iterdir() if p.name.startswith(".private")]
+        assert stat.S_IMODE(temp.stat().st_mode) == 0o600
+    finally:
+        writer.abort()
 
 
 def test_a_read_only_file_is_not_replaced(tmp_path, monkeypatch):

@@ -199,6 +199,34 @@ def test_trailing_slash_names_a_directory(model_dir, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("ending", ["/.", "/.."])
+def test_a_final_dot_names_a_directory(model_dir, tmp_path, ending):
+    """`-o new.wav/.` wrote new.wav: pathlib drops the "/."."""
+    proc = speak(model_dir, "Hi.", "-o", f"{tmp_path}/new.wav{ending}")
+    assert "so it names a directory" in one_line_error(proc)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a folder in use cannot be deleted there")
+def test_a_deleted_working_folder_is_named_as_such(model_dir, tmp_path):
+    """It read as "it takes no new files (a system folder?)"."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (
+        "import os, runpy, sys; os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]); "
+        "sys.argv = ['voxtral-mlx', *sys.argv[2:]]; "
+        "runpy.run_module('voxtral_mlx', run_name='__main__')"
+    )
+    args = ["speak", "-m", str(model_dir), "--max-frames", "1", "Hi.", "-o", "x.wav"]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(gone), *args],
+        env=env_with_repo(),
+        capture_output=True,
+        timeout=300,
+    )
+    assert "it has been deleted (cd to an existing folder)" in one_line_error(proc)
+
+
 def _no_stderr() -> None:
     os.close(2)
 

@@ -88,6 +88,7 @@ def atomic_write(
     tmp = path.with_name(owned_name(path.name, TEMP_KIND))
     # os.open with mode 0o666 lets the umask decide the final permissions, like open() does.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    hold_lock(fd)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -158,8 +159,18 @@ def creation_failure(error: OSError, folder: Path) -> str:
     """Why a file or folder could not be made in ``folder``, for an error message: /proc and
     its like answer "No such file or directory" for a folder that plainly exists."""
     if error.errno == errno.ENOENT and folder.is_dir():
+        if _deleted(folder):  # a shell's working folder removed meanwhile: it still stats
+            return "it has been deleted (cd to an existing folder)"
         return "it takes no new files (a system folder?)"
     return one_line(error.strerror or str(error))
+
+
+def _deleted(folder: Path) -> bool:
+    """Whether ``folder`` is one removed while open (no name links to it any longer)."""
+    try:
+        return os.stat(folder).st_nlink == 0
+    except OSError:
+        return False
 
 
 def hidden_name(stem: str, tail: str) -> str:
@@ -187,7 +198,8 @@ def orphans(
 ) -> list[os.DirEntry]:
     """What :func:`owned_name` named for ``stem`` (a pattern: for any target name it matches
     whole, such as a cache's files; a folder shared with others holds theirs too) in
-    ``directory`` whose process no longer runs."""
+    ``directory`` whose process no longer runs, and that no writer holds
+    :func:`hold_lock`'s lock on (older versions took none: their PID decides)."""
     tail = re.compile(rf"\.{re.escape(kind)}-(\d{{1,10}})-[0-9a-f]{{8}}{re.escape(ext)}$")
     try:
         with os.scandir(directory) as it:
@@ -204,9 +216,61 @@ def orphans(
                 continue
         elif not stem.fullmatch(entry.name[1 : match.start()]):
             continue
-        if not _process_exists(int(match.group(1))):
+        if not _process_exists(int(match.group(1))) and not _locked_by_another(entry):
             found.append(entry)
     return found
+
+
+def hold_lock(fd: int) -> None:
+    """Mark what ``fd`` opens (a working file, or a staging folder) as in use until ``fd``
+    is closed: its PID alone misleads :func:`orphans` run from another PID namespace (a
+    container sharing the folder), where that PID looks dead. Best effort: a file system
+    without locks leaves the PID to decide."""
+    if fcntl is None:
+        return
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def open_locked(path: str | os.PathLike[str]) -> int | None:
+    """A descriptor of the folder (or file) ``path`` holding :func:`hold_lock`'s lock, for
+    the caller to close when done with it; None if it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    hold_lock(fd)
+    return fd
+
+
+def close_quietly(fd: int | None) -> None:
+    """Close ``fd`` (releasing any lock it holds), if there is one; errors are ignored."""
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _locked_by_another(entry: os.DirEntry) -> bool:
+    """Whether a writer holds :func:`hold_lock`'s lock on ``entry`` (briefly taken here to
+    find out). What cannot be opened, or has no locks, is left to its PID."""
+    if fcntl is None:
+        return False
+    try:  # (a link is what would be removed, not what it leads to; a device is not opened)
+        if not (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)):
+            return False
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(entry.path, flags)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # (which releases the lock, if it was taken)
+    return False
 
 
 def remove_orphans(

@@ -16,9 +16,11 @@ from pathlib import Path
 
 from .errors import InputError
 from .fileio import (
+    close_quietly,
     creation_failure,
     full_fsync,
     one_line,
+    open_locked,
     orphans,
     owned_name,
     remove_orphans,
@@ -187,12 +189,14 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
     one-line :class:`InputError`.
     """
     created: list[Path] = []
+    lock: int | None = None  # tells other runs (even in other PID namespaces) tmp is in use
     try:
         created = make_parents(out)
         remove_orphans(out.parent, out.name, "partial")  # a killed run's staging directory
         remove_orphans(out.parent, out.name, OLD_KIND)  # or the model it replaced
         tmp = out.parent / owned_name(out.name, "partial")
         tmp.mkdir()  # the umask gives the finished folder's mode (as for its files)...
+        lock = open_locked(tmp)
         try:
             mode = stat.S_IMODE(tmp.stat().st_mode)
             os.chmod(tmp, 0o700)  # ...private while it is written
@@ -201,6 +205,7 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
                 tmp.rmdir()
             raise
     except OSError as e:
+        close_quietly(lock)
         remove_dirs(created)
         blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
         reason = (
@@ -217,10 +222,13 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
         _sync_tree(tmp)
         with _signals_deferred() as received:
             _swap_into_place(tmp, out, force, mode)
+            close_quietly(lock)
+            lock = None  # (not closed twice, should anything still fail)
     except BaseException as e:
         with _signals_deferred() as again:  # a second Ctrl-C must not leave half of tmp
             shutil.rmtree(tmp, ignore_errors=True)
             remove_dirs(created)
+            close_quietly(lock)
         _deliver(again, None)
         if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise InputError(
@@ -324,13 +332,17 @@ def _swap_into_place(tmp: Path, out: Path, force: bool, mode: int) -> None:
     if force and out.exists() and any(out.iterdir()):
         # Named for this process: if it is killed before removing it, the next run does.
         old = out.with_name(owned_name(out.name, OLD_KIND))
-        os.rename(out, old)
+        lock = open_locked(out)  # not put back by another run while it is aside
         try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            close_quietly(lock)
     else:
         # rename() replaces only a missing or empty directory: an `out` another process
         # filled since it was checked fails here (ENOTEMPTY or EEXIST) instead of being lost.

@@ -13,6 +13,7 @@ never clobbers an existing one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -27,7 +28,14 @@ import numpy as np
 import soundfile as sf
 
 from ..errors import AudioFileFullError, AudioOutputError
-from ..fileio import creation_failure, full_fsync, one_line, owned_name, remove_orphans
+from ..fileio import (
+    creation_failure,
+    full_fsync,
+    hold_lock,
+    one_line,
+    owned_name,
+    remove_orphans,
+)
 from .ogg import renumber_file
 
 # extension -> (libsndfile major format, subtype). AIFF and CAF are what macOS `say -o`
@@ -139,12 +147,8 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
     cannot hold, a path that is a directory, or a missing or unwritable parent directory.
     An existing file at ``path`` is fine: it is replaced only when writing succeeds.
     """
+    _check_names_a_file(path)
     p = output_target(path)
-    if str(path).endswith(("/", os.sep)):  # Path() drops the slash that names a directory
-        raise AudioOutputError(
-            f"output path {str(path)!r} ends with a slash, so it names a directory; "
-            "give a file name without it"
-        )
     if p.is_dir():
         raise AudioOutputError(
             f"output path {str(p)!r} is a directory; give a file name such as "
@@ -154,11 +158,6 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
         raise AudioOutputError(
             f"output path {str(p)!r} is not a regular file (a device, pipe or socket); "
             "write to a file, or to stdout with -o -"
-        )
-    if p.is_file() and not os.access(p, os.W_OK):  # as a shell's > would refuse it
-        raise AudioOutputError(
-            f"output file {str(p)!r} is read-only; make it writable (chmod u+w), remove it, "
-            "or choose another path"
         )
     # The name given says the format, even through a link; a name without an extension
     # (/dev/stdout redirected to a file) takes the one of the file it leads to.
@@ -200,11 +199,89 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
         raise AudioOutputError(
             f"cannot write {str(p)!r}: {str(parent)!r} is not a directory; choose another path"
         )
+    _check_writable(p, parent)
+
+
+def _check_names_a_file(path: str | os.PathLike[str]) -> None:
+    """Refuse a path that names a directory by its ending, which :class:`Path` drops
+    (``out.wav/`` and ``out.wav/.`` would both write ``out.wav``)."""
+    text = os.fspath(path)
+    text = text if isinstance(text, str) else os.fsdecode(text)
+    if text.endswith(("/", os.sep)):
+        raise AudioOutputError(
+            f"output path {text!r} ends with a slash, so it names a directory; "
+            "give a file name without it"
+        )
+    last = text.replace(os.sep, "/").rsplit("/", 1)[-1]
+    if last in (".", ".."):
+        raise AudioOutputError(
+            f"output path {text!r} ends with {last!r}, so it names a directory; "
+            "give a file name without it"
+        )
+
+
+def _check_writable(p: Path, parent: Path) -> None:
+    """Refuse, before any generation, a ``p`` that the final rename into ``parent`` could
+    not create or replace: the whole run would be lost at its very end."""
+    if _on_read_only_file_system(parent):  # write access would not help: no chmod fix
+        raise AudioOutputError(
+            f"cannot write {str(p)!r}: {str(parent)!r} is on a read-only file system; "
+            "write elsewhere"
+        )
+    if p.is_file() and not os.access(p, os.W_OK):  # as a shell's > would refuse it
+        raise AudioOutputError(
+            f"output file {str(p)!r} is read-only; make it writable (chmod u+w), remove it, "
+            "or choose another path"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise AudioOutputError(
             f"cannot write {str(p)!r}: directory {str(parent)!r} is not writable; "
             "choose another location or fix its permissions"
         )
+    if p.is_file() and _sticky_keeps(p, parent):
+        raise AudioOutputError(
+            f"output file {str(p)!r} is another user's, in a sticky folder (as /tmp is: "
+            "only a file's owner may replace it there); have it removed or choose another name"
+        )
+
+
+def _on_read_only_file_system(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (AttributeError, OSError):  # no statvfs (Windows): the write will tell
+        return False
+
+
+def _sticky_keeps(target: Path, folder: Path) -> bool:
+    """Whether ``folder``'s sticky bit forbids this user to replace ``target``: only the
+    owner of the file or of the folder may, whatever the file's own mode says (a shell's
+    ``>`` writes into the file, so it may; a rename onto it fails with EPERM)."""
+    try:
+        folder_stat, file_stat = os.stat(folder), os.lstat(target)
+    except OSError:
+        return False
+    if not folder_stat.st_mode & stat.S_ISVTX:
+        return False
+    uid = os.geteuid()
+    return uid not in (folder_stat.st_uid, file_stat.st_uid) and not _overrides_owners(uid)
+
+
+_CAP_FOWNER = 3  # linux/capability.h: may act on files as their owner
+
+
+def _overrides_owners(uid: int) -> bool:
+    """Whether this process may replace other users' files in sticky folders: root, with
+    CAP_FOWNER on Linux (a container may run as root without it)."""
+    if uid != 0:
+        return False
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_FOWNER & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return True  # macOS, or no /proc to ask: root may
 
 
 def _as_mono_float(chunk: np.ndarray, channels: int) -> np.ndarray:
@@ -297,26 +374,24 @@ def _frames_in(path: Path) -> int:
         return sf.info(f).frames
 
 
-def _check_complete(path: Path, tmp: Path, fmt: str, frames: int, pending: int = 0) -> None:
-    """Raise :class:`AudioOutputError` unless ``tmp`` (format ``fmt``) holds all ``frames``
-    (or ``frames + pending``: a chunk whose write an interrupt may have cut from its count).
-
-    libsndfile ignores write errors while it finalises a file (the last FLAC frame, the
-    Ogg and MP3 encoder flush), so a full disk at that moment would pass for success.
-    """
+def _complete(tmp: Path, fmt: str, frames: int, pending: int = 0) -> bool:
+    """Whether ``tmp`` (format ``fmt``) holds all ``frames`` (or ``frames + pending``: a
+    chunk whose write an interrupt may have cut from its count)."""
     if fmt == "MP3":  # the frame count is in a header written at the end; mpg123 would
         # also print a warning on stderr when opening a cut-short file
         expected = _mp3_stream_bytes(tmp)
-        complete = expected is None or expected == tmp.stat().st_size
-    elif fmt in ("WAV", "FLAC", "AIFF", "CAF"):
-        complete = _frames_in(tmp) in (frames, frames + pending)
-    else:  # lossy codecs: a truncated stream has fewer frames; a longer one is padding
-        complete = _frames_in(tmp) >= frames
-    if not complete:
-        raise AudioOutputError(
-            f"finishing {str(path)!r} failed: the file was cut short (the disk may be full); "
-            "free some space or choose another location"
-        )
+        return expected is None or expected == tmp.stat().st_size
+    if fmt in ("WAV", "FLAC", "AIFF", "CAF"):
+        return _frames_in(tmp) in (frames, frames + pending)
+    return _frames_in(tmp) >= frames  # lossy: a truncated stream has fewer; more is padding
+
+
+def _keep_mode(fd: int, target: Path) -> None:
+    """Give the temp file ``fd`` the mode of the ``target`` it replaces (a private 0600
+    stays private). Only now, just before the rename: a write-only mode (0200) copied
+    earlier would keep the checks above from reading it back."""
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
 
 
 LOW_SPACE_BYTES = 1 << 20
@@ -332,11 +407,98 @@ def _disk_full(directory: Path) -> bool:
         return False
 
 
-def _failure(error: Exception, directory: Path) -> str:
-    """Why a write failed, in words: libsndfile reports a full disk as "System error."."""
-    if _disk_full(directory):
+# OS errors that say what is wrong and what helps, whichever format was being written.
+_NAMED_ERRORS = {
+    errno.ENOSPC: _NO_SPACE,
+    errno.EFBIG: "the file size limit was reached (ulimit -f, or the largest file the file "
+    "system holds); raise the limit or write elsewhere",
+    errno.EROFS: "the file system is read-only; write elsewhere",
+}
+if hasattr(errno, "EDQUOT"):  # (not on Windows)
+    _NAMED_ERRORS[errno.EDQUOT] = "disk quota exceeded; free some space or write elsewhere"
+_PERMISSION_ERRORS = (errno.EACCES, errno.EPERM)
+
+
+def _failure(
+    error: BaseException,
+    directory: Path,
+    fd: int | None = None,
+    handle: sf.SoundFile | None = None,
+) -> str:
+    """Why a write into ``directory`` failed, in words, and what helps.
+
+    libsndfile reports any OS error as "System error." (or, failing mid-setup, as some
+    encoder's trouble), so the OS error is looked for: in ``error`` itself, in what
+    libsndfile kept of it on ``handle``, or by writing to ``fd`` again.
+    """
+    code = _os_error(error, fd, handle)
+    if code in _NAMED_ERRORS:
+        return _NAMED_ERRORS[code]
+    if _disk_full(directory):  # a 1-byte probe can still fit in a full disk's last block
         return _NO_SPACE
+    if code is not None:  # its words alone: an OSError's text names the hidden temp file
+        if code in _PERMISSION_ERRORS:
+            return f"{os.strerror(code)}; check the permissions of the file and its folder"
+        return f"{one_line(os.strerror(code))}; check free space and permissions"
     return f"{one_line(str(error), 200) or type(error).__name__}; check free space and permissions"
+
+
+def _os_error(error: BaseException, fd: int | None, handle: sf.SoundFile | None) -> int | None:
+    """The errno behind ``error``, if it can be found (see :func:`_failure`)."""
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    code = _libsndfile_errno(handle)
+    if code is None and fd is not None:
+        code = _probe_write(fd)
+    return code
+
+
+def _libsndfile_errno(handle: sf.SoundFile | None) -> int | None:
+    """The OS error libsndfile noted on ``handle`` ("System error : File too large."),
+    matched back to its errno (the text is the C library's strerror, as os.strerror's)."""
+    if handle is None or handle.closed:
+        return None
+    try:  # soundfile's own binding: the exception it raises carries none of this
+        text = sf._ffi.string(sf._snd.sf_strerror(handle._file)).decode("utf-8", "replace")
+    except Exception:
+        return None
+    for code in (*_NAMED_ERRORS, *_PERMISSION_ERRORS):
+        if os.strerror(code) in text:
+            return code
+    return None
+
+
+def _probe_write(fd: int) -> int | None:
+    """The errno a write past the end of ``fd`` meets now, if any (used on a temp file that
+    failed and is about to be deleted; the byte written is taken back)."""
+    pwrite = getattr(os, "pwrite", None)
+    if pwrite is None:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        pwrite(fd, b"\0", size)
+    except OSError as e:
+        return e.errno
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, size)
+    return None
+
+
+def _cut_short(fd: int) -> str:
+    """Why a file came out short, and what helps (see :func:`_failure`)."""
+    code = _probe_write(fd)
+    if code in _NAMED_ERRORS:
+        return _NAMED_ERRORS[code]
+    return "the disk may be full; free some space or choose another location"
+
+
+def _format_refused(error: Exception, directory: Path, fd: int) -> str | None:
+    """Why libsndfile refused to open ``fd`` when the format (or its settings) is what it
+    refused, else None: an OS error reads "System error." (or is found behind it)."""
+    if _os_error(error, fd, None) is not None or _disk_full(directory):
+        return None
+    text = one_line(str(error), 200)
+    return None if "System error" in text else text
 
 
 class AudioFileWriter:
@@ -364,7 +526,7 @@ class AudioFileWriter:
         self.path = Path(path)
         self.sample_rate = int(sample_rate)
         self.channels = int(channels)
-        check_output_path(self.path, self.sample_rate)
+        check_output_path(path, self.sample_rate)  # as given: Path() drops a final "/."
         self._target = output_target(self.path)  # through a symbolic link
         ext = _extension(self.path) or _extension(self._target)  # as check_output_path
         fmt, subtype = FORMATS[ext]
@@ -387,8 +549,11 @@ class AudioFileWriter:
                 f"{creation_failure(e, self._target.parent)}; "
                 "choose another location"
             ) from e
-        with contextlib.suppress(OSError):  # a file replaced keeps its permissions (0600...)
-            os.fchmod(fd, stat.S_IMODE(os.stat(self._target).st_mode))
+        hold_lock(fd)  # a run in another PID namespace must not take it for an orphan
+        # A private target (0600) keeps its temp file private while it is written; its
+        # exact mode (a write-only 0200 too) only once the file is read back (_keep_mode).
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, stat.S_IMODE(os.stat(self._target).st_mode) | stat.S_IRUSR | stat.S_IWUSR)
         try:
             self._sf: sf.SoundFile | None = sf.SoundFile(
                 fd,
@@ -402,12 +567,15 @@ class AudioFileWriter:
                 closefd=False,
             )
         except Exception as e:
+            # Asked while the temp file is still there: writing the header may have failed.
+            refused = _format_refused(e, self._target.parent, fd)
+            why = None if refused else _failure(e, self._target.parent, fd)
             _discard(None, self._tmp, fd=fd)
-            if _disk_full(self._target.parent):  # writing the header failed: "System error."
-                raise AudioOutputError(f"cannot write {str(self.path)!r}: {_NO_SPACE}") from e
+            if why is not None:
+                raise AudioOutputError(f"cannot write {str(self.path)!r}: {why}") from e
             raise AudioOutputError(
                 f"cannot open {str(self.path)!r} for {fmt}/{subtype} at {self.sample_rate} Hz: "
-                f"{one_line(str(e), 200)}; choose another format"
+                f"{refused}; choose another format"
             ) from e
         self._fd: int | None = fd
         # Kept to delete the temp file even if its folder is moved or renamed meanwhile.
@@ -452,10 +620,9 @@ class AudioFileWriter:
         try:
             self._sf.write(data)
         except Exception as e:
+            why = _failure(e, self._target.parent, self._fd, self._sf)  # before it is gone
             self.abort()
-            raise AudioOutputError(
-                f"writing {str(self.path)!r} failed: {_failure(e, self._target.parent)}"
-            ) from e
+            raise AudioOutputError(f"writing {str(self.path)!r} failed: {why}") from e
         self.frames_written += a.shape[0]
         self._pending = 0
 
@@ -487,36 +654,36 @@ class AudioFileWriter:
                 _discard(handle, self._tmp, folder_fd, data_fd)
                 return
             assert handle is not None and data_fd is not None
-            try:
-                handle.close()
-            finally:
-                fd, data_fd = data_fd, None
-                os.close(fd)
+            handle.close()
             if self._format == "OGG":  # the same audio, the same bytes (see audio.ogg)
                 renumber_file(self._tmp)
-            if self.frames_written:
-                _check_complete(
-                    self.path, self._tmp, self._format, self.frames_written, self._pending
+            if self.frames_written and not _complete(
+                self._tmp, self._format, self.frames_written, self._pending
+            ):
+                # libsndfile ignores write errors while it finalises a file (the last FLAC
+                # frame, the Ogg and MP3 encoder flush): the file must be checked, not trusted
+                raise AudioOutputError(
+                    f"finishing {str(self.path)!r} failed: the file was cut short: "
+                    f"{_cut_short(data_fd)}"
                 )
-            fd = os.open(self._tmp, os.O_RDONLY)
-            try:
-                full_fsync(fd)  # the rename must not land before the data after a crash
-            finally:
-                os.close(fd)
+            _keep_mode(data_fd, self._target)
+            full_fsync(data_fd)  # the rename must not land before the data after a crash
             os.replace(self._tmp, self._target)
         except AudioOutputError:
             _discard(None, self._tmp, folder_fd, data_fd)
             raise
         except Exception as e:
-            _discard(None, self._tmp, folder_fd, data_fd)
             if _folder_moved(self._target.parent, folder_fd):
                 why = "its folder was moved or deleted while it was being written; write it again"
             else:
-                why = _failure(e, self._target.parent)
+                why = _failure(e, self._target.parent, data_fd)
+            _discard(None, self._tmp, folder_fd, data_fd)
             raise AudioOutputError(f"finishing {str(self.path)!r} failed: {why}") from e
         except BaseException:  # a second Ctrl-C while finishing: no temp file stays behind
             _discard(handle, self._tmp, folder_fd, data_fd)
             raise
+        with contextlib.suppress(OSError):  # (its data is on the disk already)
+            os.close(data_fd)  # only now: its lock marked the temp file as in use until here
         self._kept = True
 
     def abort(self) -> None:
@@ -667,6 +834,9 @@ class WavStreamWriter:
             return
         try:
             end = self.stream.tell()
+            # Where the stream is, not what was counted: a failed write (a full disk) may
+            # have put part of its chunk there, which the header must not leave out.
+            self.data_bytes = max(self.data_bytes, end - self._start - 44)
             header = wav_header(self.sample_rate, self.channels, self.data_bytes)
             self.stream.seek(self._start + 4)
             self.stream.write(header[4:8])
