@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"Batched throughput, 20 sentences ({label(args.config)}, {dtype})",
                 command_line(__file__, argv or sys.argv[1:]),
                 rows,
+                runs=args.repeats,
             )
         )
     return 0

@@ -6,9 +6,14 @@ is 25 frames (2 s). Both decoders get the same random weights; mlx-audio is patc
 Mistral's ALiBi slopes and codebook floor (SPEC §6) so the parity line compares like with
 like. Times are wall-clock per decoded frame (80 ms of audio for Voxtral), evaluated at every chunk
 boundary as a player would; streaming times are steady state (chunks from frame 16 on).
+"ours/mlx-audio" compares each of our rows with mlx-audio's doing the same job (streaming
+in one-frame chunks, in 25-frame chunks, one-shot).
 
     python benchmarks/codec_bench.py [--configs tiny full CHECKPOINT_DIR] [--frames N]
         [--slow-frames N] [--dtype float32] [--streams 4] [--repeats 5]
+
+A built-in config runs in float32 unless ``--dtype`` says otherwise; a checkpoint directory
+in its own dtype (``--dtype`` converts it).
 
 The "streams" rows decode several concurrent streams one frame at a time, as the engine
 does for a batch of streaming requests: one batched step for all of them
@@ -40,8 +45,7 @@ MLX_AUDIO_WINDOWS = (2, 4, 8, 16)  # per stage, whatever params.json says
 
 def codec_config(config_name: str) -> ModelConfig:
     """A built-in size's config, or a checkpoint directory's (any layout)."""
-    from voxtral_mlx.errors import VoxtralError
-    from voxtral_mlx.loader import read_model_config
+    from common import check_model_dir, model_config
 
     if config_name in DEFAULT_FRAMES:
         return ModelConfig.from_params(make_params(config_name))
@@ -50,8 +54,22 @@ def codec_config(config_name: str) -> ModelConfig:
         raise SystemExit(
             f"{config_name}: not {' or '.join(DEFAULT_FRAMES)} nor a checkpoint directory"
         )
+    check_model_dir(path)  # one line, without the loader's advice about repo ids
+    return model_config(path)
+
+
+def own_dtype(config_name: str) -> mx.Dtype:
+    """The dtype a config runs in without ``--dtype``: float32 for a built-in size, the
+    one most of a checkpoint directory's weights are stored in (as ``load`` picks it)."""
+    if config_name in DEFAULT_FRAMES:
+        return mx.float32
+    from voxtral_mlx.checkpoint import checkpoint_dtype
+    from voxtral_mlx.errors import VoxtralError
+    from voxtral_mlx.loader import open_weights
+
+    path = Path(config_name).expanduser()
     try:
-        return read_model_config(path)
+        return checkpoint_dtype(open_weights(path, codec_config(config_name)).infos)
     except VoxtralError as e:
         raise SystemExit(str(e)) from None
 
@@ -209,6 +227,12 @@ def bench(
 
     from25 = -(-steady // 25) * 25
     n = slow_frames - steady
+    # Our rows and mlx-audio's doing the same job, for the ours/mlx-audio column.
+    pairs = {
+        "ours: streaming, chunk 1 (exact state)": "mlx-audio: re-decode chunk 1 + 16 ctx",
+        "ours: streaming, chunk 25 (exact state)": "mlx-audio: re-decode chunk 25 + 16 ctx",
+        "ours: one-shot decode": "mlx-audio: one-shot decode",
+    }
     for _ in range(repeats):  # interleaved, so a slow spell of the machine hits every row
         s1 = timed("ours: streaming, chunk 1 (exact state)", n, ours_stream(ours, few, 1, steady))
         alone = timed(
@@ -243,7 +267,11 @@ def bench(
             ref_stream(ref, codes, 25, from25, spf),
         )
         ref_full = timed("mlx-audio: one-shot decode", frames, one_shot(ref.decode, codes))
-    rows = [(label, method, n, statistics.median(times[method])) for method, n in order]
+    med = {method: statistics.median(t) for method, t in times.items()}
+    rows = [
+        (label, method, n, med[method], med[pairs[method]] if method in pairs else None)
+        for method, n in order
+    ]
 
     def err(a: mx.array, b: mx.array) -> str:
         a, b = a.astype(mx.float32), b.astype(mx.float32)
@@ -287,11 +315,14 @@ def main() -> None:
     parser.add_argument("--slow-frames", type=at_least_one, help="frames for the chunk-1 runs")
     parser.add_argument("--streams", type=at_least_one, default=4, help="concurrent streams")
     parser.add_argument("--repeats", type=at_least_one, default=5, help="runs per figure (median)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="default: float32 for a built-in config, a directory's own",
+    )
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--no-record", action="store_true", help="the default")
     args = parser.parse_args()
-    dtype = getattr(mx, args.dtype)
     rows = []
     for size in args.configs:
         default = DEFAULT_FRAMES.get(size) or DEFAULT_FRAMES[codec_size(size)]
@@ -299,24 +330,27 @@ def main() -> None:
         slow = min(frames, args.slow_frames or default[1])
         if slow <= MLX_AUDIO_CONTEXT or frames < 2 * 25:
             parser.error("need --slow-frames > 16 and --frames >= 50 (steady state is timed)")
+        dtype = getattr(mx, args.dtype) if args.dtype else own_dtype(size)
         rows += bench(size, frames, slow, dtype, max(1, args.streams), max(1, args.repeats))
 
-    frame_ms = sorted({f"{r[4]:g}" for r in rows})
+    frame_ms = sorted({f"{r[5]:g}" for r in rows})
     print(f"\nbackend: {mx.default_device()}; real time = {', '.join(frame_ms)} ms per frame\n")
-    head = ("config", "method", "frames", "ms/frame", "x real time")
-    width = [max(len(str(r[0])) for r in rows), max(len(r[1]) for r in rows), 6, 9, 11]
-    print("  ".join(h.ljust(w) for h, w in zip(head, width)))
-    for cfg, method, n, ms, audio_ms in rows:
-        cells = (cfg, method, str(n), f"{ms:.2f}", f"{audio_ms / ms:.2f}")
-        print("  ".join(c.ljust(w) for c, w in zip(cells, width)))
+    head = ("config", "method", "frames", "ms/frame", "x real time", "ours/mlx-audio")
+    table = [head] + [
+        (c, m, str(n), f"{ms:.2f}", f"{a / ms:.2f}", "" if ref is None else f"{ms / ref:.2f}")
+        for c, m, n, ms, ref, a in rows
+    ]
+    width = [max(len(r[i]) for r in table) for i in range(len(head))]
+    for cells in table:  # the table recorded, aligned
+        print("  ".join(c.ljust(w) for c, w in zip(cells, width)).rstrip())
     if args.record and not args.no_record:
         from common import command_line, record
 
-        table = [head] + [(c, m, str(n), f"{ms:.2f}", f"{a / ms:.2f}") for c, m, n, ms, a in rows]
         record(
             "Codec cost per frame (streaming vs one-shot vs mlx-audio)",
             command_line(__file__, sys.argv[1:]),
             table,
+            runs=args.repeats,
         )
 
 

@@ -378,6 +378,14 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
     return statistics.median(times)
 
 
+def median_marginal_ms(pairs: Sequence[tuple[float, float]], n1: int, n2: int) -> float:
+    """Milliseconds per frame from ``(seconds for n1 frames, seconds for n2 frames)`` pairs
+    timed back to back: the median over pairs of each pair's difference / (n2 - n1). A pair
+    shares the machine's speed of the moment, so drift cancels within it (a difference of
+    two separate medians would mix runs from different moments)."""
+    return statistics.median(1000 * (t2 - t1) / (n2 - n1) for t1, t2 in pairs)
+
+
 def longest_gap(tts, voice: str, newcomer: Callable[[], object]) -> float:
     """The longest gap between chunks of a stream in ``voice``, already running, while
     ``newcomer()`` runs on another thread (the stall a listener would hear without
@@ -480,8 +488,15 @@ def show_row(rows: list[tuple[str, ...]]) -> None:
     print(" | ".join(rows[-1]), flush=True)
 
 
-def record(title: str, command: str, table: list[tuple[str, ...]], notes: str = "") -> str:
-    """Append a section to RESULTS.md and return it."""
+def record(
+    title: str,
+    command: str,
+    table: list[tuple[str, ...]],
+    notes: str = "",
+    runs: int | None = None,
+) -> str:
+    """Append a section to RESULTS.md and return it. ``runs``: how many timed runs each
+    median is of, stated in the section (the command line omits a default --repeats)."""
     header, *rows = table
     lines = [
         f"## {title}",
@@ -489,6 +504,7 @@ def record(title: str, command: str, table: list[tuple[str, ...]], notes: str = 
         f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')} (commit {git_rev()})",
         f"- machine: {machine()}",
         f"- command: `{command}`",
+        *([f"- runs: medians of {runs}"] if runs is not None else []),
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),

@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 command_line(__file__, args_in),
                 rows,
                 notes,
+                runs=args.repeats,
             )
         )
     return 0

@@ -16,10 +16,10 @@ memory (see ``common.suppress_end``), so any random checkpoint runs its full len
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
+import mlx.core as mx
 from common import (
     TEXT,
     at_least_one,
@@ -31,6 +31,7 @@ from common import (
     is_narrow,
     label,
     load_reference,
+    median_marginal_ms,
     pick_voice,
     record,
     reference_voice,
@@ -52,9 +53,10 @@ CONFIGS = {
 def measure(
     name: str, repeats: int, reference: bool = True, dtype: str | None = None
 ) -> dict[str, float]:
-    """Marginal ms per frame of both implementations, runs interleaved (ours n1, ours n2,
-    theirs n1, theirs n2, repeated) so that drift in the machine's speed hits both alike;
-    the median over repetitions of each one's per-frame estimate."""
+    """Marginal ms per frame of both implementations, runs interleaved (ours n2, ours n1,
+    theirs n2, theirs n1, repeated) so that drift in the machine's speed hits both alike;
+    the median over repetitions of each one's per-frame estimate. Also each one's peak
+    memory over its n2 runs (see :func:`peak_mib`)."""
     import voxtral_mlx
 
     if dtype is not None and is_model_dir(name):
@@ -91,23 +93,53 @@ def measure(
         t0 = time.perf_counter()
         with injected_noise(noise[:n]):
             out = list(ref.generate(TEXT, voice=voice, max_tokens=n))
+            # Its generate() yields lazy arrays (the codec decode not yet run), while ours
+            # returns finished audio: the clock stops only once its audio exists too.
+            mx.eval([r.audio for r in out])
         assert out[-1].audio.shape[0] == n * spf
         return time.perf_counter() - t0
 
+    ours_weights = tts.call(lambda: weight_bytes(tts.model))
     ours(n1)  # warm-up: weights read, graphs compiled, voice prefix cached
     if ref is not None:
+        ref_weights = weight_bytes(ref)
         theirs(n1)
-    ours_ms, ref_ms = [], []
+    ours_t, ref_t, ours_mib, ref_mib = [], [], [], []
     for _ in range(repeats):
-        ours_ms.append(1000 * (ours(n2) - ours(n1)) / (n2 - n1))
+        t2, mib = peak_mib(lambda: ours(n2), ours_weights)
+        ours_t.append((ours(n1), t2))
+        ours_mib.append(mib)
         if ref is not None:
-            ref_ms.append(1000 * (theirs(n2) - theirs(n1)) / (n2 - n1))
+            t2, mib = peak_mib(lambda: theirs(n2), ref_weights)
+            ref_t.append((theirs(n1), t2))
+            ref_mib.append(mib)
     tts.close()
+    nan = float("nan")
     return {
-        "ours_ms": statistics.median(ours_ms),
-        "ref_ms": statistics.median(ref_ms) if ref_ms else float("nan"),
+        "ours_ms": median_marginal_ms(ours_t, n1, n2),
+        "ref_ms": median_marginal_ms(ref_t, n1, n2) if ref_t else nan,
+        "ours_mib": max(ours_mib),
+        "ref_mib": max(ref_mib) if ref_mib else nan,
         "frame_ms": frame_ms(path),
     }
+
+
+def weight_bytes(model) -> int:
+    """Bytes of a model's parameters (its weights, resident whether or not it runs)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def peak_mib(run, weights: int) -> tuple[float, float]:
+    """``run()``'s result and the peak memory of the implementation running it, in MiB: its
+    weights plus the most that ``run`` held above what was allocated before it (both
+    models are resident in this process, so MLX's process-wide peak alone would count the
+    other one's weights too)."""
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    result = run()
+    return result, (weights + mx.get_peak_memory() - before) / 2**20
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             "mlx-audio ms/frame",
             "ratio (ours/theirs)",
             "voxtral_mlx RTF",
+            "voxtral_mlx peak MiB",
+            "mlx-audio peak MiB",
+            "peak ratio (ours/theirs)",
         )
     ]
     names = config_list(args.configs)
@@ -145,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                 "not run" if args.no_reference else f"{m['ref_ms']:.1f}",
                 "" if args.no_reference else f"{m['ours_ms'] / m['ref_ms']:.2f}",
                 f"{m['ours_ms'] / m['frame_ms']:.2f}",
+                f"{m['ours_mib']:.0f}",
+                "not run" if args.no_reference else f"{m['ref_mib']:.0f}",
+                "" if args.no_reference else f"{m['ours_mib'] / m['ref_mib']:.2f}",
             )
         )
         show_row(rows)
@@ -161,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         notes += (
             "RTF = ms per frame / ms of audio per frame (80 ms for Voxtral; below 1 is faster "
-            "than real time)."
+            "than real time). Peak memory: each implementation's weights plus the most its "
+            "n2-frame run held above what was allocated before it (MLX's active memory; both "
+            "models share the process), the largest over the runs."
         )
         print(
             record(
@@ -169,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 command_line(__file__, argv or sys.argv[1:]),
                 rows,
                 notes,
+                runs=args.repeats,
             )
         )
     return 0

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 "first chunk, whose own chunk is one frame in every run. speak and say() "
                 "grow chunks to 8 frames once the player holds ~3 chunk-times of audio "
                 "ahead (a frame generated 10x faster than real time: after ~0.2 s of audio).",
+                runs=args.repeats,
             )
         )
     return 0

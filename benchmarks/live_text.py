@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         show_row(rows)
     if not args.no_record:
         command = command_line(__file__, argv or sys.argv[1:])
-        print(record("First audio of an answer still being written", command, rows))
+        print(
+            record("First audio of an answer still being written", command, rows, runs=args.repeats)
+        )
     return 0
 
 

@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 "way into the prefill and timed until the stream ends; the short request "
                 "too is made a third of the way in ('waiting its turn': with overtaking "
                 "off, as before it existed).",
+                runs=args.repeats,
             )
         )
     return 0

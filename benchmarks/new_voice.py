@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 "prefix dropped before each run (no disk cache). The running stream (another "
                 "voice) is timed between its chunks while that request starts; cancel is "
                 "sent a third of the way into its first audio and timed until it ends.",
+                runs=args.repeats,
             )
         )
     return 0

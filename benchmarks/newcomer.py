@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         show_row(rows)
     if not args.no_record:
         command = command_line(__file__, argv or sys.argv[1:])
-        print(record("A new request beside a long text", command, rows))
+        print(record("A new request beside a long text", command, rows, runs=args.repeats))
     return 0
 
 

@@ -48,11 +48,14 @@ QUICK = [
 ]
 FULL = [
     *QUICK,
-    ["frame_speed.py", "--configs", "wide", "--repeats", "3"],
+    # Medians of 5 runs, as everywhere, except the 26-layer model's: a frame takes minutes
+    # on this CPU, so 3 runs there (each recorded section states its number of runs).
+    ["frame_speed.py", "--configs", "wide", "--repeats", "5"],
     # mlx-audio's default 25-frame first chunk takes ~10 minutes per run at these widths.
-    ["ttfa.py", "--configs", "wide", "--repeats", "3", "--no-default-interval"],
-    # The real widths on this CPU take minutes per run: 3 runs (and the real codec's 1).
-    ["codec_bench.py", "--configs", "full", "--dtype", "bfloat16", "--record", "--repeats", "1"],
+    ["ttfa.py", "--configs", "wide", "--repeats", "5", "--no-default-interval"],
+    # The real codec: some 6 minutes per run here (a third of it mlx-audio re-decoding 17
+    # frames per one-frame chunk), so about half an hour.
+    ["codec_bench.py", "--configs", "full", "--dtype", "bfloat16", "--record", "--repeats", "5"],
     [
         "batch_throughput.py",
         "--config",
@@ -60,7 +63,7 @@ FULL = [
         "--frames",
         "3",
         "--repeats",
-        "3",
+        "5",
     ],  # bf16: see --openblas
     ["frame_speed.py", "--configs", "full", "--repeats", "3", "--no-reference"],
     ["weight_bound.py", "--config", "full", "--repeats", "3"],
@@ -84,7 +87,8 @@ def model_suite(model: str) -> list[list[str]]:
         ["frame_speed.py", "--configs", model, "--repeats", "5"],
         ["ttfa.py", "--configs", model, "--repeats", "5"],
         ["first_request.py", "--configs", model, "--repeats", "5"],
-        ["codec_bench.py", "--configs", model, "--dtype", "bfloat16", "--record"],
+        # In the checkpoint's own dtype, as every script measures a directory.
+        ["codec_bench.py", "--configs", model, "--record"],
         ["batch_throughput.py", "--config", model, "--frames", "20"],
     ]
     from common import check_comparable, pick_voice

@@ -3,11 +3,15 @@
 For a checkpoint with the real layer widths this prints, per frame:
   * bytes of weights the frame must read (backbone once, flow head once per Euler step,
     semantic head, codec once per decoded chunk) and the lower bound bytes / bandwidth,
-    with the machine's memory bandwidth measured here (large-array sum);
+    with the machine's memory bandwidth measured here (large-array sums: on a CPU with one
+    core and with all, the bound from all);
   * the time of the bare matmuls at the frame's shapes and dtype (the same weights, no
     attention, norms or Python), i.e. what any implementation must spend;
   * voxtral_mlx's measured ms/frame (marginal, as frame_speed.py) and its overhead over
     the bare matmuls; achieved weight GB/s.
+
+Each repeat runs ours(n2), ours(n1) and the bare matmuls back to back, so that drift in the
+machine's speed hits all three alike; figures are medians over repeats.
 
     python benchmarks/weight_bound.py [--config wide|full|CHECKPOINT_DIR] [--no-record]
 """
@@ -15,8 +19,10 @@ For a checkpoint with the real layer widths this prints, per frame:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import threading
 import time
 
 import mlx.core as mx
@@ -28,7 +34,7 @@ from common import (
     command_line,
     is_narrow,
     label,
-    median_time,
+    median_marginal_ms,
     pick_voice,
     record,
     resolve,
@@ -39,25 +45,46 @@ from common import (
 
 from voxtral_mlx.tts import SYNTH_CHUNK_FRAMES
 
+BANDWIDTH_NOTE = (
+    "Memory bandwidth: the best of 5 reads of 1 GiB (on a CPU numpy sums, on one core and on "
+    "every core at once, a sum per core over its own buffer; on a GPU an MLX sum); the bound "
+    "uses the last."
+)
 CONFIGS = {"wide": ("wide", 2, 3, 1, 3), "full": ("full", None, None, 1, 3)}
 
 
-def bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
-    """Read bandwidth of what runs the frame, streaming a large array: on a GPU (Metal),
-    MLX summing it there; on a CPU, one core through numpy's SIMD sum (MLX's CPU
-    reduction is slower than memory on this machine)."""
+def bandwidths(n_bytes: int = 1 << 30) -> list[tuple[str, float]]:
+    """Read bandwidth (GB/s) of what runs the frame, streaming ``n_bytes`` of arrays, as
+    (label, figure) pairs, the one the bound uses last: on a GPU (Metal), MLX summing on it;
+    on a CPU, numpy's SIMD sum (MLX's CPU reduction is slower than memory on this machine)
+    on one core, then on every core at once (one sum per core on threads over separate
+    buffers: numpy lets the GIL go while it sums), as a frame's matmuls use them all."""
     if mx.default_device() == mx.gpu:
         x = mx.ones((n_bytes // 4,), mx.float32)
         mx.eval(x)
+        return [("the GPU", _best_gbs(lambda: mx.eval(mx.sum(x)), n_bytes))]
+    one = np.ones(n_bytes // 4, np.float32)
+    single = _best_gbs(one.sum, n_bytes)
+    del one
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (cores or 1) == 1:
+        return [("1 core", single)]
+    parts = [np.ones(n_bytes // 4 // cores, np.float32) for _ in range(cores)]
 
-        def read() -> None:
-            mx.eval(mx.sum(x))
-    else:
-        x = np.ones(n_bytes // 4, np.float32)
+    def read_all() -> None:
+        threads = [threading.Thread(target=part.sum) for part in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
-        def read() -> None:
-            x.sum()
+    every = _best_gbs(read_all, sum(p.nbytes for p in parts))
+    return [("1 core", single), (f"{cores} cores", every)]
 
+
+def _best_gbs(read, n_bytes: int) -> float:
+    """GB/s of ``read()`` over ``n_bytes``, the best of 5 after a warm-up (a bandwidth is
+    what the memory can do: slower runs are other work getting in the way)."""
     read()
     times = []
     for _ in range(5):
@@ -125,20 +152,19 @@ def _linear_weights(module):
             yield path, arr
 
 
-def bare_matmul_ms(mats, dtype, repeats: int = 5) -> float:
+def bare_matmuls(mats, dtype):
+    """A function that runs the bare matmuls once and returns its seconds (inputs made and
+    one warm-up run done here)."""
     xs = {(r, w.shape[1]): mx.random.normal((r, w.shape[1])).astype(dtype) for w, r in mats}
     mx.eval(list(xs.values()))
 
-    def run():
+    def run() -> float:
+        t0 = time.perf_counter()
         mx.eval([(xs[(r, w.shape[1])] @ w.T).sum() for w, r in mats])
+        return time.perf_counter() - t0
 
     run()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,26 +191,35 @@ def main(argv: list[str] | None = None) -> int:
     noise = start_noise(path, n2)
     voice = pick_voice(path)
 
-    def ours(n):
+    def ours(n) -> float:
+        t0 = time.perf_counter()
         tts.synthesize(TEXT, voice, noise=noise[:n], max_frames=n)
+        return time.perf_counter() - t0
 
-    t1 = median_time(lambda: ours(n1), args.repeats)
-    t2 = median_time(lambda: ours(n2), args.repeats)
-    ms = 1000 * (t2 - t1) / (n2 - n1)
-
-    def measure():
+    def prepare():
         mats, total = frame_shapes(tts)
         codec = sum(a.nbytes for _, a in _linear_weights(tts.model.audio_tokenizer))
-        return bare_matmul_ms(mats, tts.dtype, args.repeats), total, codec, bandwidth_gbs()
+        return bare_matmuls(mats, tts.dtype), total, codec
 
-    bare, weight_bytes, codec_bytes, bw = tts.call(measure)
+    # On the worker thread, which owns the model's arrays.
+    bare_run, weight_bytes, codec_bytes = tts.call(prepare)
+    ours(n1)  # warm-up: graphs compiled, voice prefix cached
+    pairs, bare_s = [], []
+    for _ in range(args.repeats):
+        t2 = ours(n2)
+        pairs.append((ours(n1), t2))
+        bare_s.append(tts.call(bare_run))
+    ms = median_marginal_ms(pairs, n1, n2)
+    bare = 1000 * statistics.median(bare_s)
+    bws = tts.call(bandwidths)
+    bw_label, bw = bws[-1]
     per_frame = weight_bytes + codec_bytes / SYNTH_CHUNK_FRAMES  # codec: once per chunk
     bound_ms = 1000 * per_frame / (bw * 1e9)
     rows = [
         ("quantity", "value"),
         ("weights read per frame", f"{per_frame / 2**20:.0f} MiB"),
-        ("measured memory bandwidth", f"{bw:.1f} GB/s"),
-        ("bandwidth bound (bytes / bandwidth)", f"{bound_ms:.1f} ms"),
+        *((f"memory bandwidth, {who}", f"{gbs:.1f} GB/s") for who, gbs in bws),
+        (f"bandwidth bound (bytes / bandwidth of {bw_label})", f"{bound_ms:.1f} ms"),
         ("bare matmuls at the frame's shapes", f"{bare:.1f} ms"),
         ("voxtral_mlx ms/frame", f"{ms:.1f} ms"),
         ("overhead over bare matmuls", f"{100 * (ms / bare - 1):+.0f} %"),
@@ -198,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"Weight-bound frame ({label(args.config)})",
                 command_line(__file__, argv or sys.argv[1:]),
                 rows,
+                BANDWIDTH_NOTE,
+                runs=args.repeats,
             )
         )
     return 0

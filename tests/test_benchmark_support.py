@@ -480,3 +480,90 @@ def test_weights_per_frame_quantizes_what_mlx_audio_converts(
     packed = wpf.layer_specs(config, _presets(wpf)[f"mlx-community {bits}bit"])
     assert packed == open_weights(out, config).quantized
     assert "acoustic_transformer.layers.0.attention.wq" in packed
+
+
+def test_marginal_cost_is_the_median_of_each_pairs_difference():
+    """Drift between repeats cancels within a pair: the difference of the two separate
+    medians (3.5 - 3.0 s here) would give half the per-pair figure."""
+    from benchmarks.common import median_marginal_ms
+
+    pairs = [(1.0, 2.0), (3.0, 3.5), (5.0, 7.0)]  # (n1 frames, n2 frames) seconds
+    assert median_marginal_ms(pairs, 1, 3) == pytest.approx(500.0)  # 1 s over 2 frames
+
+
+def test_a_recorded_section_states_its_number_of_runs(tmp_path, monkeypatch):
+    import benchmarks.common as common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "RESULTS.md")
+    table = [("a", "b"), ("1", "2")]
+    assert "- runs: medians of 5\n" in common.record("T", "cmd", table, runs=5)
+    assert "- runs:" not in common.record("T", "cmd", table)
+
+
+def test_memory_bandwidth_is_measured_on_one_core_and_on_all(scripts):
+    import os
+
+    from weight_bound import bandwidths
+
+    if mx.default_device() == mx.gpu:
+        pytest.skip("on a GPU one figure is measured, MLX's own sum")
+    figures = bandwidths(1 << 22)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    want = ["1 core"] + ([f"{cores} cores"] if cores > 1 else [])
+    assert [who for who, _ in figures] == want  # the bound uses the last: all cores
+    assert all(gbs > 0 for _, gbs in figures)
+
+
+def test_peak_memory_counts_the_weights_and_what_the_run_held(scripts):
+    from frame_speed import peak_mib
+
+    def run():
+        held = mx.zeros((4 << 20) // 4, mx.float32)  # 4 MiB, then freed
+        mx.eval(held)
+        return "done"
+
+    result, mib = peak_mib(run, 1 << 20)  # 1 MiB of weights
+    assert result == "done" and mib >= 5
+
+
+def test_the_codec_benchmark_runs_a_directory_in_its_own_dtype(
+    tiny_checkpoint, tiny_checkpoint_bf16, tmp_path, scripts
+):
+    from codec_bench import codec_config, own_dtype
+
+    assert own_dtype("tiny") == mx.float32
+    assert own_dtype(str(tiny_checkpoint)) == mx.float32
+    assert own_dtype(str(tiny_checkpoint_bf16)) == mx.bfloat16
+    with pytest.raises(SystemExit) as exc:
+        codec_config(str(tmp_path))
+    assert "give a checkpoint directory" in str(exc.value)
+    assert "Hugging Face" not in str(exc.value)
+
+
+def test_the_suite_runs_a_directory_in_its_own_dtype_and_medians_of_five(tiny_checkpoint, scripts):
+    from run import FULL, model_suite
+
+    codec = next(cmd for cmd in model_suite(str(tiny_checkpoint)) if cmd[0] == "codec_bench.py")
+    assert "--dtype" not in codec
+    for cmd in FULL:  # fewer runs only where a 26-layer frame takes minutes
+        if "--repeats" in cmd and int(cmd[cmd.index("--repeats") + 1]) < 5:
+            assert cmd[0] in ("frame_speed.py", "weight_bound.py") and "full" in cmd, cmd
+
+
+def test_time_to_first_audio_leaves_the_users_voice_prefixes_alone(
+    tiny_checkpoint_noend, tmp_path, monkeypatch, scripts
+):
+    """It clears the prefix cache to time a new voice: in a folder of its own, not the
+    user's (where a real checkpoint's saved voices are)."""
+    import ttfa
+
+    import voxtral_mlx
+
+    monkeypatch.setenv("VOXTRAL_MLX_CACHE", str(tmp_path))
+    tts = voxtral_mlx.load(tiny_checkpoint_noend)
+    tts.synthesize(TEXT, VOICE, max_frames=1)
+    tts.close()
+    saved = sorted((tmp_path / "prefixes").iterdir())
+    assert saved
+    ttfa.measure(str(tiny_checkpoint_noend), 1, default_interval=False)
+    assert sorted((tmp_path / "prefixes").iterdir()) == saved
