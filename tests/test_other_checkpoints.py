@@ -165,9 +165,14 @@ def test_frame_speed_runs_on_other_codebook_counts(odd: Path, bench_env) -> None
     )
     assert out.returncode == 0, out.stderr[-2000:]
     row = next(line for line in out.stdout.splitlines() if line.startswith(f"{odd.name} |"))
-    ours_ms, ref_ms, _, rtf = (cell.strip() for cell in row.split("|")[1:])
+    ours_ms, ref_ms, _, rtf, ours_mib, ref_mib, mib_ratio = (
+        cell.strip() for cell in row.split("|")[1:]
+    )
     assert float(ref_ms) > 0
     assert float(rtf) == pytest.approx(float(ours_ms) / frame_ms(odd), abs=0.01)
+    assert float(ours_mib) > 0 and float(ref_mib) > 0
+    # (the MiB shown are rounded: the ratio is of the unrounded figures)
+    assert float(mib_ratio) == pytest.approx(float(ours_mib) / float(ref_mib), rel=0.1)
 
 
 def test_ttfa_runs_on_other_codebook_counts(odd: Path, bench_env) -> None:

@@ -217,6 +217,33 @@ def test_a_locked_staging_folder_of_a_pid_not_seen_here_is_left_alone(tmp_path):
     assert not _locked_by_someone(out)
 
 
+def test_a_locked_voice_staging_folder_of_a_pid_not_seen_here_is_left_alone(tmp_path, monkeypatch):
+    """convert-voices' staging folder was judged by its PID alone."""
+    from voxtral_mlx import voices
+    from voxtral_mlx.torch_pickle import write_pt
+
+    src = tmp_path / "casual_male.pt"
+    write_pt(src, np.ones((3, 8), np.float32))
+    out = tmp_path / "out"
+    out.mkdir()
+    live = out / f".voices.partial-{_dead_pid()}-0123abcd"
+    live.mkdir()
+    fd = _lock(live)
+    seen = []
+    real = voices._write_safetensors
+
+    def spy(path, tensor):
+        seen.append(_locked_by_someone(path.parent))  # this run's stage, while it is written
+        real(path, tensor)
+
+    monkeypatch.setattr(voices, "_write_safetensors", spy)
+    try:
+        assert voices.convert_voice_files([src], out) == [out / "casual_male.safetensors"]
+    finally:
+        os.close(fd)
+    assert live.is_dir() and seen == [True]
+
+
 # -- 3: OS errors other than a full disk are named, with their own fix -------------
 
 _LIMITED = """

@@ -27,7 +27,9 @@ from .checkpoint import load_tensors
 from .errors import CheckpointError, InputError, VoiceError
 from .fileio import (
     atomic_write,
+    close_quietly,
     one_line,
+    open_locked,
     owned_name,
     remove_orphans,
     unreadable_fix,
@@ -599,12 +601,14 @@ def convert_voice_files(
     replaced = {dst for dst in targets if dst.exists()}
     created: list[Path] = []
     stage: Path | None = None
+    lock: int | None = None  # tells other runs (even in other PID namespaces) it is in use
     written: list[Path] = []
     try:
         created = make_dirs(out_dir)
         remove_orphans(out_dir, "voices", "partial")
         stage = out_dir / owned_name("voices", "partial")
         stage.mkdir(mode=0o700)
+        lock = open_locked(stage)
         for tensor, dst in zip(tensors, targets, strict=True):
             _write_safetensors(stage / dst.name, tensor)
         for dst in targets:
@@ -618,6 +622,7 @@ def convert_voice_files(
             path.unlink(missing_ok=True)
         if stage is not None:
             shutil.rmtree(stage, ignore_errors=True)
+        close_quietly(lock)
         remove_dirs(created)
         if isinstance(e, OSError):
             raise VoiceError(
@@ -626,4 +631,5 @@ def convert_voice_files(
             ) from e
         raise
     shutil.rmtree(stage, ignore_errors=True)
+    close_quietly(lock)
     return written
