@@ -79,11 +79,18 @@ def test_another_users_file_in_a_sticky_folder_is_refused_up_front(tmp_path, mon
     target.chmod(0o666)
     check_output_path(target)  # this user's own file (and folder): replaced as usual
     monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 4242)  # someone else
-    with pytest.raises(AudioOutputError) as e:
-        check_output_path(target)
-    message = str(e.value)
-    assert "another user's, in a sticky folder" in message and "choose another name" in message
-    assert "\n" not in message
+    real_access = os.access
+    # Not writable by this user either (root's own access() would say it is).
+    monkeypatch.setattr(os, "access", lambda p, m: real_access(p, m) and Path(p) != target)
+    for mode in (0o666, 0o644):  # 0644 said "make it writable (chmod u+w)": not theirs to do
+        target.chmod(mode)
+        with pytest.raises(AudioOutputError) as e:
+            check_output_path(target)
+        message = str(e.value)
+        assert "another user's, in a sticky folder" in message and "choose another name" in message
+        assert "\n" not in message
+    monkeypatch.setattr(os, "access", real_access)
+    target.chmod(0o666)
     check_output_path(folder / "new.wav")  # a new name is theirs to create
     folder.chmod(0o777)
     check_output_path(target)  # without the sticky bit the rename may replace it
@@ -136,6 +143,31 @@ def test_a_failed_rename_names_neither_the_temp_file_nor_an_errno(tmp_path, monk
         "Operation not permitted; check the permissions of the file and its folder"
     )
     assert ".partial-" not in message and "Errno" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["open", "finish"])
+def test_an_interrupt_while_a_failure_is_explained_leaves_no_temp_file(
+    tmp_path, monkeypatch, where
+):
+    """The failure is looked into before the temp file goes (it may tell why): a Ctrl-C
+    meanwhile left the temp file and its descriptor behind."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(aio, "_failure", interrupted)
+    monkeypatch.setattr(aio, "_format_refused", lambda *a: None)
+    if where == "open":
+        monkeypatch.setattr(aio.sf, "SoundFile", lambda *a, **k: (_ for _ in ()).throw(OSError()))
+        with pytest.raises(KeyboardInterrupt):
+            AudioFileWriter(tmp_path / "x.wav", SR)
+    else:
+        w = AudioFileWriter(tmp_path / "x.wav", SR)
+        w.write(np.zeros(FRAME, np.float32))
+        monkeypatch.setattr(aio.os, "replace", lambda *a: (_ for _ in ()).throw(OSError()))
+        with pytest.raises(KeyboardInterrupt):
+            w.close()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -200,6 +232,47 @@ def test_the_writer_holds_its_lock_until_the_file_is_in_place(tmp_path, monkeypa
     w.close()
     assert seen == [True]
     assert not _locked_by_someone(tmp_path / "x.wav")  # let go once it is in place
+
+
+def test_atomic_write_holds_its_lock_until_the_rename(tmp_path, monkeypatch):
+    """The writer's close let go of the lock before the rename: a cache file could be
+    taken for an orphan in between."""
+    from voxtral_mlx import fileio
+
+    seen: list[bool] = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        seen.append(_locked_by_someone(Path(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(fileio.os, "replace", replace)
+    fileio.atomic_write(tmp_path / "cache.bin", lambda f: f.write(b"data"))
+    assert seen == [True] and (tmp_path / "cache.bin").read_bytes() == b"data"
+    assert not _locked_by_someone(tmp_path / "cache.bin")
+
+
+def test_a_lock_briefly_held_by_another_runs_check_is_still_taken(tmp_path):
+    """Another run's orphan check takes a shared lock for a moment: a writer asking just
+    then went without its lock for the whole run."""
+    import threading
+
+    from voxtral_mlx.fileio import hold_lock
+
+    fcntl = pytest.importorskip("fcntl")
+    path = tmp_path / ".x.partial-1-0123abcd.wav"
+    path.write_bytes(b"")
+    checker = os.open(path, os.O_RDONLY)
+    fcntl.flock(checker, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    let_go = threading.Timer(0.003, os.close, [checker])
+    let_go.start()
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        hold_lock(fd)
+        let_go.join()  # the check is over: only the writer's own lock can be seen now
+        assert _locked_by_someone(path)
+    finally:
+        os.close(fd)
 
 
 def test_a_locked_staging_folder_of_a_pid_not_seen_here_is_left_alone(tmp_path):
@@ -381,14 +454,15 @@ class LimitedFile(io.BytesIO):
 
 
 def test_a_failed_write_to_a_seekable_stream_leaves_a_header_counting_all_it_holds():
-    stream = LimitedFile(44 + 3 * 2 * FRAME + 1000)
+    stream = LimitedFile(44 + 3 * 2 * FRAME + 1001)  # the last sample cut in half
     w = WavStreamWriter(stream, SR)
     with pytest.raises(AudioOutputError, match="File too large"):
         for _ in range(5):
             w.write(np.full(FRAME, 0.25, np.float32))
     w.close()
     data = stream.getvalue()
-    assert struct.unpack("<I", data[40:44])[0] == len(data) - 44 == 3 * 2 * FRAME + 1000
-    assert struct.unpack("<I", data[4:8])[0] == len(data) - 8
+    assert len(data) - 44 == 3 * 2 * FRAME + 1001
+    assert struct.unpack("<I", data[40:44])[0] == 3 * 2 * FRAME + 1000  # whole samples
+    assert struct.unpack("<I", data[4:8])[0] == 36 + 3 * 2 * FRAME + 1000
     audio, _ = sf.read(io.BytesIO(data), dtype="int16")
     assert len(audio) == 3 * FRAME + 500

@@ -9,6 +9,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,8 +89,12 @@ def atomic_write(
     tmp = path.with_name(owned_name(path.name, TEMP_KIND))
     # os.open with mode 0o666 lets the umask decide the final permissions, like open() does.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    hold_lock(fd)
+    # The lock belongs to the open file, so a duplicate keeps it past the writer's close,
+    # until the rename is done.
+    lock = os.dup(fd) if fcntl is not None else None
     try:
+        if lock is not None:
+            hold_lock(lock)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -99,6 +104,8 @@ def atomic_write(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        close_quietly(lock)
 
 
 TEMP_KIND = "tmp"  # :func:`atomic_write`'s temp files: ``remove_orphans(dir, NAMES, TEMP_KIND)``
@@ -228,8 +235,17 @@ def hold_lock(fd: int) -> None:
     without locks leaves the PID to decide."""
     if fcntl is None:
         return
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    for _ in range(_LOCK_TRIES):  # another run's check holds it for a moment at most
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.001)
+        except OSError:
+            return
+
+
+_LOCK_TRIES = 20
 
 
 def open_locked(path: str | os.PathLike[str]) -> int | None:
@@ -255,15 +271,23 @@ def _locked_by_another(entry: os.DirEntry) -> bool:
     find out). What cannot be opened, or has no locks, is left to its PID."""
     if fcntl is None:
         return False
+    flags = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:  # (a link is what would be removed, not what it leads to; a device is not opened)
-        if not (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)):
+        if entry.is_dir(follow_symlinks=False):
+            fd = os.open(entry.path, os.O_RDONLY | flags)
+        elif entry.is_file(follow_symlinks=False):
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | flags)
+            except PermissionError:  # a write-only (0200) file, just before its rename
+                fd = os.open(entry.path, os.O_WRONLY | flags)
+        else:
             return False
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-        fd = os.open(entry.path, flags)
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Shared: it still conflicts with the writer's exclusive lock, and NFS (which
+        # emulates flock with byte-range locks) grants it on a file opened for reading.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     except OSError:

@@ -228,6 +228,12 @@ def _check_writable(p: Path, parent: Path) -> None:
             f"cannot write {str(p)!r}: {str(parent)!r} is on a read-only file system; "
             "write elsewhere"
         )
+    # Before the file's own mode: neither chmod nor removing it is this user's to do.
+    if p.is_file() and _sticky_keeps(p, parent):
+        raise AudioOutputError(
+            f"output file {str(p)!r} is another user's, in a sticky folder (as /tmp is: "
+            "only a file's owner may replace it there); have it removed or choose another name"
+        )
     if p.is_file() and not os.access(p, os.W_OK):  # as a shell's > would refuse it
         raise AudioOutputError(
             f"output file {str(p)!r} is read-only; make it writable (chmod u+w), remove it, "
@@ -237,11 +243,6 @@ def _check_writable(p: Path, parent: Path) -> None:
         raise AudioOutputError(
             f"cannot write {str(p)!r}: directory {str(parent)!r} is not writable; "
             "choose another location or fix its permissions"
-        )
-    if p.is_file() and _sticky_keeps(p, parent):
-        raise AudioOutputError(
-            f"output file {str(p)!r} is another user's, in a sticky folder (as /tmp is: "
-            "only a file's owner may replace it there); have it removed or choose another name"
         )
 
 
@@ -568,9 +569,11 @@ class AudioFileWriter:
             )
         except Exception as e:
             # Asked while the temp file is still there: writing the header may have failed.
-            refused = _format_refused(e, self._target.parent, fd)
-            why = None if refused else _failure(e, self._target.parent, fd)
-            _discard(None, self._tmp, fd=fd)
+            try:
+                refused = _format_refused(e, self._target.parent, fd)
+                why = None if refused else _failure(e, self._target.parent, fd)
+            finally:  # (a Ctrl-C meanwhile must not leave the temp file either)
+                _discard(None, self._tmp, fd=fd)
             if why is not None:
                 raise AudioOutputError(f"cannot write {str(self.path)!r}: {why}") from e
             raise AudioOutputError(
@@ -620,8 +623,10 @@ class AudioFileWriter:
         try:
             self._sf.write(data)
         except Exception as e:
-            why = _failure(e, self._target.parent, self._fd, self._sf)  # before it is gone
-            self.abort()
+            try:
+                why = _failure(e, self._target.parent, self._fd, self._sf)  # before it is gone
+            finally:
+                self.abort()
             raise AudioOutputError(f"writing {str(self.path)!r} failed: {why}") from e
         self.frames_written += a.shape[0]
         self._pending = 0
@@ -666,18 +671,22 @@ class AudioFileWriter:
                     f"finishing {str(self.path)!r} failed: the file was cut short: "
                     f"{_cut_short(data_fd)}"
                 )
-            _keep_mode(data_fd, self._target)
             full_fsync(data_fd)  # the rename must not land before the data after a crash
+            _keep_mode(data_fd, self._target)
             os.replace(self._tmp, self._target)
         except AudioOutputError:
             _discard(None, self._tmp, folder_fd, data_fd)
             raise
         except Exception as e:
-            if _folder_moved(self._target.parent, folder_fd):
-                why = "its folder was moved or deleted while it was being written; write it again"
-            else:
-                why = _failure(e, self._target.parent, data_fd)
-            _discard(None, self._tmp, folder_fd, data_fd)
+            try:
+                if _folder_moved(self._target.parent, folder_fd):
+                    why = (
+                        "its folder was moved or deleted while it was being written; write it again"
+                    )
+                else:
+                    why = _failure(e, self._target.parent, data_fd)
+            finally:  # (a Ctrl-C meanwhile must not leave the temp file either)
+                _discard(None, self._tmp, folder_fd, data_fd)
             raise AudioOutputError(f"finishing {str(self.path)!r} failed: {why}") from e
         except BaseException:  # a second Ctrl-C while finishing: no temp file stays behind
             _discard(handle, self._tmp, folder_fd, data_fd)
@@ -835,8 +844,11 @@ class WavStreamWriter:
         try:
             end = self.stream.tell()
             # Where the stream is, not what was counted: a failed write (a full disk) may
-            # have put part of its chunk there, which the header must not leave out.
-            self.data_bytes = max(self.data_bytes, end - self._start - 44)
+            # have put part of its chunk there, which the header must not leave out (whole
+            # sample frames only: a cut sample is no audio).
+            frame = 2 * self.channels
+            present = (end - self._start - 44) // frame * frame
+            self.data_bytes = max(self.data_bytes, present)
             header = wav_header(self.sample_rate, self.channels, self.data_bytes)
             self.stream.seek(self._start + 4)
             self.stream.write(header[4:8])
