@@ -98,6 +98,41 @@ def test_a_set_aside_segment_rejoins_while_another_prompt_is_prefilled(tts, monk
         )
 
 
+def test_short_requests_keep_going_first_while_a_long_prompt_is_prefilled(tts, monkeypatch):
+    """A long prompt let 8 short requests go first in all: the ninth waited for its whole
+    prefill (seconds). Now each waits a part at most, and the long prompt keeps going."""
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 16)
+    monkeypatch.setattr(engine_mod, "MIN_PREFILL_PART_TOKENS", 16)
+    long_text = " ".join(f"Sentence number {i} goes on a little." for i in range(40))
+    solo(tts, "Quick one.", seed=1, max_frames=1)  # the voice's prefix cached
+    made = {}
+
+    def scenario() -> tuple[list[int], list[int]]:
+        e = tts.engine
+        e._part_tokens = 16
+        made["long"] = long = job(tts, long_text, 0, False, seed=4, max_frames=2)
+        e.submit(long)
+        pump_while(e, lambda: e._prefilling is None)
+        waits, left = [], []
+        for i in range(12):
+            made[i] = short = job(tts, "Quick one.", 0, False, seed=10 + i, max_frames=1)
+            e.submit(short)
+            waits.append(pump_while(e, lambda short=short: short in e._waiting))
+            p = long._suspended or e._prefilling
+            left.append(p.text.shape[1] if p is not None and p.job is long else 0)
+        pump_while(e, lambda: e.busy)
+        return waits, left
+
+    waits, left = tts.call(scenario)
+    assert max(waits) <= 2, waits
+    assert left[-1] > 0 and left == sorted(left, reverse=True) and left[-1] < left[0], left
+    np.testing.assert_array_equal(codes(made["long"]), solo(tts, long_text, seed=4, max_frames=2))
+    for i in (0, 8, 11):
+        np.testing.assert_array_equal(
+            codes(made[i]), solo(tts, "Quick one.", seed=10 + i, max_frames=1), err_msg=str(i)
+        )
+
+
 def test_a_row_ending_at_this_frame_frees_its_slot_for_a_newcomer(tts):
     """A segment generated ahead was set aside for a newcomer although the row ending at
     that frame freed the slot it needed (a copy of its KV rows and a frame lost)."""

@@ -47,7 +47,9 @@ FRAME_TIMES_KEPT = 8
 # prefix is then bit-identical to a cached one (and to one from an earlier process) on any
 # device, whatever the frame times.
 PREFIX_PART_TOKENS = 64
-# Short prompts one long prompt's prefill lets go first, at most (bounds its delay).
+# Short prompts one long prompt's prefill lets go first in a row; then one for each part of
+# it that runs: the long prompt keeps at least half its pace, a short one waits a part at
+# most (a fixed total made the ninth short request wait for the whole long prefill).
 MAX_OVERTAKES = 8
 # Buffers freed while generating (outgrown KV caches, a long prompt's attention) stay in
 # MLX's cache for reuse; once idle, an engine lets go of them beyond this (a frame's own
@@ -317,7 +319,7 @@ class _Prefill:
     cache: list[KVCache] | None  # None while ``prefix`` is being prefilled
     text: mx.array  # [1, tokens, dim]: the embeddings not yet run
     hit: bool  # the voice prefix came from the cache
-    overtaken: int = 0  # short prompts let through meanwhile (see Engine._admit)
+    overtaken: int = 0  # short prompts let through, less one per part run (Engine._admit)
     prefix: _VoicePrefix | None = None
 
 
@@ -651,6 +653,7 @@ class Engine:
             self._finish(job)
             return
         self._ran_part = True
+        p.overtaken = max(0, p.overtaken - 1)  # a part run earns a short prompt a turn
         try:
             if p.prefix is not None:
                 self._prefill_prefix(p)
