@@ -761,6 +761,71 @@ def test_legacy_storage_keys_must_match_the_pickle(tmp_path: Path) -> None:
     assert "format version is 1002, not 1001" in one_line(exc)
 
 
+def legacy_pickles(raw: bytes, n: int = 5) -> list[bytes]:
+    """The first ``n`` pickles of a legacy file, each whole."""
+    stream, out = io.BytesIO(raw), []
+    for _ in range(n):
+        start = stream.tell()
+        for _ in pickletools.genops(stream):
+            pass
+        out.append(raw[start : stream.tell()])
+    return out
+
+
+def test_colliding_keys_are_refused_before_any_is_hashed(tmp_path: Path) -> None:
+    """Keys whose hashes collide make a dict or set quadratic to build: a 3 MB file within
+    every other limit held read_pt for over five minutes (either format)."""
+    keys = {(2**61 - 1) * k: 0 for k in range(4)} | dict.fromkeys(range(10_001), 0)
+    for name, save in (("zip.pt", torch.save), ("legacy.pt", save_legacy)):
+        save({"embedding": torch.ones(3), "keys": keys}, tmp_path / name)
+        with pytest.raises(VoiceError, match="builds a dict of over 10000 entries"):
+            read_pt(tmp_path / name, "embedding")
+    path = make_pt(tmp_path / "set.pt", b"\x80\x04\x8f(K\x01K\x02\x90.")  # {1, 2}
+    with pytest.raises(VoiceError, match="builds a set, which no tensor file holds"):
+        read_pt(path)
+    ok = {"embedding": torch.ones(3), "meta": dict.fromkeys(range(500), 0)}
+    torch.save(ok, tmp_path / "ok.pt")
+    assert read_pt(tmp_path / "ok.pt", "embedding").shape == (3,)
+
+
+def test_legacy_damage_is_named_for_what_it_is(tmp_path: Path, monkeypatch) -> None:
+    """Every problem of a legacy pickle read "is a truncated legacy torch.save file (its ...
+    ends early)", its own operation limit included."""
+    raw = save_legacy(torch.ones(4), tmp_path / "ok.pt").read_bytes()
+    magic, version, facts, tensor, keys = legacy_pickles(raw)
+    rest = raw[len(magic + version + facts + tensor + keys) :]
+    cases = {
+        "opcode.pt": (magic + version + b"\xff" + raw[len(magic + version) :], "is damaged"),
+        "ops.pt": (
+            magic + version + b"N0" * 250_001 + b"}." + tensor + keys + rest,
+            "has over 500000 operations",
+        ),
+        "magic.pt": (raw[:12], "is truncated (its magic number ends early)"),
+        # a storage where none belongs: torch refuses it too
+        "keys.pt": (
+            magic + version + facts + tensor + b"\x80\x02K\x01Q." + rest,
+            "a pickle other than the tensor's names a storage",
+        ),
+    }
+    for name, (data, words) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(VoiceError) as exc:
+            read_pt(tmp_path / name)
+        assert words in one_line(exc) and name in one_line(exc), name
+    # A file cut after its size was checked (its old size still seen).
+    (tmp_path / "cut.pt").write_bytes(raw[:-10])
+    real_fstat = os.fstat
+
+    def old_size(fd: int) -> os.stat_result:
+        st = list(real_fstat(fd))
+        st[6] = len(raw)  # st_size
+        return os.stat_result(st)
+
+    monkeypatch.setattr(tp.os, "fstat", old_size)
+    with pytest.raises(VoiceError, match=r"cut\.pt is truncated"):
+        read_pt(tmp_path / "cut.pt")
+
+
 class _Shell:
     def __reduce__(self):
         return (os.system, ("touch PWNED",))

@@ -89,7 +89,12 @@ _MAX_PICKLE_BYTES = 4 << 20
 _MAX_PICKLE_OPS = 500_000
 _MAX_NESTING = 32  # a tensor in a dict nests 4 deep
 # Opcodes that change the container below their arguments in place.
-_IN_PLACE_OPS = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"})
+_IN_PLACE_OPS = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "BUILD"})
+# Hashing keys chosen to collide makes building a dict or set quadratic: 40,000 such keys in
+# a 0.5 MB pickle took 9 s, the pickle's limits allow minutes. No tensor file builds a set,
+# and a dict of this many entries takes half a second at worst.
+_SET_OPS = frozenset({"EMPTY_SET", "ADDITEMS", "FROZENSET"})
+_MAX_DICT_ENTRIES = 10_000
 _MAX_COMPRESSION_RATIO = 32  # inflated / deflated size of one zip record, beyond: a bomb
 _BOMB_MIN_BYTES = 1 << 20  # small records may compress well (a zero voice): no ratio check
 # Overlapping strides (torch's expand()) may make a tensor larger than its storage, which
@@ -390,17 +395,32 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return known
 
 
+class _NoStorages(_RestrictedUnpickler):
+    """For the legacy format's pickles around the tensor's, which name no storage."""
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        raise _Malformed("a pickle other than the tensor's names a storage")
+
+
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch's legacy serialization magic number
 
 
 def _is_legacy_pickle(head: bytes) -> bool:
     # torch.save(..., _use_new_zipfile_serialization=False) starts with a pickled magic number
     # (LONG1 after the protocol mark; a text LONG with pickle protocol 0 or 1).
+    # A file cut inside the magic number still opens with part of it (then: "truncated").
     magic = b"\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little")
     if head[:1] == b"\x80":  # PROTO n, and from protocol 4 a FRAME (opcode, 8-byte length)
         body = head[11:] if head[2:3] == b"\x95" else head[2:]
-        return body.startswith(magic)
-    return head.startswith(magic) or head.startswith(b"L" + str(_LEGACY_MAGIC).encode())
+        return _opens_with(body, magic, 2)
+    return _opens_with(head, magic, 2) or _opens_with(head, b"L" + str(_LEGACY_MAGIC).encode(), 3)
+
+
+def _opens_with(data: bytes, prefix: bytes, least: int) -> bool:
+    """Whether ``data`` starts with ``prefix``, or is a start of it ``least`` bytes long."""
+    if len(data) >= len(prefix):
+        return data.startswith(prefix)
+    return len(data) >= least and prefix.startswith(data)
 
 
 def _is_pickle(head: bytes) -> bool:
@@ -567,22 +587,32 @@ def _read_legacy(f: BinaryIO, src: str, key: str | None, max_values: int | None)
     def refuse(problem: str) -> VoiceError:
         return VoiceError(f"{src} is not a valid legacy torch.save file: {problem}; re-save it")
 
-    def next_pickle(what: str) -> Any:
+    def next_pickle(what: str, unpickler: type[_RestrictedUnpickler] = _NoStorages) -> Any:
         nonlocal pos
         stream = io.BytesIO(head)
         stream.seek(pos)
+        count, damage = 0, None
         try:  # to the pickle's end (STOP), within the limit _check_shape sets
             for count, _ in enumerate(pickletools.genops(stream)):
                 if count > _MAX_PICKLE_OPS:
-                    raise refuse(f"its {what} has over {_MAX_PICKLE_OPS} operations")
-        except ValueError:
-            state = "truncated" if size < _MAX_PICKLE_BYTES else "malformed"
+                    break
+        except ValueError as e:  # an unknown opcode, or the data ends early
+            damage = e
+        if count > _MAX_PICKLE_OPS:
+            raise refuse(f"its {what} has over {_MAX_PICKLE_OPS} operations")
+        if damage is not None and stream.tell() >= len(head):  # the data ran out
+            if len(head) < size:
+                raise VoiceError(
+                    f"{src}: its {what} goes on beyond {_MAX_PICKLE_BYTES >> 20} MiB, too "
+                    "large for a tensor file; re-save the tensor alone with torch.save"
+                )
             raise VoiceError(
-                f"{src} is a {state} legacy torch.save file (its {what} ends early); "
-                "re-download or re-create it"
-            ) from None
+                f"{src} is truncated (its {what} ends early); re-download or re-create it"
+            )
+        if damage is not None:
+            raise refuse(f"its {what} is damaged ({one_line(str(damage), 80)})")
         data, pos = head[pos : stream.tell()], stream.tell()
-        return _unpickle(data, _RestrictedUnpickler, src, legacy=True)
+        return _unpickle(data, unpickler, src, legacy=True)
 
     if next_pickle("magic number")[0] != _LEGACY_MAGIC:
         raise refuse("its magic number is wrong")
@@ -591,7 +621,7 @@ def _read_legacy(f: BinaryIO, src: str, key: str | None, max_values: int | None)
         raise refuse(f"its format version is {_shown(version, 40)}, not {_LEGACY_PROTOCOL}")
     if not isinstance(next_pickle("system information")[0], dict):
         raise refuse("its system information is not a dict")
-    payload, storages = next_pickle("tensor pickle")
+    payload, storages = next_pickle("tensor pickle", _RestrictedUnpickler)
     keys = next_pickle("storage keys")[0]
     if (
         not isinstance(keys, list)
@@ -611,16 +641,23 @@ def _read_legacy(f: BinaryIO, src: str, key: str | None, max_values: int | None)
                 f"byte {pos + 8} of a {size}-byte file; re-download or re-create it"
             )
         f.seek(pos)
-        (count,) = struct.unpack("<q", f.read(8))
+        (count,) = struct.unpack("<q", _read_exact(f, 8, src))
         if count != storage.numel:
             raise refuse(
                 f"storage {one_line(k, 40)} holds {count} values but its pickle declares "
                 f"{storage.numel}"
             )
         if k == tensor.storage.key:
-            return _view(tensor, src, lambda n=nbytes: f.read(n), "little")
+            return _view(tensor, src, lambda n=nbytes: _read_exact(f, n, src), "little")
         pos += 8 + nbytes
     raise AssertionError("the tensor's storage is among the checked keys")
+
+
+def _read_exact(f: BinaryIO, n: int, src: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:  # cut since its size was checked
+        raise VoiceError(f"{src} is truncated; re-download or re-create it")
+    return data
 
 
 def _check_shape(data: bytes) -> None:
@@ -634,6 +671,7 @@ def _check_shape(data: bytes) -> None:
     marks: list[int] = []
     memo: dict[Any, int] = {}
     depth: list[int] = []
+    entries: dict[int, int] = {}  # a dict's entries, by its object number
     try:
         ops = pickletools.genops(data)
         for count, (op, arg, _) in enumerate(ops):
@@ -642,6 +680,8 @@ def _check_shape(data: bytes) -> None:
             name = op.name
             if name == "STOP":
                 return
+            if name in _SET_OPS:
+                raise _Malformed("its pickle builds a set, which no tensor file holds")
             if name == "MARK":
                 marks.append(len(stack))
             elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
@@ -681,8 +721,14 @@ def _check_shape(data: bytes) -> None:
                     inner = max((depth[i] for i in items), default=-1) + 1
                     depth[target] = max(depth[target], inner)
                 else:
-                    target = len(depth)
+                    target, items = len(depth), taken
                     depth.append(max((depth[i] for i in taken), default=-1) + 1)
+                if name in ("DICT", "SETITEM", "SETITEMS"):
+                    entries[target] = entries.get(target, 0) + len(items) // 2
+                    if entries[target] > _MAX_DICT_ENTRIES:
+                        raise _Malformed(
+                            f"its pickle builds a dict of over {_MAX_DICT_ENTRIES} entries"
+                        )
                 if depth[target] > _MAX_NESTING:
                     raise _Malformed(f"its pickle nests objects over {_MAX_NESTING} deep")
                 stack.append(target)
@@ -698,7 +744,8 @@ def _describe(value: Any) -> str:
         return "a tensor"
     if isinstance(value, (_StorageRef, _StorageType)):
         return "a bare storage"
-    return f"a {type(value).__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
 
 
 def _select(payload: Any, key: str | None, src: str) -> _TensorRef:
