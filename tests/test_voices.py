@@ -442,6 +442,9 @@ def test_convert_bit_exact(tmp_path: Path) -> None:
         torch.save(t, src / f"{name}.pt")
     torch.save(refs["casual_female"][3:9, ::2], src / "sliced.pt")
     refs["sliced"] = refs["casual_female"][3:9, ::2]
+    # torch's legacy (non-zip) format, which torch.load still reads: it was refused
+    torch.save(refs["de_male"][2:], src / "legacy.pt", _use_new_zipfile_serialization=False)
+    refs["legacy"] = refs["de_male"][2:]
     out = tmp_path / "out" / "nested"
     written = convert_voice_files([src], out)
     assert [p.name for p in written] == sorted(f"{n}.safetensors" for n in refs)
@@ -459,6 +462,9 @@ def test_convert_bit_exact(tmp_path: Path) -> None:
     reg = VoiceRegistry.from_dir(out, {"casual_female": 21, "f32_voice": 5}, DIM)
     assert mx_bits(reg.embedding("f32_voice")) == raw_bits(refs["f32_voice"])
     assert mx_bits(reg.embedding("casual_female")) == raw_bits(refs["casual_female"])
+    # and a model's own voice folder may hold a legacy file too
+    reg = VoiceRegistry.from_dir(src, {"legacy": 14}, DIM)
+    assert mx_bits(reg.embedding("legacy")) == raw_bits(refs["legacy"])
 
 
 @pytest.mark.parametrize(
