@@ -662,7 +662,8 @@ def _read_exact(f: BinaryIO, n: int, src: str) -> bytes:
 
 def _check_shape(data: bytes) -> None:
     """Walk the pickle's opcodes, building nothing, and refuse one that would make more
-    objects than :data:`_MAX_PICKLE_OPS` or nest them deeper than :data:`_MAX_NESTING`.
+    objects than :data:`_MAX_PICKLE_OPS`, nest them deeper than :data:`_MAX_NESTING`, build
+    a set, or a dict of over :data:`_MAX_DICT_ENTRIES` entries.
 
     The stack holds object numbers; ``depth[n]`` is how deep object ``n`` nests. The memo
     holds numbers too, so a container changed after it was memoised is still seen whole.
