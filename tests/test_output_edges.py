@@ -252,6 +252,18 @@ def test_atomic_write_holds_its_lock_until_the_rename(tmp_path, monkeypatch):
     assert not _locked_by_someone(tmp_path / "cache.bin")
 
 
+def test_atomic_write_out_of_descriptors_leaves_no_temp_file(tmp_path, monkeypatch):
+    from voxtral_mlx import fileio
+
+    def no_more(fd):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(fileio.os, "dup", no_more)
+    with pytest.raises(OSError, match="Too many open files"):
+        fileio.atomic_write(tmp_path / "cache.bin", lambda f: f.write(b"data"))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_lock_briefly_held_by_another_runs_check_is_still_taken(tmp_path):
     """Another run's orphan check takes a shared lock for a moment: a writer asking just
     then went without its lock for the whole run."""

@@ -778,8 +778,16 @@ def test_colliding_keys_are_refused_before_any_is_hashed(tmp_path: Path) -> None
     keys = {(2**61 - 1) * k: 0 for k in range(4)} | dict.fromkeys(range(10_001), 0)
     for name, save in (("zip.pt", torch.save), ("legacy.pt", save_legacy)):
         save({"embedding": torch.ones(3), "keys": keys}, tmp_path / name)
-        with pytest.raises(VoiceError, match="builds a dict of over 10000 entries"):
+        with pytest.raises(VoiceError, match="builds dicts of over 10000 entries"):
             read_pt(tmp_path / name, "embedding")
+    # Many dicts, each within the limit, add up (24 of 10,000 colliding keys took 12 s).
+    split = {
+        "embedding": torch.ones(3),
+        **{f"d{i}": dict.fromkeys(range(i, 10_000, 2), 0) for i in range(3)},
+    }
+    torch.save(split, tmp_path / "many.pt")
+    with pytest.raises(VoiceError, match="builds dicts of over 10000 entries"):
+        read_pt(tmp_path / "many.pt", "embedding")
     path = make_pt(tmp_path / "set.pt", b"\x80\x04\x8f(K\x01K\x02\x90.")  # {1, 2}
     with pytest.raises(VoiceError, match="builds a set, which no tensor file holds"):
         read_pt(path)

@@ -47,9 +47,11 @@ FRAME_TIMES_KEPT = 8
 # prefix is then bit-identical to a cached one (and to one from an earlier process) on any
 # device, whatever the frame times.
 PREFIX_PART_TOKENS = 64
-# Short prompts one long prompt's prefill lets go first in a row; then one for each part of
-# it that runs: the long prompt keeps at least half its pace, a short one waits a part at
-# most (a fixed total made the ninth short request wait for the whole long prefill).
+# Short prompts a long prompt's prefill lets go first with none of its own parts between,
+# at most. Each part it runs gives one back, and it resumes before the next short one
+# starts: they alternate, so it keeps at least half its pace and a short request waits
+# about a part per one ahead of it (a fixed total of 8 made the ninth wait for the whole
+# long prefill).
 MAX_OVERTAKES = 8
 # Buffers freed while generating (outgrown KV caches, a long prompt's attention) stay in
 # MLX's cache for reuse; once idle, an engine lets go of them beyond this (a frame's own

@@ -91,8 +91,13 @@ def atomic_write(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     # The lock belongs to the open file, so a duplicate keeps it past the writer's close,
     # until the rename is done.
-    lock = os.dup(fd) if fcntl is not None else None
+    lock = None
     try:
+        try:
+            lock = os.dup(fd) if fcntl is not None else None
+        except BaseException:
+            os.close(fd)
+            raise
         if lock is not None:
             hold_lock(lock)
         with os.fdopen(fd, "wb") as f:

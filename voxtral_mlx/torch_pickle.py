@@ -92,7 +92,7 @@ _MAX_NESTING = 32  # a tensor in a dict nests 4 deep
 _IN_PLACE_OPS = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "BUILD"})
 # Hashing keys chosen to collide makes building a dict or set quadratic: 40,000 such keys in
 # a 0.5 MB pickle took 9 s, the pickle's limits allow minutes. No tensor file builds a set,
-# and a dict of this many entries takes half a second at worst.
+# and dicts of this many entries in all take half a second at worst.
 _SET_OPS = frozenset({"EMPTY_SET", "ADDITEMS", "FROZENSET"})
 _MAX_DICT_ENTRIES = 10_000
 _MAX_COMPRESSION_RATIO = 32  # inflated / deflated size of one zip record, beyond: a bomb
@@ -663,7 +663,7 @@ def _read_exact(f: BinaryIO, n: int, src: str) -> bytes:
 def _check_shape(data: bytes) -> None:
     """Walk the pickle's opcodes, building nothing, and refuse one that would make more
     objects than :data:`_MAX_PICKLE_OPS`, nest them deeper than :data:`_MAX_NESTING`, build
-    a set, or a dict of over :data:`_MAX_DICT_ENTRIES` entries.
+    a set, or dicts of over :data:`_MAX_DICT_ENTRIES` entries in all.
 
     The stack holds object numbers; ``depth[n]`` is how deep object ``n`` nests. The memo
     holds numbers too, so a container changed after it was memoised is still seen whole.
@@ -672,7 +672,7 @@ def _check_shape(data: bytes) -> None:
     marks: list[int] = []
     memo: dict[Any, int] = {}
     depth: list[int] = []
-    entries: dict[int, int] = {}  # a dict's entries, by its object number
+    entries = 0  # of all dicts: one per dict would let many dicts add up
     try:
         ops = pickletools.genops(data)
         for count, (op, arg, _) in enumerate(ops):
@@ -725,10 +725,10 @@ def _check_shape(data: bytes) -> None:
                     target, items = len(depth), taken
                     depth.append(max((depth[i] for i in taken), default=-1) + 1)
                 if name in ("DICT", "SETITEM", "SETITEMS"):
-                    entries[target] = entries.get(target, 0) + len(items) // 2
-                    if entries[target] > _MAX_DICT_ENTRIES:
+                    entries += len(items) // 2
+                    if entries > _MAX_DICT_ENTRIES:
                         raise _Malformed(
-                            f"its pickle builds a dict of over {_MAX_DICT_ENTRIES} entries"
+                            f"its pickle builds dicts of over {_MAX_DICT_ENTRIES} entries"
                         )
                 if depth[target] > _MAX_NESTING:
                     raise _Malformed(f"its pickle nests objects over {_MAX_NESTING} deep")
