@@ -201,6 +201,19 @@ def _locked_by_someone(path: Path) -> bool:
     return False
 
 
+def locks_seen_at_rename(monkeypatch) -> list[bool]:
+    """Whether each file ``os.replace`` moves into place is still locked as it does."""
+    seen: list[bool] = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        seen.append(_locked_by_someone(Path(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    return seen
+
+
 def test_a_locked_temp_file_of_a_pid_not_seen_here_is_left_alone(tmp_path):
     pid = _dead_pid()
     live, dead = (
@@ -221,14 +234,7 @@ def test_the_writer_holds_its_lock_until_the_file_is_in_place(tmp_path, monkeypa
     w = AudioFileWriter(tmp_path / "x.wav", SR)
     w.write(np.zeros(FRAME, np.float32))
     assert _locked_by_someone(w.temp_path)
-    seen: list[bool] = []
-    real_replace = os.replace
-
-    def replace(src, dst):
-        seen.append(_locked_by_someone(Path(src)))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(aio.os, "replace", replace)
+    seen = locks_seen_at_rename(monkeypatch)
     w.close()
     assert seen == [True]
     assert not _locked_by_someone(tmp_path / "x.wav")  # let go once it is in place
@@ -239,14 +245,7 @@ def test_atomic_write_holds_its_lock_until_the_rename(tmp_path, monkeypatch):
     taken for an orphan in between."""
     from voxtral_mlx import fileio
 
-    seen: list[bool] = []
-    real_replace = os.replace
-
-    def replace(src, dst):
-        seen.append(_locked_by_someone(Path(src)))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(fileio.os, "replace", replace)
+    seen = locks_seen_at_rename(monkeypatch)
     fileio.atomic_write(tmp_path / "cache.bin", lambda f: f.write(b"data"))
     assert seen == [True] and (tmp_path / "cache.bin").read_bytes() == b"data"
     assert not _locked_by_someone(tmp_path / "cache.bin")

@@ -89,18 +89,14 @@ def atomic_write(
     tmp = path.with_name(owned_name(path.name, TEMP_KIND))
     # os.open with mode 0o666 lets the umask decide the final permissions, like open() does.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    # The lock belongs to the open file, so a duplicate keeps it past the writer's close,
-    # until the rename is done.
     lock = None
     try:
-        try:
-            lock = os.dup(fd) if fcntl is not None else None
-        except BaseException:
-            os.close(fd)
-            raise
-        if lock is not None:
-            hold_lock(lock)
         with os.fdopen(fd, "wb") as f:
+            if fcntl is not None:
+                # The lock belongs to the open file: a duplicate keeps it past this close,
+                # until the rename is done.
+                lock = os.dup(fd)
+                hold_lock(lock)
             write(f)
             f.flush()
             if durable:

@@ -446,23 +446,17 @@ def read_pt(
     try:
         with open(path, "rb") as f:
             head = f.read(32)
+            if head[:4] != b"PK\x03\x04" and _is_legacy_pickle(head):
+                f.seek(0)
+                return _read_legacy(f, src, key, max_values)
     except FileNotFoundError:
         raise VoiceError(f"{src} does not exist; check the path") from None
     except OSError as e:
         fix = unreadable_fix(e, "re-download or re-create it")
-        raise VoiceError(f"cannot open {src}: {one_line(e.strerror or str(e))}; {fix}") from e
+        raise VoiceError(f"cannot read {src}: {one_line(e.strerror or str(e))}; {fix}") from e
     if not head:
         raise VoiceError(f"{src} is empty; re-download or re-create it")
     if head[:4] != b"PK\x03\x04":
-        if _is_legacy_pickle(head):
-            try:
-                with open(path, "rb") as f:
-                    return _read_legacy(f, src, key, max_values)
-            except OSError as e:
-                fix = unreadable_fix(e, "re-download or re-create it")
-                raise VoiceError(
-                    f"cannot read {src}: {one_line(e.strerror or str(e))}; {fix}"
-                ) from e
         if _is_pickle(head):
             raise VoiceError(
                 f"{src} is a bare Python pickle, not a torch.save file (nothing in it was run); "

@@ -487,10 +487,9 @@ def _probe_write(fd: int) -> int | None:
 
 def _cut_short(fd: int) -> str:
     """Why a file came out short, and what helps (see :func:`_failure`)."""
-    code = _probe_write(fd)
-    if code in _NAMED_ERRORS:
-        return _NAMED_ERRORS[code]
-    return "the disk may be full; free some space or choose another location"
+    return _NAMED_ERRORS.get(
+        _probe_write(fd), "the disk may be full; free some space or choose another location"
+    )
 
 
 def _format_refused(error: Exception, directory: Path, fd: int) -> str | None:
