@@ -1,7 +1,8 @@
 """ms per frame of two revisions of voxtral_mlx on the same checkpoint, same process run.
 
 Used to record before/after figures of hot-path changes. Each revision runs in its own
-subprocess (``PYTHONPATH`` = its tree), alternating, so machine load hits both alike.
+subprocess (working directory and ``PYTHONPATH``: its tree), alternating, so machine load
+hits both alike.
 
     python benchmarks/revision_compare.py BEFORE_TREE AFTER_TREE [--config tiny|wide]
                                           [--streams N]
@@ -19,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from common import TEXT, VOICE, at_least_one, checkpoint, command_line, record, run_script
 
@@ -61,6 +63,35 @@ run()
 print(json.dumps([run() for _ in range(repeats)]))
 """
 
+# Printed first by every child: which voxtral_mlx it imported.
+WHERE = "import voxtral_mlx as _v; print(_v.__file__)\n"
+
+
+def run_child(tree: str, child: str, args: list[str]) -> list[float]:
+    """``child``'s timings (the JSON list it prints last), run with ``tree``'s voxtral_mlx.
+
+    The working directory is the tree too: ``python -c`` puts it first on ``sys.path``, so
+    run from another checkout (the repository root) both revisions would import that one.
+    Stops if the child imported voxtral_mlx from anywhere else.
+    """
+    tree = str(Path(tree).resolve())
+    proc = subprocess.run(
+        [sys.executable, "-c", WHERE + child, *args],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": tree},
+        capture_output=True,
+        text=True,
+    )
+    lines = proc.stdout.strip().splitlines()
+    where = lines[0] if lines else ""
+    if where and not Path(where).resolve().is_relative_to(tree):
+        raise SystemExit(f"{tree}: the run imported voxtral_mlx from {where}, not from this tree")
+    if proc.returncode:
+        sys.stderr.write(proc.stderr)
+        raise SystemExit(f"{tree}: the run failed (exit status {proc.returncode})")
+    return json.loads(lines[-1])
+
+
 CONFIGS = {"tiny": ("tiny", None, None, 8, 40), "wide": ("wide", 2, 3, 1, 3)}
 
 
@@ -80,15 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     child_args = [str(path), TEXT, VOICE, str(n1), str(n2), "3", str(args.streams)]
     for _ in range(args.rounds):
         for label in ("before", "after"):
-            tree = getattr(args, label)
-            proc = subprocess.run(
-                [sys.executable, "-c", child, *child_args],
-                env={**os.environ, "PYTHONPATH": tree},
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            results[label] += json.loads(proc.stdout.strip().splitlines()[-1])
+            results[label] += run_child(getattr(args, label), child, child_args)
     before, after = (statistics.median(results[k]) for k in ("before", "after"))
     rows = [
         ("revision", "ms per batch frame" if args.streams else "ms/frame", "runs (median)"),

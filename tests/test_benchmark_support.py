@@ -567,3 +567,23 @@ def test_time_to_first_audio_leaves_the_users_voice_prefixes_alone(
     assert saved
     ttfa.measure(str(tiny_checkpoint_noend), 1, default_interval=False)
     assert sorted((tmp_path / "prefixes").iterdir()) == saved
+
+
+def test_revision_compare_runs_each_tree_whatever_the_working_directory(
+    tmp_path, monkeypatch, scripts
+):
+    """``python -c`` puts the working directory first on sys.path: run from a checkout (the
+    repository root), both revisions used to import that checkout's voxtral_mlx."""
+    from revision_compare import run_child
+
+    for name in ("before", "after", "cwd"):
+        package = tmp_path / name / "voxtral_mlx"
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(f"TREE = {name!r}\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    child = "import json, voxtral_mlx; print(json.dumps([voxtral_mlx.TREE]))"
+    assert run_child("../before", child, []) == ["before"]
+    assert run_child(str(tmp_path / "after"), child, []) == ["after"]
+    (tmp_path / "empty").mkdir()  # no voxtral_mlx: the installed one would be timed
+    with pytest.raises(SystemExit, match=r"imported voxtral_mlx from .*, not from this tree"):
+        run_child(str(tmp_path / "empty"), child, [])

@@ -624,8 +624,8 @@ def _load_weights(
         model.load_weights(list(params.items()), strict=True)
     except ValueError as e:  # shapes were verified; this guards the renames themselves
         raise CheckpointError(f"{weights.source}: {str(e).splitlines()[0]}") from None
-    # Folded codec weights and the flow head's constants are computed once, here.
+    # Folded codec weights, fused projections and the flow head's constants are computed
+    # once, here.
     mx.eval(model.audio_tokenizer.parameters())
-    model.acoustic_transformer.prepare()
-    model.audio_tokenizer.prepare()
+    model.prepare()
     return model, weights, compute_dtype

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -48,6 +49,14 @@ class Backbone(nn.Module):
             for _ in range(args.n_layers)
         ]
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self._final_norm: Callable[[mx.array], mx.array] | None = None
+
+    def prepare(self, compile: bool = True) -> None:
+        """Fuse each layer's projections (after the weights are loaded) and, with
+        ``compile``, compile the fixed-shape parts of a one-position step."""
+        for layer in self.layers:
+            layer.prepare(compile_decode=compile)
+        self._final_norm = mx.compile(self.norm) if compile else None
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
@@ -55,6 +64,10 @@ class Backbone(nn.Module):
     def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
         """Embeddings ``[B, T, dim]`` -> final-normed hidden states ``[B, T, dim]``."""
         mask = cache[0].mask(x.shape[1])
+        if x.shape[1] == 1:
+            for layer, layer_cache in zip(self.layers, cache):
+                x = layer.decode(x, layer_cache, mask)
+            return (self._final_norm or self.norm)(x)
         for layer, layer_cache in zip(self.layers, cache):
             x = layer(x, layer_cache, mask)
         return self.norm(x)

@@ -63,8 +63,11 @@ class FlowHead(nn.Module):
         self._compiled = None
 
     def prepare(self, compile: bool = True) -> None:
-        """Precompute the time tokens once (after the weights are loaded) and compile the
-        frame: semantic head + all Euler steps, fixed shapes per batch size."""
+        """Fuse the layers' projections and precompute the time tokens once (after the
+        weights are loaded; again after they change), and compile the frame: semantic head
+        + all Euler steps, fixed shapes per batch size."""
+        for layer in self.layers:
+            layer.prepare()
         n = self.args.n_decoding_steps
         t = mx.arange(n, dtype=mx.float32) / n
         dtype = self.norm.weight.dtype  # the compute dtype, whatever is quantized

@@ -6,10 +6,55 @@ Parameter names follow Mistral's checkpoint (``attention.wq``, ``feed_forward.w1
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+
+class Fused:
+    """Several linear layers of one input computed as one product (fewer kernels per step:
+    what costs most in a frame of the small flow-matching layers, on a GPU as here).
+
+    Held as a plain attribute, outside the module tree: its weights are the parts' own,
+    whose parameters become views of it, so nothing is stored or counted twice.
+    """
+
+    def __init__(self, layer: nn.Module, sizes: list[int]):
+        self.layer = layer
+        self._splits = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        return mx.split(self.layer(x), self._splits, axis=-1)
+
+
+def fuse_linears(parts: list[nn.Module]) -> Fused | None:
+    """``parts`` (linear layers of the same input) as one :class:`Fused` product, their
+    weights concatenated along the output axis; None when they differ in kind (a
+    checkpoint may quantize them differently)."""
+
+    def kind(m: nn.Module) -> tuple:
+        arrays = tuple(sorted(k for k, v in m.items() if isinstance(v, mx.array)))
+        quantized = tuple(getattr(m, a, None) for a in ("bits", "group_size", "mode"))
+        return type(m), arrays, quantized
+
+    if len({kind(m) for m in parts}) != 1 or not isinstance(parts[0], nn.Module):
+        return None
+    names = kind(parts[0])[1]
+    joined = {k: mx.concatenate([m[k] for m in parts]) for k in names}
+    mx.eval(joined)
+    fused = copy.copy(parts[0])
+    fused.update(joined)
+    start, sizes = 0, []
+    for m in parts:
+        n = m["weight"].shape[0]
+        m.update({k: joined[k][start : start + n] for k in names})
+        start += n
+        sizes.append(n)
+    mx.eval([m.parameters() for m in parts])  # views: the separate buffers are let go
+    return Fused(fused, sizes)
 
 
 class Attention(nn.Module):
@@ -38,37 +83,54 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self._qkv: Fused | None = None
+
+    def fuse(self) -> None:
+        """Compute wq, wk and wv as one product from now on (after the weights are loaded;
+        again after they change)."""
+        self._qkv = fuse_linears([self.wq, self.wk, self.wv])
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values ``[B, heads, T, head_dim]`` of ``x [B, T, dim]``."""
+        b, t, _ = x.shape
+        if self._qkv is not None:
+            q, k, v = self._qkv(x)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return q, k, v
+
+    def rotate(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        """RoPE at positions ``offset`` onwards (an array: one start per row)."""
+        return mx.fast.rope(
+            x, self.head_dim, traditional=True, base=self.rope_theta, scale=1.0, offset=offset
+        )
+
+    def merge_heads(self, out: mx.array) -> mx.array:
+        """The output projection of attention outputs ``[B, heads, T, head_dim]``."""
+        b, _, t, _ = out.shape
+        return self.wo(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
     def __call__(
         self, x: mx.array, cache: Any = None, mask: mx.array | str | None = None
     ) -> mx.array:
-        b, t, _ = x.shape
-        q = self.wq(x).reshape(b, t, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.wk(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.wv(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q, k, v = self.project(x)
         if self.rope_theta is not None:
             offset = cache.offset if cache is not None else 0
-            q = mx.fast.rope(
-                q, self.head_dim, traditional=True, base=self.rope_theta, scale=1.0, offset=offset
-            )
-            k = mx.fast.rope(
-                k, self.head_dim, traditional=True, base=self.rope_theta, scale=1.0, offset=offset
-            )
+            q, k = self.rotate(q, offset), self.rotate(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.wo(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+        return self.merge_heads(out)
 
-    def attend(self, xq: mx.array, xkv: mx.array) -> mx.array:
-        """Queries from ``xq [B, n, dim]`` over keys/values from ``xkv [B, t, dim]``, with no
+    def first_query(self, x: mx.array) -> mx.array:
+        """Position 0's output ``[B, 1, dim]`` over all positions of ``x [B, t, dim]``, with no
         mask, cache or positions (the flow head's bidirectional layers)."""
-        b, n, _ = xq.shape
-        t = xkv.shape[1]
-        q = self.wq(xq).reshape(b, n, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.wk(xkv).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.wv(xkv).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
-        return self.wo(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        q, k, v = self.project(x)
+        out = mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=self.scale)
+        return self.merge_heads(out)
 
 
 class FeedForward(nn.Module):
@@ -79,9 +141,18 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self._w13: Fused | None = None
+
+    def fuse(self) -> None:
+        """Compute w1 and w3 as one product from now on (see :meth:`Attention.fuse`)."""
+        self._w13 = fuse_linears([self.w1, self.w3])
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.w2(nn.silu(self.w1(x)) * self.w3(x))
+        if self._w13 is not None:
+            gate, up = self._w13(x)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(nn.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -102,6 +173,36 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(dim, hidden_dim)
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self._decode: tuple[Callable, Callable] | None = None
+
+    def prepare(self, compile_decode: bool = False) -> None:
+        """Fuse the projections (after the weights are loaded; again after they change) and,
+        with ``compile_decode``, compile the fixed-shape parts of a one-position step."""
+        self.attention.fuse()
+        self.feed_forward.fuse()
+        self._decode = (
+            (mx.compile(self._decode_in), mx.compile(self._decode_out)) if compile_decode else None
+        )
+
+    def _decode_in(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        q, k, v = self.attention.project(self.attention_norm(x))
+        return self.attention.rotate(q, offset), self.attention.rotate(k, offset), v
+
+    def _decode_out(self, x: mx.array, out: mx.array) -> mx.array:
+        h = x + self.attention.merge_heads(out)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def decode(self, x: mx.array, cache: Any, mask: mx.array | None) -> mx.array:
+        """One new position per row, ``x [B, 1, dim]``: the same as calling the block, with
+        everything but the cache update and the attention itself compiled when the cache
+        gives each row's position as an array (a number would be a constant of the graph)."""
+        if self._decode is None or not isinstance(cache.offset, mx.array):
+            return self(x, cache, mask)
+        decode_in, decode_out = self._decode
+        q, k, v = decode_in(x, cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.attention.scale, mask=mask)
+        return decode_out(x, out)
 
     def __call__(
         self, x: mx.array, cache: Any = None, mask: mx.array | str | None = None
@@ -111,10 +212,9 @@ class TransformerBlock(nn.Module):
 
     def first_position(self, x: mx.array) -> mx.array:
         """The block's output at position 0 only, ``[B, 1, dim]``, for a bidirectional block
-        without positions: every position is still a key, but the queries, output
+        without positions: every position is still a key, but the attention output, output
         projection and SwiGLU of the other positions are never computed."""
-        h = self.attention_norm(x)
-        h0 = x[:, :1] + self.attention.attend(h[:, :1], h)
+        h0 = x[:, :1] + self.attention.first_query(self.attention_norm(x))
         return h0 + self.feed_forward(self.ffn_norm(h0))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -31,6 +32,16 @@ class VoxtralModel(Backbone):
         self.acoustic_transformer = FlowHead(config.flow, semantic_rows)
         self.audio_tokenizer = CodecDecoder(config.codec)
         self._code_offsets = mx.array(config.codebook_offsets, dtype=mx.int32)
+        self._embed: Callable[[mx.array], mx.array] | None = None
+
+    def prepare(self, compile: bool = True) -> None:
+        """Once the weights are loaded (and again after they change): fuse projections,
+        precompute constants, compile the fixed-shape steps of the backbone, the flow head
+        and the codec."""
+        Backbone.prepare(self, compile)
+        self._embed = mx.compile(self.embed_codes) if compile else None
+        self.acoustic_transformer.prepare(compile)
+        self.audio_tokenizer.prepare(compile)
 
     @property
     def compute_dtype(self) -> mx.Dtype:
@@ -66,4 +77,4 @@ class VoxtralModel(Backbone):
 
     def step(self, codes: mx.array, cache: list[Any]) -> mx.array:
         """Feed one frame's codes back: next hidden state ``[B, dim]``."""
-        return self(self.embed_codes(codes), cache)[:, -1]
+        return self((self._embed or self.embed_codes)(codes), cache)[:, -1]
