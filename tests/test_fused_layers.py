@@ -31,13 +31,14 @@ def test_fused_projections_equal_the_separate_ones_and_take_no_memory(kind):
     x = mx.random.normal((3, 5, 128))
     separate = [np.array(m(x)) for m in parts]
     params = [{k: np.array(v) for k, v in m.parameters().items()} for m in parts]
+    held = sum(v.nbytes for m in parts for v in m.parameters().values())
     mx.synchronize()
     before = mx.get_active_memory()
     fused = fuse_linears(parts)
     assert fused is not None
     # The parts' weights became views of the fused ones: nothing is held twice (a copy
-    # would add their size; temporaries of the set-up may be let go meanwhile).
-    assert mx.get_active_memory() <= before
+    # would add all of their size; the allocator's rounding may differ by a little).
+    assert mx.get_active_memory() - before < held / 10
     for out, want in zip(fused(x), separate):
         np.testing.assert_array_equal(np.array(out), want)
     for m, want, out in zip(parts, params, separate):  # the parts are unchanged

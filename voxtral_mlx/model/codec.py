@@ -28,6 +28,7 @@ from .codec_layers import (
     CausalConv1d,
     CausalConvTranspose1d,
     CodecTransformer,
+    CodecTransformerLayer,
     ConvBlock,
     alibi_slopes,
     attention_bias,
@@ -249,8 +250,12 @@ class CodecDecoder(nn.Module):
         return t, state.position == 0, filled
 
     def prepare(self, compile: bool = True) -> None:
-        """Compile the streaming step (after the weights are loaded): one function for a
-        stream's first chunk (start padding), one for the others."""
+        """Fuse the transformer layers' projections and compile the streaming step (after
+        the weights are loaded): one function for a stream's first chunk (start padding),
+        one for the others."""
+        for module in self.modules():
+            if isinstance(module, CodecTransformerLayer):
+                module.fuse()
         self._compiled_steps = (
             {first: mx.compile(partial(self._step, first=first)) for first in (True, False)}
             if compile

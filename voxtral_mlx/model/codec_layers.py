@@ -14,7 +14,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import FeedForward
+from .layers import FeedForward, Fused, fuse_linears
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -197,6 +197,11 @@ class CodecAttention(nn.Module):
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
         self.q_norm = nn.RMSNorm(n_heads * head_dim, eps=qk_norm_eps)
         self.k_norm = nn.RMSNorm(n_kv_heads * head_dim, eps=qk_norm_eps)
+        self._qkv: Fused | None = None
+
+    def fuse(self) -> None:
+        """Compute wq, wk and wv as one product from now on (after the weights are loaded)."""
+        self._qkv = fuse_linears([self.wq, self.wk, self.wv])
 
     def __call__(
         self, x: mx.array, keys: mx.array, values: mx.array, mask: mx.array
@@ -205,9 +210,13 @@ class CodecAttention(nn.Module):
         k_norm), ``mask [heads, n, W + n]`` (or banded: see :func:`banded_attention_bias`)
         -> output and the ``W + n`` keys/values."""
         b, n, _ = x.shape
-        q = self.q_norm(self.wq(x)).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.wk(x)).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.wv(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self._qkv is not None:
+            q, k, v = self._qkv(x)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = self.q_norm(q).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_norm(k).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         k = mx.concatenate([keys, k], axis=2)
         v = mx.concatenate([values, v], axis=2)
         if mask.ndim == 4:  # banded (see banded_attention_bias)
@@ -237,6 +246,11 @@ class CodecTransformerLayer(nn.Module):
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.attention_scale = mx.ones((dim,))
         self.ffn_scale = mx.ones((dim,))
+
+    def fuse(self) -> None:
+        """Fuse the projections (see :meth:`CodecAttention.fuse`)."""
+        self.attention.fuse()
+        self.feed_forward.fuse()
 
     def __call__(
         self, x: mx.array, keys: mx.array, values: mx.array, mask: mx.array
