@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     size, layers, flow_layers, n1, n2 = CONFIGS[args.config]
     path = checkpoint(size, n_layers=layers, flow_layers=flow_layers)
     results: dict[str, list[float]] = {"before": [], "after": []}
-    child_args = [str(path), TEXT, VOICE, str(n1), str(n2), "3", str(args.streams)]
+    child_args = [str(path.resolve()), TEXT, VOICE, str(n1), str(n2), "3", str(args.streams)]
     for _ in range(args.rounds):
         for label in ("before", "after"):
             results[label] += run_child(getattr(args, label), child, child_args)

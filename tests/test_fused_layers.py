@@ -6,6 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from voxtral_mlx.loader import load_model_dir
 from voxtral_mlx.model.cache import BatchKVCache
@@ -64,11 +65,15 @@ def models(tiny_checkpoint_bf16):
     loaded = load_model_dir(tiny_checkpoint_bf16).model
     plain = load_model_dir(tiny_checkpoint_bf16).model
     plain.prepare(compile=False)
-    separate = load_model_dir(tiny_checkpoint_bf16).model
-    for layer in separate.layers:
+    return loaded, plain, _separate(load_model_dir(tiny_checkpoint_bf16).model)
+
+
+def _separate(model):
+    """``model`` computing each projection on its own, nothing compiled in the backbone."""
+    for layer in model.layers:
         layer.attention._qkv = layer.feed_forward._w13 = layer._decode = None
-    separate._final_norm = separate._embed = None
-    return loaded, plain, separate
+    model._final_norm = model._embed = None
+    return model
 
 
 def _steps(model, frames: int = 6) -> np.ndarray:
@@ -102,10 +107,10 @@ def test_compiled_fused_decode_equals_the_plain_step(models):
     assert np.abs(want[0] - want[1]).max() > 0  # the steps do differ
 
 
-def test_prepare_again_sees_changed_weights(tiny_checkpoint_bf16, models):
+def test_prepare_again_sees_changed_weights(tiny_checkpoint_bf16):
     """The compiled step captures the weights: after they change, prepare() rebuilds it (and
     the fused products) from the new ones."""
-    _, _, separate = models
+    separate = _separate(load_model_dir(tiny_checkpoint_bf16).model)
     model = load_model_dir(tiny_checkpoint_bf16).model
     before = _steps(model)
     for m in (model, separate):
@@ -115,3 +120,14 @@ def test_prepare_again_sees_changed_weights(tiny_checkpoint_bf16, models):
     after = _steps(model)
     assert np.abs(after - before).max() > 0
     np.testing.assert_array_equal(after, _steps(separate))
+
+
+def test_load_reads_every_weight_before_the_steps_are_compiled(tiny_checkpoint_bf16):
+    """A compiled step captures its weights: one still unread (lazily mapped, cast to the
+    compute dtype) would be read and cast again at every call. So ``load`` reads them all:
+    the memory they take is allocated once it returns."""
+    mx.synchronize()
+    before = mx.get_active_memory()
+    model = load_model_dir(tiny_checkpoint_bf16, dtype="float32").model
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert mx.get_active_memory() - before >= weights

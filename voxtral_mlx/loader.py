@@ -8,7 +8,9 @@ Three layouts load (see :mod:`voxtral_mlx.mlx_layout`):
   optionally quantized;
 * ``mlx-community``: mlx-audio's conversions, mlx-audio's tensor names, optionally quantized.
 
-Weights are read lazily (memory-mapped by MLX) from every layout. Names are mapped to
+Weights are mapped lazily by MLX from every layout and read (cast to the compute dtype)
+once the model is built, before its steps are compiled: a compiled step would otherwise
+capture them unread and read and cast them again at every call. Names are mapped to
 Mistral's, then every tensor is verified against the shapes ``params.json`` implies (packed
 shapes for quantized layers); quantized layers are exactly those whose ``.scales`` are in
 the files, and the model is loaded with ``strict=True``.
@@ -624,8 +626,8 @@ def _load_weights(
         model.load_weights(list(params.items()), strict=True)
     except ValueError as e:  # shapes were verified; this guards the renames themselves
         raise CheckpointError(f"{weights.source}: {str(e).splitlines()[0]}") from None
-    # Folded codec weights, fused projections and the flow head's constants are computed
-    # once, here.
-    mx.eval(model.audio_tokenizer.parameters())
+    # Every weight read (cast, codec weights folded) once, here, before the compiled steps
+    # capture them; then the fused projections and the flow head's constants.
+    mx.eval(model.parameters())
     model.prepare()
     return model, weights, compute_dtype

@@ -36,13 +36,13 @@ def fuse_linears(parts: list[nn.Module]) -> Fused | None:
     checkpoint may quantize them differently)."""
 
     def kind(m: nn.Module) -> tuple:
-        arrays = tuple(sorted(k for k, v in m.items() if isinstance(v, mx.array)))
+        arrays = tuple(sorted((k, v.dtype) for k, v in m.items() if isinstance(v, mx.array)))
         quantized = tuple(getattr(m, a, None) for a in ("bits", "group_size", "mode"))
         return type(m), arrays, quantized
 
-    if len({kind(m) for m in parts}) != 1 or not isinstance(parts[0], nn.Module):
+    if len({kind(m) for m in parts}) != 1:
         return None
-    names = kind(parts[0])[1]
+    names = [k for k, _ in kind(parts[0])[1]]
     joined = {k: mx.concatenate([m[k] for m in parts]) for k in names}
     mx.eval(joined)
     fused = copy.copy(parts[0])

@@ -38,7 +38,7 @@ class VoxtralModel(Backbone):
         """Once the weights are loaded (and again after they change): fuse projections,
         precompute constants, compile the fixed-shape steps of the backbone, the flow head
         and the codec."""
-        Backbone.prepare(self, compile)
+        super().prepare(compile)
         self._embed = mx.compile(self.embed_codes) if compile else None
         self.acoustic_transformer.prepare(compile)
         self.audio_tokenizer.prepare(compile)
