@@ -97,10 +97,11 @@ def _best_gbs(read, n_bytes: int) -> float:
 def frame_shapes(tts) -> tuple[list[tuple[mx.array, int]], int]:
     """(weight, rows multiplying it) for every matmul of one frame, and the weight bytes.
 
-    Rows are voxtral_mlx's: the backbone decodes one position; each Euler step runs the
-    flow head on 2 x 3 tokens (cond and uncond), except that its last layer only computes
-    keys and values for the other tokens (position 0 is the only one read out); the codec
-    runs each stage at its own rate (1, 2, 4, 8 steps per frame).
+    Rows are those a frame must multiply: the backbone decodes one position; each Euler step
+    runs the flow head on 2 x 3 tokens (cond and uncond), except that its last layer needs
+    only keys and values of the other tokens (position 0 is the only one read out;
+    voxtral_mlx's one wq/wk/wv product also makes their queries, extra work that counts as
+    its overhead); the codec runs each stage at its own rate (1, 2, 4, 8 steps per frame).
     """
     m, cfg = tts.model, tts.config
     mats: list[tuple[mx.array, int]] = []
