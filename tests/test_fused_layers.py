@@ -13,6 +13,15 @@ from voxtral_mlx.model.cache import BatchKVCache
 from voxtral_mlx.model.layers import Float32QuantizedLinear, fuse_linears
 
 
+def assert_same(actual: np.ndarray, expected: np.ndarray) -> None:
+    """Bit-identical on the CPU (where these tests run in CI); on Metal, whose product
+    kernels may be chosen by the matrix's width, within bfloat16 rounding."""
+    if mx.default_device() == mx.cpu:
+        np.testing.assert_array_equal(actual, expected)
+    else:
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=2e-2 * np.abs(expected).max())
+
+
 def _linears(kind: str, sizes: list[int], dim: int = 128) -> list[nn.Module]:
     mx.random.seed(0)
     layers = [nn.Linear(dim, n, bias=False) for n in sizes]
@@ -41,7 +50,7 @@ def test_fused_projections_equal_the_separate_ones_and_take_no_memory(kind):
     # would add all of their size; the allocator's rounding may differ by a little).
     assert mx.get_active_memory() - before < held / 10
     for out, want in zip(fused(x), separate):
-        np.testing.assert_array_equal(np.array(out), want)
+        assert_same(np.array(out), want)
     for m, want, out in zip(parts, params, separate):  # the parts are unchanged
         assert {k: np.array(v) for k, v in m.parameters().items()}.keys() == want.keys()
         for k, v in m.parameters().items():
@@ -102,8 +111,8 @@ def test_compiled_fused_decode_equals_the_plain_step(models):
     assert loaded.layers[0]._decode is not None and plain.layers[0]._decode is None
     assert loaded.layers[0].attention._qkv is not None
     want = _steps(separate)
-    np.testing.assert_array_equal(_steps(plain), want)
-    np.testing.assert_array_equal(_steps(loaded), want)
+    assert_same(_steps(plain), want)
+    assert_same(_steps(loaded), want)
     assert np.abs(want[0] - want[1]).max() > 0  # the steps do differ
 
 
@@ -119,7 +128,7 @@ def test_prepare_again_sees_changed_weights(tiny_checkpoint_bf16):
     model.prepare()
     after = _steps(model)
     assert np.abs(after - before).max() > 0
-    np.testing.assert_array_equal(after, _steps(separate))
+    assert_same(after, _steps(separate))
 
 
 def test_load_reads_every_weight_before_the_steps_are_compiled(tiny_checkpoint_bf16):
