@@ -140,3 +140,29 @@ def test_load_reads_every_weight_before_the_steps_are_compiled(tiny_checkpoint_b
     model = load_model_dir(tiny_checkpoint_bf16, dtype="float32").model
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     assert mx.get_active_memory() - before >= weights
+
+
+def test_loading_holds_the_weights_once_while_fusing(tmp_path):
+    """Fusing makes each layer's wq/wk/wv and w1/w3 anew, one group at a time: the separate
+    ones must be let go as it goes, not kept by the loader until it returns (for the real
+    model, over 4 GB more at the peak of a load)."""
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
+
+    path = build_random_checkpoint(tmp_path / "m", make_params("tiny", n_layers=8, dim=256))
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    model = load_model_dir(path).model
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    fusable = sum(
+        lin.weight.nbytes
+        for block in [*model.layers, *model.acoustic_transformer.layers]
+        for lin in (
+            block.attention.wq,
+            block.attention.wk,
+            block.attention.wv,
+            block.feed_forward.w1,
+            block.feed_forward.w3,
+        )
+    )
+    assert mx.get_peak_memory() - before - weights < fusable / 2

@@ -626,6 +626,9 @@ def _load_weights(
         model.load_weights(list(params.items()), strict=True)
     except ValueError as e:  # shapes were verified; this guards the renames themselves
         raise CheckpointError(f"{weights.source}: {str(e).splitlines()[0]}") from None
+    # The model holds the weights now: kept here too, the separate projections would stay
+    # in memory beside their fused copies while prepare() makes them.
+    del params
     # Every weight read (cast, codec weights folded) once, here, before the compiled steps
     # capture them; then the fused projections and the flow head's constants.
     mx.eval(model.parameters())
