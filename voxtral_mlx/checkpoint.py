@@ -1,7 +1,8 @@
 """Checkpoint tensors: expected names and shapes, lazy reading, verification, folding.
 
-Nothing is materialised at load beyond the headers: tensors come back as lazy MLX arrays
-backed by the files (a float64 tensor, which MLX does not map, is read and narrowed).
+Nothing is materialised here beyond the headers: tensors come back as lazy MLX arrays
+backed by the files (a float64 tensor, which MLX does not map, is read and narrowed); the
+loader reads them once the model is built.
 Every tensor is checked against the shapes ``params.json`` implies (packed shapes for
 quantized layers) before any of it is used. The codec's weight norm and the semantic
 codebook are folded once here (``sanitize``), never per call.
