@@ -64,10 +64,7 @@ class Backbone(nn.Module):
     def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
         """Embeddings ``[B, T, dim]`` -> final-normed hidden states ``[B, T, dim]``."""
         mask = cache[0].mask(x.shape[1])
-        if x.shape[1] == 1:
-            for layer, layer_cache in zip(self.layers, cache):
-                x = layer.decode(x, layer_cache, mask)
-            return (self._final_norm or self.norm)(x)
         for layer, layer_cache in zip(self.layers, cache):
             x = layer(x, layer_cache, mask)
-        return self.norm(x)
+        # Compiled for one position only: each prompt length would be a graph of its own.
+        return (self._final_norm if x.shape[1] == 1 and self._final_norm else self.norm)(x)

@@ -14,7 +14,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import FeedForward, Fused, fuse_linears
+from .layers import FeedForward, Fused, fuse_linears, products
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -210,10 +210,7 @@ class CodecAttention(nn.Module):
         k_norm), ``mask [heads, n, W + n]`` (or banded: see :func:`banded_attention_bias`)
         -> output and the ``W + n`` keys/values."""
         b, n, _ = x.shape
-        if self._qkv is not None:
-            q, k, v = self._qkv(x)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = products(self._qkv, [self.wq, self.wk, self.wv], x)
         q = self.q_norm(q).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_norm(k).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = v.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)

@@ -30,6 +30,11 @@ class Fused:
         return mx.split(self.layer(x), self._splits, axis=-1)
 
 
+def products(fused: Fused | None, parts: list[nn.Module], x: mx.array) -> list[mx.array]:
+    """Each of ``parts`` applied to ``x``: by their fused product when there is one."""
+    return fused(x) if fused is not None else [part(x) for part in parts]
+
+
 def fuse_linears(parts: list[nn.Module]) -> Fused | None:
     """``parts`` (linear layers of the same input) as one :class:`Fused` product, their
     weights concatenated along the output axis; None when they differ in kind (a
@@ -93,10 +98,7 @@ class Attention(nn.Module):
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values ``[B, heads, T, head_dim]`` of ``x [B, T, dim]``."""
         b, t, _ = x.shape
-        if self._qkv is not None:
-            q, k, v = self._qkv(x)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = products(self._qkv, [self.wq, self.wk, self.wv], x)
         q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
@@ -148,10 +150,7 @@ class FeedForward(nn.Module):
         self._w13 = fuse_linears([self.w1, self.w3])
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self._w13 is not None:
-            gate, up = self._w13(x)
-        else:
-            gate, up = self.w1(x), self.w3(x)
+        gate, up = products(self._w13, [self.w1, self.w3], x)
         return self.w2(nn.silu(gate) * up)
 
 
@@ -192,21 +191,25 @@ class TransformerBlock(nn.Module):
         h = x + self.attention.merge_heads(out)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def decode(self, x: mx.array, cache: Any, mask: mx.array | None) -> mx.array:
-        """One new position per row, ``x [B, 1, dim]``: the same as calling the block, with
-        everything but the cache update and the attention itself compiled when the cache
-        gives each row's position as an array (a number would be a constant of the graph)."""
-        if self._decode is None or not isinstance(cache.offset, mx.array):
-            return self(x, cache, mask)
-        decode_in, decode_out = self._decode
-        q, k, v = decode_in(x, cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.attention.scale, mask=mask)
-        return decode_out(x, out)
-
     def __call__(
         self, x: mx.array, cache: Any = None, mask: mx.array | str | None = None
     ) -> mx.array:
+        """``x [B, T, dim]``. One new position per row (``T == 1``) with a cache giving each
+        row's position as an array runs compiled (after ``prepare(compile_decode=True)``)
+        but for the cache update and the attention itself; a position given as a number
+        would be a constant of the graph."""
+        if (
+            self._decode is not None
+            and x.shape[1] == 1
+            and isinstance(getattr(cache, "offset", None), mx.array)
+        ):
+            decode_in, decode_out = self._decode
+            q, k, v = decode_in(x, cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+            out = mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=self.attention.scale, mask=mask
+            )
+            return decode_out(x, out)
         h = x + self.attention(self.attention_norm(x), cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
