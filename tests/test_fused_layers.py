@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -42,6 +44,7 @@ def test_fused_projections_equal_the_separate_ones_and_take_no_memory(kind):
     separate = [np.array(m(x)) for m in parts]
     params = [{k: np.array(v) for k, v in m.parameters().items()} for m in parts]
     held = sum(v.nbytes for m in parts for v in m.parameters().values())
+    gc.collect()  # earlier models (cycles through their compiled steps) freed now, not midway
     mx.synchronize()
     before = mx.get_active_memory()
     fused = fuse_linears(parts)
@@ -135,6 +138,7 @@ def test_load_reads_every_weight_before_the_steps_are_compiled(tiny_checkpoint_b
     """A compiled step captures its weights: one still unread (lazily mapped, cast to the
     compute dtype) would be read and cast again at every call. So ``load`` reads them all:
     the memory they take is allocated once it returns."""
+    gc.collect()  # earlier models (cycles through their compiled steps) freed now, not midway
     mx.synchronize()
     before = mx.get_active_memory()
     model = load_model_dir(tiny_checkpoint_bf16, dtype="float32").model
@@ -149,6 +153,7 @@ def test_loading_holds_the_weights_once_while_fusing(tmp_path):
     from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
 
     path = build_random_checkpoint(tmp_path / "m", make_params("tiny", n_layers=8, dim=256))
+    gc.collect()  # earlier models (cycles through their compiled steps) freed now, not midway
     mx.synchronize()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
