@@ -94,7 +94,7 @@ def load_model(args: argparse.Namespace):
     if getattr(args, "verbose", False):
         info(
             f"loaded {tts.path} in {time.perf_counter() - t0:.2f} s: {weights_summary(tts)} "
-            "(most weights are read from disk when first used: in the first prefill and frame)"
+            "(every weight read into memory)"
         )
     return tts
 
