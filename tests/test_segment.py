@@ -25,6 +25,11 @@ PROTECTED = [
     "10:30",
     "1 000 000",
     "12 345",
+    "555 123 4567",  # a phone number: half of it read out as a sentence's end before
+    "+1 (555) 123-4567",
+    "+44 20 7946 0958",
+    "4111 1111 1111 1111",
+    "3 1/2",  # a mixed fraction
     "2024-01-05",
     "v1.2.3",
     "10–20",
@@ -49,6 +54,7 @@ PROTECTED = [
     "etc.",
     "No. 5",
     "J. R. R. Tolkien",
+    "e. e. cummings",
     "I. M. Pei",
     "M. Dupont",
     "Mme. Curie",
@@ -872,6 +878,27 @@ def test_numbers_grouped_with_spaces_stay_whole() -> None:
     for target in range(140, 200, 3):
         segs = split_text(text, target_chars=target, max_chars=target + 10)
         assert any("1 000 000" in s.text for s in segs) and any("12 345" in s.text for s in segs)
+
+
+@pytest.mark.parametrize(
+    "number", ["555 123 4567", "+1 (555) 123-4567", "+44 20 7946 0958", "(555) 123-4567", "2 3/4"]
+)
+def test_a_phone_number_or_mixed_fraction_stays_whole(number: str) -> None:
+    """Digit groups one space apart are one number wherever the target length falls."""
+    for n in range(40):
+        text = "lorem " * n + number + " ipsum" * 60
+        a = text.index(number)
+        segs = split_text(text, target_chars=150, max_chars=400)
+        assert_not_inside(segs, [(a, a + len(number))])
+
+
+def test_a_long_list_of_numbers_still_splits_at_spaces() -> None:
+    """At most eight space-separated groups count as one number: a list of many still has
+    word splits, so no segment is cut inside a number."""
+    text = " ".join(str(i) for i in range(1, 400))
+    segs = split_text(text, target_chars=100, max_chars=150)
+    assert len(segs) > 1
+    assert [w for s in segs for w in s.text.split()] == text.split()
 
 
 def test_invisible_marks_after_punctuation_keep_sentence_ends() -> None:

@@ -11,13 +11,14 @@ silence. Split points, best first:
 * cut: no usable split within ``max_chars``; cut at ``max_chars``, outside grapheme clusters and
   protected spans when possible.
 
-No split ever falls inside a number, URL or e-mail address, between a title-like abbreviation
-("Mr.", "e.g.", "z.B."), an initial or a line-start list marker ("1.") and the next word,
-inside a spaced ellipsis (". . ."), or after an ellipsis followed by a lowercase word. Any
-other period ends a sentence only when the next word is not lowercase: "etc. and" continues,
-"Apple Inc. The" ends; after a number of up to three digits it may be an ordinal ("am 3.
-Mai") and counts as a word split. A "!" or "?" before a lowercase word is a word split too
-('"Why?" she asked').
+No split ever falls inside a number (up to eight digit groups one space apart read as one:
+"1 000 000", "+1 (555) 123-4567", "3 1/2"), URL or e-mail address, between a title-like
+abbreviation ("Mr.", "e.g.", "z.B."), an initial or a line-start list marker ("1.") and the
+next word, inside a spaced ellipsis (". . ."), or after an ellipsis followed by a lowercase
+word. Any other period ends a sentence only when the next word is not lowercase: "etc. and"
+continues, "Apple Inc. The" ends; after a number of up to three digits it may be an ordinal
+("am 3. Mai") and counts as a word split. A "!" or "?" before a lowercase word is a word
+split too ('"Why?" she asked').
 """
 
 from __future__ import annotations
@@ -120,30 +121,41 @@ _IDN_URL_BODY = (
     r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]"
     r"[^\s<>\"।॥؟،۔\u3000-\u303f\ufe30-\ufe4f\uff00-\uffef]*"
 )
+# What joins the digits of one number: "3.14", "2024-01-05", "10:30", "1/2", "10--20"; full-width
+# separators too: "1，000", "3：30".
+_DIGIT_JOINER = r"(?:--|[.,:/\-–—―٫٬，．：])"
+_SEPARATED_DIGITS = r"\d+(?:" + _DIGIT_JOINER + r"\d+)+"
+_DIGIT_GROUP = r"(?:\(\d+\)|\d+(?:" + _DIGIT_JOINER + r"\d+)*)"
 # A number beside a currency or percent sign, its thousands perhaps grouped with spaces.
 _SIGNED_NUMBER = r"(?:\d{1,3}(?: \d{3})+(?!\d)|\d+)(?:[.,]\d+)*"
+# Digit groups one space apart, read as one number: thousands ("1 000 000"), a phone or card
+# number ("+1 (555) 123-4567", "4111 1111 1111 1111"), a mixed fraction ("3 1/2"); at most
+# eight groups, so that a long list of numbers still has places to split.
+_SPACED_NUMBER = r"(?<![\w.,+])\+?" + _DIGIT_GROUP + r"(?: " + _DIGIT_GROUP + r"){1,7}"
 # The lookbehinds make each pattern start only at the beginning of a run: linear time on long
-# unbroken input.
+# unbroken input. The first alternative matching at a place wins.
 _PROTECTED = re.compile(
-    r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://(?:" + _IDN_URL_BODY + "|" + _URL_BODY + ")|"
-    r"(?<![\w.])www\." + _URL_BODY + "|"
-    r"(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+"
-    # a number and its percent or currency sign, spaced as French and German write them:
-    # "3,5 %", "5 €", "€ 5", "R$ 1.500,00", "1 000 €" (before the bare numbers: the first
-    # match wins)
-    r"|(?<![\d.,])" + _SIGNED_NUMBER + r" [%‰€$£¥₹](?!\w)"
-    r"|(?<![€$£¥₹])[€$£¥₹] " + _SIGNED_NUMBER +
-    # full-width separators too: "1，000", "3：30"; and "--" for a dash: "pages 10--20"
-    r"|(?<!\d)\d+(?:(?:--|[.,:/\-–—―٫٬，．：])\d+)+"
-    r"|(?<![\d.,])\d{1,2}, (?:1\d|20)\d\d(?!\d)"  # a day and its year: "May 3, 2024"
-    r"|(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d)",  # thousands grouped with spaces: "1 000 000"
+    "|".join(
+        [
+            r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://(?:" + _IDN_URL_BODY + "|" + _URL_BODY + ")",
+            r"(?<![\w.])www\." + _URL_BODY,
+            r"(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+",
+            # a number and its percent or currency sign, spaced as French and German write
+            # them: "3,5 %", "5 €", "€ 5", "R$ 1.500,00", "1 000 €"
+            r"(?<![\d.,])" + _SIGNED_NUMBER + r" [%‰€$£¥₹](?!\w)",
+            r"(?<![€$£¥₹])[€$£¥₹] " + _SIGNED_NUMBER,
+            _SPACED_NUMBER,
+            r"(?<!\d)" + _SEPARATED_DIGITS,
+            r"(?<![\d.,])\d{1,2}, (?:1\d|20)\d\d(?!\d)",  # a day and its year: "May 3, 2024"
+        ]
+    ),
     re.IGNORECASE,
 )
-# Whitespace no protected span holds (a space before a digit may be inside "1 000 000", one
-# before a percent or currency sign inside "5 %"):
+# Whitespace no protected span holds (a space before a digit or a parenthesis may be inside
+# "1 000 000" or "+1 (555) 123-4567", one before a percent or currency sign inside "5 %"):
 # the text is scanned in pieces ending there, as one scan of a long text in one C call
 # holds the GIL (160 ms for 100,000 words) and with it an event loop or a UI thread.
-_SCAN_BREAK = re.compile(r"[^\S ]| (?![\d%‰€$£¥₹])")
+_SCAN_BREAK = re.compile(r"[^\S ]| (?![\d(%‰€$£¥₹])")
 _SCAN_CHARS = 4096
 _STOP_EVERY = 4096  # units of work (about one per word) between two calls of ``stop``
 _TRAILING_PUNCT = ".,;:!?'\")]}»”’"
@@ -308,7 +320,7 @@ def _scan(
     check: Callable[[int], None] = lambda units: None,
 ) -> Iterator[re.Match]:
     """``pattern.finditer(text)`` in pieces of about ``chunk`` characters, for patterns
-    whose matches hold no whitespace but a space before a digit (the same matches: the
+    whose matches hold no whitespace but a space before a digit or "(" (the same matches: the
     lookbehinds still see the text before each piece). ``check`` is told of each piece.
 
     Pieces end at whitespace; a run of ``chunk`` characters without any (a CJK paragraph
@@ -564,14 +576,33 @@ def _protected_word(text: str, t0: int, k: int, s: int, word: str, nxt: str) -> 
             return nxt.isalpha()
         if word[0] in "ia" and text[k].isupper():  # "So did I. Then" but "I. M. Pei"
             return nxt.isupper() and text[s + 1 : s + 2] == "."
-        # the first of two ("p. ex.", "d. h.") or before a name or a number
-        return bool(_SHORT_ABBREVIATION.match(text, s)) or nxt.isupper() or nxt.isdigit()
+        # the first of two ("p. ex.", "d. h."), before a name or a number, or the last of
+        # several initials ("e. e. cummings")
+        return (
+            bool(_SHORT_ABBREVIATION.match(text, s))
+            or nxt.isupper()
+            or nxt.isdigit()
+            or (nxt.isalpha() and _after_initial(text, k))
+        )
     if word[:-1].isdigit():  # "1. First item" at the start of a line
         b = t0
         while b > 0 and text[b - 1] in " \t":
             b -= 1
         return b == 0 or text[b - 1] in _LINE_ENDS
     return False
+
+
+def _after_initial(text: str, k: int) -> bool:
+    """The token before the one starting at ``text[k]`` is a single letter and a period."""
+    i = k
+    while i > 0 and text[i - 1] == " ":
+        i -= 1
+    return (
+        2 <= i < k
+        and text[i - 1] == "."
+        and text[i - 2].isalpha()
+        and (i == 2 or not text[i - 3].isalnum())
+    )
 
 
 def _punctuation_only(text: str, i: int) -> bool:
