@@ -203,6 +203,8 @@ def test_a_name_without_extension_takes_the_one_of_the_file_it_leads_to(tmp_path
     bare = tmp_path / "noext"
     with pytest.raises(AudioOutputError, match=r"'.*noext': the name has no extension; end"):
         check_output_path(bare, SR)
+    with pytest.raises(AudioOutputError, match=r"'.wav' is all name and no extension"):
+        check_output_path(tmp_path / ".wav", SR)
     # The extension at fault is not in the name given: the error says where it comes from.
     (tmp_path / "speech.out").write_bytes(b"")
     odd = tmp_path / "stdout2"

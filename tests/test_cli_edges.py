@@ -681,6 +681,19 @@ def test_speak_will_not_write_over_its_own_text_file(tmp_path):
     assert text.read_text() == "Some words to say."
 
 
+def test_speak_will_not_write_over_the_file_its_stdin_reads(tmp_path):
+    """`speak -o notes.wav < notes.wav`: the text would be lost to its own audio."""
+    text = tmp_path / "notes.wav"
+    text.write_text("Some words to say.")
+    link = tmp_path / "link.wav"
+    link.symlink_to(text)
+    for out, extra in ((text, []), (link, []), (text, ["-f", "-"])):
+        with open(text, "rb") as stdin:
+            proc = run("speak", "-m", str(tmp_path / "none"), *extra, "-o", str(out), stdin=stdin)
+        assert "is the file the text is read from on stdin" in one_line_error(proc)
+    assert text.read_text() == "Some words to say."
+
+
 def test_progress_line_clears_what_a_longer_line_left(capsys):
     from types import SimpleNamespace
 

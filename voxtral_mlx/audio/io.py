@@ -165,6 +165,9 @@ def check_output_path(path: str | os.PathLike[str], sample_rate: int | None = No
     supported = ", ".join(FORMATS)
     if ext not in FORMATS:
         what = f"extension {ext!r} is not supported" if ext else "the name has no extension"
+        name = Path(path).name
+        if not ext and name.startswith(".") and "." not in name[1:]:  # "-o .wav"
+            what = f"{name!r} is all name and no extension (a leading dot starts none)"
         if ext and not _extension(Path(path)):  # /dev/stdout redirected to a file: say so
             what = f"{what} (that of {str(p)!r}, where it leads)"
         raise AudioOutputError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -53,6 +54,22 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
+def _reads_stdin(args: argparse.Namespace) -> bool:
+    """Whether the text comes from stdin (see :func:`~voxtral_mlx.textinput.read_text`)."""
+    if args.file is not None:
+        return args.file == "-"
+    return not args.text and sys.stdin is not None and not sys.stdin.isatty()
+
+
+def _stdin_is(path: str) -> bool:
+    """Whether stdin is redirected from the regular file ``path`` (``< notes.wav``)."""
+    try:
+        st, out = os.fstat(sys.stdin.fileno()), os.stat(path)
+    except (OSError, ValueError, AttributeError):  # no stdin, no such file yet
+        return False
+    return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino)
+
+
 @terminable
 def cmd_speak(args: argparse.Namespace) -> int:
     if args.device == "?":
@@ -87,6 +104,11 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if args.file not in (None, "-") and _same_file(args.file, args.output):
             raise InputError(
                 f"-o {args.output} is the text file given with -f: write the audio to another file"
+            )
+        if _reads_stdin(args) and _stdin_is(args.output):
+            raise InputError(
+                f"-o {args.output} is the file the text is read from on stdin: write the audio "
+                "to another file"
             )
     play = args.play or (args.output is None and not raw_out)
     if args.device is not None and not play:
