@@ -333,13 +333,19 @@ def test_patterns_are_fresh_lists() -> None:
     assert "*" not in MLX_PATTERNS
 
 
+# What is fetched of an MLX repo whose voices are .safetensors: only those.
+MLX_FETCHED = [
+    "voice_embedding/*.safetensors" if p == "voice_embedding/*" else p for p in MLX_PATTERNS
+]
+
+
 @pytest.mark.parametrize(
     ("repo", "expected"),
     [
         (DEFAULT_REPO, MISTRAL_PATTERNS),
         ("someone/Voxtral-4B-TTS-2603", MISTRAL_PATTERNS),
-        ("mlx-community/Voxtral-4B-TTS-2603-mlx-bf16", MLX_PATTERNS),
-        ("mlx-community/Voxtral-4B-TTS-2603-mlx-4bit", MLX_PATTERNS),
+        ("mlx-community/Voxtral-4B-TTS-2603-mlx-bf16", MLX_FETCHED),
+        ("mlx-community/Voxtral-4B-TTS-2603-mlx-4bit", MLX_FETCHED),
     ],
 )
 def test_snapshot_download_receives_the_layout_patterns(
@@ -395,11 +401,11 @@ MISTRAL_FILES = [
     ("repo", "files", "expected"),
     [
         # the name says nothing (or the wrong thing): the listing decides
-        ("someone/Voxtral-4B-TTS-2603-4bit", MLX_FILES, MLX_PATTERNS),
+        ("someone/Voxtral-4B-TTS-2603-4bit", MLX_FILES, MLX_FETCHED),
         ("someone/voxtral-tts-q6", MLX_FILES[2:6], MLX_PATTERNS),  # one shard, no index
         ("someone/voxtral-tts-mlx-ready", MISTRAL_FILES, MISTRAL_PATTERNS),
         # a conversion that kept its source's weights: only the conversion is fetched
-        ("someone/voxtral-copy", [*MLX_FILES, "consolidated.safetensors"], MLX_PATTERNS),
+        ("someone/voxtral-copy", [*MLX_FILES, "consolidated.safetensors"], MLX_FETCHED),
         # weight files of other names (mlx-audio reads every top-level *.safetensors): they
         # were left out and the download could never be complete
         (
@@ -411,6 +417,17 @@ MISTRAL_FILES = [
                 "consolidated.safetensors",
             ],
             [*MLX_PATTERNS, "weights.00.safetensors", "weights.01.safetensors"],
+        ),
+        # voices in both formats (mlx-audio's converter copies the .pt files): the .pt of a
+        # voice that has a .safetensors is not fetched, that of one without it is
+        (
+            "someone/voxtral-both-voices",
+            [
+                *MLX_FILES,
+                "voice_embedding/neutral_male.pt",
+                "voice_embedding/casual_female.pt",
+            ],
+            [*MLX_FETCHED, "voice_embedding/casual_female.pt"],
         ),
         # neither layout: the name decides, the loader says what is missing
         ("someone/voxtral-empty", ["README.md"], MISTRAL_PATTERNS),

@@ -52,6 +52,24 @@ def layout_patterns(files: Iterable[str]) -> list[str] | None:
     no ``model*`` file, weight files of other names such as ``weights.safetensors``, as
     mlx-audio reads them) or Mistral's layout; None when it holds neither."""
     names = set(files)
+    found = _layout_patterns(names)
+    if found is None:
+        return None
+    # A voice in both formats (mlx-audio's converter copies the .pt files beside the
+    # .safetensors it writes) is read from its .safetensors: the .pt is not fetched.
+    safe = {n[: -len(".safetensors")] for n in names if _is_voice(n, ".safetensors")}
+    if not safe:
+        return found
+    pt_only = sorted(n for n in names if _is_voice(n, ".pt") and n[: -len(".pt")] not in safe)
+    i = found.index("voice_embedding/*")
+    return [*found[:i], "voice_embedding/*.safetensors", *pt_only, *found[i + 1 :]]
+
+
+def _is_voice(name: str, suffix: str) -> bool:
+    return name.startswith("voice_embedding/") and name.count("/") == 1 and name.endswith(suffix)
+
+
+def _layout_patterns(names: set[str]) -> list[str] | None:
     if "config.json" in names:
         if any(fnmatch.fnmatchcase(n, "model*.safetensors") for n in names):
             return list(MLX_PATTERNS)
