@@ -451,6 +451,32 @@ def test_config_entries_for_unquantized_or_missing_layers_are_ignored(broken: Pa
     assert after.quantized == before.quantized
 
 
+def test_params_json_giving_other_widths_is_named_not_the_quantization_section(
+    broken: Path,
+) -> None:
+    """Wider attention heads in params.json (and config.json, which must agree): the
+    output projections' bits and group size read at that width are 2 and 128 instead of
+    4 and 64, and config.json's quantization section was blamed for them."""
+
+    def widen(node: object) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "head_dim" and isinstance(value, int):
+                    node[key] = 2 * value
+                else:
+                    widen(value)
+
+    for name in ("params.json", "config.json"):
+        config = json.loads((broken / name).read_text())
+        widen(config)
+        (broken / name).write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    message = one_line(exc.value)
+    assert "mis-shaped" in message and "does not match params.json" in message
+    assert "quantization section" not in message
+
+
 def test_config_leaving_a_stored_quantized_layer_unquantized_names_config_json(
     broken: Path,
 ) -> None:

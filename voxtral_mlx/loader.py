@@ -293,6 +293,13 @@ def _quantized_layers(
     and refuses a directory with such an entry for a backbone or flow-head layer)."""
     _check_scales(tensors, source)
     paths = {n[: -len(".scales")] for n in tensors if n.endswith(".scales")}
+    # A layer with other rows than params.json gives: the files do not fit params.json, and
+    # verification names the shapes; config.json is not blamed for the widths this implies.
+    rows_fit = all(
+        base[f"{p}.weight"].shape[:1] == tensors[f"{p}.weight"].info.shape[:1]
+        for p in paths
+        if f"{p}.weight" in base and f"{p}.weight" in tensors
+    )
     out: dict[str, QuantSpec] = {}
     for path in sorted(paths):
         named = one_line(tensors[f"{path}.scales"].key.removesuffix(".scales"), 80)  # as filed
@@ -318,7 +325,7 @@ def _quantized_layers(
             )
         if mode in FLOAT_QUANT_MODES:
             bits, group = bits or FLOAT_QUANT_MODES[mode][0], group or FLOAT_QUANT_MODES[mode][1]
-        if qconfig is not None:
+        if qconfig is not None and rows_fit:
             _check_recorded_spec(path, (mode, bits, group), tensors, base, source)
         if bits is None or group is None or mode is None:
             inferred = _infer_spec(path, tensors, base)
