@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from voxtral_mlx.audio import player as player_module
 from voxtral_mlx.audio.io import float_to_int16
 from voxtral_mlx.audio.player import (
     AudioPlayer,
@@ -30,7 +31,7 @@ from voxtral_mlx.audio.player import (
     refresh_output_devices,
     resolve_device,
 )
-from voxtral_mlx.errors import AudioOutputError, InputError, UsageError
+from voxtral_mlx.errors import AudioDeviceError, AudioOutputError, InputError, UsageError
 
 SR = 24000
 FRAME = 1920
@@ -883,6 +884,35 @@ def test_stalled_device_raises_instead_of_hanging():
     t.join(2)
     assert isinstance(result.get("error"), AudioOutputError)
     assert sd.streams[0].count("abort") == 1 and sd.streams[0].closed
+
+
+def test_a_device_that_hangs_its_stream_is_left_open_not_waited_for(monkeypatch):
+    """PortAudio's abort and close wait for its audio thread, which a hung device holds in
+    a write: finish() waited for the device to come back (for ever, if it never did),
+    Ctrl-C included, and so did PortAudio's termination at exit."""
+    sd = RestartableSD()
+    p = AudioPlayer(SR, sd=sd, clock=sd.clock)
+    hung = threading.Event()
+    stream = sd.streams[0]
+    stream.abort = lambda: hung.wait(30)  # type: ignore[method-assign]
+    sd._exit_handler = lambda: None
+    unregistered: list[object] = []
+    monkeypatch.setattr(player_module.atexit, "unregister", unregistered.append)
+    p.feed(frame(0))
+    sd.clock.advance(0.01)
+    p.feed(frame(1))
+    t, result = run_in_thread(p.finish)
+    time.sleep(0.05)
+    sd.clock.advance(10.0)  # no callback since: the device stalled
+    t.join(player_module._CLOSE_WAIT_S + 2)
+    assert not t.is_alive() and isinstance(result.get("error"), AudioDeviceError)
+    assert p.abandoned and not stream.closed
+    assert unregistered == [sd._exit_handler]  # the exit would wait on the stream too
+    with pytest.raises(UsageError, match=r"stopped responding.*restart the app"):
+        refresh_output_devices(sd)
+    assert sd.restarts == 0
+    hung.set()  # the device comes back: the stream is closed after all
+    _wait_for(lambda: stream.closed)
 
 
 # -- stopping -------------------------------------------------------------------------

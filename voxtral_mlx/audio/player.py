@@ -21,6 +21,7 @@ sounddevice is imported lazily, so importing this module never needs PortAudio.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import re
@@ -49,6 +50,7 @@ _LIST_DEVICES = (
 )
 _POLL_S = 0.02  # how often blocking waits look at stop() and the clock
 _STALL_S = 3.0  # a device whose callback stops for this long is considered gone
+_CLOSE_WAIT_S = 1.0  # longest a stream's abort and close may take before it is left open
 _CALLBACK_LOCK_S = 0.02  # longest the audio callback waits for the buffer lock
 
 # Pre-roll when generation is slower than real time.
@@ -161,6 +163,11 @@ def refresh_output_devices(sd: Any = None) -> list[dict[str, Any]]:
             "restart PortAudio; restart the app to see new audio devices"
         )
     with _PORTAUDIO_LOCK:
+        if any(p._sd is sd and p.abandoned and not p._released for p in list(_PLAYERS)):
+            raise UsageError(
+                "cannot re-read the audio devices: an audio device stopped responding and "
+                "its stream could not be closed; restart the app"
+            )
         if any(p._sd is sd and not p._released for p in list(_PLAYERS)):
             raise UsageError(
                 "cannot re-read the audio devices while audio is playing: stop() the "
@@ -336,6 +343,8 @@ class AudioPlayer:
         self._started = False
         self._closed = False
         self._released = False  # PortAudio is done with the stream: it is closed
+        # The stream could not be closed in time (a device that hangs) and was left open.
+        self.abandoned = False
         self._stream_lock = threading.RLock()
         self._stopped = _StopFlag()
         self._drained = threading.Event()  # the callback has handed out the last sample
@@ -715,13 +724,33 @@ class AudioPlayer:
             if self._closed:
                 return
             self._closed = True
-            # Closing anyway: an error on the way out has nothing useful to report.
-            if abort and self._started:
-                with contextlib.suppress(Exception):
-                    self._stream.abort()
+            closed = threading.Event()
+            threading.Thread(
+                target=self._end_stream,
+                args=(abort and self._started, closed),
+                name="voxtral-mlx-audio-close",
+                daemon=True,
+            ).start()
+        # A device that stopped taking audio holds PortAudio's abort and close for as long
+        # as its thread is blocked writing to it (minutes, or for ever): the stream is then
+        # left to them, and stop(), finish() and Ctrl-C return.
+        if not closed.wait(_CLOSE_WAIT_S):
+            self.abandoned = True
+            # sounddevice terminates PortAudio at exit, which would wait on this stream
+            # too: the process could never end.
+            handler = getattr(self._sd, "_exit_handler", None)
+            if callable(handler):
+                atexit.unregister(handler)
+
+    def _end_stream(self, abort: bool, closed: threading.Event) -> None:
+        # Closing anyway: an error on the way out has nothing useful to report.
+        if abort:
             with contextlib.suppress(Exception):
-                self._stream.close()
-            self._released = True  # only now may refresh_output_devices() restart PortAudio
+                self._stream.abort()
+        with contextlib.suppress(Exception):
+            self._stream.close()
+        self._released = True  # only now may refresh_output_devices() restart PortAudio
+        closed.set()
 
     @property
     def closed(self) -> bool:
