@@ -622,6 +622,26 @@ def test_underrun_plays_silence_counts_and_resumes_without_restart():
     assert p.stats.played_s == pytest.approx((4 * FRAME + 500) / SR)
 
 
+@pytest.mark.parametrize("waiting", [False, True])
+def test_silence_while_waiting_for_input_is_no_underrun(waiting: bool):
+    """Live text: the buffer runs dry after a sentence because the next one has not been
+    written yet (feed(more_coming=False)). `speak --follow --verbose` reported that wait as
+    an underrun, which says generation is too slow."""
+    p, sd = make_player()
+    s = sd.streams[0]
+    p.feed(frame(0), more_coming=True)
+    sd.clock.advance(0.01)
+    p.feed(frame(1), more_coming=not waiting)
+    assert np.array_equal(s.pump(), frame(0))
+    assert np.array_equal(s.pump(), frame(1))
+    for _ in range(3):
+        assert not s.pump().any()
+    p.feed(frame(2), more_coming=True)
+    assert np.array_equal(s.pump(), frame(2))
+    assert p.stats.underruns == (0 if waiting else 1)
+    assert p.stats.underrun_s == pytest.approx(0.0 if waiting else 3 * FRAME_S)
+
+
 def play_slowly(p: AudioPlayer, sd: FakeSD, frames: int, guess: int, waits: bool = False):
     """Generation at half real time (a frame fed every second block) of ``frames`` frames
     whose expected length is ``guess`` frames, pumped block by block, then finish(): the

@@ -261,7 +261,9 @@ class PlaybackStats:
 
     started_at: float | None = None  # when the stream was started
     first_audio_at: float | None = None  # when the first real sample reached the DAC
-    underruns: int = 0  # gaps inside the audio (trailing silence at the end is not one)
+    # gaps inside the audio (trailing silence at the end is not one, nor silence while
+    # feed() said no audio was on its way until more input arrived)
+    underruns: int = 0
     underrun_s: float = 0.0  # total silence played inside those gaps
     played_s: float = 0.0  # real audio handed to the device
     preroll_s: float = 0.0  # audio buffered when the stream started
@@ -333,7 +335,9 @@ class AudioPlayer:
         self._eof = False
         self._gap = 0  # silence samples played since the buffer ran dry
         self._refilling = False  # ran dry: silence until resume_need_s() is buffered
-        self._more_coming = False  # the latest feed said more audio is on its way
+        # The latest feed's word: more audio on its way (True), none until more input
+        # arrives (False), or not said (None).
+        self._more_coming: bool | None = None
         self._missed = 0  # silence played because the lock was busy
         self._last_end_at: float | None = None  # when the latest real sample leaves the DAC
         self._last_sample_at: float | None = None  # same, for the very last sample
@@ -471,7 +475,7 @@ class AudioPlayer:
         chunk: np.ndarray,
         *,
         expected_total_s: float | None = None,
-        more_coming: bool = False,
+        more_coming: bool | None = None,
     ) -> None:
         """Queue audio for playback; starts the stream once the pre-roll is buffered.
 
@@ -480,7 +484,9 @@ class AudioPlayer:
         ``more_coming``: more audio is on its way after this (not text still being
         written that has gone no further): if the buffer runs dry meanwhile, generation
         is too slow, and playback waits to refill (:meth:`resume_need_s`) rather than
-        playing each chunk as it comes. Without it, the next audio plays as it comes.
+        playing each chunk as it comes. Without it, the next audio plays as it comes;
+        ``False`` says that none is on its way until more input arrives (text still being
+        written), so silence meanwhile is not counted as an underrun.
         Feeding after ``stop()`` is a no-op (the generator may still be running). Blocks
         while more than ``max_buffer_s`` of audio waits to be played (the stream starts
         then, whatever the pre-roll): a long text must not pile up in memory.
@@ -498,7 +504,7 @@ class AudioPlayer:
         with self._lock:
             if expected_total_s is not None:
                 self._expected_total_s = float(expected_total_s)
-            self._more_coming = bool(more_coming)
+            self._more_coming = None if more_coming is None else bool(more_coming)
             if not more_coming:  # nothing known to follow (text still being written): what
                 self._refilling = False  # is buffered plays now, not after the next text
             if a.size:
@@ -626,8 +632,9 @@ class AudioPlayer:
                     self._drained.set()
                 return
             if n < frames:
-                self._gap += frames - n
-                self._refilling = self._more_coming
+                if self._more_coming is not False:  # not waiting for input: an underrun
+                    self._gap += frames - n
+                self._refilling = bool(self._more_coming)
         finally:
             self._lock.release()
 
