@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import gzip
 import io
 import json
 import re
@@ -617,6 +618,24 @@ def test_transport_level_mistakes(server, http):
     ascii_json = {"Content-Type": "application/json; charset=US-ASCII"}
     ascii_ok = http.post(speech, content=b'{"input": "Hi.", "seed": 1}', headers=ascii_json)
     assert ascii_ok.status_code == 200, ascii_ok.text
+    # A compressed body was read as JSON: "it holds NUL bytes, as UTF-16 or UTF-32 does".
+    gzipped = http.post(
+        speech,
+        content=gzip.compress(b'{"input": "Hi."}'),
+        headers={**JSON, "Content-Encoding": "gzip"},
+    )
+    assert "unsupported Content-Encoding 'gzip'" in _assert_openai_error(gzipped, 415)["message"]
+    plain = http.post(
+        speech,
+        content=b'{"input": "Hi.", "seed": 1}',
+        headers={**JSON, "Content-Encoding": "identity"},
+    )
+    assert plain.status_code == 200, plain.text
+    cut = http.post(speech, content=b'{"input": "abc', headers=JSON)
+    assert (
+        "Unterminated string starting at line 1 column 11"
+        in _assert_openai_error(cut, 400)["message"]
+    )
     two = [("Content-Type", "application/json"), ("Content-Type", "text/plain")]
     twice = http.post(speech, content=b'{"input": "Hi."}', headers=two)
     assert "more than one Content-Type" in _assert_openai_error(twice, 400)["message"]

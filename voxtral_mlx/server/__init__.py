@@ -69,17 +69,18 @@ Limits and errors
     404 unknown route, 405 wrong method, 408 body not fully received within 30 s of the
     headers (``--body-timeout``; then the connection is closed), 413 body far beyond the
     input limit (refused at once when Content-Length declares it), 415 a Content-Type
-    other than JSON, 429 queue full, 500 a server failure (details only in the server's
-    log). A request whose body is still arriving is not yet in the queue; a client that
-    stops reading the audio for 60 s (``--send-timeout``) is cut off and leaves it (its
-    connection is reset, dropping what was buffered for it; so is one cut off by shutdown
-    while not reading). A
-    failure after audio has started closes the connection without the end of the chunked
+    other than JSON or a compressed body (``Content-Encoding``), 429 queue full, 500 a
+    server failure (details only in the server's log). A request whose body is still
+    arriving is not yet in the queue; a client that stops reading the audio for 60 s
+    (``--send-timeout``) is cut off and leaves it (its connection is reset, dropping what
+    was buffered for it; so is one cut off by shutdown while not reading). A failure after
+    audio has started closes the connection without the end of the chunked
     body. uvicorn has no deadline for the request line and headers: a connection that
     never completes them stays open (it holds a socket, not a queue slot) until the client
     or shutdown closes it; put a reverse proxy with a header timeout in front of a server
-    exposed to untrusted clients. A client that half-closes its side after sending the
-    request (``nc -N``) is taken by uvicorn as gone: its request is cancelled.
+    exposed to untrusted clients. A request HTTP cannot parse (a malformed Content-Length, an
+    oversized header) gets uvicorn's plain-text 400. A client that half-closes its side after
+    sending the request (``nc -N``) is taken by uvicorn as gone: its request is cancelled.
 
 Shutdown
     Ctrl-C (or SIGTERM) stops accepting connections, answers a request whose body is still

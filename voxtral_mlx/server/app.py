@@ -429,6 +429,14 @@ async def _json_body(request: Request, limit: int, timeout: float) -> Any:
                 f"unsupported charset {shown(charset)}: send the JSON body in UTF-8",
                 code="unsupported_media_type",
             )
+    encodings = [e.strip().lower() for e in request.headers.getlist("content-encoding")]
+    encoding = next((e for e in encodings if e not in ("", "identity")), None)
+    if encoding is not None:  # a compressed body read as JSON: a misleading error
+        raise APIError(
+            415,
+            f"unsupported Content-Encoding {shown(encoding)}: send the JSON body uncompressed",
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:  # refused before it is sent
         raise _too_large(limit)
@@ -508,7 +516,8 @@ def _decode_json(data: bytes) -> Any:
         ) from None
     except json.JSONDecodeError as e:
         raise bad_request(
-            f"{prefix}: {e.msg} at line {e.lineno} column {e.colno}"
+            # "Unterminated string starting at" ends in "at" already
+            f"{prefix}: {e.msg.removesuffix(' at')} at line {e.lineno} column {e.colno}"
             if data.strip()
             else f"{prefix}: the body is empty"
         ) from None
