@@ -320,6 +320,61 @@ def test_old_files_are_pruned(tiny_checkpoint, tmp_path, noise):
     assert any(n.startswith(model_fingerprint(tiny_checkpoint)[:16]) for n in names)
 
 
+def test_a_file_just_written_is_never_pruned(tiny_checkpoint, tmp_path, noise):
+    """Entries dated in the future (a clock set back since) counted as newer than the file
+    just written, which was deleted at once: the cache never hit."""
+    future = 2**31 + 10**6  # 2038
+    for i in range(3):
+        _stale(tmp_path, future + i)
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
+    try:
+        tts.engine.prefix_store.max_files = 2
+        tts.synthesize(TEXT, VOICE, noise=noise)
+    finally:
+        tts.close()
+    names = [p.name for p in files(tmp_path)]
+    assert len(names) == 2 and f"{future + 2:016x}-{'0' * 32}.safetensors" in names
+    assert any(n.startswith(model_fingerprint(tiny_checkpoint)[:16]) for n in names)
+    assert run(tiny_checkpoint, tmp_path, noise).timings.prefix_from_disk
+
+
+def test_weights_replaced_while_loading_are_not_cached_under_the_new_files(
+    tiny_checkpoint, tmp_path, noise, monkeypatch
+):
+    """The fingerprint was taken after the weights were read: new files copied in
+    meanwhile had prefixes of the old weights saved under their fingerprint, which every
+    later process then used with the new weights."""
+    import voxtral_mlx.loader
+
+    model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
+    other = tmp_path / "other"
+    proc = subprocess.run(
+        [sys.executable, "-m", "voxtral_mlx", "random-checkpoint", str(other), "--seed", "9"],
+        capture_output=True,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    read = voxtral_mlx.loader.load_model_dir
+
+    def read_then_replace(*args, **kwargs):
+        loaded = read(*args, **kwargs)  # the old weights, now in memory
+        shutil.copy(other / "consolidated.safetensors", model / ".new.safetensors")
+        os.replace(model / ".new.safetensors", model / "consolidated.safetensors")
+        return loaded
+
+    store = tmp_path / "store"
+    monkeypatch.setattr(voxtral_mlx.loader, "load_model_dir", read_then_replace)
+    with pytest.warns(PrefixCacheWarning, match="changed while they were read"):
+        tts = voxtral_mlx.load(model, prefix_cache_dir=store)
+    try:
+        assert tts.engine.prefix_store is None
+        tts.synthesize(TEXT, VOICE, noise=noise)  # the old weights' prefix: not on disk
+    finally:
+        tts.close()
+    assert files(store) == []
+    monkeypatch.setattr(voxtral_mlx.loader, "load_model_dir", read)
+    np.testing.assert_array_equal(run(model, store, noise).audio, run(model, None, noise).audio)
+
+
 def test_temp_files_of_killed_writers_are_removed(tiny_checkpoint, tmp_path, noise):
     """A process killed mid-write (the CLI exits at once after Ctrl-C) leaves its temp file,
     removed by the next save; a running process's may be its write in progress and stays."""

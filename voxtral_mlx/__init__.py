@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING
 
 from .errors import InputError, VoxtralError, is_mlx_import_error, mlx_import_error
@@ -91,7 +92,7 @@ def load(
     from .fileio import one_line, usable_path
     from .hub import resolve_model_dir
     from .loader import load_model_dir
-    from .prefix_store import PrefixStore, model_fingerprint
+    from .prefix_store import PrefixCacheWarning, PrefixStore, model_fingerprint
     from .residency import Residency
     from .tokenizer import default_cache_dir
     from .tts import VoxtralTTS
@@ -105,7 +106,7 @@ def load(
                 f"prefix_cache_dir must be a directory path, 'auto' or None, got "
                 f"{type(prefix_cache_dir).__name__}"
             )
-        if os.fspath(prefix_cache_dir) in ("", "."):  # Path("") is Path(".")
+        if os.path.normpath(os.fspath(prefix_cache_dir) or ".") == ".":  # "", "./", "a/.."
             raise InputError(
                 "prefix_cache_dir is an empty path (the current directory): give a directory, "
                 "'auto', or None"
@@ -130,10 +131,24 @@ def load(
         )
     worker = Worker()
     try:
+        # Taken before the weights are read and again after: files replaced meanwhile (a
+        # copy or a conversion finishing into the folder) would have prefixes of the
+        # weights in memory saved under the new files' fingerprint, for later processes.
+        before = model_fingerprint(model_dir) if directory is not None else None
         loaded = worker.call(load_model_dir, model_dir, dtype)
         store = None
         if directory is not None:
-            store = PrefixStore(directory, model_fingerprint(loaded.path))
+            fingerprint = model_fingerprint(loaded.path)
+            if fingerprint == before:
+                store = PrefixStore(directory, fingerprint)
+            else:
+                warnings.warn(
+                    f"the model's files in {one_line(str(loaded.path))} changed while they "
+                    "were read: voice prefixes are kept in memory only (load the model "
+                    "again to use the cache on disk)",
+                    PrefixCacheWarning,
+                    stacklevel=2,
+                )
         residency = Residency(loaded.weight_bytes)
         residency.check_fit()  # a warning, an exception under -W error
         return VoxtralTTS(

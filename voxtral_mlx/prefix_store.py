@@ -189,7 +189,7 @@ class PrefixStore:
                 lambda f: mx.save_safetensors(f, arrays, metadata=meta),
                 durable=False,  # checked when read: need not reach the drive at once
             )
-            self._prune()
+            self._prune(keep=self._path(key))
         except (OSError, RuntimeError, ValueError) as e:
             self._warn("write", e)
 
@@ -230,19 +230,23 @@ class PrefixStore:
         except OSError:
             return []
 
-    def _prune(self) -> None:
+    def _prune(self, keep: Path) -> None:
+        """Delete the oldest of the cache's files beyond ``max_files``, never ``keep`` (the
+        file just written: files with times in the future would be newer)."""
         # Temp files of processes killed while writing (the CLI exits without waiting
         # after Ctrl-C); a running process's may be a write in progress and stays. Only
         # those of files this cache names: a shared folder holds others' too.
         remove_orphans(self.directory, _OWN_NAME, TEMP_KIND)
         files = []
         for p in self._files():
+            if p.name == keep.name:
+                continue
             try:
                 files.append((p.stat().st_mtime_ns, p))
             except OSError:
                 continue
         files.sort()
-        excess = len(files) - self.max_files
+        excess = len(files) + 1 - self.max_files
         for _, p in files:
             if excess <= 0:
                 break

@@ -915,10 +915,10 @@ class VoxtralTTS:
         arr = to_numpy(codes, "codes")
         n = self.config.num_codebooks
         if arr.ndim != 2 or arr.shape[1] != n or not np.issubdtype(arr.dtype, np.integer):
-            raise InputError(
-                f"codes must be an integer array of shape [frames, {n}], got "
-                f"{arr.dtype} {list(arr.shape)}"
-            )
+            # As given: an MLX bfloat16 array is float32 by now, None an object array.
+            given = codes.dtype if isinstance(codes, (np.ndarray, mx.array)) else arr.dtype
+            got = f"{given} {list(arr.shape)}" if arr.dtype != np.object_ else type(codes).__name__
+            raise InputError(f"codes must be an integer array of shape [frames, {n}], got {got}")
         f = self.config.flow
         sem, ac = arr[:, 0], arr[:, 1:]
         if arr.size and (

@@ -298,7 +298,8 @@ class AudioPlayer:
     it as a context manager: a normal exit finishes, an exception stops). ``stop()`` may
     be called from any thread or a signal handler and silences output within one poll.
     The audio is mono; on a Core Audio device with two outputs or more it is played on
-    both (``channels`` is then 2).
+    both (``channels`` is then 2). ``abandoned`` is True once a stream PortAudio could not
+    close within a second (a device that hangs) was left to it.
     """
 
     def __init__(
