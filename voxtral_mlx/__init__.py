@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import TYPE_CHECKING
@@ -134,7 +135,10 @@ def load(
         # Taken before the weights are read and again after: files replaced meanwhile (a
         # copy or a conversion finishing into the folder) would have prefixes of the
         # weights in memory saved under the new files' fingerprint, for later processes.
-        before = model_fingerprint(model_dir) if directory is not None else None
+        before = None
+        if directory is not None:
+            with contextlib.suppress(OSError):  # an unreadable folder: the loader says so
+                before = model_fingerprint(model_dir)
         loaded = worker.call(load_model_dir, model_dir, dtype)
         store = None
         if directory is not None:
