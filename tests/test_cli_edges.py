@@ -1211,3 +1211,45 @@ def test_progress_eta_counts_down_between_segment_ends(capsys, monkeypatch):
     assert eta() == 0  # late: never below zero
     chunk(1, end=True)  # 20 characters in 130 s: 40 left
     assert eta() == 260
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="Metal compiles in-process, never g++")
+def test_mlx_looks_for_g_plus_plus_before_any_output_exists(model_dir, tmp_path):
+    """MLX's CPU backend asks once per process whether g++ exists, the first time it
+    compiles, by running `g++ --version` through C's system(), which ignores SIGINT while
+    it runs: asked as the first frame started, a Ctrl-C sent as the output file appeared
+    was dropped and the command went on generating. The question is asked while the model
+    loads, before anything is written. (A g++ that fails: MLX runs its kernels
+    uncompiled.)"""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "g++.log"
+    fake = bin_dir / "g++"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"if ls '{tmp_path}'/.speech.partial-* >/dev/null 2>&1; then w=late; else w=early; fi\n"
+        f"echo \"$w $*\" >> '{log}'\n"
+        "exit 1\n"
+    )
+    fake.chmod(0o755)
+    env = env_with_repo({"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"})
+    out = tmp_path / "speech.wav"
+    proc = run("speak", "-m", str(model_dir), "--max-frames", "3", "-o", str(out), "Hi.", env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert log.read_text().split("\n")[:-1] == ["early --version"]
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_an_interrupt_before_any_audio_says_the_file_was_not_written(model_dir, tmp_path, earlier):
+    """It said "interrupted" alone, which left open whether FILE held anything."""
+    out = tmp_path / "speech.wav"
+    if earlier:
+        out.write_bytes(b"an earlier file")
+    args = ["speak", "-m", str(model_dir), "-o", str(out), "Hi."]
+    code, err = run_until_ready_then(signal.SIGINT, "voxtral_mlx.cli.speak.Chunks", args)
+    assert code == 130, err
+    left = "left as it was" if earlier else "not written"
+    assert err.endswith(f"error: interrupted before any audio was written: {out} {left}\n"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["speech.wav"] if earlier else [])
+    if earlier:
+        assert out.read_bytes() == b"an earlier file"

@@ -83,14 +83,31 @@ def check_dtype(args: argparse.Namespace) -> None:
         ) from None
 
 
+def ask_for_the_compiler() -> None:
+    """Have MLX's CPU backend look for its C++ compiler now. It asks once per process, the
+    first time it compiles, by running ``g++ --version`` through C's ``system()``, which
+    ignores Ctrl-C while it runs: asked as the first frame started, an interrupt sent as
+    the output file appeared was lost and the command went on generating. (Metal
+    compiles in-process.)"""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        mx.eval(mx.compile(lambda x: x * 2.0 + 1.0)(mx.zeros((1,))))
+
+
 def load_model(args: argparse.Namespace):
     from .. import load
 
     check_dtype(args)
     t0 = time.perf_counter()
     prefixes = None if getattr(args, "no_prefix_cache", False) else "auto"
+
+    def loaded():
+        ask_for_the_compiler()
+        return load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes)
+
     with downloads_reported(args):
-        tts = interruptibly(lambda: load(args.model, dtype=args.dtype, prefix_cache_dir=prefixes))
+        tts = interruptibly(loaded)
     if getattr(args, "verbose", False):
         info(
             f"loaded {tts.path} in {time.perf_counter() - t0:.2f} s: {weights_summary(tts)} "

@@ -304,6 +304,13 @@ def cmd_speak(args: argparse.Namespace) -> int:
                         failure.args = (f"{failure.problem}; {kept}; {fix}",)
                     else:
                         file_writer.abort()
+                        if interrupted is not None:  # "interrupted" alone: was it written?
+                            there = os.path.lexists(args.output)
+                            interrupted.detail = (
+                                "interrupted before any audio was written: "
+                                f"{one_line(str(args.output))} "
+                                + ("left as it was" if there else "not written")
+                            )
                 if wav is not None:
                     wav.close()
                 if interrupted is not None and args.verbose:  # what ran until Ctrl-C
