@@ -46,9 +46,16 @@ def read_text(file: str | None, words: Sequence[str]) -> str:
                 "the text given as arguments is not UTF-8; convert it first (e.g. with iconv)"
             ) from None
         return _one_newline(text)
-    if sys.stdin is not None and not sys.stdin.isatty():
+    if reads_stdin(file, words):
         return _read_stdin()
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
+
+
+def reads_stdin(file: str | None, words: Sequence[str]) -> bool:
+    """Whether :func:`read_text` reads the text from stdin for these arguments."""
+    if file is not None:
+        return file == "-"
+    return not words and sys.stdin is not None and not sys.stdin.isatty()
 
 
 def text_source(file: str | None, words: Sequence[str]) -> tuple[Callable[[], bytes | str], str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from ..audio.horizon import PlaybackHorizon, plays
 from ..errors import AudioDeviceError, AudioOutputError, AudioStoppedError, InputError, VoxtralError
 from ..fileio import one_line
 from ..interrupts import held_after, hold_from_now, signals_held, terminable
-from ..textinput import read_text, text_pieces, text_source
+from ..textinput import read_text, reads_stdin, text_pieces, text_source
 from .listing import print_devices, print_voices
 from .loading import check_dtype, load_model
 from .output import PROG, info, to_stderr
@@ -54,20 +53,12 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _reads_stdin(args: argparse.Namespace) -> bool:
-    """Whether the text comes from stdin (see :func:`~voxtral_mlx.textinput.read_text`)."""
-    if args.file is not None:
-        return args.file == "-"
-    return not args.text and sys.stdin is not None and not sys.stdin.isatty()
-
-
 def _stdin_is(path: str) -> bool:
-    """Whether stdin is redirected from the regular file ``path`` (``< notes.wav``)."""
+    """Whether stdin is redirected from the file ``path`` (``< notes.wav``)."""
     try:
-        st, out = os.fstat(sys.stdin.fileno()), os.stat(path)
+        return os.path.samestat(os.fstat(sys.stdin.fileno()), os.stat(path))
     except (OSError, ValueError, AttributeError):  # no stdin, no such file yet
         return False
-    return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino)
 
 
 @terminable
@@ -105,7 +96,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
             raise InputError(
                 f"-o {args.output} is the text file given with -f: write the audio to another file"
             )
-        if _reads_stdin(args) and _stdin_is(args.output):
+        if reads_stdin(args.file, args.text) and _stdin_is(args.output):
             raise InputError(
                 f"-o {args.output} is the file the text is read from on stdin: write the audio "
                 "to another file"
