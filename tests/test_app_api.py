@@ -431,6 +431,38 @@ def test_say_stops_generating_when_the_player_fails(tts):
     assert tts.engine.stats() == {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}
 
 
+def test_waiting_on_a_playback_from_its_own_player_is_refused_in_one_line(tts):
+    """An app's player calling back into code that waits on the say() handle would wait for
+    itself: a UsageError saying so (it was threading's 'cannot join current thread'), which
+    also becomes the playback's error for wait() elsewhere."""
+    from voxtral_mlx.errors import UsageError
+
+    handle = {}
+    seen = []
+    ready = threading.Event()
+
+    class Waiting:
+        def feed(self, audio) -> None:
+            ready.wait(10)  # until the handle is stored
+            try:
+                handle["playback"].wait(1)
+            except UsageError as e:
+                seen.append(e)
+                raise
+
+        def finish(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    handle["playback"] = tts.say("Hello.", VOICE, wait=False, player=Waiting(), max_frames=3)
+    ready.set()
+    with pytest.raises(UsageError, match="own thread"):
+        handle["playback"].wait(timeout=30)
+    assert len(seen) == 1
+
+
 def test_a_voice_is_read_on_the_worker_thread(tiny_checkpoint, monkeypatch):
     """MLX work belongs to the model's worker: a voice's first use read and evaluated it on
     whatever thread made the request (on Metal before MLX 0.31.2, two threads evaluating at

@@ -129,9 +129,10 @@ def test_invisible_characters_next_to_words_are_spoken(tts, tiny_checkpoint_noen
 @pytest.mark.parametrize("add_period", [True, False])
 def test_a_paragraph_of_invisible_characters_is_only_a_pause(tts, add_period):
     """Split text whose middle paragraph is zero-width characters alone: that segment keeps
-    its place (segments and seeds as split_text numbers them) but makes no sound except its
-    pause; the real paragraphs are spoken exactly as on their own with seed + index. Without
-    add_period that segment's text is blank: the request failed with 'text is empty'."""
+    its place (segments and seeds as split_text numbers them) but makes no sound; the real
+    paragraphs are spoken exactly as on their own with seed + index, one paragraph's pause
+    apart (the blank one's own pause once doubled it). Without add_period that segment's
+    text is blank: the request failed with 'text is empty'."""
     text = "Hello there.\n\n\u200b\u2060\ufeff\n\nWorld again."
     kwargs = {"split": True, "max_frames": 2, "add_period": add_period}
     chunks = list(tts.stream(text, VOICE, seed=3, **kwargs))
@@ -145,7 +146,32 @@ def test_a_paragraph_of_invisible_characters_is_only_a_pause(tts, add_period):
     np.testing.assert_array_equal(got.codes, np.concatenate([first.codes, last.codes]))
     pauses = sum(len(c.audio) for c in chunks if not c.frames)
     assert len(got.audio) == len(first.audio) + len(last.audio) + pauses
-    assert pauses == round(2 * PAUSE_AFTER[PARAGRAPH] * tts.sample_rate)
+    assert pauses == round(PAUSE_AFTER[PARAGRAPH] * tts.sample_rate)
+
+
+@pytest.mark.parametrize("pause", [None, 0.5])
+def test_invisible_characters_at_either_end_add_no_silence(tts, pause):
+    """A zero-width space or byte order mark after the last paragraph (or before the
+    first, as files joined with `cat` have them) is a segment of its own that says nothing:
+    the audio neither starts nor ends with a paragraph's silence for it; a run of them
+    between two sentences makes one pause, however many there are."""
+    kwargs = {"split": True, "max_frames": 2, "pause": pause}
+    alone = tts.synthesize("Hello.", VOICE, seed=1, **kwargs)
+    for text in ("Hello.\n\n\u200b", "Hello.\n\n\u200b\n\n\ufeff\n\n\u2060"):
+        got = tts.synthesize(text, VOICE, seed=1, **kwargs)
+        np.testing.assert_array_equal(got.audio, alone.audio)
+    later = tts.synthesize("Hello.", VOICE, seed=3, **kwargs)  # segment 2's seed
+    got = tts.synthesize("\ufeff\n\n\u200b\n\nHello.", VOICE, seed=1, **kwargs)
+    np.testing.assert_array_equal(got.audio, later.audio)
+    two = tts.synthesize("Hello.\n\nAgain.", VOICE, seed=1, **kwargs)
+    many = "Hello.\n\n" + "\u200b\n\n" * 3 + "Again."  # "Again." is segment 4
+    got = tts.synthesize(many, VOICE, seed=1, **kwargs)
+    again = tts.synthesize("Again.", VOICE, seed=5, max_frames=2)
+    gap = round((PAUSE_AFTER[PARAGRAPH] if pause is None else pause) * tts.sample_rate)
+    assert len(two.audio) - len(alone.audio) - gap == len(again.audio)  # same lengths
+    np.testing.assert_array_equal(got.audio[: len(alone.audio)], alone.audio)
+    assert not got.audio[len(alone.audio) : len(alone.audio) + gap].any()
+    np.testing.assert_array_equal(got.audio[len(alone.audio) + gap :], again.audio)
 
 
 def test_numpy_integers_are_accepted(tts):
@@ -1133,3 +1159,22 @@ def test_a_failed_decode_reaches_the_consumer(tts, monkeypatch, failing_call, fr
     assert outcome == ["simulated decode failure"] and calls[0] == failing_call
     monkeypatch.undo()
     assert len(tts.synthesize("Hi.", VOICE, seed=0, max_frames=2).codes) == 2  # still serves
+
+
+def test_the_real_time_factor_counts_speech_not_the_pauses_put_between_segments(tts):
+    """A pause between segments is silence the library adds, not audio it generated: a
+    split text's ``rtf`` divides the wall time by the seconds of speech alone (with a
+    30 s pause it once claimed hundreds of times real time)."""
+    text = "Hello there.\n\nAgain."
+    stream = tts.stream(text, VOICE, seed=1, split=True, max_frames=2, pause=30)
+    chunks = list(stream)
+    t = stream.timings
+    assert (
+        tts.synthesize(text, VOICE, seed=1, split=True, max_frames=2, pause=30).timings.pause_s
+        == 30
+    )
+    speech = sum(len(c.audio) for c in chunks if c.frames) / tts.sample_rate
+    assert t.pause_s == 30 and t.audio_s == pytest.approx(speech + 30)
+    assert t.rtf == pytest.approx(t.total_s / speech)
+    one = tts.synthesize("Hello there.", VOICE, seed=1, max_frames=2).timings
+    assert one.pause_s == 0 and one.rtf == pytest.approx(one.total_s / one.audio_s)

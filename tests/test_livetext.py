@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from voxtral_mlx.errors import InputError
+from voxtral_mlx.errors import InputError, UsageError
 from voxtral_mlx.livetext import END, LiveText
 from voxtral_mlx.segment import PARAGRAPH, PAUSE_AFTER, SENTENCE, split_text
 
@@ -715,8 +715,6 @@ def test_a_stopped_stream_closes_its_async_text_source(tts):
 
 
 def test_a_chunk_already_here_is_not_handed_to_another_loop(tts):
-    from voxtral_mlx.errors import UsageError
-
     stream = tts.astream(iter(["Hello there. ", "Bye."]), VOICE, split=True, max_frames=1)
 
     async def first():
@@ -726,3 +724,51 @@ def test_a_chunk_already_here_is_not_handed_to_another_loop(tts):
     stream._ready.append(stream._ready[0] if stream._ready else object())  # held for loop 1
     with pytest.raises(UsageError, match="started on another event loop"):
         asyncio.run(first())
+
+
+def test_live_invisible_paragraphs_make_one_pause_and_none_at_either_end(tts):
+    """Paragraphs of zero-width marks alone in live text say nothing: one paragraph's pause
+    between the sentences around them (not one per blank paragraph), labelled after them,
+    and no silence before the first words or after the last."""
+    pieces = ["\u200b\n\n", "Hello.\n\n", "\u200b\n\n", "\ufeff\n\n", "Again.\n\n", "\u2060"]
+    chunks = list(tts.stream(iter(pieces), VOICE, seed=1, split=True, max_frames=2))
+    silent = [(c.segment, len(c.audio)) for c in chunks if not c.frames and len(c.audio)]
+    assert silent == [(3, round(PAUSE_AFTER[PARAGRAPH] * tts.sample_rate))]
+    assert [c.segment for c in chunks] == sorted(c.segment for c in chunks)
+    sounding = [c for c in chunks if len(c.audio)]
+    assert sounding[0].frames and sounding[-1].frames
+
+
+def test_reading_a_stream_again_after_its_error_says_so(tts):
+    """A stream stopped by an error (here its text's source failing; Ctrl-C alike) is cut
+    short: read again, it says so rather than ending as if its audio were whole; one the
+    reader cancelled ends quietly. Both for `for` and `async for`."""
+
+    def pieces():
+        yield "First sentence here. "
+        raise OSError("the pipe broke")
+
+    stream = tts.stream(pieces(), VOICE, seed=3, split=True, max_frames=2)
+    with pytest.raises(OSError, match="pipe broke"):
+        list(stream)
+    for _ in range(2):
+        with pytest.raises(UsageError, match=r"stopped on an error \(OSError\).*new stream"):
+            next(stream)
+
+    async def main():
+        async def apieces():
+            yield "First sentence here. "
+            raise OSError("the pipe broke")
+
+        stream = tts.astream(apieces(), VOICE, seed=3, split=True, max_frames=2)
+        with pytest.raises(OSError, match="pipe broke"):
+            async for _ in stream:
+                pass
+        with pytest.raises(UsageError, match=r"stopped on an error \(OSError\)"):
+            await stream.__anext__()
+
+    asyncio.run(main())
+    stream = tts.stream("Hello there. Again.", VOICE, seed=3, split=True, max_frames=2)
+    next(stream)
+    stream.cancel()
+    assert list(stream) == []

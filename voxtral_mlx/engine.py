@@ -72,6 +72,7 @@ class Timings:
     total_s: float = 0.0
     frames: int = 0
     audio_s: float = 0.0
+    pause_s: float = 0.0  # of audio_s, the silence put between a split text's segments
     # MLX's peak memory as the process has seen it so far (weights and every request
     # included: ``mx.get_peak_memory()`` when the latest chunk was made).
     peak_memory_bytes: int = 0
@@ -90,8 +91,10 @@ class Timings:
 
     @property
     def rtf(self) -> float:
-        """Real-time factor: wall time / audio duration (below 1 is faster than real time)."""
-        return self.total_s / self.audio_s if self.audio_s else float("inf")
+        """Real-time factor: wall time / seconds of speech generated (below 1 is faster
+        than real time; the pauses put between segments are not generated, not counted)."""
+        speech = self.audio_s - self.pause_s
+        return self.total_s / speech if speech > 0 else float("inf")
 
 
 @dataclass(eq=False)  # compared by identity: ``==`` on its arrays would be ambiguous

@@ -13,7 +13,7 @@ from typing import Any
 from .audio.chunking import PlayerPace
 from .audio.horizon import plays
 from .engine import finite_float
-from .errors import InputError
+from .errors import InputError, UsageError
 from .fileio import one_line
 from .textstream import TextStream
 
@@ -108,6 +108,11 @@ class Playback:
             timeout = seconds
         if not self.done:
             self._refuse_wait()
+            if threading.current_thread() is self._thread:
+                raise UsageError(
+                    "wait() was called from this playback's own thread (its player's "
+                    "feed() or finish()): it would wait for itself; call it from elsewhere"
+                )
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             # In slices: an interrupt raised without a signal (``_thread.interrupt_main()``,

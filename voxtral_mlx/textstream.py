@@ -62,6 +62,7 @@ class _Reader:
         self._source_error: BaseException | None = None  # the text's, due after its audio
         self.text_error: BaseException | None = None  # raised: reading the live text failed
         self._waited = 0.0  # seconds waiting for live text with nothing to generate
+        self._stopped_by: str | None = None  # the error that stopped it, if one did
         self._ready: deque[AudioChunk] = deque()
         self._pause_due: tuple[int, float] | None = None  # (segment, seconds) to play next
         check_pause(pause)
@@ -143,7 +144,7 @@ class _Reader:
             self._source_error = None  # the traceback holds frames: not kept
             # The audio before it is whole: a player may play it out, a file keep it.
             self.text_error = e
-            self._abandon()
+            self._abandon(e)
             raise
         finally:
             if block:  # time spent waiting for text is no generation time (timings)
@@ -176,7 +177,7 @@ class _Reader:
             self._finished = True
             return []
         if isinstance(item, BaseException):
-            self._abandon()
+            self._abandon(item)
             raise item
         if item is DONE:
             self.jobs.popleft()
@@ -187,11 +188,17 @@ class _Reader:
                 if last and self._source is not None and not self._final_sent:
                     return [self._final_chunk()]
                 return []
-            seconds = self.segments[i].pause_after if self.pause is None else self.pause
-            if self._source is not None:
-                self._pause_due = (i, seconds)  # before the next segment's audio, if any
+            if self._source is not None:  # before the next segment's audio, if any
+                seconds = self._own_pause(i)
+                if is_blank(self.segments[i].text):  # it lengthens the pause it falls in
+                    if self._pause_due is not None:
+                        j, due = self._pause_due
+                        self._pause_due = (j, max(due, seconds))
+                    return []
+                self._pause_due = (i, seconds)
                 return []
-            return [self._pause(i, seconds)]
+            seconds = self._pause_after(i)
+            return [] if seconds is None else [self._pause(i, seconds)]
         t, c = self.timings, item.timings
         if i == 0:
             t.prompt_tokens, t.queued_s, t.prefill_s, t.prefix_cached = (
@@ -207,7 +214,7 @@ class _Reader:
             t.cut_short += c.cut_short
         t.peak_memory_bytes = max(t.peak_memory_bytes, c.peak_memory_bytes)
         out = []
-        if self._pause_due is not None:
+        if self._pause_due is not None and not is_blank(self.segments[i].text):
             j, seconds = self._pause_due
             later = None
             if self.pause is None and self._source is not None:
@@ -215,7 +222,7 @@ class _Reader:
             if later is not None:
                 seconds = later
                 self.segments[j] = dataclasses.replace(self.segments[j], pause_after=later)
-            out.append(self._pause(j, seconds))
+            out.append(self._pause(i - 1, seconds))  # after blank segments, if any
             self._pause_due = None
         self._add_audio(item.audio)
         self._codes_width = item.codes.shape[-1]  # every segment ends with a chunk
@@ -225,9 +232,28 @@ class _Reader:
         out.append(item)
         return out
 
+    def _own_pause(self, i: int) -> float:
+        return self.segments[i].pause_after if self.pause is None else self.pause
+
+    def _pause_after(self, i: int) -> float | None:
+        """Seconds of silence after segment ``i`` of a text split up front, None for none.
+        A blank segment (zero-width marks alone) has none of its own: the pause it falls
+        in takes the longest of the run, and none comes before the text's first words or
+        after its last (a stray mark at either end would add a paragraph's silence)."""
+        if is_blank(self.segments[i].text):
+            return None
+        seconds = self._own_pause(i)
+        for j in range(i + 1, len(self.segments)):
+            if not is_blank(self.segments[j].text):
+                return seconds
+            seconds = max(seconds, self._own_pause(j))
+        return None
+
     def _pause(self, i: int, seconds: float) -> AudioChunk:
         codes = np.zeros((0, self._codes_width), np.int32)
-        return self._chunk(np.zeros(round(seconds * self.sample_rate), np.float32), i, 0, codes)
+        silence = np.zeros(round(seconds * self.sample_rate), np.float32)
+        self.timings.pause_s += len(silence) / self.sample_rate
+        return self._chunk(silence, i, 0, codes)
 
     @property
     def ahead_s(self) -> float:
@@ -263,14 +289,27 @@ class _Reader:
         for _, job in list(self.jobs):  # a snapshot: the consumer may be changing it
             job.later_chunk_frames = frames
 
+    def _end(self) -> Exception:
+        """What reading past the end raises: the end, or, after an error stopped the stream
+        (and no cancel() since), that error's news: ending quietly would pass its cut-off
+        audio for the whole text's."""
+        if self._stopped_by is None or self._cancelled:
+            return StopAsyncIteration() if isinstance(self, AsyncTextStream) else StopIteration()
+        return UsageError(
+            f"this audio stream stopped on an error ({self._stopped_by}), so its audio is cut "
+            "short: start a new stream"
+        )
+
     def cancel(self) -> None:
         """Stop generating (any thread); already queued segments are cancelled too."""
         self._cancelled = True
         self._abandon()
 
-    def _abandon(self) -> None:
+    def _abandon(self, error: BaseException | None = None) -> None:
         """Stop the jobs after an error; unlike cancel(), nobody asked the stream to stop
         (``_cancelled`` stays False, so say()'s wait() still reports the error)."""
+        if error is not None and self._stopped_by is None:
+            self._stopped_by = type(error).__name__
         self._finished = True
         if self._source is not None:  # its producer stops too
             self._source.close()
@@ -320,7 +359,7 @@ class TextStream(_Reader):
         try:
             while not self._ready:
                 if self._finished:
-                    raise StopIteration
+                    raise self._end()
                 self._refuse_wait()  # what comes next needs the worker, or waits for text
                 self.prepare()
                 pending = self._pending()
@@ -335,10 +374,10 @@ class TextStream(_Reader):
                 self._ready.extend(self._on_item(job.output.get()))
         except StopIteration:
             raise
-        except BaseException:
+        except BaseException as e:
             # Ctrl-C while waiting, a failed segment: the segments generating ahead must
             # not keep the model busy for an abandoned stream.
-            self._abandon()
+            self._abandon(e)
             raise
         return self._ready.popleft()
 
@@ -439,7 +478,7 @@ class AsyncTextStream(_Reader):
                 )
             while not self._ready:
                 if self._finished:
-                    raise StopAsyncIteration
+                    raise self._end()
                 if self._plan is not None:
                     # The first jobs are made there too: each tokenizes its text.
                     await asyncio.to_thread(self.prepare)
@@ -483,12 +522,12 @@ class AsyncTextStream(_Reader):
         except GeneratorExit:
             self.cancel()
             raise
-        except BaseException:  # Ctrl-C, a failed segment
-            self._abandon()
+        except BaseException as e:  # Ctrl-C, a failed segment
+            self._abandon(e)
             raise
 
-    def _abandon(self) -> None:
-        super()._abandon()
+    def _abandon(self, error: BaseException | None = None) -> None:
+        super()._abandon(error)
         pump, self._pump = getattr(self, "_pump", None), None  # None: __init__ failed
         loop = getattr(self, "_loop", None)
         if pump is not None and loop is not None:

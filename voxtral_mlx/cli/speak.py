@@ -377,10 +377,12 @@ def _report(t, player, started: float, live: bool = False, segments: int = 1) ->
         info("no audio was generated")
     else:
         info(f"first audio after {t.first_audio_s * 1000:.0f} ms")
-        info(f"frames: {t.frames}, {t.ms_per_frame:.1f} ms/frame, audio {t.audio_s:.2f} s")
+        pauses = f" ({t.pause_s:.2f} s of it pauses between segments)" if t.pause_s else ""
+        info(f"frames: {t.frames}, {t.ms_per_frame:.1f} ms/frame, audio {t.audio_s:.2f} s{pauses}")
         waiting = " (leaving out the waits for text)" if live else ""
+        of_speech = " of the speech" if t.pause_s else ""
         info(
-            f"wall {t.total_s:.2f} s{waiting}, real-time factor {t.rtf:.3f} "
+            f"wall {t.total_s:.2f} s{waiting}, real-time factor{of_speech} {t.rtf:.3f} "
             f"({1 / t.rtf if t.rtf else 0:.2f}x real time)"
         )
     # The process's peak (a request interrupted before its first chunk recorded none).
