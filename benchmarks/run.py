@@ -93,8 +93,9 @@ def model_suite(model: str) -> list[list[str]]:
     ]
     from common import check_comparable, pick_voice
 
+    voice = pick_voice(path)  # no voices: every script needs one, so the run stops here
     try:
-        check_comparable(path, pick_voice(path))
+        check_comparable(path, voice)
     except SystemExit as e:  # e.g. MLX weights without config.json: mlx-audio cannot run
         print(
             f"{e} -- so ttfa.py and first_request.py, which compare with mlx-audio, are left "

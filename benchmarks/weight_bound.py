@@ -94,14 +94,18 @@ def _best_gbs(read, n_bytes: int) -> float:
     return n_bytes / min(times) / 1e9
 
 
-def frame_shapes(tts) -> tuple[list[tuple[mx.array, int]], int]:
-    """(weight, rows multiplying it) for every matmul of one frame, and the weight bytes.
+def frame_shapes(
+    tts,
+) -> tuple[list[tuple[mx.array, int]], list[tuple[mx.array, int]], int]:
+    """(weight, rows multiplying it) for every matmul of one frame, those of one decoded
+    chunk of the codec, and the frame's weight bytes (the codec's left out).
 
     Rows are those a frame must multiply: the backbone decodes one position; each Euler step
     runs the flow head on 2 x 3 tokens (cond and uncond), except that its last layer needs
     only keys and values of the other tokens (position 0 is the only one read out;
     voxtral_mlx's one wq/wk/wv product also makes their queries, extra work that counts as
-    its overhead); the codec runs each stage at its own rate (1, 2, 4, 8 steps per frame).
+    its overhead); the codec runs each stage at its own rate (1, 2, 4, 8 steps per frame)
+    on a chunk of ``SYNTH_CHUNK_FRAMES`` frames at once, as ``synthesize`` decodes.
     """
     m, cfg = tts.model, tts.config
     mats: list[tuple[mx.array, int]] = []
@@ -126,19 +130,21 @@ def frame_shapes(tts) -> tuple[list[tuple[mx.array, int]], int]:
     mats.extend([(head.input_projection.weight, 1)] * n)
     mats.extend([(head.acoustic_codebook_output.weight, 2)] * n)
     total = sum(w.nbytes for w, _ in mats)
+    frame_mats, mats = mats, []
     codec = m.audio_tokenizer
+    chunk = SYNTH_CHUNK_FRAMES
     rates = codec._plan.rates
     for s, rate in enumerate(rates):
         conv = codec.decoder_blocks[2 * s].conv
         w = conv.weight
         if s == 0:
-            mats.append((w.reshape(w.shape[0], -1), rate))
+            mats.append((w.reshape(w.shape[0], -1), rate * chunk))
         else:  # transposed conv: one matmul per input step (the previous stage's rate)
-            mats.append((w.reshape(-1, w.shape[-1]), rates[s - 1]))
-        linears(codec.decoder_blocks[2 * s + 1], rate)
+            mats.append((w.reshape(-1, w.shape[-1]), rates[s - 1] * chunk))
+        linears(codec.decoder_blocks[2 * s + 1], rate * chunk)
     w = codec.output_proj.conv.weight
-    mats.append((w.reshape(w.shape[0], -1), rates[-1]))
-    return mats, total
+    mats.append((w.reshape(w.shape[0], -1), rates[-1] * chunk))
+    return frame_mats, mats, total
 
 
 def vars_linears(ffn) -> list:
@@ -198,9 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - t0
 
     def prepare():
-        mats, total = frame_shapes(tts)
-        codec = sum(a.nbytes for _, a in _linear_weights(tts.model.audio_tokenizer))
-        return bare_matmuls(mats, tts.dtype), total, codec
+        from mlx.utils import tree_flatten
+
+        mats, codec_mats, total = frame_shapes(tts)
+        codec = tts.model.audio_tokenizer
+        codec_bytes = sum(a.nbytes for _, a in tree_flatten(codec.parameters()))
+        frame, chunk = bare_matmuls(mats, tts.dtype), bare_matmuls(codec_mats, tts.dtype)
+        # The codec's products, done once per decoded chunk, shared by its frames.
+        return lambda: frame() + chunk() / SYNTH_CHUNK_FRAMES, total, codec_bytes
 
     # On the worker thread, which owns the model's arrays.
     bare_run, weight_bytes, codec_bytes = tts.call(prepare)

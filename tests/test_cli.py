@@ -226,6 +226,12 @@ def test_follow_decodes_text_split_anywhere():
         with pytest.raises(voxtral_mlx.errors.InputError, match=r"is not UTF-(8|16) text"):
             got.extend(text_pieces(lambda reads=reads: next(reads), "stdin"))
         assert "".join(got).strip() in ("Good text.", "Gööd.")
+    # So is the text before a NUL in the same read (it was dropped with it).
+    for raw in (b"Good text. Bad\x00 more", "Good text. Bad\x00".encode("utf-16")):
+        reads, got = iter([raw, b""]), []
+        with pytest.raises(voxtral_mlx.errors.InputError, match="holds NUL"):
+            got.extend(text_pieces(lambda reads=reads: next(reads), "stdin"))
+        assert "".join(got) == "Good text. Bad"
     # A first read that cannot start a UTF-16/32 byte-order mark is text at once.
     reads = iter([b"Yo\n"])
     assert next(text_pieces(lambda: next(reads), "stdin")) == "Yo\n"
@@ -316,6 +322,29 @@ def test_voices_listing(model_dir):
     assert any(line.split()[:2] == ["casual_male", "en"] for line in lines)
     proc2 = run("speak", "-m", str(model_dir), "-v", "?")
     assert proc2.returncode == 0 and proc2.stdout == proc.stdout
+
+
+def test_listing_voices_reads_the_voice_files_not_the_weights(model_dir, tmp_path, capsys):
+    """Listing 20 voices read the whole model (8 GB on a Mac, and a download of it when not
+    cached): the weights are not read now, so a model whose weight file is damaged still
+    lists its voices (a damaged voice is still reported); options that only loading the
+    model used are refused."""
+    from voxtral_mlx import cli
+
+    model = tmp_path / "m"
+    shutil.copytree(model_dir, model, ignore=shutil.ignore_patterns("consolidated.safetensors"))
+    (model / "consolidated.safetensors").write_bytes(b"\0" * 64)
+    assert cli.main(["voices", "-m", str(model)]) == 0
+    listed = capsys.readouterr()
+    assert len(listed.out.splitlines()) == 20 and listed.err == ""
+    (model / "voice_embedding" / "fr_male.pt").write_bytes(b"damaged")
+    assert cli.main(["speak", "-m", str(model), "-v", "?"]) == 0
+    listed = capsys.readouterr()
+    assert len(listed.out.splitlines()) == 19 and "'fr_male'" in listed.err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["voices", "-m", str(model), "--dtype", "float32"])
+    assert exit_.value.code == 1
+    assert "unrecognized arguments: --dtype" in capsys.readouterr().err
 
 
 def test_voices_of_a_model_without_voices_is_an_error(model_dir, tmp_path):
@@ -874,3 +903,30 @@ def test_help_flags_still_print_the_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
     assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: voxtral-mlx")
+
+
+def test_no_split_speaks_the_text_with_its_period_unless_no_period(model_dir, tmp_path, capsys):
+    """--no-split makes the text one utterance, still sent as a split text's segment is
+    (stripped, a period added: END is unreliable without one), so a one-segment text
+    sounds the same either way; --no-period sends it without (it was accepted and did
+    nothing, the period never added). The Python API's add_period=False needs split=True."""
+    from voxtral_mlx import cli
+
+    def speak(name: str, *extra: str) -> tuple[np.ndarray, int]:
+        out = tmp_path / name
+        args = ["speak", "-m", str(model_dir), "Hello world \n", "-o", str(out), "--verbose"]
+        assert cli.main([*args, "--seed", "1", "--max-frames", "2", *extra]) == 0
+        err = capsys.readouterr().err
+        tokens = int(err.split("prompt: ", 1)[1].split(" tokens", 1)[0])
+        return sf.read(str(out), dtype="int16")[0], tokens
+
+    split, split_tokens = speak("split.wav")
+    whole, whole_tokens = speak("whole.wav", "--no-split")
+    np.testing.assert_array_equal(whole, split)
+    assert whole_tokens == split_tokens
+    _, bare_tokens = speak("bare.wav", "--no-split", "--no-period")
+    assert bare_tokens == split_tokens - 1
+    tts = voxtral_mlx.load(model_dir)
+    with pytest.raises(voxtral_mlx.InputError, match="add_period= applies to the segments"):
+        tts.synthesize("Hello world", add_period=False)
+    assert tts.synthesize("Hello world", add_period=False, split=True, max_frames=1).codes.size

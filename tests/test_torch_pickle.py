@@ -186,6 +186,20 @@ def test_read_dict_several_tensors_needs_key(tmp_path: Path) -> None:
     assert "'gamma'" in one_line(exc) and "'alpha'" in str(exc.value)
 
 
+def test_a_dict_of_several_tensors_gives_its_embedding_entry(tmp_path: Path) -> None:
+    """As a voice .safetensors holding more than one tensor is read: the "embedding" one
+    (such a .pt was refused, with advice to pass key=, which no command offers). Tensors
+    nested a dict deeper are named as such, not as missing."""
+    emb, sid = random_tensor(torch.bfloat16, (4, 8)), torch.tensor(3)
+    torch.save({"speaker_id": sid, "embedding": emb}, tmp_path / "multi.pt")
+    assert_same(read_pt(tmp_path / "multi.pt"), emb)
+    assert_same(read_pt(tmp_path / "multi.pt", key="speaker_id"), sid)
+    torch.save({"voice": {"embedding": emb}, "name": "x"}, tmp_path / "nested.pt")
+    with pytest.raises(VoiceError) as exc:
+        read_pt(tmp_path / "nested.pt")
+    assert "inside another dict (entries 'voice')" in one_line(exc)
+
+
 def test_read_state_dict_module(tmp_path: Path) -> None:
     lin = torch.nn.Linear(4, 3)
     torch.save(lin.state_dict(), tmp_path / "sd.pt")

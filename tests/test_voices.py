@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import unicodedata
 from pathlib import Path
 
 import mlx.core as mx
@@ -142,6 +143,33 @@ def test_voice_names_ignore_case_when_unambiguous(tmp_path: Path) -> None:
         reg.get_voice("MIXED")
     first = reg.embedding("NEUTRAL_MALE")  # read once, kept under the voice's own name
     assert reg.embedding("Neutral_male") is first and reg.cached("neutral_male") is first
+
+
+def test_a_name_stored_decomposed_is_found_as_typed(tmp_path: Path) -> None:
+    """macOS's older disks and zips made on a Mac store "café" decomposed (e + U+0301): the
+    name typed composed found no voice, while the error listed "café" as available; and
+    one unprintable name escaped every other accented name in that list."""
+    nfd = unicodedata.normalize("NFD", "café")
+    vdir = make_voice_dir(tmp_path / "v", {nfd: 5, "naïve": 5, "x\x1bred": 5})
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    assert reg.get_voice("café").name == nfd and reg.get_voice("CAFÉ").name == nfd
+    assert reg.get_voice(unicodedata.normalize("NFD", "naïve")).name == "naïve"
+    with pytest.raises(VoiceError) as exc:
+        reg.get_voice("nope")
+    assert "naïve" in one_line(exc) and "\\x1b" in one_line(exc)
+
+
+def test_a_broken_safetensors_voice_names_the_pt_beside_it(tmp_path: Path) -> None:
+    """The .safetensors of a name is taken before its .pt: when it is damaged, the error
+    says that removing it lets the intact .pt beside it be used."""
+    vdir = make_voice_dir(tmp_path / "v", {"fr_male": 5})
+    (vdir / "fr_male.safetensors").write_bytes(b"not a safetensors file at all")
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    with pytest.raises(VoiceError) as exc:
+        reg.embedding("fr_male")
+    assert one_line(exc).endswith("(or remove it: fr_male.pt beside it is used then)")
+    (vdir / "fr_male.safetensors").unlink()
+    assert VoiceRegistry.from_dir(vdir, {}, DIM).embedding("fr_male").shape == (5, DIM)
 
 
 def test_unknown_voice_lists_names(tmp_path: Path) -> None:

@@ -24,8 +24,10 @@ from .errors import InputError
 
 def one_line(text: str, limit: int = 160) -> str:
     """Text from a file or the OS (names, keys, reasons) made safe for a one-line message."""
-    if not text.isprintable():
-        text = text.encode("unicode_escape").decode("ascii")
+    if not text.isprintable():  # escaped character by character: "café" stays readable
+        text = "".join(
+            ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+        )
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -604,6 +604,18 @@ def load_model_dir(model_dir: Path, dtype: str | mx.Dtype | None = None) -> Load
     )
 
 
+def load_voices(model_dir: Path) -> VoiceRegistry:
+    """The voices of a model directory, without its weights (listing them reads a few
+    megabytes, not the model's gigabytes): its config gives their width, tekken.json their
+    row counts."""
+    config = read_model_config(model_dir)
+    tokenizer = TekkenTokenizer.from_file(model_dir / "tekken.json")
+    check_tokenizer(config, tokenizer)
+    return VoiceRegistry.from_dir(
+        model_dir / "voice_embedding", tokenizer.voice_num_audio_tokens, config.backbone.dim
+    )
+
+
 def _in_background(fn: Callable[[], Any]) -> Future:
     future: Future = Future()
 

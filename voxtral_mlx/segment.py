@@ -872,6 +872,12 @@ def _greek_before(text: str, i: int) -> bool:
     return False
 
 
+def with_period(text: str) -> str:
+    """``text`` as a segment of it is sent to the model: ending with a period (in its
+    script) if it lacks final punctuation; a trailing comma, colon or dash becomes it."""
+    return _spoken(text, True)
+
+
 def _spoken(seg: str, add_period: bool) -> str:
     if not add_period or _ends_terminal(seg):
         return seg

@@ -122,8 +122,9 @@ def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
                 if first:  # the bytes given to the decoder may still hold the mark
                     text = text.removeprefix("\ufeff")
         first = False
-        if "\x00" in text:
-            raise _nul_error(what, wide=head.startswith(_WIDE_BOMS))
+        if "\x00" in text:  # as bytes that are not text: what came before it is spoken
+            failure = _nul_error(what, wide=head.startswith(_WIDE_BOMS))
+            text, end = text[: text.index("\x00")], True
         text = held + text
         held = "\r" if not end and text.endswith("\r") else ""
         text = _one_newline(text[: len(text) - len(held)])

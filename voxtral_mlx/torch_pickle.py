@@ -763,7 +763,16 @@ def _select(payload: Any, key: str | None, src: str) -> _TensorRef:
         return payload[key]
     if len(tensors) == 1:
         return payload[tensors[0]]
+    if "embedding" in tensors:  # as a voice .safetensors with more than one tensor is read
+        return payload["embedding"]
     if not tensors:
+        nested = [k for k, v in payload.items() if isinstance(v, dict)]
+        if nested:
+            raise VoiceError(
+                f"{src} holds a dict whose tensors are inside another dict (entries "
+                f"{', '.join(_shown(k, 60) for k in nested[:5])}); save the voice embedding "
+                "itself (torch.save(tensor, path))"
+            )
         raise VoiceError(f"{src} holds a dict without any tensor; expected a voice embedding")
     raise VoiceError(
         f"{src} holds {len(tensors)} tensors ({listed}); a voice file holds one: save just "

@@ -44,7 +44,7 @@ from .residency import Residency
 from .segment import Segment, SplitStopped, is_blank, is_silent, split_text
 from .textstream import AsyncTextStream, TextStream, check_pause
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
-from .voices import Voice, VoiceRegistry, case_matches, misplaced_voice_folder
+from .voices import Voice, VoiceRegistry, case_matches, no_voices_error
 from .worker import Worker, WorkerFuture, closed_error
 
 T = TypeVar("T")
@@ -332,13 +332,7 @@ class VoxtralTTS:
         if found:  # two such files: the voice lookup says which are ambiguous
             return found[0] if len(found) == 1 else DEFAULT_VOICE
         if not self.voices:
-            other = misplaced_voice_folder(self.path)
-            fix = (
-                f"its {one_line(other, 60)}/ folder holds voice files: rename it voice_embedding"
-                if other is not None
-                else "copy the checkpoint's voice_embedding folder there"
-            )
-            raise InputError(f"{self.path} has no voices in voice_embedding/: {fix}")
+            raise no_voices_error(self.path)
         names = one_line(", ".join(self.voices), 400)
         missing = (
             " (tekken.json lists it, but its file is missing: an incomplete download? fetch "
@@ -491,7 +485,13 @@ class VoxtralTTS:
         max_chars = check_whole("max_chars", max_chars, 2)
         check_pause(pause)
         changed_max = None if max_chars == DEFAULT_MAX_CHARS else max_chars
-        for name, value in (("pause", pause), ("lookahead", lookahead), ("max_chars", changed_max)):
+        no_period = None if add_period else False
+        for name, value in (
+            ("pause", pause),
+            ("lookahead", lookahead),
+            ("max_chars", changed_max),
+            ("add_period", no_period),
+        ):
             if value is not None and not split:  # one utterance: no segments to apply it to
                 raise InputError(
                     f"{name}= applies to the segments of a split text: pass split=True, or "
@@ -611,13 +611,14 @@ class VoxtralTTS:
         period), the segments are generated as one batch, and their audio follows in order
         with the pause each boundary implies (``pause`` seconds instead, if given);
         ``add_period=False`` sends segments as written (END is less reliable without
-        final punctuation); a segment of invisible characters alone (zero-width spaces,
-        format marks) makes no sound but its pause. Segment ``i`` uses seed
+        final punctuation; without ``split`` the one utterance is always sent as written);
+        a segment of invisible characters alone (zero-width spaces, format marks) makes no
+        sound and adds no pause of its own. Segment ``i`` uses seed
         ``(seed + i) % 2**64``; ``max_frames`` applies per segment; chunks carry ``segment``
         and ``segments``, and ``ends_segment`` on a segment's last chunk of audio; a pause
         is a chunk of its own (see :class:`AudioChunk`); memory stays bounded whatever the
         length. ``max_chars`` is the longest segment (the split aims at half of it).
-        ``pause``, ``lookahead`` and ``max_chars`` need ``split=True``.
+        ``pause``, ``lookahead``, ``max_chars`` and ``add_period=False`` need ``split=True``.
         ``lookahead``: segments in flight, the one being consumed included (1 to 64;
         default: the batch size). A segment generated ahead gives
         up its batch slot to another request's segment that someone is waiting for (it is

@@ -42,9 +42,22 @@ T = TypeVar("T")
 
 
 def case_matches(name: str, named: Iterable[tuple[str, T]]) -> list[T]:
-    """The values whose name equals ``name`` but for case (how ``say -v`` takes a voice)."""
-    folded = name.casefold()
-    return [value for n, value in named if n.casefold() == folded]
+    """The values whose name equals ``name`` but for case (how ``say -v`` takes a voice)
+    and Unicode normalization (a name typed as "café" finds a file named in decomposed
+    form, as macOS's older disks and zips made on a Mac store it)."""
+    folded = folded_name(name)
+    return [value for n, value in named if folded_name(n) == folded]
+
+
+def no_voices_error(model_dir: Path) -> InputError:
+    """A model directory without voice files: where they may be instead, or the fix."""
+    other = misplaced_voice_folder(model_dir)
+    fix = (
+        f"its {one_line(other, 60)}/ folder holds voice files: rename it voice_embedding"
+        if other is not None
+        else "copy the checkpoint's voice_embedding folder there"
+    )
+    return InputError(f"{model_dir} has no voices in voice_embedding/: {fix}")
 
 
 def misplaced_voice_folder(model_dir: Path) -> str | None:
@@ -324,6 +337,18 @@ class VoiceRegistry(Mapping[str, Voice]):
             return result
 
     def _load(self, voice: Voice) -> mx.array:
+        try:
+            return self._read(voice)
+        except VoiceError as e:
+            pt = voice.path.with_suffix(".pt")
+            if voice.path.suffix == ".pt" or not pt.is_file():
+                raise
+            # A .safetensors is taken before the .pt of the same name: say which one to drop.
+            raise VoiceError(
+                f"{e} (or remove it: {one_line(pt.name)} beside it is used then)"
+            ) from e.__cause__
+
+    def _read(self, voice: Voice) -> mx.array:
         src = one_line(str(voice.path))
         if voice.path.suffix == ".pt":
             array = to_mlx(_servable(read_pt(voice.path, max_values=MAX_VOICE_ROWS * self.dim)))

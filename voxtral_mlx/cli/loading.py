@@ -99,6 +99,20 @@ def ask_for_the_compiler() -> None:
         mx.eval(mx.compile(lambda x: x * 2.0 + 1.0)(mx.zeros((1,))))
 
 
+def load_voice_list(args: argparse.Namespace):
+    """The model directory a command names (downloaded first if need be) and its voices,
+    read without the weights (``voices``, ``speak -v '?'``)."""
+    from ..hub import resolve_model_dir
+    from ..loader import load_voices
+
+    def loaded():
+        model_dir = resolve_model_dir(args.model)
+        return model_dir, load_voices(model_dir)
+
+    with downloads_reported(args):
+        return interruptibly(loaded)
+
+
 def load_model(args: argparse.Namespace):
     from .. import load
 

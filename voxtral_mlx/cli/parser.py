@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def model_args(p: argparse.ArgumentParser) -> None:
+    def model_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "-m",
             "--model",
@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"local directory or Hugging Face repo (default: ${MODEL_ENV} or "
             "mistralai/Voxtral-4B-TTS-2603)",
         )
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        model_arg(p)
         p.add_argument(
             "--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)"
         )
@@ -169,12 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     speak.add_argument(
         "--no-split",
         action="store_true",
-        help="speak the text as one utterance (default: split long text at natural pauses)",
+        help="speak the text as one utterance (default: split long text at natural pauses); "
+        "it too gets a period if it lacks final punctuation, unless --no-period",
     )
     speak.add_argument(
         "--no-period",
         action="store_true",
-        help="do not end segments that lack final punctuation with a period",
+        help="do not end the text's segments (or, with --no-split, the text) with a period "
+        "where they lack final punctuation",
     )
     speak.add_argument(
         "--pause", type=float, help="seconds of silence between segments (default: natural)"
@@ -191,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     speak.set_defaults(func=cmd_speak)
 
     voices = sub.add_parser("voices", help="list the voices and their languages")
-    model_args(voices)
+    model_arg(voices)  # the voice files are read, not the weights
     voices.set_defaults(func=cmd_voices)
 
     conv = sub.add_parser("convert-voices", help="convert voice .pt files to .safetensors")

@@ -122,7 +122,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
             "terminal: pipe it (| play ..., sox's player) or redirect it (> file)"
         )
     if args.voice == "?":
-        print_voices(load_model(args))
+        print_voices(args)
         return 0
     if args.follow:
         source, source_name = text_source(args.file, args.text)
@@ -153,8 +153,14 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if args.voice is not None:
             tts.voices.get_voice(args.voice)
         if args.no_split:
+            from ..segment import with_period
             from ..tts import utterance_ids
 
+            # One utterance, as split text's segments are sent: stripped, and with a
+            # period unless --no-period (END is unreliable without final punctuation).
+            text = text.strip()
+            if text and not args.no_period:
+                text = with_period(text)
             utterance_ids(tts.tokenizer, text, "text", "drop --no-split")
 
         started = time.monotonic()  # the player's clock
@@ -168,7 +174,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
                 max_frames=args.max_frames,
                 split=not args.no_split,
                 pause=args.pause,
-                add_period=not args.no_period,
+                **({} if args.no_split else {"add_period": not args.no_period}),
             )
     except BaseException:
         if player is not None:  # opened early to fail early: not left open on bad input
