@@ -438,12 +438,13 @@ def test_waiting_on_a_playback_from_its_own_player_is_refused_in_one_line(tts):
     from voxtral_mlx.errors import UsageError
 
     handle = {}
-    seen = []
+    seen, polls = [], []
     ready = threading.Event()
 
     class Waiting:
         def feed(self, audio) -> None:
             ready.wait(10)  # until the handle is stored
+            polls.append(handle["playback"].wait(0))  # a poll does not wait: allowed
             try:
                 handle["playback"].wait(1)
             except UsageError as e:
@@ -460,7 +461,7 @@ def test_waiting_on_a_playback_from_its_own_player_is_refused_in_one_line(tts):
     ready.set()
     with pytest.raises(UsageError, match="own thread"):
         handle["playback"].wait(timeout=30)
-    assert len(seen) == 1
+    assert len(seen) == 1 and polls == [False]
 
 
 def test_a_voice_is_read_on_the_worker_thread(tiny_checkpoint, monkeypatch):

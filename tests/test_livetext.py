@@ -156,6 +156,29 @@ def test_a_stream_plays_the_paragraph_pause_completed_after_its_segment_was_cut(
     assert np.array_equal(live_audio, whole_audio)
 
 
+def test_a_paragraph_completed_after_a_blank_segment_was_cut_is_played(tts):
+    """Lines typed with a zero-width mark alone on one: each stall cuts a segment, the
+    blank one too, and the "\n" that then completes the blank line makes the pause before
+    the next words a paragraph's (it was read from the segment before the blank one only:
+    a sentence's)."""
+
+    def pieces():
+        yield "First paragraph ends here.\n"
+        time.sleep(1.0)  # past the 0.6 s stall: cut alone
+        yield "\u200b\n"
+        time.sleep(1.0)
+        yield "\nSecond paragraph starts here."
+
+    with tts.stream(pieces(), VOICE, split=True, seed=1, max_frames=2) as stream:
+        chunks = list(stream)
+    assert [s.text for s in stream.segments][::2] == [
+        "First paragraph ends here.",
+        "Second paragraph starts here.",
+    ]
+    silences = [len(c.audio) for c in chunks if not c.frames and len(c.audio)]
+    assert silences == [round(PAUSE_AFTER[PARAGRAPH] * tts.sample_rate)]
+
+
 @pytest.mark.parametrize(
     "head, tail",
     [

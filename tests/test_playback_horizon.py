@@ -30,7 +30,10 @@ def fake_tts() -> SimpleNamespace:
 
 
 def fake_stream(pause: float = 0.0) -> SimpleNamespace:
-    segments = [SimpleNamespace(spoken="word " * 40, pause_after=pause) for _ in range(SEGMENTS)]
+    segments = [
+        SimpleNamespace(text="word " * 40, spoken="word " * 40, pause_after=pause)
+        for _ in range(SEGMENTS)
+    ]
     return SimpleNamespace(segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0)
 
 
@@ -123,7 +126,7 @@ def test_a_long_text_is_not_tokenized_before_it_plays():
     tts.tokenizer = SimpleNamespace(encode=encode)
     n = TOKENIZED_AHEAD + 100
     spoken = ["word " * 3] * TOKENIZED_AHEAD + ["word " * 3] * 99 + ["longer word " * 3]
-    segments = [SimpleNamespace(spoken=s, pause_after=0.0) for s in spoken]
+    segments = [SimpleNamespace(text=s, spoken=s, pause_after=0.0) for s in spoken]
     stream = SimpleNamespace(segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0)
     horizon = PlaybackHorizon(tts, stream, FRAMES, None, started=0.0)
     assert len(calls) == TOKENIZED_AHEAD
@@ -230,3 +233,16 @@ def test_an_empty_last_chunk_of_a_live_segment_still_starts_what_came():
         assert player.buffered_s == pytest.approx(5 * FRAME_S)
     finally:
         playback.stop()
+
+
+def test_the_whole_text_plan_leaves_out_pauses_that_blank_segments_no_longer_make():
+    """A zero-width mark after the last paragraph is a segment of its own that plays no
+    pause now: the plan's total must not count one either (0.75 s too long)."""
+    from voxtral_mlx.segment import split_text
+
+    words = "word " * 10
+    segments = split_text(f"{words}.\n\n\u200b")
+    assert len(segments) == 2 and segments[0].pause_after > 0
+    stream = SimpleNamespace(segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0)
+    horizon = PlaybackHorizon(fake_tts(), stream, FRAMES, None, started=0.0)
+    assert horizon.total_s == pytest.approx(max(1.0, sum(horizon.segment_s)))

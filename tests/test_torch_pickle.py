@@ -198,6 +198,9 @@ def test_a_dict_of_several_tensors_gives_its_embedding_entry(tmp_path: Path) -> 
     with pytest.raises(VoiceError) as exc:
         read_pt(tmp_path / "nested.pt")
     assert "inside another dict (entries 'voice')" in one_line(exc)
+    torch.save({"meta": {"rows": 5}, "name": "x"}, tmp_path / "none.pt")
+    with pytest.raises(VoiceError, match="holds a dict without any tensor"):
+        read_pt(tmp_path / "none.pt")
 
 
 def test_read_state_dict_module(tmp_path: Path) -> None:

@@ -157,6 +157,11 @@ def test_a_name_stored_decomposed_is_found_as_typed(tmp_path: Path) -> None:
     with pytest.raises(VoiceError) as exc:
         reg.get_voice("nope")
     assert "naïve" in one_line(exc) and "\\x1b" in one_line(exc)
+    # tekken.json names it composed: the file is no "missing" voice, its row count applies.
+    reg = VoiceRegistry.from_dir(vdir, {"café": 6, "naïve": 5}, DIM)
+    assert reg.missing == [] and reg.get_voice("café").num_tokens == 6
+    with pytest.raises(VoiceError, match=r"has 5 rows but tekken\.json expects 6"):
+        reg.embedding("café")
 
 
 def test_a_broken_safetensors_voice_names_the_pt_beside_it(tmp_path: Path) -> None:

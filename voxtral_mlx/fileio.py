@@ -26,7 +26,8 @@ def one_line(text: str, limit: int = 160) -> str:
     """Text from a file or the OS (names, keys, reasons) made safe for a one-line message."""
     if not text.isprintable():  # escaped character by character: "café" stays readable
         text = "".join(
-            ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+            ch if ch.isprintable() and ch != "\\" else ch.encode("unicode_escape").decode("ascii")
+            for ch in text
         )
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

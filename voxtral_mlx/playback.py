@@ -108,7 +108,7 @@ class Playback:
             timeout = seconds
         if not self.done:
             self._refuse_wait()
-            if threading.current_thread() is self._thread:
+            if threading.current_thread() is self._thread and timeout != 0:  # 0: a poll
                 raise UsageError(
                     "wait() was called from this playback's own thread (its player's "
                     "feed() or finish()): it would wait for itself; call it from elsewhere"

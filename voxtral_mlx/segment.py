@@ -249,7 +249,8 @@ def split_text(
     Segments are stripped, non-empty, in order and non-overlapping; only whitespace between
     them is dropped. A segment may still have nothing to speak (:func:`is_blank`: zero-width
     or control characters alone; :func:`is_silent`: punctuation alone): the speaking calls
-    keep such a segment as its pause only (a whole text of punctuation alone is spoken).
+    speak nothing for it (a whole text of punctuation alone is spoken); a blank one adds
+    no pause of its own either (see :func:`voxtral_mlx.textstream.planned_pauses`).
     ``spoken`` is the segment with a script-appropriate period when it lacks
     terminal punctuation and ``add_period`` (a trailing comma/colon/dash becomes the period).
     ``stop`` is called every few thousand words: when it returns True, :class:`SplitStopped`

@@ -13,7 +13,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -65,6 +65,7 @@ class _Reader:
         self._stopped_by: str | None = None  # the error that stopped it, if one did
         self._ready: deque[AudioChunk] = deque()
         self._pause_due: tuple[int, float] | None = None  # (segment, seconds) to play next
+        self._pauses: list[float | None] = []  # of a text split up front: planned_pauses()
         check_pause(pause)
         self._unsubmitted: list[Job] = []
         self._chunk_frames: int | None = None  # set_chunk_frames(): for jobs made later
@@ -91,6 +92,7 @@ class _Reader:
         that bad input raises when the stream is created, not at its first item."""
         self._plan = None
         self.segments = segments
+        self._pauses = planned_pauses(segments, self.pause)
         if not segments:
             self._finished = True
         self._unsubmitted = self._pending()
@@ -197,7 +199,7 @@ class _Reader:
                     return []
                 self._pause_due = (i, seconds)
                 return []
-            seconds = self._pause_after(i)
+            seconds = self._pauses[i]
             return [] if seconds is None else [self._pause(i, seconds)]
         t, c = self.timings, item.timings
         if i == 0:
@@ -216,12 +218,13 @@ class _Reader:
         out = []
         if self._pause_due is not None and not is_blank(self.segments[i].text):
             j, seconds = self._pause_due
-            later = None
             if self.pause is None and self._source is not None:
-                later = self._source.pause_after(j)  # a blank line completed after its cut
-            if later is not None:
-                seconds = later
-                self.segments[j] = dataclasses.replace(self.segments[j], pause_after=later)
+                # A blank line completed after its cut (of segment j or a blank one after it).
+                for k in range(j, i):
+                    later = self._source.pause_after(k)
+                    if later is not None:
+                        seconds = later if k == j else max(seconds, later)
+                        self.segments[k] = dataclasses.replace(self.segments[k], pause_after=later)
             out.append(self._pause(i - 1, seconds))  # after blank segments, if any
             self._pause_due = None
         self._add_audio(item.audio)
@@ -234,20 +237,6 @@ class _Reader:
 
     def _own_pause(self, i: int) -> float:
         return self.segments[i].pause_after if self.pause is None else self.pause
-
-    def _pause_after(self, i: int) -> float | None:
-        """Seconds of silence after segment ``i`` of a text split up front, None for none.
-        A blank segment (zero-width marks alone) has none of its own: the pause it falls
-        in takes the longest of the run, and none comes before the text's first words or
-        after its last (a stray mark at either end would add a paragraph's silence)."""
-        if is_blank(self.segments[i].text):
-            return None
-        seconds = self._own_pause(i)
-        for j in range(i + 1, len(self.segments)):
-            if not is_blank(self.segments[j].text):
-                return seconds
-            seconds = max(seconds, self._own_pause(j))
-        return None
 
     def _pause(self, i: int, seconds: float) -> AudioChunk:
         codes = np.zeros((0, self._codes_width), np.int32)
@@ -316,6 +305,25 @@ class _Reader:
         # A snapshot: the consumer's thread may be adding or removing jobs meanwhile.
         for _, job in list(self.jobs):
             job.cancel()
+
+
+def planned_pauses(segments: Sequence[Segment], pause: float | None) -> list[float | None]:
+    """Seconds of silence after each segment of a text split up front (``pause`` for every
+    boundary, if given), None for none. A blank segment (zero-width marks alone) has none
+    of its own: the pause it falls in takes the longest of the run, and none comes before
+    the text's first words or after its last (a stray mark at either end would add a
+    paragraph's silence)."""
+    out: list[float | None] = [None] * len(segments)
+    spoken_after, run = False, 0.0
+    for i in reversed(range(len(segments))):
+        own = segments[i].pause_after if pause is None else pause
+        if is_blank(segments[i].text):
+            run = max(run, own)
+            continue
+        if spoken_after:
+            out[i] = max(own, run)
+        spoken_after, run = True, 0.0
+    return out
 
 
 def check_pause(pause: object) -> None:

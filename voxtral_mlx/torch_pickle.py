@@ -766,7 +766,11 @@ def _select(payload: Any, key: str | None, src: str) -> _TensorRef:
     if "embedding" in tensors:  # as a voice .safetensors with more than one tensor is read
         return payload["embedding"]
     if not tensors:
-        nested = [k for k, v in payload.items() if isinstance(v, dict)]
+        nested = [
+            k
+            for k, v in payload.items()
+            if isinstance(v, dict) and any(isinstance(t, _TensorRef) for t in v.values())
+        ]
         if nested:
             raise VoiceError(
                 f"{src} holds a dict whose tensors are inside another dict (entries "

@@ -184,8 +184,8 @@ class VoiceRegistry(Mapping[str, Voice]):
         self.broken = dict(broken or {})
         # Voices the tokenizer lists that have no file, beside others that have one (an
         # incomplete download; with none at all, the folder is what is missing).
-        present = {n.casefold() for n in [*self._voices, *self.broken]}
-        self.missing = sorted({m for m in missing if m.casefold() not in present})
+        present = {folded_name(n) for n in [*self._voices, *self.broken]}
+        self.missing = sorted({m for m in missing if folded_name(m) not in present})
         if not self._voices:
             self.missing = []
         self._lock = threading.Lock()
@@ -233,8 +233,16 @@ class VoiceRegistry(Mapping[str, Voice]):
                 known = found.get(path.stem)
                 if known is None or _SUFFIXES.index(path.suffix) < _SUFFIXES.index(known.suffix):
                     found[path.stem] = path
+        # A file's name may differ from tekken.json's in case or Unicode form (as lookups
+        # allow): its row count still applies.
+        folded = {folded_name(k): v for k, v in expected_tokens.items()}
         voices = {
-            name: Voice(name, path, voice_language(name), expected_tokens.get(name))
+            name: Voice(
+                name,
+                path,
+                voice_language(name),
+                expected_tokens.get(name, folded.get(folded_name(name))),
+            )
             for name, path in found.items()
         }
         broken = {n: p for n, p in broken.items() if n not in found}

@@ -69,8 +69,10 @@ class PlaybackHorizon:
         self.segment_s = [self._seconds(n) for n in tokens] + [
             self._seconds(len(seg.spoken) * per_char) for seg in segments[TOKENIZED_AHEAD:]
         ]
-        pauses = [seg.pause_after if pause is None else pause for seg in segments[:-1]]
-        self.total_s = max(1.0, sum(self.segment_s) + sum(pauses))
+        from ..textstream import planned_pauses
+
+        pauses = planned_pauses(segments, pause)
+        self.total_s = max(1.0, sum(self.segment_s) + sum(p or 0.0 for p in pauses))
 
     def _seconds(self, tokens: float) -> float:
         return min(self._cap, tokens * SECONDS_PER_TEXT_TOKEN)
