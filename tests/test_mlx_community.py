@@ -30,7 +30,7 @@ from voxtral_mlx.config import ModelConfig
 from voxtral_mlx.errors import CheckpointError, ConfigError, ModelNotFoundError, VoxtralError
 from voxtral_mlx.loader import load_model_dir
 from voxtral_mlx.mlx_layout import to_mistral_name, to_mlx_audio_name
-from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
+from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -50,9 +50,14 @@ def one_line(e: BaseException) -> str:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
+    # Feed-forward widths a multiple of 64, as the real model's: mlx-audio quantizes
+    # w2/down_proj then too (with the tiny preset's 160 it left them unquantized).
+    params = make_params("tiny")
+    params["hidden_dim"] = 192
+    params["multimodal"]["audio_model_args"]["acoustic_transformer_args"]["hidden_dim"] = 192
     return build_random_checkpoint(
         tmp_path_factory.mktemp("mc-src"),
-        "tiny",
+        params,
         seed=3,
         voices=VOICES,
         voice_format="safetensors",
@@ -63,10 +68,13 @@ def source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def community(source: Path, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mc")
-    return {
+    built = {
         name: build_mlx_community(source, root / name, bits, SHARD_BYTES)
         for name, bits in (("bf16", None), ("4bit", 4), ("6bit", 6))
     }
+    # As the published 4-bit and 6-bit repos are: one model.safetensors, and its index.
+    built["4bit-one-file"] = build_mlx_community(source, root / "4bit-one-file", 4)
+    return built
 
 
 def load_mlx_audio(path: Path):
@@ -96,7 +104,10 @@ def test_the_layout_is_mlx_audios(community: dict[str, Path]) -> None:
     for name, path in community.items():
         files = sorted(p.name for p in path.iterdir())
         shards = [f for f in files if f.startswith("model-")]
-        assert len(shards) >= 2, files
+        if name.endswith("one-file"):
+            assert not shards and "model.safetensors" in files, files
+        else:
+            assert len(shards) >= 2, files
         assert "model.safetensors.index.json" in files and "config.json" in files
         assert {"params.json", "tekken.json", "voice_embedding"} <= set(files)
         assert sorted(p.name for p in (path / "voice_embedding").iterdir()) == sorted(
@@ -139,7 +150,7 @@ def test_rename_table_agrees_with_mlx_audio_sanitize(source: Path) -> None:
     assert to_mistral_name("language_model.model.model.layers.1.self_attn.rope.x") is None
 
 
-@pytest.mark.parametrize("name", ["bf16", "4bit", "6bit"])
+@pytest.mark.parametrize("name", ["bf16", "4bit", "6bit", "4bit-one-file"])
 def test_loads_with_exactly_the_stored_layers_quantized(community, name: str) -> None:
     path = community[name]
     loaded = load_model_dir(path, "float32")
@@ -155,7 +166,10 @@ def test_loads_with_exactly_the_stored_layers_quantized(community, name: str) ->
         return
     assert all(m.bits == int(name[0]) and m.group_size == 64 for m in quantized.values())
     assert "mm_audio_embeddings.tok_embeddings" in quantized
-    assert "layers.0.feed_forward.w2" not in quantized  # 160 inputs: mlx-audio skipped it
+    # Every Linear and Embedding of the backbone and flow head, as in the published ones.
+    assert {"layers.0.feed_forward.w2", "acoustic_transformer.layers.0.feed_forward.w2"} <= set(
+        quantized
+    )
     params = dict(tree_flatten(loaded.model.parameters()))
     assert {v.dtype for k, v in params.items() if not k.endswith(".weight")} <= {mx.float32}
     assert params["layers.0.attention.wq.weight"].dtype == mx.uint32
@@ -166,7 +180,7 @@ def test_default_dtype_is_bf16(community) -> None:
     assert load_model_dir(community["bf16"]).dtype == mx.bfloat16
 
 
-@pytest.mark.parametrize("name", ["bf16", "4bit", "6bit"])
+@pytest.mark.parametrize("name", ["bf16", "4bit", "6bit", "4bit-one-file"])
 def test_same_codes_and_audio_as_mlx_audio(community, name: str) -> None:
     path = community[name]
     noise = np.random.default_rng(0).standard_normal((FRAMES, 36)).astype(np.float32)

@@ -333,11 +333,15 @@ def _write_checkpoint(
 
     (out / "voice_embedding").mkdir()
     write_tekken(out / "tekken.json", tekken)
-    specs = [TensorSpec(name, st_dtype, e.shape) for name, e in expected_tensors(config).items()]
+    # As the published file is: tensors in name order, no __metadata__ (its 8,004,752,248
+    # bytes are exactly that layout's).
+    tensors = expected_tensors(config)
+    specs = [TensorSpec(name, st_dtype, tensors[name].shape) for name in sorted(tensors)]
     write_safetensors(
         out / "consolidated.safetensors",
         specs,
         lambda spec: _produce(seed, st_dtype, spec, suppress_end),
+        metadata=None,
     )
 
     dim = config.backbone.dim
@@ -359,6 +363,7 @@ def _write_checkpoint(
                 out / "voice_embedding" / f"{name}.safetensors",
                 [spec],
                 lambda _s, v=values: iter([encode(v, st_dtype)]),
+                metadata=None,  # as mlx-community's voice files
             )
     atomic_write_text(out / "params.json", json.dumps(params, indent=4) + "\n")
 

@@ -42,20 +42,24 @@ def encode(values: np.ndarray, dtype: str) -> bytes:
     return np.ascontiguousarray(values, dtype=np_dtype[dtype]).tobytes()
 
 
+PT_METADATA = {"format": "pt"}  # what safetensors.torch.save_file writes when asked to
+
+
 def write_safetensors(
     path: str | Path,
     specs: Iterable[TensorSpec],
     produce: Callable[[TensorSpec], Iterator[bytes]],
-    metadata: dict[str, str] | None = None,
+    metadata: dict[str, str] | None = PT_METADATA,
 ) -> None:
     """Write ``specs`` in order; ``produce(spec)`` yields the tensor's bytes in pieces.
+    ``metadata``: the header's ``__metadata__`` (None: none, as Mistral's files have).
 
     Written to a temporary file beside ``path`` and renamed at the end, so an interrupted
     build never leaves a file that looks complete.
     """
     path = Path(path)
     specs = list(specs)
-    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    header: dict[str, object] = {} if metadata is None else {"__metadata__": dict(metadata)}
     offset = 0
     for spec in specs:
         header[spec.name] = {

@@ -180,6 +180,7 @@ def build_tekken(
             "frame_rate": 12.5,
             "voice_num_audio_tokens": voices,
             "audio_encoding_config": dict(AUDIO_ENCODING_CONFIG),
+            "chunk_length_s": 30.0,  # in the released file (read by its audio encoder only)
         },
     }
 
@@ -189,5 +190,5 @@ def write_tekken(path: str | Path, data: Mapping[str, Any]) -> Path:
     indented as the released file is (14.9 MB: what loading it is timed on)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(data, ensure_ascii=False, indent=2))
+    atomic_write_text(path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
     return path
