@@ -53,6 +53,7 @@ from .checkpoint import (
     IGNORED_TENSORS,
     SAFETENSORS_DTYPES,
     QuantSpec,
+    expected_tensors,
     quantized_shapes,
     read_safetensors_header,
     safetensors_data_start,
@@ -674,5 +675,10 @@ def convert_model(
     files = [out / n for n in names]
     linears = [j for j in jobs if j.name.endswith(".weight") and len(j.ref.info.shape) == 2]
     layers = [j.name[: -len(".weight")] for j in linears if j.spec is None]
-    unfit = [path for path in layers if options.wanted(path) is not None]
+    # In the model's order (backbone layer by layer, then flow head), whatever the files'.
+    order = {name[: -len(".weight")]: i for i, name in enumerate(expected_tensors(config))}
+    unfit = sorted(
+        (path for path in layers if options.wanted(path) is not None),
+        key=lambda path: order.get(path, len(order)),
+    )
     return ConvertResult(out, files, planned, total, voices, unfit)
