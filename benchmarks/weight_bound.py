@@ -6,7 +6,9 @@ For a checkpoint with the real layer widths this prints, per frame:
     with the machine's memory bandwidth measured here (large-array sums: on a CPU with one
     core and with all, the bound from all);
   * the time of the bare matmuls at the frame's shapes and dtype (the same weights, no
-    attention, norms or Python), i.e. what any implementation must spend;
+    attention, norms or Python), i.e. what any implementation must spend; the codec's
+    products at the rows of the chunks the timed runs decode (per frame, the difference
+    between n2 frames' chunks and n1's, as the marginal ms/frame counts them);
   * voxtral_mlx's measured ms/frame (marginal, as frame_speed.py) and its overhead over
     the bare matmuls; achieved weight GB/s.
 
@@ -97,15 +99,15 @@ def _best_gbs(read, n_bytes: int) -> float:
 def frame_shapes(
     tts,
 ) -> tuple[list[tuple[mx.array, int]], list[tuple[mx.array, int]], int]:
-    """(weight, rows multiplying it) for every matmul of one frame, those of one decoded
-    chunk of the codec, and the frame's weight bytes (the codec's left out).
+    """(weight, rows multiplying it) for every matmul of one frame, those of the codec
+    decoding one frame, and the frame's weight bytes (the codec's left out).
 
     Rows are those a frame must multiply: the backbone decodes one position; each Euler step
     runs the flow head on 2 x 3 tokens (cond and uncond), except that its last layer needs
     only keys and values of the other tokens (position 0 is the only one read out;
     voxtral_mlx's one wq/wk/wv product also makes their queries, extra work that counts as
     its overhead); the codec runs each stage at its own rate (1, 2, 4, 8 steps per frame)
-    on a chunk of ``SYNTH_CHUNK_FRAMES`` frames at once, as ``synthesize`` decodes.
+    (``synthesize`` decodes chunks of ``SYNTH_CHUNK_FRAMES`` frames: see :func:`codec_parts`).
     """
     m, cfg = tts.model, tts.config
     mats: list[tuple[mx.array, int]] = []
@@ -132,7 +134,7 @@ def frame_shapes(
     total = sum(w.nbytes for w, _ in mats)
     frame_mats, mats = mats, []
     codec = m.audio_tokenizer
-    chunk = SYNTH_CHUNK_FRAMES
+    chunk = 1
     rates = codec._plan.rates
     for s, rate in enumerate(rates):
         conv = codec.decoder_blocks[2 * s].conv
@@ -145,6 +147,12 @@ def frame_shapes(
     w = codec.output_proj.conv.weight
     mats.append((w.reshape(w.shape[0], -1), rates[-1] * chunk))
     return frame_mats, mats, total
+
+
+def codec_parts(frames: int) -> list[int]:
+    """The chunks ``synthesize`` decodes ``frames`` frames in."""
+    whole, rest = divmod(frames, SYNTH_CHUNK_FRAMES)
+    return [SYNTH_CHUNK_FRAMES] * whole + ([rest] if rest else [])
 
 
 def vars_linears(ffn) -> list:
@@ -209,9 +217,19 @@ def main(argv: list[str] | None = None) -> int:
         mats, codec_mats, total = frame_shapes(tts)
         codec = tts.model.audio_tokenizer
         codec_bytes = sum(a.nbytes for _, a in tree_flatten(codec.parameters()))
-        frame, chunk = bare_matmuls(mats, tts.dtype), bare_matmuls(codec_mats, tts.dtype)
-        # The codec's products, done once per decoded chunk, shared by its frames.
-        return lambda: frame() + chunk() / SYNTH_CHUNK_FRAMES, total, codec_bytes
+        frame = bare_matmuls(mats, tts.dtype)
+        # The codec's products as the timed runs do them: one per decoded chunk, at its
+        # rows; per frame, the difference between n2's chunks and n1's, as ms/frame is.
+        sizes = sorted(set(codec_parts(n1) + codec_parts(n2)))
+        chunk = {k: bare_matmuls([(w, r * k) for w, r in codec_mats], tts.dtype) for k in sizes}
+
+        def run() -> float:
+            seconds = {k: fn() for k, fn in chunk.items()}
+            codec_s = sum(seconds[k] for k in codec_parts(n2))
+            codec_s -= sum(seconds[k] for k in codec_parts(n1))
+            return frame() + codec_s / (n2 - n1)
+
+        return run, total, codec_bytes
 
     # On the worker thread, which owns the model's arrays.
     bare_run, weight_bytes, codec_bytes = tts.call(prepare)

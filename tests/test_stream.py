@@ -86,8 +86,10 @@ def test_first_chunk_needs_only_one_frame(tiny_tts, noise, monkeypatch):
     stream.close()
 
 
-def test_closing_the_stream_stops_generation(tiny_tts, noise, monkeypatch):
-    model = tiny_tts.model
+def test_closing_the_stream_stops_generation(noend_tts, monkeypatch):
+    """On a model whose END never comes (500 frames asked for), close() stops the job
+    within a frame: cancelled, not run to its end."""
+    model = noend_tts.model
     steps = {"n": 0}
     original = model.step
 
@@ -96,20 +98,22 @@ def test_closing_the_stream_stops_generation(tiny_tts, noise, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(model, "step", step)
-    stream = tiny_tts.stream(TEXT, VOICE, noise=noise, chunk_frames=1)
+    stream = noend_tts.stream(TEXT, VOICE, seed=1, chunk_frames=1, max_frames=500)
     next(stream)
     next(stream)
+    job = stream.jobs[0][1]
     stream.close()
     at_close = steps["n"]
     time.sleep(0.2)  # ~25 frames' time on this config
     # A frame already queued may finish; nothing after it. (How many frames ran before
     # close() depends on how soon this thread got to run after its second chunk.)
     assert steps["n"] <= at_close + 1
+    assert job.done and job.seq.stop_reason == "cancelled" and job.seq.frames < 100
     # The model is free again: another thread can use it right away.
     done = threading.Event()
 
     def other():
-        tiny_tts.synthesize(TEXT, VOICE, seed=1, max_frames=2)
+        noend_tts.synthesize(TEXT, VOICE, seed=1, max_frames=2)
         done.set()
 
     t = threading.Thread(target=other)
