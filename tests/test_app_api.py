@@ -290,8 +290,9 @@ def test_cancel_from_another_thread_stops_within_a_frame(tts):
         t.join()
 
     # The worker keeps generating while the consumer is slow; after cancel() at most the
-    # frame in flight (and the one queued behind it) completes.
-    assert _frames_after_cancel(tts, cancel) <= 2 + tts.engine.max_batch
+    # frame in flight (and the one queued behind it) completes: 0 in 40 runs on an idle
+    # machine; one more is allowed for a test thread descheduled between the two reads.
+    assert _frames_after_cancel(tts, cancel) <= 3
     assert not tts.engine.busy or tts.engine._jobs == {}
 
 

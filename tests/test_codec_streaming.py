@@ -111,6 +111,9 @@ def test_first_frame_alone(setup):
     offset=st.integers(0, MAX_FRAMES - 1),
 )
 def test_any_chunking_equals_one_shot(setup, frames, schedule, offset):
+    # decode() is itself chunked (64 frames per chunk): this compares schedules of one
+    # implementation. That it equals a dense one-shot decode is test_parity_spec's
+    # test_codec_matches_the_spec_reference (torch, unchunked, 150 frames).
     _, decoder, codes, _ = setup
     # A window of the stored codes (rolled so every example sees other codes first).
     window = mx.roll(codes, -offset, axis=1)[:, :frames]

@@ -310,12 +310,13 @@ def test_a_cancelled_job_leaves_the_queue_while_the_batch_is_full(tiny_tts, monk
         {"seed": 1.5},
         {"cfg_alpha": float("nan")},
         {"cfg_alpha": float("inf")},
-        {"pause": -1.0},
-        {"pause": float("nan")},
+        {"pause": -1.0, "split": True},
+        {"pause": float("nan"), "split": True},
     ],
 )
 def test_bad_request_parameters_are_input_errors(tiny_tts, kwargs):
-    with pytest.raises(InputError):
+    name = next(iter(kwargs))
+    with pytest.raises(InputError, match=f"^{name} must be"):  # that value's own error
         tiny_tts.synthesize(TEXT, VOICE, max_frames=2, **kwargs)
 
 

@@ -165,7 +165,7 @@ def test_loading_again_and_again_reuses_the_closed_models_threads(tiny_checkpoin
         model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
         assert np.array_equal(model.synthesize("Hi.", VOICE, seed=1, max_frames=2).codes, want)
         model.close()
-        with pytest.raises(VoxtralError):
+        with pytest.raises(VoxtralError, match="unsupported dtype 'int8'"):
             voxtral_mlx.load(tiny_checkpoint_noend, dtype="int8")  # fails on its thread
     assert threads() == before
     closed = Worker()

@@ -889,7 +889,7 @@ def test_context_manager_finishes_on_normal_exit():
 def test_feed_after_finish_is_an_error():
     p, _ = make_player()
     p.finish()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"feed\(\) called after finish\(\)"):
         p.feed(frame(0))
 
 
