@@ -1178,3 +1178,13 @@ def test_the_real_time_factor_counts_speech_not_the_pauses_put_between_segments(
     assert t.rtf == pytest.approx(t.total_s / speech)
     one = tts.synthesize("Hello there.", VOICE, seed=1, max_frames=2).timings
     assert one.pause_s == 0 and one.rtf == pytest.approx(one.total_s / one.audio_s)
+
+
+def test_a_split_streams_figures_count_from_its_first_read(tts):
+    """A stream made and read a second later (as an app may make one ahead) was timed from
+    its creation: a second of first audio and an rtf many times too large, unlike the
+    same text in one segment."""
+    stream = tts.stream("Hello there.\n\nAgain.", VOICE, seed=1, split=True, max_frames=2)
+    time.sleep(1.0)
+    list(stream)
+    assert 0 < stream.timings.first_audio_s < 0.5 and stream.timings.total_s < 0.9

@@ -382,6 +382,16 @@ def test_a_stream_continued_on_the_worker_thread_is_refused(tts):
     assert len(tts.synthesize("Still serving.", VOICE, seed=1, max_frames=2).codes) == 2
 
 
+def test_a_stream_refused_on_the_worker_thread_can_still_be_read_elsewhere(tts):
+    """As the error says (hand it to another thread): the refusal left the stream stopped
+    ("stopped on an error ... cut short") though nothing was lost."""
+    stream = tts.stream("Hello there. And again.", VOICE, seed=1, split=True, max_frames=3)
+    with pytest.raises(UsageError, match="worker thread"):
+        tts.call(lambda: next(stream))
+    expected = tts.synthesize("Hello there. And again.", VOICE, seed=1, split=True, max_frames=3)
+    np.testing.assert_array_equal(np.concatenate([c.audio for c in stream]), expected.audio)
+
+
 def test_close_frees_the_model(tiny_checkpoint_noend):
     model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
     model.synthesize("Hi.", VOICE, seed=1, max_frames=2)

@@ -65,6 +65,13 @@ def test_a_new_process_starts_from_the_stored_prefix(tiny_checkpoint, tmp_path, 
         np.testing.assert_array_equal(speech.codes, reference.codes)
         np.testing.assert_array_equal(speech.audio, reference.audio)
     assert files(tmp_path) == [stored]  # a hit writes nothing new
+    # A split text's figures are its first segment's (prefix_from_disk was left out).
+    tts = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=tmp_path)
+    try:
+        split = tts.synthesize(TEXT + "\n\n" + TEXT, VOICE, seed=1, split=True, max_frames=2)
+    finally:
+        tts.close()
+    assert split.timings.prefix_cached and split.timings.prefix_from_disk
 
 
 def test_a_stored_prefix_is_not_flushed_to_the_drive(tiny_checkpoint, tmp_path, noise, monkeypatch):

@@ -120,8 +120,11 @@ class QuantOptions:
         bits, group_size, flow_bits = (_whole_or_none(v) for v in (bits, group_size, flow_bits))
         if bits is None:
             for flag, value in (("--q-flow-bits", flow_bits), ("--q-group-size", group_size)):
-                if value is not None:
-                    raise InputError(f"{flag} needs --q-bits: pass both, or neither")
+                if value is not None:  # named as the command line and convert_model() do
+                    raise InputError(
+                        f"{flag} ({flag[2:].replace('-', '_')}=) needs --q-bits (q_bits=): "
+                        "pass both, or neither"
+                    )
             return cls(None, None, DEFAULT_GROUP_SIZE)
         group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
         for flag, value in (("--q-bits", bits), ("--q-flow-bits", flow_bits)):

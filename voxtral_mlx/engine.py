@@ -103,7 +103,9 @@ class AudioChunk:
 
     Of a split text, a segment's pause comes as a chunk of its own after the segment's
     ``ends_segment`` chunk, before the next segment's audio: silence (empty for a pause of
-    0), ``frames`` 0, ``seed`` None, ``segment`` the segment it follows.
+    0), ``frames`` 0, ``seed`` None, ``segment`` the segment it follows. Blank segments
+    (zero-width marks alone) make no pause of their own: the one they fall in is the
+    longest of the run, and none comes before the first words or after the last.
     """
 
     audio: np.ndarray  # [frames * samples_per_frame] float32 (silence between segments: frames 0)

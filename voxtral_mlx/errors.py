@@ -56,8 +56,10 @@ class InputError(VoxtralError, ValueError):
 
 class UsageError(VoxtralError, RuntimeError):
     """A call the object cannot serve in its state: a model that was closed, a blocking
-    request made on the model's own worker thread, an async stream continued on another
-    event loop or after a cancelled wait for its next chunk."""
+    request made on the model's own worker thread, a stream read by a second reader at
+    once or read again after an error stopped it, an async stream continued on another
+    event loop or after a cancelled wait for its next chunk, a ``say()`` handle waited on
+    from its own player's callbacks."""
 
 
 class AudioOutputError(VoxtralError):

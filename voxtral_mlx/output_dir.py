@@ -142,8 +142,8 @@ def check_output_dir(out: Path, force: bool) -> Path:
             raise InputError(f"cannot read output {one_line(str(out))}: {e.strerror}") from None
         if not empty and not force:
             raise InputError(
-                f"output {one_line(str(out))} exists and is not empty: pass --force to replace "
-                "it, or choose another directory"
+                f"output {one_line(str(out))} exists and is not empty: pass --force (force=True) "
+                "to replace it, or choose another directory"
             )
         foreign = [] if empty else _foreign(out)
         if not empty and (foreign or not looks_like_model_dir(out)):
@@ -233,7 +233,8 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
         if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise InputError(
                 f"output {one_line(str(out))} was filled by something else while this was "
-                "being written; pass --force to replace it, or choose another directory"
+                "being written; pass --force (force=True) to replace it, or choose another "
+                "directory"
             ) from None
         if isinstance(e, OSError):
             raise InputError(

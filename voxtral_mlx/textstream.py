@@ -52,7 +52,8 @@ class _Reader:
         self._cancelled = False
         self._finished = False
         self._codes_width = 0  # codes per frame, as the segments' own chunks have them
-        self._t0 = time.perf_counter()
+        self._t0 = time.perf_counter()  # from the first read on: see _reading_starts()
+        self._read_yet = False
         self.timings = Timings()  # the whole text's figures
         # Text still arriving: ``segments`` grows as its segments are cut; a segment's pause
         # is played before the next one's audio, as there may be none.
@@ -203,12 +204,8 @@ class _Reader:
             return [] if seconds is None else [self._pause(i, seconds)]
         t, c = self.timings, item.timings
         if i == 0:
-            t.prompt_tokens, t.queued_s, t.prefill_s, t.prefix_cached = (
-                c.prompt_tokens,
-                c.queued_s,
-                c.prefill_s,
-                c.prefix_cached,
-            )
+            t.prompt_tokens, t.queued_s, t.prefill_s = c.prompt_tokens, c.queued_s, c.prefill_s
+            t.prefix_cached, t.prefix_from_disk = c.prefix_cached, c.prefix_from_disk
         if not t.first_audio_s and len(item.audio):
             t.first_audio_s = self._elapsed()
         t.frames += item.frames  # as they come: a cancelled segment sends no final chunk
@@ -253,6 +250,13 @@ class _Reader:
     def _add_audio(self, audio: np.ndarray) -> None:
         self.timings.audio_s += len(audio) / self.sample_rate
         self.timings.total_s = self._elapsed()
+
+    def _reading_starts(self) -> None:
+        """The whole text's figures count from its first read (a stream made and read
+        later, as an app may, has not been generating meanwhile): from the call otherwise."""
+        if not self._read_yet:
+            self._read_yet = True
+            self._t0, self._waited = time.perf_counter(), 0.0
 
     def _elapsed(self) -> float:
         """Seconds since the call, less those spent waiting for live text."""
@@ -364,6 +368,10 @@ class TextStream(_Reader):
             self._reading.release()
 
     def _next_chunk(self) -> AudioChunk:
+        if not self._ready and not self._finished:
+            # Refused before anything changes: the stream stays readable from another thread.
+            self._refuse_wait()
+        self._reading_starts()
         try:
             while not self._ready:
                 if self._finished:
@@ -471,6 +479,7 @@ class AsyncTextStream(_Reader):
                 "stopping it, wait on asyncio.shield(task) of the pending __anext__(), or "
                 "start a new stream"
             )
+        self._reading_starts()
         try:
             loop = asyncio.get_running_loop()
             if self._loop is None:

@@ -755,7 +755,7 @@ class VoxtralTTS:
         frame); ``Speech.timings.cut_short`` counts the utterances (segments, with
         ``split``) it stopped before the model's END (``max_frames=0`` asks for none: not
         counted), and the audio is empty when the model
-        ends at once. ``split``, ``pause``, ``max_chars``: see :meth:`stream`.
+        ends at once. ``split``, ``pause``, ``max_chars``, ``add_period``: see :meth:`stream`.
         """
         stream = self.stream(
             text,

@@ -568,7 +568,7 @@ def _place_new(src: Path, dst: Path) -> None:
     hard links: another conversion may have written ``dst`` since it was checked."""
     taken = VoiceError(
         f"{one_line(str(dst))} was written by something else during the conversion; "
-        "nothing of this run was kept: remove it or pass --force to overwrite it"
+        "nothing of this run was kept: remove it or pass --force (overwrite=True) to overwrite it"
     )
     try:
         os.link(src, dst)
@@ -614,7 +614,8 @@ def convert_voice_files(
         seen[key] = src
         if not overwrite and (dst.exists() or dst.is_symlink()):
             raise VoiceError(
-                f"{one_line(str(dst))} already exists; remove it or pass --force to overwrite it"
+                f"{one_line(str(dst))} already exists; remove it or pass --force "
+                "(overwrite=True) to overwrite it"
             )
         if dst.is_dir() or (dst.exists() and not dst.is_file()):
             raise VoiceError(
