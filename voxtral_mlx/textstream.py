@@ -252,14 +252,15 @@ class _Reader:
         self.timings.total_s = self._elapsed()
 
     def _reading_starts(self) -> None:
-        """The whole text's figures count from its first read (a stream made and read
-        later, as an app may, has not been generating meanwhile): from the call otherwise."""
+        """The whole text's figures count from its first read: a stream made and read
+        later, as an app may, was not generating meanwhile (its first segments are handed
+        to the model at that read)."""
         if not self._read_yet:
             self._read_yet = True
             self._t0, self._waited = time.perf_counter(), 0.0
 
     def _elapsed(self) -> float:
-        """Seconds since the call, less those spent waiting for live text."""
+        """Seconds since the first read, less those spent waiting for live text."""
         return time.perf_counter() - self._t0 - self._waited
 
     def _chunk(self, audio, i, frames, codes) -> AudioChunk:
