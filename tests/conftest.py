@@ -68,3 +68,21 @@ def split_threads(monkeypatch) -> list:
 
     monkeypatch.setattr(tts_module, "split_text", split_text)
     return threads
+
+
+@pytest.fixture
+def batch_sizes(monkeypatch) -> set[int]:
+    """The numbers of rows the frame steps ran with from here on (finished sequences have
+    left: ``FrameBatch.advance`` recorded)."""
+    from voxtral_mlx import generate
+
+    sizes: set[int] = set()
+    advance = generate.FrameBatch.advance
+
+    def counting(self):
+        parked = advance(self)
+        sizes.add(len(self.rows))
+        return parked
+
+    monkeypatch.setattr(generate.FrameBatch, "advance", counting)
+    return sizes

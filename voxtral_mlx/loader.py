@@ -587,10 +587,7 @@ def load_model_dir(model_dir: Path, dtype: str | mx.Dtype | None = None) -> Load
         raise
     tokenizer = pending.result()
     check_tokenizer(config, tokenizer)
-
-    voices = VoiceRegistry.from_dir(
-        model_dir / "voice_embedding", tokenizer.voice_num_audio_tokens, config.backbone.dim
-    )
+    voices = _voices(model_dir, config, tokenizer)
     return LoadedModel(
         model,
         config,
@@ -611,6 +608,10 @@ def load_voices(model_dir: Path) -> VoiceRegistry:
     config = read_model_config(model_dir)
     tokenizer = TekkenTokenizer.from_file(model_dir / "tekken.json")
     check_tokenizer(config, tokenizer)
+    return _voices(model_dir, config, tokenizer)
+
+
+def _voices(model_dir: Path, config: ModelConfig, tokenizer: TekkenTokenizer) -> VoiceRegistry:
     return VoiceRegistry.from_dir(
         model_dir / "voice_embedding", tokenizer.voice_num_audio_tokens, config.backbone.dim
     )

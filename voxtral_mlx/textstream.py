@@ -233,7 +233,7 @@ class _Reader:
         return out
 
     def _own_pause(self, i: int) -> float:
-        return self.segments[i].pause_after if self.pause is None else self.pause
+        return _pause_of(self.segments[i], self.pause)
 
     def _pause(self, i: int, seconds: float) -> AudioChunk:
         codes = np.zeros((0, self._codes_width), np.int32)
@@ -312,6 +312,11 @@ class _Reader:
             job.cancel()
 
 
+def _pause_of(segment: Segment, pause: float | None) -> float:
+    """A segment's own pause after it: its boundary's, or ``pause`` for every one."""
+    return segment.pause_after if pause is None else pause
+
+
 def planned_pauses(segments: Sequence[Segment], pause: float | None) -> list[float | None]:
     """Seconds of silence after each segment of a text split up front (``pause`` for every
     boundary, if given), None for none. A blank segment (zero-width marks alone) has none
@@ -321,7 +326,7 @@ def planned_pauses(segments: Sequence[Segment], pause: float | None) -> list[flo
     out: list[float | None] = [None] * len(segments)
     spoken_after, run = False, 0.0
     for i in reversed(range(len(segments))):
-        own = segments[i].pause_after if pause is None else pause
+        own = _pause_of(segments[i], pause)
         if is_blank(segments[i].text):
             run = max(run, own)
             continue
