@@ -1397,3 +1397,125 @@ def test_convert_checks_its_options_before_a_download(no_hub, capsys, tmp_path) 
     assert cli.main(["convert", DEFAULT_REPO, "-o", str(out)]) == 1
     assert "exists and is not empty: pass --force" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+# ------------------------------------------------------------ listing voices without weights
+
+
+def _fetching_into(cache: Path, source: Path, calls: list[dict]) -> Callable:
+    """snapshot_download as huggingface_hub runs it at a commit: the files of ``source`` that
+    the patterns take become blobs linked into that commit's snapshot (refs/main untouched);
+    with ``local_files_only``, huggingface_hub's own lookup in the cache."""
+    real = huggingface_hub.snapshot_download
+
+    def download(repo_id, *, allow_patterns=None, revision=None, local_files_only=False, **kw):
+        calls.append({"allow_patterns": allow_patterns, "local_files_only": local_files_only})
+        if local_files_only:
+            return real(repo_id, allow_patterns=allow_patterns, local_files_only=True, **kw)
+        owner, name = repo_id.split("/")
+        repo = cache / f"models--{owner}--{name}"
+        snapshot = repo / "snapshots" / revision
+        for file in sorted(p for p in source.rglob("*") if p.is_file()):
+            rel = file.relative_to(source).as_posix()
+            if not any(fnmatch.fnmatch(rel, p) for p in allow_patterns):
+                continue
+            data = file.read_bytes()
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(data)
+            link = snapshot / rel
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.is_symlink():
+                link.symlink_to(os.path.relpath(blob, link.parent))
+        return str(snapshot)
+
+    return download
+
+
+@pytest.mark.parametrize("layout", ["mistral", "mlx"])
+def test_listing_voices_fetches_the_voices_not_the_weights(
+    layout: str, tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """`voxtral-mlx voices` (and `speak -v '?'`) of a model not in the cache downloaded the
+    whole model (8 GB) to list 20 names: now only its config, tokenizer and voices. They
+    list offline afterwards too; loading the model fetches the rest; an offline load in
+    between says what is missing in one line."""
+    from voxtral_mlx import cli
+
+    if layout == "mlx":
+        from voxtral_mlx.convert import convert_model
+
+        source = convert_model(tiny_checkpoint, tmp_path / "conv", max_shard_bytes=200_000).path
+        repo, weights = "mlx-community/voxtral-tiny-mlx", "model-*.safetensors"
+    else:
+        source, repo, weights = tiny_checkpoint, "owner-x/voxtral-tiny", "consolidated.safetensors"
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    files = _mistral_listing(source)
+    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files], sha=COMMIT)
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
+    calls: list[dict] = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _fetching_into(cache, source, calls))
+
+    assert cli.main(["voices", "-m", repo]) == 0
+    listed = capsys.readouterr().out.split()
+    assert "casual_male" in listed and "neutral_female" in listed
+    assert len(calls) == 1 and not calls[0]["local_files_only"]
+    fetched = calls[0]["allow_patterns"]
+    assert not any(fnmatch.fnmatch(w, p) for p in fetched for w in (weights, "model.safetensors"))
+    assert "tekken.json" in fetched and any(p.startswith("voice_embedding/") for p in fetched)
+    snapshot = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT
+    names = {p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()}
+    assert not any(fnmatch.fnmatch(n, weights) for n in names)
+    assert any(n.startswith("voice_embedding/") for n in names)
+
+    # Listed again: from the cache, online (one listing, no download) or offline.
+    calls.clear()
+    assert cli.main(["speak", "-m", repo, "-v", "?"]) == 0
+    assert "casual_male" in capsys.readouterr().out and calls == []
+    monkeypatch.setattr(huggingface_hub, "model_info", _unreachable)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    assert cli.main(["voices", "-m", repo]) == 0
+    assert "casual_male" in capsys.readouterr().out
+
+    # The model itself, offline: no weights in the cache, said in one line.
+    with pytest.raises(VoxtralError) as exc:
+        voxtral_mlx.load(repo)
+    message = one_line(exc.value)
+    assert "incomplete" in message and "safetensors" in message, message
+
+    # Online: loading fetches what is missing, and the model speaks.
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    calls.clear()
+    tts = voxtral_mlx.load(repo)
+    try:
+        assert calls and calls[-1]["allow_patterns"] and not calls[-1]["local_files_only"]
+        assert tts.synthesize("Hi.", max_frames=2, seed=0).codes.shape[0] == 2
+    finally:
+        tts.close()
+    assert any(fnmatch.fnmatch(p.name, weights) for p in snapshot.iterdir())
+
+
+def test_listing_voices_of_a_cached_model_downloads_nothing(
+    offline_cache: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A whole model in the cache serves the listing, offline or online with an unchanged
+    repo (one listing request, no download)."""
+    from voxtral_mlx import cli
+
+    populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _download_failing_with(_cut_off()))
+    assert cli.main(["voices", "-m", REPO]) == 0
+    assert "casual_male" in capsys.readouterr().out
+    files = _mistral_listing(tiny_checkpoint)
+    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files], sha=COMMIT)
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    assert cli.main(["voices", "-m", REPO]) == 0
+    captured = capsys.readouterr()
+    assert "casual_male" in captured.out and "downloading" not in captured.err

@@ -220,8 +220,9 @@ def _cached_snapshot(
     return None, []
 
 
-def _whole_snapshot(repo_id: str) -> Path | None:
-    """The most recent snapshot in the cache that holds a whole model, whatever
+def _whole_snapshot(repo_id: str, weights: bool = True) -> Path | None:
+    """The most recent snapshot in the cache that holds a whole model (without
+    ``weights``: its voices, see :func:`_holds_a_model`), whatever
     ``refs/main`` names: an update cut off by an earlier version of this package, or by
     another tool, leaves it naming an incomplete one, which huggingface_hub then refuses to
     serve offline. Files are linked into a snapshot only once downloaded, so one that holds
@@ -232,7 +233,7 @@ def _whole_snapshot(repo_id: str) -> Path | None:
     except OSError:
         return None
     snapshots.sort(key=_last_written, reverse=True)
-    return next((snapshot for snapshot in snapshots if _holds_a_model(snapshot)), None)
+    return next((s for s in snapshots if _holds_a_model(s, weights)), None)
 
 
 def _last_written(folder: Path) -> float:
@@ -244,13 +245,20 @@ def _last_written(folder: Path) -> float:
     return max(times)
 
 
-def _holds_a_model(folder: Path) -> bool:
+def _holds_a_model(folder: Path, weights: bool = True) -> bool:
     """Whether ``folder`` holds a layout's files: tokenizer, weights (every shard its index
-    names) and every voice its tekken.json lists."""
+    names) and every voice its tekken.json lists. Without ``weights``: what listing the
+    voices reads (a config, tokenizer and voices), whether or not the weights are there."""
     try:
         names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+        if "tekken.json" not in names:
+            return False
+        if not weights:
+            if not names & {"params.json", "config.json"}:
+                return False
+            return _holds_its_voices(folder, names)
         patterns = layout_patterns(names)
-        if patterns is None or "tekken.json" not in names:
+        if patterns is None:
             return False
         if patterns == MISTRAL_PATTERNS and "params.json" not in names:
             return False
@@ -259,13 +267,27 @@ def _holds_a_model(folder: Path) -> bool:
             shards = set(index.get("weight_map", {}).values())
             if not shards or not shards <= names:
                 return False
-        voices = _tekken_voices(folder / "tekken.json")
-        return all(
-            f"voice_embedding/{v}.safetensors" in names or f"voice_embedding/{v}.pt" in names
-            for v in voices
-        )
+        return _holds_its_voices(folder, names)
     except (OSError, ValueError, AttributeError, TypeError):  # a file of another shape
         return False
+
+
+def _holds_its_voices(folder: Path, names: set[str]) -> bool:
+    """Whether ``names`` (the files in ``folder``) include every voice its tekken.json lists."""
+    voices = _tekken_voices(folder / "tekken.json")
+    return all(
+        f"voice_embedding/{v}.safetensors" in names or f"voice_embedding/{v}.pt" in names
+        for v in voices
+    )
+
+
+def without_weights(patterns: list[str]) -> list[str]:
+    """Of a layout's ``patterns``, those that listing its voices needs: its config,
+    tokenizer and voices (a few megabytes of the model's gigabytes)."""
+    return [p for p in patterns if p in _VOICE_LIST_FILES or p.startswith("voice_embedding/")]
+
+
+_VOICE_LIST_FILES = frozenset({"params.json", "config.json", "tekken.json"})
 
 
 def _tekken_voices(path: Path) -> dict:
@@ -407,12 +429,16 @@ def _broken_link(path: Path) -> Path | None:
     return None
 
 
-def resolve_model_dir(path_or_repo: str | os.PathLike[str] | None = None) -> Path:
+def resolve_model_dir(
+    path_or_repo: str | os.PathLike[str] | None = None, *, weights: bool = True
+) -> Path:
     """Return a local directory holding the model, downloading it from the Hub if needed.
 
     Existing paths are used as they are. Strings shaped like ``owner/name`` are Hub repos,
     fetched with ``snapshot_download`` (honouring ``HF_HUB_OFFLINE``, ``HF_HOME`` and the
     local cache). Anything else that does not exist is an error, never a Hub lookup.
+    ``weights=False`` fetches only what listing the voices reads (config, tokenizer,
+    voices) when the cache has no whole copy; loading the model later fetches the rest.
     """
     if path_or_repo is not None and not isinstance(path_or_repo, (str, os.PathLike)):
         raise ModelNotFoundError(
@@ -463,7 +489,7 @@ def resolve_model_dir(path_or_repo: str | os.PathLike[str] | None = None) -> Pat
             f"model directory {spec} does not exist: pass an existing directory or a Hugging "
             f"Face repo id such as {DEFAULT_REPO}"
         )
-    return _download(spec)
+    return _download(spec, weights)
 
 
 _HUB_URL = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/", re.IGNORECASE)
@@ -499,7 +525,7 @@ def _check_settings(repo_id: str) -> None:
             ) from None
 
 
-def _download(repo_id: str) -> Path:
+def _download(repo_id: str, weights: bool = True) -> Path:
     _check_settings(repo_id)
     try:
         from huggingface_hub import snapshot_download
@@ -522,20 +548,26 @@ def _download(repo_id: str) -> Path:
         ) from None
     quiet = {"tqdm_class": _silent_tqdm()}  # no "Fetching N files" bar on every load
 
+    def needed(patterns: list[str]) -> list[str]:
+        return patterns if weights else without_weights(patterns)
+
+    def whole(folder: Path) -> bool:
+        return _holds_a_model(folder, weights)
+
     def cached(patterns: list[str]) -> Path:
         try:
             path = Path(
                 snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, **quiet)
             )
         except LocalEntryNotFoundError:
-            older = _whole_snapshot(repo_id)
+            older = _whole_snapshot(repo_id, weights)
             if older is None:
                 raise
             return older
-        if _holds_a_model(path):
+        if whole(path):
             return path
         # huggingface_hub checks a snapshot against its listing only where it kept one
-        return _whole_snapshot(repo_id) or path  # (else the loader names what is missing)
+        return _whole_snapshot(repo_id, weights) or path  # (else the loader names what is missing)
 
     downloading = False
     try:
@@ -545,7 +577,7 @@ def _download(repo_id: str) -> Path:
             raise
         except Exception as e:  # offline, unreachable, silent, its error, gated or missing:
             try:  # a complete copy in the cache serves
-                return cached(allow_patterns(repo_id, _cached_files(repo_id)))
+                return cached(needed(allow_patterns(repo_id, _cached_files(repo_id))))
             except LocalEntryNotFoundError as missing:
                 if _timed_out(e):
                     raise ModelNotFoundError(
@@ -557,14 +589,14 @@ def _download(repo_id: str) -> Path:
                 if _unreachable(e):
                     raise missing from None  # said as "not in the cache" or "incomplete"
                 raise e from e.__cause__ or e.__context__  # where its HTTP status is
-        patterns = allow_patterns(repo_id, files)
+        patterns = needed(allow_patterns(repo_id, files))
         snapshot, missing = _cached_snapshot(repo_id, commit, files, patterns)
         if snapshot is not None:  # what the Hub would have answered: no second request
             return snapshot
         no_room = _shortfall(repo_id, missing, files)
         if no_room is not None:
-            older = _whole_snapshot(repo_id)  # an update there is no room for: the copy
-            if older is None:  # already in the cache serves, as after a failed download
+            older = _whole_snapshot(repo_id, weights)  # an update there is no room for: the
+            if older is None:  # copy already in the cache serves, as after a failed download
                 raise ModelNotFoundError(
                     f"{no_room}: free some space, or set HF_HOME (or HF_HUB_CACHE) to a disk "
                     "with room, and run again"
@@ -595,7 +627,7 @@ def _download(repo_id: str) -> Path:
             # whole or not: a complete copy (refs/main's) serves rather than a partial one.
             with contextlib.suppress(LocalEntryNotFoundError):
                 other = cached(patterns)
-                if _holds_a_model(other):
+                if whole(other):
                     return other
             return path  # the loader names what it lacks
         except (HFValidationError, GatedRepoError, RepositoryNotFoundError):
@@ -607,7 +639,7 @@ def _download(repo_id: str) -> Path:
                 older = cached(patterns)
             except LocalEntryNotFoundError:
                 older = None
-            if older is None or not _holds_a_model(older):  # an incomplete one does not
+            if older is None or not whole(older):  # an incomplete one does not
                 # Not "from None": huggingface_hub gives a file's HTTP error as the cause.
                 raise e from e.__cause__ or e.__context__
             if download_failed is not None:

@@ -100,13 +100,14 @@ def ask_for_the_compiler() -> None:
 
 
 def load_voice_list(args: argparse.Namespace):
-    """The model directory a command names (downloaded first if need be) and its voices,
-    read without the weights (``voices``, ``speak -v '?'``)."""
+    """The model directory a command names and its voices, read without the weights
+    (``voices``, ``speak -v '?'``): of a model not in the cache, only the files that list
+    them are downloaded."""
     from ..hub import resolve_model_dir
     from ..loader import load_voices
 
     def loaded():
-        model_dir = resolve_model_dir(args.model)
+        model_dir = resolve_model_dir(args.model, weights=False)
         return model_dir, load_voices(model_dir)
 
     with downloads_reported(args):
