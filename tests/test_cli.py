@@ -259,6 +259,49 @@ def test_every_source_gets_one_kind_of_line_end_and_no_nul(monkeypatch):
         read_text("-", [])
 
 
+@pytest.mark.parametrize(
+    ("raw", "spoken"),
+    [
+        ("\x1b[1;31mHello\x1b[0m world.", "Hello world."),  # colours
+        ("a\x1b[2K\x1b[1Gb \x1b[?25lc\x1b[?25h", "ab c"),  # line erased, cursor hidden
+        ("Title\x1b]0;window title\x07 here", "Title here"),  # OSC ended by BEL
+        ("a \x1b]8;;https://x.y/\x1b\\link\x1b]8;;\x1b\\ b", "a link b"),  # OSC 8, ST
+        ("\x1b(Bcharset \x1b=keypad", "charset keypad"),  # two-character escapes
+        ("\x9b1mC1 CSI\x9b0m", "C1 CSI"),
+        ("B\bBo\bol\bld\bd and _\bu_\bn_\bd_\be_\br", "Bold and under"),  # man's overstrike
+        ("bell\x07 del\x7f\ttab\npage\x0cbreak\x0bvt", "bell del\ttab\npage\nbreak\nvt"),
+        ("lone \x1b escape", "lone  escape"),
+        ("plain: café, 日本語, emoji 🙂.", "plain: café, 日本語, emoji 🙂."),
+    ],
+)
+def test_terminal_codes_are_not_spoken(raw, spoken):
+    """Escape sequences and control characters reached the model as text: colours from a
+    program writing into the pipe were spoken as "[1;31m", a man page as doubled letters."""
+    from voxtral_mlx.textinput import read_text, text_pieces, without_terminal_codes
+
+    assert without_terminal_codes(raw) == spoken
+    assert read_text(None, [raw]) == spoken
+    data = raw.encode()
+    for size in (1, 2, 3, 7, 64):  # --follow: cut anywhere, inside a sequence too
+        # (once a backspace has come: the first one cannot erase a character of a piece
+        # already handed on)
+        first = data.index(b"\b") + 1 if b"\b" in data else 0
+        chunks = [data[:first]] if first else []
+        chunks += [data[i : i + size] for i in range(first, len(data), size)]
+        reads = iter([*chunks, b""])
+        assert "".join(text_pieces(lambda reads=reads: next(reads), "stdin")) == spoken
+
+
+def test_piped_text_with_colours_speaks_as_plain_text(model_dir, reference):
+    """A program colouring its output into the pipe: the audio is the plain text's."""
+    base = ["speak", "-m", str(model_dir), "-v", "neutral_female", "--seed", "5"]
+    coloured = f"\x1b]0;title\x07\x1b[1m{TEXT[:5]}\x1b[0m{TEXT[5:]}\x1b[K".encode()
+    proc = run(*base, "--max-frames", "40", "-o", "-", input=coloured)
+    assert proc.returncode == 0, proc.stderr.decode()
+    audio, _ = sf.read(io.BytesIO(proc.stdout), dtype="float32")
+    assert np.array_equal(float_to_int16(audio), float_to_int16(reference.audio))
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_follow_from_a_fifo_does_not_wait_for_its_writer_before_the_model_loads(tmp_path):
     """Opening a FIFO waits for a writer: ``-f FIFO --follow`` checks it and opens it at

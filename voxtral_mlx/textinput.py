@@ -1,12 +1,16 @@
 """The text ``voxtral-mlx speak`` reads: its arguments, a file, stdin, or text still arriving
 (``--follow``), decoded as text editors save it (UTF-8, or UTF-16/32 by their byte-order
-mark; line ends made ``\\n``: a Windows file must sound like the same text saved on a Mac)."""
+mark; line ends made ``\\n``: a Windows file must sound like the same text saved on a Mac),
+without the terminal's escape sequences and control characters (colours a program writes
+into a pipe, a man page's overstrike): none of them is speech, and each would reach the
+model as text."""
 
 from __future__ import annotations
 
 import codecs
 import errno
 import os
+import re
 import stat
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +36,7 @@ def read_text(file: str | None, words: Sequence[str]) -> str:
             with open(file, "rb") as f:  # a FIFO is read like cat reads it
                 raw = f.read(MAX_TEXT_BYTES + 1)
             _check_size(raw, what)
-            return decode_text(raw, what)
+            return without_terminal_codes(decode_text(raw, what))
         except UnicodeDecodeError as e:
             raise _not_text(what, e) from None
         except OSError as e:
@@ -45,7 +49,7 @@ def read_text(file: str | None, words: Sequence[str]) -> str:
             raise InputError(
                 "the text given as arguments is not UTF-8; convert it first (e.g. with iconv)"
             ) from None
-        return _one_newline(text)
+        return without_terminal_codes(_one_newline(text))
     if reads_stdin(file, words):
         return _read_stdin()
     raise InputError("no text: pass TEXT, -f FILE, or pipe text on stdin")
@@ -97,6 +101,7 @@ def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
     head = b""  # the first bytes, until there are enough to tell a byte-order mark
     decoder: codecs.IncrementalDecoder | None = None
     held = ""  # a piece's final "\r": the next piece may start with its "\n"
+    codes = TerminalCodes()
     first = True
     failure: InputError | None = None
     while failure is None:
@@ -127,7 +132,7 @@ def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
             text, end = text[: text.index("\x00")], True
         text = held + text
         held = "\r" if not end and text.endswith("\r") else ""
-        text = _one_newline(text[: len(text) - len(held)])
+        text = codes.remove(_one_newline(text[: len(text) - len(held)]), end)
         if text:
             yield text
         if end:
@@ -243,8 +248,74 @@ def _read_stdin() -> str:
     if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
         if "\x00" in raw:
             raise _nul_error("stdin", wide=True)
-        return _one_newline(raw.removeprefix("\ufeff"))
+        return without_terminal_codes(_one_newline(raw.removeprefix("\ufeff")))
     try:
-        return decode_text(raw, "stdin")
+        return without_terminal_codes(decode_text(raw, "stdin"))
     except UnicodeDecodeError as e:
         raise _not_text("stdin", e) from None
+
+
+# ECMA-48: a control sequence (CSI: colours, cursor moves), a control string (OSC: titles,
+# links; DCS, SOS, PM, APC) ended by BEL or ST, or any other escape; C1's one-character CSI.
+_COMPLETE = (
+    r"\x1b\[[0-?]*[ -/]*[@-~]|\x9b[0-?]*[ -/]*[@-~]"
+    r"|\x1b[\]PX^_][^\x07\x1b]*(?:\x07|\x1b\\)"
+)
+# One not ended yet at the end of the text (more may come), then the two-character escapes.
+_OPEN = r"(?P<open>(?:\x1b(?:\[[0-?]*[ -/]*|[\]PX^_][^\x07\x1b]*\x1b?|[!-/]*)|\x9b[0-?]*[ -/]*)\Z)"
+_ESCAPES = re.compile(f"{_COMPLETE}|{_OPEN}|\x1b[!-/]*[0-~]")
+# C0 and C1 controls but tab and newline (carriage returns are newlines by now); a vertical
+# tab or form feed (a page break) separates as a newline does.
+_CONTROLS = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x9f]")
+_BREAKS = re.compile(r"[\x0b\x0c]")
+MAX_HELD_ESCAPE = 4096  # an escape sequence longer than this is no terminal's
+
+
+class TerminalCodes:
+    """Removes escape sequences and control characters from text that arrives in pieces:
+    a sequence cut at the end of a piece is held until the next one completes it; once
+    backspaces have come, so is a piece's last character (the next may erase it)."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._overstrike = False
+
+    def remove(self, text: str, end: bool = True) -> str:
+        """``text`` (after what was held) without terminal codes; with ``end`` nothing is
+        held back."""
+        text, self._held = self._held + text, ""
+        if not self._overstrike and not _CONTROLS.search(text):  # ESC and C1's CSI among them
+            return _BREAKS.sub("\n", text) if "\x0b" in text or "\x0c" in text else text
+        open_at: list[int] = []
+
+        def drop(match: re.Match) -> str:
+            if match.group("open") is not None:
+                open_at.append(match.start())
+            return ""
+
+        cleaned = _ESCAPES.sub(drop, text)
+        if open_at and not end and len(text) - open_at[0] <= MAX_HELD_ESCAPE:
+            self._held = text[open_at[0] :]
+        self._overstrike = self._overstrike or "\b" in cleaned
+        if self._overstrike:
+            if not end and cleaned[-1:] not in ("", "\n", "\b"):
+                cleaned, self._held = cleaned[:-1], cleaned[-1] + self._held
+            cleaned = _overstruck(cleaned)
+        return _BREAKS.sub("\n", _CONTROLS.sub("", cleaned))
+
+
+def without_terminal_codes(text: str) -> str:
+    """``text`` without terminal escape sequences and control characters (but tab and
+    newline; a vertical tab or form feed becomes a newline); a backspace erases the
+    character before it (overstrike: ``_\\bA`` and ``A\\bA`` are ``A``)."""
+    return TerminalCodes().remove(text)
+
+
+def _overstruck(text: str) -> str:
+    out: list[str] = []
+    for ch in text:
+        if ch != "\b":
+            out.append(ch)
+        elif out and out[-1] != "\n":
+            out.pop()
+    return "".join(out)
