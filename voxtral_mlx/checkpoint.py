@@ -410,11 +410,15 @@ class CheckpointMismatch(CheckpointError):
             )
             more = f", ... {len(self.mistyped) - 4} more" if len(self.mistyped) > 4 else ""
             parts.append(f"{len(self.mistyped)} of the wrong dtype ({shown}{more})")
-        super().__init__(
-            f"{source} does not match {against}: "
-            + "; ".join(parts)
-            + f". Check that {against} and the weights come from the same model."
-        )
+        if self.mistyped and not (missing or unexpected or misshaped):
+            # No config fixes a dtype: the file was written wrongly.
+            advice = (
+                "The weights were written in other dtypes than a checkpoint holds (packed "
+                "quantized weights are uint32, every other tensor a float): convert them again"
+            )
+        else:
+            advice = f"Check that {against} and the weights come from the same model"
+        super().__init__(f"{source} does not match {against}: " + "; ".join(parts) + f". {advice}.")
 
 
 def some_names(names: list[str], limit: int = 4) -> str:
