@@ -670,7 +670,8 @@ def _download(repo_id: str, weights: bool = True) -> Path:
         if type(e).__name__ == "IncompleteSnapshotError":
             raise ModelNotFoundError(
                 f"the copy of {repo_id} in the local Hugging Face cache is incomplete (an "
-                f"interrupted download: {_first_line(e)}): connect and run again to finish it "
+                "interrupted download, or only the files `voxtral-mlx voices` reads: "
+                f"{_first_line(e)}): connect and run again to finish it "
                 "(with HF_HUB_OFFLINE unset), or pass a local directory"
             ) from None
         raise ModelNotFoundError(
