@@ -77,7 +77,9 @@ def test_segment_options_without_split_are_refused_not_ignored(tts, name, value)
     assert tts.engine.stats()["waiting"] == 0
 
 
-@pytest.mark.parametrize("text", [" \t\n\u3000", "\u200b\u2060\ufeff", "\u200e \x00\x1f"])
+@pytest.mark.parametrize(
+    "text", [" \t\n\u3000", "\u200b\u2060\ufeff", "\u200e \x00\x1f", "\u3164\u115f \uffa0"]
+)
 @pytest.mark.parametrize("split", [False, True])
 def test_text_with_nothing_visible_is_empty(tts, text, split):
     """Zero-width, format and control characters alone are no text to speak."""
@@ -172,6 +174,30 @@ def test_invisible_characters_at_either_end_add_no_silence(tts, pause):
     np.testing.assert_array_equal(got.audio[: len(alone.audio)], alone.audio)
     assert not got.audio[len(alone.audio) : len(alone.audio) + gap].any()
     np.testing.assert_array_equal(got.audio[len(alone.audio) + gap :], again.audio)
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_pause_of_invisible_characters_prefills_no_text(tts, live, monkeypatch):
+    """A run of zero-width characters between two sentences is cut into pause segments,
+    which generate nothing: each was still prefilled with its hundreds of invisible
+    characters' tokens, one part per frame, holding up the words after them (seconds on
+    the real model). Its prompt is a lone "." now, and the audio is the same."""
+    made: list[tuple[str, int]] = []
+    real_job = tts.job
+
+    def job(text, *args, **kwargs):
+        made.append((text, kwargs["max_frames"]))
+        return real_job(text, *args, **kwargs)
+
+    monkeypatch.setattr(tts, "job", job)
+    text = "Hello." + "\u200b" * 3000 + " Bye."
+    source = (text[i : i + 700] for i in range(0, len(text), 700)) if live else text
+    got = tts.synthesize(source, VOICE, seed=1, split=True, max_frames=2)
+    pauses = [t for t, frames in made if frames == 0]
+    assert len(pauses) > 1 and set(pauses) == {"."}
+    spoken = [t.strip("\u200b ") for t, frames in made if frames]
+    assert spoken == ["Hello.", "Bye."]
+    assert len(got.codes) == 4 and got.timings.frames == 4
 
 
 def test_numpy_integers_are_accepted(tts):

@@ -207,6 +207,14 @@ class Segment:
     spoken: str
 
 
+# What the speaking calls say of text that is_blank: it may hold characters, none of them seen.
+EMPTY_TEXT = (
+    "text is empty (nothing but spaces, invisible or control characters, or accents with "
+    "no letter): give some words to speak"
+)
+_HANGUL_FILLERS = frozenset("\u115f\u1160\u3164\uffa0")  # Unicode's default-ignorable letters
+
+
 def is_blank(text: str) -> bool:
     """Whether ``text`` has nothing to speak: only spaces, control and format characters
     (zero-width spaces and joiners, byte order marks, direction marks) and marks with no
@@ -224,8 +232,9 @@ def is_silent(text: str) -> bool:
 
 def _visible(ch: str) -> bool:
     """Not a space, a control or format character, nor a mark (a combining accent or a
-    variation selector shows nothing without a character before it)."""
-    if ch.isspace():
+    variation selector shows nothing without a character before it), nor a Hangul filler
+    (letters by their category, yet blank)."""
+    if ch.isspace() or ch in _HANGUL_FILLERS:
         return False
     category = unicodedata.category(ch)
     return category[0] != "Z" and category not in ("Cc", "Cf", "Mn", "Me")

@@ -23,7 +23,7 @@ from .engine import DONE, AudioChunk, ConsumerGone, Job, Timings, check_whole, f
 from .errors import InputError, UsageError
 from .fileio import one_line
 from .livetext import END, LiveText
-from .segment import Segment, SplitStopped, is_blank
+from .segment import EMPTY_TEXT, Segment, SplitStopped, is_blank
 
 if TYPE_CHECKING:  # imported where used: a process that never awaits skips its import time
     import asyncio
@@ -157,7 +157,7 @@ class _Reader:
         if seg is END:
             if all(is_blank(s.text) for s in self.segments):  # nothing but zero-width marks
                 self._abandon()
-                raise InputError("text is empty: give some words to speak")
+                raise InputError(EMPTY_TEXT)
             self._live = None
             if not self.jobs:
                 self._finished = True

@@ -41,7 +41,7 @@ from .model.flow import DEFAULT_CFG_ALPHA, MAX_CFG_ALPHA
 from .playback import Playback
 from .prefix_store import PrefixStore
 from .residency import Residency
-from .segment import Segment, SplitStopped, is_blank, is_silent, split_text
+from .segment import EMPTY_TEXT, Segment, SplitStopped, is_blank, is_silent, split_text
 from .textstream import AsyncTextStream, TextStream, check_pause
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
 from .voices import Voice, VoiceRegistry, case_matches, no_voices_error
@@ -401,7 +401,7 @@ class VoxtralTTS:
                 f"text must be a string, got {type(text).__name__}: pass the text itself (str)"
             )
         if is_blank(text):
-            raise InputError("text is empty: give some words to speak")
+            raise InputError(EMPTY_TEXT)
         max_frames, chunk_frames, alpha = _job_options(max_frames, chunk_frames, cfg_alpha)
         v = self._voice(voice)
         text_ids = utterance_ids(
@@ -468,7 +468,7 @@ class VoxtralTTS:
                 "(str; or, with split=True, an iterable of str pieces)"
             )
         if not pieces and is_blank(text):
-            raise InputError("text is empty: give some words to speak")
+            raise InputError(EMPTY_TEXT)
         # Each job checks these again; checked here too, so that every bad argument is
         # refused by the call itself (an async stream's jobs may be made at its first item).
         NoiseSource.checked(self.config.flow.n_acoustic_codebook, seed, noise)
@@ -545,11 +545,12 @@ class VoxtralTTS:
             # Live text is punctuation alone so far: spoken, as such a text is whole.
             pause = pause_only(seg.text) if heard[0] else is_blank(seg.text)
             heard[0] = heard[0] or not is_silent(seg.text)
-            if pieces and _may_not_fit(seg.spoken):  # split text checks this up front
+            # A pause generates nothing: its prompt is a lone "." (its own text, a run of
+            # invisible characters, would be prefilled for nothing: hundreds of tokens).
+            spoken = "." if pause else seg.spoken
+            if not pause and pieces and _may_not_fit(spoken):  # split text checks up front
                 fix = f"lower max_chars (now {max_chars})"
-                utterance_ids(self.tokenizer, seg.spoken, "a segment of the text", fix)
-            # Without add_period a pause's text can be blank; it is never spoken (0 frames).
-            spoken = "." if pause and is_blank(seg.spoken) else seg.spoken
+                utterance_ids(self.tokenizer, spoken, "a segment of the text", fix)
             job = self.job(
                 spoken,
                 voice,

@@ -129,10 +129,10 @@ def cmd_speak(args: argparse.Namespace) -> int:
         text: Any = text_pieces(source, source_name)
     else:
         text = read_text(args.file, args.text)
-        from ..segment import is_blank
+        from ..segment import EMPTY_TEXT, is_blank
 
         if is_blank(text):
-            raise InputError(f"text is empty: give some words to speak{_text_as_option_hint(args)}")
+            raise InputError(EMPTY_TEXT + _text_as_option_hint(args))
 
     player = None
     if play:
