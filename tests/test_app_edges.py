@@ -190,6 +190,17 @@ def test_a_pause_of_invisible_characters_prefills_no_text(tts, live, monkeypatch
         return real_job(text, *args, **kwargs)
 
     monkeypatch.setattr(tts, "job", job)
+    prefills: list[int] = []
+    real_prefill = engine_mod.prefill
+
+    def prefill(model, seq, text, cache):
+        prefills.append(text.shape[1])
+        return real_prefill(model, seq, text, cache)
+
+    monkeypatch.setattr(engine_mod, "prefill", prefill)
+    tts.synthesize("Hi.", VOICE, seed=0, max_frames=1)  # the voice's prefix is cached
+    made.clear()
+    prefills.clear()
     text = "Hello." + "\u200b" * 3000 + " Bye."
     source = (text[i : i + 700] for i in range(0, len(text), 700)) if live else text
     got = tts.synthesize(source, VOICE, seed=1, split=True, max_frames=2)
@@ -198,6 +209,8 @@ def test_a_pause_of_invisible_characters_prefills_no_text(tts, live, monkeypatch
     spoken = [t.strip("\u200b ") for t, frames in made if frames]
     assert spoken == ["Hello.", "Bye."]
     assert len(got.codes) == 4 and got.timings.frames == 4
+    # Nor is a pause prefilled at all once its voice's prefix is cached: they make no frame.
+    assert len(prefills) == 2
 
 
 def test_numpy_integers_are_accepted(tts):

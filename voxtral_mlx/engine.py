@@ -486,11 +486,17 @@ class Engine:
         per call, in :func:`_priority` order. Set-aside jobs rejoin without a prefill. A job
         someone waits for takes the place of a segment generated ahead: of its prefill (set
         aside, to resume where it stopped), or of its batch slot when the batch is full."""
-        # A cancelled job leaves the queue at the next frame even while the batch is full.
-        if any(job.seq.cancelled for job in self._waiting):
+        # A cancelled job leaves the queue at the next frame even while the batch is full;
+        # so does one that may make no frame (a pause segment) once its voice's prefix is
+        # known: its prefill would compute nothing anyone uses (warmup's zero-frame jobs
+        # are there to compute that prefix, and still do).
+        if any(job.seq.cancelled or self._says_nothing(job) for job in self._waiting):
             waiting, self._waiting = self._waiting, []
             for job in waiting:  # one read of each flag: cancel() may come from any thread
                 if job.seq.cancelled:
+                    self._finish(job)
+                elif self._says_nothing(job):
+                    job.seq.stop_reason = "max_frames"
                     self._finish(job)
                 else:
                     self._waiting.append(job)
@@ -538,6 +544,13 @@ class Engine:
             # others, which join at the following frames.
             if self._start(job):
                 break
+
+    def _says_nothing(self, job: Job) -> bool:
+        """Whether ``job`` may make no frame and its voice's prefix is cached in memory."""
+        rows = job.voice_rows  # None: a voice not read yet, whose prefix cannot be cached
+        if job.seq.max_frames > 0 or job._suspended is not None or rows is None:
+            return False
+        return (job.voice, str(rows.dtype)) in self._prefixes
 
     def _rejoin_parked(self, reserve: int) -> None:
         """Set-aside jobs back into the batch, in :func:`_priority` order, while it has
