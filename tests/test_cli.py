@@ -263,7 +263,8 @@ def test_every_source_gets_one_kind_of_line_end_and_no_nul(monkeypatch):
     ("raw", "spoken"),
     [
         ("\x1b[1;31mHello\x1b[0m world.", "Hello world."),  # colours
-        ("a\x1b[2K\x1b[1Gb \x1b[?25lc\x1b[?25h", "ab c"),  # line erased, cursor hidden
+        ("a\x1b[2K\x1b[1Gb \x1b[?25lc\x1b[?25h", "a b c"),  # line erased, cursor moved
+        ("x\x1b[10Cy", "x y"),  # a cursor move: the words stay apart
         ("Title\x1b]0;window title\x07 here", "Title here"),  # OSC ended by BEL
         ("a \x1b]8;;https://x.y/\x1b\\link\x1b]8;;\x1b\\ b", "a link b"),  # OSC 8, ST
         ("\x1b(Bcharset \x1b=keypad", "charset keypad"),  # two-character escapes
@@ -271,6 +272,12 @@ def test_every_source_gets_one_kind_of_line_end_and_no_nul(monkeypatch):
         ("B\bBo\bol\bld\bd and _\bu_\bn_\bd_\be_\br", "Bold and under"),  # man's overstrike
         ("bell\x07 del\x7f\ttab\npage\x0cbreak\x0bvt", "bell del\ttab\npage\nbreak\nvt"),
         ("lone \x1b escape", "lone  escape"),
+        # A stray ESC before P, X, ^, _ or ] (as if a control string began): it ends at the
+        # line's end, and never ended, only the escape goes (it took all the text after it).
+        ("\x1bParis is nice.\nThen Rome.", "aris is nice.\nThen Rome."),
+        ("Press \x1bPlay to start", "Press lay to start"),
+        ("x\bx abc\b\b\bdef\nz", "x def\nz"),  # a run of backspaces, cut anywhere
+        ("First line\x85second", "First line\nsecond"),  # NEL
         ("plain: café, 日本語, emoji 🙂.", "plain: café, 日本語, emoji 🙂."),
     ],
 )

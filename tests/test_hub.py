@@ -1519,3 +1519,46 @@ def test_listing_voices_of_a_cached_model_downloads_nothing(
     assert cli.main(["voices", "-m", REPO]) == 0
     captured = capsys.readouterr()
     assert "casual_male" in captured.out and "downloading" not in captured.err
+
+
+def test_listing_the_voices_of_an_update_keeps_refs_main_on_the_whole_model(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """With the whole model cached and a newer commit on the Hub, `voices` fetched that
+    commit's voices and pointed refs/main at it: offline, huggingface_hub (and every tool
+    reading the cache) then found no model. refs/main stays; the next listing finds the
+    voices by their commit, without a download."""
+    from voxtral_mlx import cli
+
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    whole = populate_hub_cache(cache, REPO, tiny_checkpoint)
+    newer = "b" * 40
+    files = _mistral_listing(tiny_checkpoint)
+    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files], sha=newer)
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
+    calls: list[dict] = []
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", _fetching_into(cache, tiny_checkpoint, calls)
+    )
+    refs_main = whole.parent.parent / "refs" / "main"
+    for downloads in (1, 0):
+        calls.clear()
+        assert cli.main(["voices", "-m", REPO]) == 0
+        assert "casual_male" in capsys.readouterr().out
+        assert len(calls) == downloads and refs_main.read_text() == COMMIT
+    fetched = whole.parent / newer
+    assert (fetched / "tekken.json").exists()
+    assert not (fetched / "consolidated.safetensors").exists()
+    # Offline, huggingface_hub's own lookup finds the whole model.
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    found = huggingface_hub.hf_hub_download(REPO, "consolidated.safetensors", local_files_only=True)
+    assert Path(found).parent == whole
+    # Online, loading fetches the newer commit's weights and moves refs/main to it.
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    assert resolve_model_dir(REPO) == fetched
+    assert refs_main.read_text() == newer and (fetched / "consolidated.safetensors").exists()

@@ -196,12 +196,16 @@ def _shortfall(repo_id: str, missing: list[str] | None, files: Iterable[str]) ->
 
 
 def _cached_snapshot(
-    repo_id: str, commit: str | None, files: Iterable[str], patterns: list[str]
+    repo_id: str,
+    commit: str | None,
+    files: Iterable[str],
+    patterns: list[str],
+    named: bool = True,
 ) -> tuple[Path | None, list[str] | None]:
     """The cached snapshot at ``commit`` if it holds every file of ``files`` the patterns
-    take and ``refs/main`` names it (so that an offline run finds it too), else None; and
-    the files the patterns take that the cache lacks at ``commit`` (None if they take
-    none)."""
+    take and ``refs/main`` names it (so that an offline run finds it too; not asked
+    without ``named``), else None; and the files the patterns take that the cache lacks at
+    ``commit`` (None if they take none)."""
     import huggingface_hub
 
     wanted = [f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)]
@@ -212,6 +216,8 @@ def _cached_snapshot(
     if commit is None or missing:
         return None, missing
     root = Path(paths[0]).parents[len(Path(wanted[0]).parts) - 1]
+    if not named:
+        return root, []
     try:
         if (root.parent.parent / "refs" / "main").read_text().strip() == commit:
             return root, []
@@ -234,6 +240,17 @@ def _whole_snapshot(repo_id: str, weights: bool = True) -> Path | None:
         return None
     snapshots.sort(key=_last_written, reverse=True)
     return next((s for s in snapshots if _holds_a_model(s, weights)), None)
+
+
+def _main_is_whole(repo_id: str) -> bool:
+    """Whether the snapshot ``refs/main`` names holds a whole model."""
+    try:
+        commit = (_repo_cache(repo_id) / "refs" / "main").read_text().strip()
+    except OSError:
+        return False
+    return bool(_COMMIT.fullmatch(commit)) and _holds_a_model(
+        _repo_cache(repo_id) / "snapshots" / commit
+    )
 
 
 def _last_written(folder: Path) -> float:
@@ -590,7 +607,8 @@ def _download(repo_id: str, weights: bool = True) -> Path:
                     raise missing from None  # said as "not in the cache" or "incomplete"
                 raise e from e.__cause__ or e.__context__  # where its HTTP status is
         patterns = needed(allow_patterns(repo_id, files))
-        snapshot, missing = _cached_snapshot(repo_id, commit, files, patterns)
+        # The voices alone do not move refs/main off a whole model: found by their commit.
+        snapshot, missing = _cached_snapshot(repo_id, commit, files, patterns, named=weights)
         if snapshot is not None:  # what the Hub would have answered: no second request
             return snapshot
         no_room = _shortfall(repo_id, missing, files)
@@ -621,7 +639,10 @@ def _download(repo_id: str, weights: bool = True) -> Path:
             )
             wanted = [f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)]
             if all((path / f).is_file() for f in wanted):  # every file the listing named
-                _point_main_at(repo_id, commit)
+                # Not at the voices alone while it names a whole model: offline, the other
+                # tools that read the cache (and huggingface_hub itself) would find none.
+                if weights or not _main_is_whole(repo_id):
+                    _point_main_at(repo_id, commit)
                 return path
             # huggingface_hub answers a failed listing with the folder it has of that commit,
             # whole or not: a complete copy (refs/main's) serves rather than a partial one.

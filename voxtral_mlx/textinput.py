@@ -257,24 +257,31 @@ def _read_stdin() -> str:
 
 # ECMA-48: a control sequence (CSI: colours, cursor moves), a control string (OSC: titles,
 # links; DCS, SOS, PM, APC) ended by BEL or ST, or any other escape; C1's one-character CSI.
-_COMPLETE = (
-    r"\x1b\[[0-?]*[ -/]*[@-~]|\x9b[0-?]*[ -/]*[@-~]"
-    r"|\x1b[\]PX^_][^\x07\x1b]*(?:\x07|\x1b\\)"
+# A control string holds no line end (nor CAN or SUB, which cancel it): an ESC typed by
+# habit before "Paris" would else take the text after it along.
+_STRING = r"[^\x07\x1b\n\x18\x1a]"
+_CSI = r"(?:\x1b\[|\x9b)[0-?]*[ -/]*"
+_ESCAPES = re.compile(
+    rf"{_CSI}(?P<final>[@-~])"
+    rf"|\x1b[\]PX^_]{_STRING}*(?:\x07|\x1b\\)"
+    # One not ended at the end of the text: more may come.
+    rf"|(?P<open>(?:{_CSI}|\x1b[\]PX^_]{_STRING}*\x1b?|\x1b[!-/]*)\Z)"
+    r"|\x1b[!-/]*[0-~]"
 )
-# One not ended yet at the end of the text (more may come), then the two-character escapes.
-_OPEN = r"(?P<open>(?:\x1b(?:\[[0-?]*[ -/]*|[\]PX^_][^\x07\x1b]*\x1b?|[!-/]*)|\x9b[0-?]*[ -/]*)\Z)"
-_ESCAPES = re.compile(f"{_COMPLETE}|{_OPEN}|\x1b[!-/]*[0-~]")
-# C0 and C1 controls but tab and newline (carriage returns are newlines by now); a vertical
-# tab or form feed (a page break) separates as a newline does.
-_CONTROLS = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x9f]")
-_BREAKS = re.compile(r"[\x0b\x0c]")
+_MOVES = frozenset("ABCDEFGHdf")  # a cursor move: what comes after it stands apart
+# C0 and C1 controls but backspace, tab and the line ends (carriage returns are newlines by
+# now; a vertical tab, form feed or NEL separates as a newline does).
+_CONTROLS = re.compile(r"[\x00-\x07\x0e-\x1f\x7f-\x84\x86-\x9f]")
+_BREAKS = re.compile(r"[\x0b\x0c\x85]")
+_CODES = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # any of the above, ESC too
 MAX_HELD_ESCAPE = 4096  # an escape sequence longer than this is no terminal's
 
 
 class TerminalCodes:
-    """Removes escape sequences and control characters from text that arrives in pieces:
-    a sequence cut at the end of a piece is held until the next one completes it; once
-    backspaces have come, so is a piece's last character (the next may erase it)."""
+    """Removes escape sequences and control characters from text that arrives in pieces,
+    as from the whole text: a sequence cut at the end of a piece is held until the next
+    one completes it, and once backspaces have come, so is a piece's last line (the next
+    piece may erase some of it)."""
 
     def __init__(self) -> None:
         self._held = ""
@@ -283,31 +290,42 @@ class TerminalCodes:
     def remove(self, text: str, end: bool = True) -> str:
         """``text`` (after what was held) without terminal codes; with ``end`` nothing is
         held back."""
-        text, self._held = self._held + text, ""
-        if not self._overstrike and not _CONTROLS.search(text):  # ESC and C1's CSI among them
-            return _BREAKS.sub("\n", text) if "\x0b" in text or "\x0c" in text else text
-        open_at: list[int] = []
+        text = self._held + text
+        self._held = ""
+        if not self._overstrike and not _CODES.search(text):
+            return text
+        held = ""
 
         def drop(match: re.Match) -> str:
-            if match.group("open") is not None:
-                open_at.append(match.start())
-            return ""
+            nonlocal held
+            final = match.group("final")
+            if final is not None:
+                return " " if final in _MOVES else ""
+            if match.group("open") is None:
+                return ""
+            if not end and match.end() - match.start() <= MAX_HELD_ESCAPE:
+                held = match.group()
+                return ""
+            # Never ended: a stray ESC; only the escape itself goes.
+            body = match.group()[2:]
+            return body if match.group()[1:2] in ("]", "P", "X", "^", "_") else ""
 
-        cleaned = _ESCAPES.sub(drop, text)
-        if open_at and not end and len(text) - open_at[0] <= MAX_HELD_ESCAPE:
-            self._held = text[open_at[0] :]
+        cleaned = _BREAKS.sub("\n", _CONTROLS.sub("", _ESCAPES.sub(drop, text)))
         self._overstrike = self._overstrike or "\b" in cleaned
         if self._overstrike:
-            if not end and cleaned[-1:] not in ("", "\n", "\b"):
-                cleaned, self._held = cleaned[:-1], cleaned[-1] + self._held
+            cut = cleaned.rfind("\n") + 1
+            if not end and len(cleaned) - cut <= MAX_HELD_ESCAPE:
+                cleaned, held = cleaned[:cut], cleaned[cut:] + held
             cleaned = _overstruck(cleaned)
-        return _BREAKS.sub("\n", _CONTROLS.sub("", cleaned))
+        self._held = held
+        return cleaned
 
 
 def without_terminal_codes(text: str) -> str:
-    """``text`` without terminal escape sequences and control characters (but tab and
-    newline; a vertical tab or form feed becomes a newline); a backspace erases the
-    character before it (overstrike: ``_\\bA`` and ``A\\bA`` are ``A``)."""
+    """``text`` without terminal escape sequences (a cursor move leaves a space) and
+    control characters (but tab and newline; a vertical tab, form feed or NEL becomes a
+    newline); a backspace erases the character before it (overstrike: ``_\\bA`` and
+    ``A\\bA`` are ``A``)."""
     return TerminalCodes().remove(text)
 
 
