@@ -211,6 +211,12 @@ def test_a_pause_of_invisible_characters_prefills_no_text(tts, live, monkeypatch
     assert len(got.codes) == 4 and got.timings.frames == 4
     # Nor is a pause prefilled at all once its voice's prefix is cached: they make no frame.
     assert len(prefills) == 2
+    # A text that begins with one: its timings are those of its first prefill (the pause's
+    # empty ones were taken: no prompt, no prefill, the first words' prefill in ms/frame).
+    stream = tts.stream("\u200b" * 2000 + "\n\nHello there.", VOICE, split=True, max_frames=2)
+    assert sum(c.frames for c in stream) == 2
+    assert stream.timings.prompt_tokens > 0 and stream.timings.prefix_cached
+    assert stream.timings.prefill_s > 0
 
 
 def test_numpy_integers_are_accepted(tts):

@@ -1172,7 +1172,7 @@ def test_unpacked_weight_beside_scales_is_the_wrong_dtype(converted, tmp_path: P
     assert exc.value.mistyped == [(name, "F32", "U32")]  # named as in the file
     message = one_line(exc.value)
     # No config fixes a dtype: it said to check that config.json matches the weights.
-    assert "wrong dtype" in message and "convert them again" in message
+    assert "wrong dtype" in message and "fetch them again, or convert them again" in message
     assert "come from the same model" not in message
 
 

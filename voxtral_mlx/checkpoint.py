@@ -414,7 +414,8 @@ class CheckpointMismatch(CheckpointError):
             # No config fixes a dtype: the file was written wrongly.
             advice = (
                 "The weights were written in other dtypes than a checkpoint holds (packed "
-                "quantized weights are uint32, every other tensor a float): convert them again"
+                "quantized weights are uint32, every other tensor a float): fetch them again, "
+                "or convert them again if they are a conversion"
             )
         else:
             advice = f"Check that {against} and the weights come from the same model"

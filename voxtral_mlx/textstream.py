@@ -203,7 +203,7 @@ class _Reader:
             seconds = self._pauses[i]
             return [] if seconds is None else [self._pause(i, seconds)]
         t, c = self.timings, item.timings
-        if i == 0:
+        if not t.prompt_tokens and c.prompt_tokens:  # the first prefill: a pause may have none
             t.prompt_tokens, t.queued_s, t.prefill_s = c.prompt_tokens, c.queued_s, c.prefill_s
             t.prefix_cached, t.prefix_from_disk = c.prefix_cached, c.prefix_from_disk
         if not t.first_audio_s and len(item.audio):
