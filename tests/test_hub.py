@@ -1562,3 +1562,36 @@ def test_listing_the_voices_of_an_update_keeps_refs_main_on_the_whole_model(
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
     assert resolve_model_dir(REPO) == fetched
     assert refs_main.read_text() == newer and (fetched / "consolidated.safetensors").exists()
+
+
+def test_listing_the_voices_online_names_a_whole_cached_model_in_refs_main_again(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """refs/main gone (or naming a deleted snapshot) with the whole model cached at the
+    Hub's commit: `voices` online put it back, as a load does, for huggingface_hub's own
+    offline lookups; the voices-only path had stopped doing so."""
+    from voxtral_mlx import cli
+
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    whole = populate_hub_cache(cache, REPO, tiny_checkpoint)
+    files = _mistral_listing(tiny_checkpoint)
+    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files], sha=COMMIT)
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
+    calls: list[dict] = []
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", _fetching_into(cache, tiny_checkpoint, calls)
+    )
+    refs_main = whole.parent.parent / "refs" / "main"
+    for damage in ("missing", "dangling"):
+        if damage == "missing":
+            refs_main.unlink()
+        else:
+            refs_main.write_text("d" * 40)
+        assert cli.main(["voices", "-m", REPO]) == 0
+        assert "casual_male" in capsys.readouterr().out
+        assert calls == [] and refs_main.read_text() == COMMIT

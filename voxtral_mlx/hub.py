@@ -610,6 +610,8 @@ def _download(repo_id: str, weights: bool = True) -> Path:
         # The voices alone do not move refs/main off a whole model: found by their commit.
         snapshot, missing = _cached_snapshot(repo_id, commit, files, patterns, named=weights)
         if snapshot is not None:  # what the Hub would have answered: no second request
+            if not weights and commit is not None and not _main_is_whole(repo_id):
+                _point_main_at(repo_id, commit)  # a missing or dangling one: as a download
             return snapshot
         no_room = _shortfall(repo_id, missing, files)
         if no_room is not None:

@@ -280,45 +280,35 @@ MAX_HELD_ESCAPE = 4096  # an escape sequence longer than this is no terminal's
 class TerminalCodes:
     """Removes escape sequences and control characters from text that arrives in pieces,
     as from the whole text: a sequence cut at the end of a piece is held until the next
-    one completes it, and once backspaces have come, so is a piece's last line (the next
-    piece may erase some of it)."""
+    one completes it. (A backspace that begins a piece cannot erase what an earlier piece
+    gave: holding text back for it would hold a line still being written.)"""
 
     def __init__(self) -> None:
         self._held = ""
-        self._overstrike = False
 
     def remove(self, text: str, end: bool = True) -> str:
         """``text`` (after what was held) without terminal codes; with ``end`` nothing is
         held back."""
         text = self._held + text
         self._held = ""
-        if not self._overstrike and not _CODES.search(text):
+        if not _CODES.search(text):
             return text
-        held = ""
 
         def drop(match: re.Match) -> str:
-            nonlocal held
             final = match.group("final")
             if final is not None:
                 return " " if final in _MOVES else ""
             if match.group("open") is None:
                 return ""
             if not end and match.end() - match.start() <= MAX_HELD_ESCAPE:
-                held = match.group()
+                self._held = match.group()
                 return ""
             # Never ended: a stray ESC; only the escape itself goes.
             body = match.group()[2:]
             return body if match.group()[1:2] in ("]", "P", "X", "^", "_") else ""
 
         cleaned = _BREAKS.sub("\n", _CONTROLS.sub("", _ESCAPES.sub(drop, text)))
-        self._overstrike = self._overstrike or "\b" in cleaned
-        if self._overstrike:
-            cut = cleaned.rfind("\n") + 1
-            if not end and len(cleaned) - cut <= MAX_HELD_ESCAPE:
-                cleaned, held = cleaned[:cut], cleaned[cut:] + held
-            cleaned = _overstruck(cleaned)
-        self._held = held
-        return cleaned
+        return _overstruck(cleaned) if "\b" in cleaned else cleaned
 
 
 def without_terminal_codes(text: str) -> str:
