@@ -1462,8 +1462,10 @@ def test_listing_voices_fetches_the_voices_not_the_weights(
     monkeypatch.setattr(huggingface_hub, "snapshot_download", _fetching_into(cache, source, calls))
 
     assert cli.main(["voices", "-m", repo]) == 0
-    listed = capsys.readouterr().out.split()
+    captured = capsys.readouterr()
+    listed = captured.out.split()
     assert "casual_male" in listed and "neutral_female" in listed
+    assert captured.err.startswith(f"voxtral-mlx: downloading the voices of {repo} (its config")
     assert len(calls) == 1 and not calls[0]["local_files_only"]
     fetched = calls[0]["allow_patterns"]
     assert not any(fnmatch.fnmatch(w, p) for p in fetched for w in (weights, "model.safetensors"))

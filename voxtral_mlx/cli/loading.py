@@ -31,6 +31,13 @@ def _say_downloading(repo_id: str, cache: Path) -> None:
     info(f"{PROG}: downloading {repo_id} into {one_line(str(cache), 200)} (once; Ctrl-C stops it)")
 
 
+def _say_downloading_voices(repo_id: str, cache: Path) -> None:
+    info(
+        f"{PROG}: downloading the voices of {repo_id} (its config, tokenizer and voice files, "
+        f"not its weights) into {one_line(str(cache), 200)}"
+    )
+
+
 def _say_download_failed(repo_id: str, why: str) -> None:
     info(
         f"{PROG}: could not download the update of {repo_id} ({one_line(why, 200)}): "
@@ -103,6 +110,7 @@ def load_voice_list(args: argparse.Namespace):
     """The model directory a command names and its voices, read without the weights
     (``voices``, ``speak -v '?'``): of a model not in the cache, only the files that list
     them are downloaded."""
+    from .. import hub
     from ..hub import resolve_model_dir
     from ..loader import load_voices
 
@@ -111,6 +119,8 @@ def load_voice_list(args: argparse.Namespace):
         return model_dir, load_voices(model_dir)
 
     with downloads_reported(args):
+        if hub.download_started is not None:  # not -q (restored as the block ends)
+            hub.download_started = _say_downloading_voices
         return interruptibly(loaded)
 
 
