@@ -1432,6 +1432,25 @@ def _fetching_into(cache: Path, source: Path, calls: list[dict]) -> Callable:
     return download
 
 
+def _online_hub(
+    monkeypatch: pytest.MonkeyPatch, cache: Path, source: Path, sha: str = COMMIT
+) -> list[dict]:
+    """Online, with an empty Hub cache ``cache``: the Hub lists ``source``'s files at
+    ``sha`` and snapshot_download fetches them into the cache (:func:`_fetching_into`).
+    Returns the download calls."""
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    files = _mistral_listing(source)
+    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files], sha=sha)
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
+    calls: list[dict] = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _fetching_into(cache, source, calls))
+    return calls
+
+
 @pytest.mark.parametrize("layout", ["mistral", "mlx"])
 def test_listing_voices_fetches_the_voices_not_the_weights(
     layout: str, tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
@@ -1450,16 +1469,8 @@ def test_listing_voices_fetches_the_voices_not_the_weights(
     else:
         source, repo, weights = tiny_checkpoint, "owner-x/voxtral-tiny", "consolidated.safetensors"
     cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    files = _mistral_listing(source)
-    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files], sha=COMMIT)
-    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
-    calls: list[dict] = []
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", _fetching_into(cache, source, calls))
+    calls = _online_hub(monkeypatch, cache, source)
+    online = huggingface_hub.model_info
 
     assert cli.main(["voices", "-m", repo]) == 0
     captured = capsys.readouterr()
@@ -1491,7 +1502,7 @@ def test_listing_voices_fetches_the_voices_not_the_weights(
     assert "incomplete" in message and "safetensors" in message, message
 
     # Online: loading fetches what is missing, and the model speaks.
-    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
+    monkeypatch.setattr(huggingface_hub, "model_info", online)
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
     calls.clear()
     tts = voxtral_mlx.load(repo)
@@ -1533,20 +1544,9 @@ def test_listing_the_voices_of_an_update_keeps_refs_main_on_the_whole_model(
     from voxtral_mlx import cli
 
     cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    whole = populate_hub_cache(cache, REPO, tiny_checkpoint)
     newer = "b" * 40
-    files = _mistral_listing(tiny_checkpoint)
-    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files], sha=newer)
-    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
-    calls: list[dict] = []
-    monkeypatch.setattr(
-        huggingface_hub, "snapshot_download", _fetching_into(cache, tiny_checkpoint, calls)
-    )
+    calls = _online_hub(monkeypatch, cache, tiny_checkpoint, sha=newer)
+    whole = populate_hub_cache(cache, REPO, tiny_checkpoint)
     refs_main = whole.parent.parent / "refs" / "main"
     for downloads in (1, 0):
         calls.clear()
@@ -1575,19 +1575,8 @@ def test_listing_the_voices_online_names_a_whole_cached_model_in_refs_main_again
     from voxtral_mlx import cli
 
     cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    calls = _online_hub(monkeypatch, cache, tiny_checkpoint)
     whole = populate_hub_cache(cache, REPO, tiny_checkpoint)
-    files = _mistral_listing(tiny_checkpoint)
-    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files], sha=COMMIT)
-    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kw: listing)
-    calls: list[dict] = []
-    monkeypatch.setattr(
-        huggingface_hub, "snapshot_download", _fetching_into(cache, tiny_checkpoint, calls)
-    )
     refs_main = whole.parent.parent / "refs" / "main"
     for damage in ("missing", "dangling"):
         if damage == "missing":
