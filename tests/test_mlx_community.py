@@ -356,6 +356,25 @@ def test_an_index_listing_no_tensors_says_so(broken: Path) -> None:
     assert "lists no tensors" in message and "delete the index" in message
 
 
+def test_a_stray_file_beside_mistral_weights_and_a_config_json_is_not_a_conversion(
+    source: Path, tmp_path: Path
+) -> None:
+    """Mistral's layout given a config.json (mlx-audio's converter wants one in its source)
+    and a voice file copied to the top: that file was read as the weights, and the error
+    blamed params.json; the weights are consolidated.safetensors, as mlx-audio reads them."""
+    want = load_model_dir(source)
+    folder = Path(shutil.copytree(source, tmp_path / "m"))
+    (folder / "config.json").write_text((folder / "params.json").read_text())
+    shutil.copy(folder / "voice_embedding" / "casual_male.safetensors", folder / "mine.safetensors")
+    got = load_model_dir(folder)
+    assert got.layout == want.layout == "mistral"
+    theirs = dict(tree_flatten(want.model.parameters()))
+    ours = dict(tree_flatten(got.model.parameters()))
+    assert set(ours) == set(theirs)
+    for name, value in theirs.items():
+        assert mx.array_equal(ours[name], value), name
+
+
 def test_a_stray_weight_file_is_named_with_its_tensors(broken: Path, source: Path) -> None:
     """Loose weight files were all called model-*.safetensors in a mismatch, whatever their
     names, and an unexpected tensor did not say which file holds it."""
@@ -721,6 +740,35 @@ def test_an_index_leaving_out_a_shard_of_its_series_says_so(broken: Path) -> Non
         message
     )
     assert "params.json" not in message
+
+
+def test_an_empty_first_shard_left_out_of_the_index_loads(broken: Path) -> None:
+    """mlx-lm's sharding (mlx-audio's converter) writes an empty model-00001-of-N, which its
+    index does not name, when the first tensor alone exceeds the shard size; mlx-audio loads
+    such a directory. It was refused as a stale index."""
+    want = load_model_dir(broken)
+    path = broken / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    names = sorted(set(index["weight_map"].values()))
+    total = len(names) + 1
+    renamed = {old: f"model-{i + 2:05d}-of-{total:05d}.safetensors" for i, old in enumerate(names)}
+    for old, new in renamed.items():
+        (broken / old).rename(broken / new)
+    mx.save_safetensors(str(broken / f"model-00001-of-{total:05d}.safetensors"), {})
+    index["weight_map"] = {k: renamed[v] for k, v in index["weight_map"].items()}
+    path.write_text(json.dumps(index))
+    got = load_model_dir(broken)
+    theirs = dict(tree_flatten(want.model.parameters()))
+    ours = dict(tree_flatten(got.model.parameters()))
+    assert set(ours) == set(theirs)
+    for name, value in theirs.items():
+        assert mx.array_equal(ours[name], value), name
+    # A left-out file that does hold tensors is still a stale index.
+    first = broken / f"model-00001-of-{total:05d}.safetensors"
+    mx.save_safetensors(str(first), {"stale": mx.zeros((2,))})
+    with pytest.raises(CheckpointError) as exc:
+        load_model_dir(broken)
+    assert f"names {len(names)} of the {total} files of its series" in one_line(exc.value)
 
 
 def test_index_pointing_at_the_wrong_shard(broken: Path) -> None:

@@ -203,6 +203,10 @@ def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] 
     if consolidated.is_file() and not (has_mlx and (model_dir / "config.json").is_file()):
         return "mistral", [consolidated], None
     files, index = weight_files(model_dir)
+    if files and index is None and consolidated.is_file() and not _any_model_tensor(files):
+        # A stray file (a voice copied to the top, say) beside Mistral's weights and a
+        # config.json: the weights are consolidated.safetensors, as mlx-audio reads them.
+        return "mistral", [consolidated], None
     if files:
         return "mlx", files, index
     refuse_unreadable(consolidated)
@@ -216,6 +220,21 @@ def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] 
     raise ModelNotFoundError(
         f"{model_dir} has no {CONSOLIDATED} (Mistral's layout) and no *.safetensors weights "
         "(an MLX conversion): the download is incomplete; fetch it again"
+    )
+
+
+# The first part of every tensor name of the model, in Mistral's and in mlx-audio's names.
+_MODEL_ROOTS = frozenset(
+    {"layers", "norm", "mm_audio_embeddings", "acoustic_transformer", "audio_tokenizer"}
+)
+
+
+def _any_model_tensor(files: list[Path]) -> bool:
+    """Whether any of ``files`` holds a tensor of the model (under either naming)."""
+    return any(
+        (to_mistral_name(key) or key).split(".")[0] in _MODEL_ROOTS
+        for path in files
+        for key in read_safetensors_header(path)
     )
 
 

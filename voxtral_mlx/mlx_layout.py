@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import FLOAT_QUANT_MODES
+from .checkpoint import FLOAT_QUANT_MODES, read_safetensors_header
 from .errors import CheckpointError, ConfigError, ModelNotFoundError
 from .fileio import MAX_JSON_BYTES, one_line, read_limited, unreadable_fix
 
@@ -141,7 +141,9 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
         names = set(weight_map.values())
         for total in sorted({int(m.group(2)) for n in names if (m := _SHARD_RE.match(n))}):
             series = [SHARD_NAME.format(i + 1, total) for i in range(total)]
-            left_out = [n for n in series if n not in names]
+            left_out = [
+                n for n in series if n not in names and not _holds_no_tensors(model_dir / n)
+            ]
             if left_out and any(n in names for n in series):
                 # Its tensors would be reported missing, as if the config were the culprit.
                 raise CheckpointError(
@@ -178,6 +180,18 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
                 + ": the download is incomplete; fetch it again"
             )
     return shards, None
+
+
+def _holds_no_tensors(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file with no tensors in it: mlx-lm's sharding (which
+    mlx-audio's converter uses) writes an empty first shard, left out of the index, when the
+    first tensor alone exceeds the shard size."""
+    if not path.is_file():
+        return False
+    try:
+        return not read_safetensors_header(path)
+    except CheckpointError:
+        return False
 
 
 def refuse_unreadable(path: Path) -> None:
