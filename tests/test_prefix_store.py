@@ -173,6 +173,31 @@ def test_other_weights_copied_in_with_their_timestamps_change_the_fingerprint(tm
     assert model_fingerprint(a) != before
 
 
+def test_a_byte_edited_in_place_with_its_time_set_back_is_a_miss(tiny_checkpoint, tmp_path, noise):
+    """A byte the fingerprint's samples do not read, edited in place with the size and the
+    modification time kept: the stale prefix was reused, speaking other audio than the
+    weights make."""
+    model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
+    store = tmp_path / "store"
+    run(model, store, noise)
+    weights = model / "consolidated.safetensors"
+    data = bytearray(weights.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    entry = json.loads(data[8 : 8 + n])["layers.0.attention.wv.weight"]
+    begin, end = entry["data_offsets"]
+    offset = 8 + n + begin + 100  # past the sampled start, well before the middle
+    assert end - begin > 400
+    st = weights.stat()
+    with weights.open("r+b") as f:
+        f.seek(offset)
+        f.write(bytes([data[offset] ^ 0x40]))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size
+    edited = run(model, store, noise)
+    assert not edited.timings.prefix_cached
+    np.testing.assert_array_equal(edited.audio, run(model, None, noise).audio)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign key", "changed byte"])
 def test_a_damaged_file_is_a_miss_and_is_replaced(
     tiny_checkpoint, tmp_path, noise, reference, damage

@@ -45,9 +45,12 @@ class PrefixCacheWarning(UserWarning):
 
 def model_fingerprint(model_dir: Path) -> str:
     """A hash of the model directory's weight and config files: name, size, modification
-    time, and for safetensors the header (every tensor's name, dtype, shape and offsets)
-    and a sample of every tensor's bytes (its start, middle and end), so that another
-    checkpoint of the same shapes copied in with its timestamps kept is not taken for it."""
+    and change times, inode, and for safetensors the header (every tensor's name, dtype,
+    shape and offsets) and a sample of every tensor's bytes (its start, middle and end), so
+    that another checkpoint of the same shapes copied in with its timestamps kept is not
+    taken for it. The change time, which no tool can set back, catches an edit in place that
+    restored the modification time (at the cost of one prefill after the file is copied or
+    its permissions change)."""
     h = hashlib.sha256(FORMAT.encode())
     for path in sorted(Path(model_dir).iterdir()):
         if path.suffix not in _MODEL_FILES or path.name.startswith("."):
@@ -56,7 +59,8 @@ def model_fingerprint(model_dir: Path) -> str:
             if not path.is_file():
                 continue
             st = path.stat()
-            h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}"
+            h.update(f"{path.name}\0{stamp}\0".encode())
             if path.suffix == ".safetensors":
                 with path.open("rb") as f:
                     _hash_safetensors(f, h)
