@@ -687,6 +687,73 @@ def test_convert_failure_midway_writes_none_of_the_voices(
     assert (out / "a.safetensors").read_bytes() == b"old"  # replaced only when all succeed
 
 
+def test_a_rename_failing_midway_puts_the_replaced_voices_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With overwrite, the voices renamed into place before a failing rename stayed: a mix
+    of old and new files (and a new directory kept a file)."""
+    for name in ("a", "b", "c"):
+        torch.save(bf16_voice(3, seed=ord(name)), tmp_path / f"{name}.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("a", "b", "c"):
+        (out / f"{name}.safetensors").write_bytes(f"old {name}".encode())
+    real = os.replace
+
+    def third_fails(src, dst) -> None:
+        if Path(dst).name == "c.safetensors" and Path(src).name == "c.safetensors":
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(voices_mod.os, "replace", third_fails)
+    with pytest.raises(VoiceError) as exc:
+        convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out)
+    assert "Input/output error" in one_line(exc)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "a.safetensors",
+        "b.safetensors",
+        "c.safetensors",
+    ]
+    for name in ("a", "b", "c"):
+        assert (out / f"{name}.safetensors").read_bytes() == f"old {name}".encode()
+    new = tmp_path / "new"
+    with pytest.raises(VoiceError):
+        convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], new)
+    assert not new.exists()
+
+
+def test_ctrl_c_while_the_voices_go_into_place_comes_after_all_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C landing between two renames left the files renamed so far in a directory
+    the run had created (and a run with overwrite a mix of old and new voices)."""
+    import signal
+
+    for name in ("a", "b", "c"):
+        torch.save(bf16_voice(3, seed=ord(name)), tmp_path / f"{name}.pt")
+    out = tmp_path / "out"
+    real = os.replace
+
+    def interrupted(src, dst) -> None:
+        real(src, dst)
+        if Path(dst) == out / "a.safetensors":
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(voices_mod.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt) as exc:
+        convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out)
+    assert "was written (it is complete)" in exc.value.detail  # the CLI's one error line
+    assert sorted(p.name for p in out.iterdir()) == [
+        "a.safetensors",
+        "b.safetensors",
+        "c.safetensors",
+    ]
+    for name in ("a", "b", "c"):
+        want = raw_bits(bf16_voice(3, seed=ord(name)))
+        assert raw_bits(load_file(out / f"{name}.safetensors")["embedding"]) == want
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_convert_refuses_hostile_before_writing(tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
 

@@ -220,16 +220,16 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         _sync_tree(tmp)
-        with _signals_deferred() as received:
+        with signals_deferred() as received:
             _swap_into_place(tmp, out, force, mode)
             close_quietly(lock)
             lock = None  # (not closed twice, should anything still fail)
     except BaseException as e:
-        with _signals_deferred() as again:  # a second Ctrl-C must not leave half of tmp
+        with signals_deferred() as again:  # a second Ctrl-C must not leave half of tmp
             shutil.rmtree(tmp, ignore_errors=True)
             remove_dirs(created)
             close_quietly(lock)
-        _deliver(again, None)
+        deliver_signals(again, None)
         if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise InputError(
                 f"output {one_line(str(out))} was filled by something else while this was "
@@ -242,7 +242,7 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
                 "the free disk space and permissions"
             ) from None
         raise
-    _deliver(received, written_detail(out))
+    deliver_signals(received, written_detail(out))
 
 
 def _put_back_replaced(out: Path) -> None:
@@ -296,9 +296,9 @@ _DEFERRED = tuple(
 
 
 @contextlib.contextmanager
-def _signals_deferred() -> Iterator[list[int]]:
+def signals_deferred() -> Iterator[list[int]]:
     """Hold Ctrl-C, SIGTERM, SIGHUP and SIGQUIT back (collected in the list it yields, for
-    :func:`_deliver`) while the output is swapped in or the staging directory removed: an
+    :func:`deliver_signals`) while the output is swapped in or the staging directory removed: an
     interrupt never leaves the old model half-deleted beside the new one, or half a
     staging directory. Only the main thread can do this (elsewhere Python delivers no
     signals anyway)."""
@@ -314,7 +314,7 @@ def _signals_deferred() -> Iterator[list[int]]:
             signal.signal(sig, handler)
 
 
-def _deliver(received: list[int], detail: str | None) -> None:
+def deliver_signals(received: list[int], detail: str | None) -> None:
     """Raise the signals held back, through their own handlers; ``detail`` (for the one
     error line the CLI prints) goes onto the interrupt they raise."""
     try:

@@ -35,7 +35,14 @@ from .fileio import (
     unreadable_fix,
     usable_path,
 )
-from .output_dir import directory_path, make_dirs, remove_dirs
+from .output_dir import (
+    deliver_signals,
+    directory_path,
+    make_dirs,
+    remove_dirs,
+    signals_deferred,
+    written_detail,
+)
 from .torch_pickle import PtTensor, read_pt, to_mlx
 
 T = TypeVar("T")
@@ -593,7 +600,8 @@ def convert_voice_files(
     bit-exact (float64, which MLX cannot read, is written as float32). Every source and
     target is checked before anything is written, and the files are written into a hidden
     directory inside ``out_dir`` first, so a failure leaves ``out_dir`` as it was (and
-    removes it if it was created). Returns the written paths in order. Raises
+    removes it if it was created); a Ctrl-C while they are moved into place waits until all
+    of them are. Returns the written paths in order. Raises
     :class:`VoiceError` (or :class:`UnsafePickleError` for a hostile .pt), also for a
     tensor no model could load (not ``[rows, dim]``, empty, not floats, not finite, more
     than :data:`MAX_VOICE_ROWS` rows).
@@ -632,11 +640,10 @@ def convert_voice_files(
         raise VoiceError(
             f"output {one_line(str(out_dir))} is a file, not a directory; pick another"
         )
-    replaced = {dst for dst in targets if dst.exists()}
+    replaced = {dst for dst in targets if dst.exists() or dst.is_symlink()}
     created: list[Path] = []
     stage: Path | None = None
     lock: int | None = None  # tells other runs (even in other PID namespaces) it is in use
-    written: list[Path] = []
     try:
         created = make_dirs(out_dir)
         remove_orphans(out_dir, "voices", "partial")
@@ -645,25 +652,51 @@ def convert_voice_files(
         lock = open_locked(stage)
         for tensor, dst in zip(tensors, targets, strict=True):
             _write_safetensors(stage / dst.name, tensor)
-        for dst in targets:
-            if overwrite:
-                os.replace(stage / dst.name, dst)
-            else:
-                _place_new(stage / dst.name, dst)
-            written.append(dst)
-    except BaseException as e:
-        for path in set(written) - replaced:  # only if a rename fails: no partial set
-            path.unlink(missing_ok=True)
-        if stage is not None:
+        # Ctrl-C is held while the files go into place: all of them or none.
+        with signals_deferred() as received:
+            _place_all(stage, targets, overwrite, replaced)
             shutil.rmtree(stage, ignore_errors=True)
-        close_quietly(lock)
-        remove_dirs(created)
+            close_quietly(lock)
+    except BaseException as e:
+        with signals_deferred() as again:
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)
+            close_quietly(lock)
+            remove_dirs(created)
+        deliver_signals(again, None)
         if isinstance(e, OSError):
             raise VoiceError(
                 f"cannot write voices to {one_line(str(out_dir))}: "
                 f"{one_line(e.strerror or str(e))}; choose a writable output directory"
             ) from e
         raise
-    shutil.rmtree(stage, ignore_errors=True)
-    close_quietly(lock)
-    return written
+    deliver_signals(received, written_detail(out_dir))
+    return targets
+
+
+def _place_all(stage: Path, targets: list[Path], overwrite: bool, replaced: set[Path]) -> None:
+    """Move the staged files onto ``targets``, all of them or none: on a failure the ones
+    placed are removed and the files they replaced put back."""
+    placed: list[tuple[Path, Path | None]] = []
+    try:
+        for i, dst in enumerate(targets):
+            if not overwrite:
+                _place_new(stage / dst.name, dst)
+                placed.append((dst, None))
+                continue
+            kept = None
+            if dst in replaced:
+                kept = stage / f"replaced-{i}"
+                os.replace(dst, kept)
+            placed.append((dst, kept))
+            os.replace(stage / dst.name, dst)
+    except BaseException:
+        for dst, kept in reversed(placed):
+            try:
+                if kept is not None:
+                    os.replace(kept, dst)
+                else:
+                    dst.unlink(missing_ok=True)
+            except OSError:
+                pass  # as much as can be put back; the first error is the one to report
+        raise
