@@ -1028,6 +1028,15 @@ def test_cli_convert(source: Path, tmp_path: Path, capsys) -> None:
     assert err.startswith("voxtral-mlx: error: --q-bits 5") and "\n" not in err
 
 
+def test_cli_convert_onto_its_own_source_says_so_without_force(source: Path, capsys) -> None:
+    """It said "pass --force", and with --force then refused the overlap."""
+    before = tree_bytes(source)
+    assert cli_main(["convert", str(source), "-o", str(source)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "overlaps the source model" in err and "--force" not in err
+    assert tree_bytes(source) == before
+
+
 def test_cli_convert_names_the_layers_the_group_size_leaves_unquantized(
     tmp_path: Path, capsys
 ) -> None:

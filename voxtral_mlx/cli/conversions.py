@@ -163,5 +163,6 @@ def _fetch_to_convert(args: argparse.Namespace) -> Path:
 
     QuantOptions.make(args.q_bits, args.q_group_size, args.q_flow_bits)
     output_dtype(args.dtype)
-    check_output_dir(directory_path(args.output), args.force)  # again once the source is known
+    if not Path(args.model).expanduser().is_dir():  # a local one is checked with the output
+        check_output_dir(directory_path(args.output), args.force)  # again once it is known
     return interruptibly(lambda: resolve_model_dir(args.model))
