@@ -827,6 +827,21 @@ def test_an_interrupt_while_swapping_in_is_delivered_after_it(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_ctrl_c_then_a_failing_swap_is_still_an_interrupt(source, tmp_path, monkeypatch) -> None:
+    """The Ctrl-C held while the output was swapped in was dropped when the swap then
+    failed: the run ended as a write error (exit 1), not as interrupted."""
+    import voxtral_mlx.output_dir as output_dir
+
+    def interrupted_then_failing(*_args) -> None:
+        signal.raise_signal(signal.SIGINT)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(output_dir, "_swap_into_place", interrupted_then_failing)
+    with pytest.raises(KeyboardInterrupt):
+        convert_model(source, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_a_hang_up_while_swapping_in_is_held_too(converted, source, tmp_path, monkeypatch):
     """SIGHUP (a closed terminal; the CLI turns it into an exception) during the removal
     of the replaced model: held back like Ctrl-C, so no hidden copy of it stays."""
@@ -1035,6 +1050,12 @@ def test_cli_convert_onto_its_own_source_says_so_without_force(source: Path, cap
     err = capsys.readouterr().err.strip()
     assert "overlaps the source model" in err and "--force" not in err
     assert tree_bytes(source) == before
+
+
+def test_cli_convert_from_a_path_of_no_user_is_one_line(tmp_path: Path, capsys) -> None:
+    assert cli_main(["convert", "~nosuchuser-xyz/model", "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "~nosuchuser-xyz names no user of this machine" in err and "\n" not in err
 
 
 def test_cli_convert_names_the_layers_the_group_size_leaves_unquantized(

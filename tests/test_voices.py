@@ -754,6 +754,108 @@ def test_ctrl_c_while_the_voices_go_into_place_comes_after_all_of_them(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def _three_voices_over_old_ones(tmp_path: Path) -> Path:
+    for name in ("a", "b", "c"):
+        torch.save(bf16_voice(3, seed=ord(name)), tmp_path / f"{name}.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("a", "b", "c"):
+        (out / f"{name}.safetensors").write_bytes(f"old {name}".encode())
+    return out
+
+
+def test_a_replaced_voice_is_never_missing_while_the_new_ones_go_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Moving each old file aside before the new one came left a moment without the voice
+    (a model reading its voices then failed)."""
+    out = _three_voices_over_old_ones(tmp_path)
+    real = os.replace
+    missing: list[str] = []
+
+    def watched(src, dst) -> None:
+        if Path(dst).parent == out and not Path(dst).exists():
+            missing.append(Path(dst).name)
+        if Path(src).parent == out:
+            missing.append(f"moved {Path(src).name}")
+        real(src, dst)
+
+    monkeypatch.setattr(voices_mod.os, "replace", watched)
+    convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out)
+    assert missing == []
+    for name in ("a", "b", "c"):
+        want = raw_bits(bf16_voice(3, seed=ord(name)))
+        assert raw_bits(load_file(out / f"{name}.safetensors")["embedding"]) == want
+    assert sorted(p.name for p in out.iterdir()) == [f"{n}.safetensors" for n in "abc"]
+
+
+def test_replaced_voices_that_cannot_be_put_back_are_kept_and_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stage holding the only copy of a replaced voice was deleted after a put-back
+    failed."""
+    out = _three_voices_over_old_ones(tmp_path)
+    real = os.replace
+
+    def failing(src, dst) -> None:
+        if Path(dst) == out / "c.safetensors" and Path(src).name == "c.safetensors":
+            raise OSError(5, "Input/output error")
+        if Path(dst) == out / "a.safetensors" and Path(src).name.startswith("old-"):
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(voices_mod.os, "replace", failing)
+    with pytest.raises(VoiceError) as exc:
+        convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out)
+    kept = out / f"replaced-voices-{os.getpid()}"
+    assert f"old-*.safetensors in {kept}: move them back" in one_line(exc)
+    assert "a.safetensors could not be put back" in one_line(exc)
+    assert (kept / "old-a.safetensors").read_bytes() == b"old a"
+    for name in ("b", "c"):
+        assert (out / f"{name}.safetensors").read_bytes() == f"old {name}".encode()
+
+
+def test_ctrl_c_then_a_failure_while_placing_is_still_an_interrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Ctrl-C held while the files went into place was dropped when a rename then
+    failed: the run ended as a write error (exit 1), not as interrupted."""
+    import signal
+
+    out = _three_voices_over_old_ones(tmp_path)
+    real = os.replace
+
+    def failing(src, dst) -> None:
+        if Path(dst) == out / "c.safetensors" and Path(src).name == "c.safetensors":
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+        if Path(dst) == out / "a.safetensors":
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(voices_mod.os, "replace", failing)
+    with pytest.raises(KeyboardInterrupt):
+        convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out)
+    for name in ("a", "b", "c"):
+        assert (out / f"{name}.safetensors").read_bytes() == f"old {name}".encode()
+    assert sorted(p.name for p in out.iterdir()) == [f"{n}.safetensors" for n in "abc"]
+
+
+def test_a_voice_removed_after_the_checks_is_written_all_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = _three_voices_over_old_ones(tmp_path)
+    real = voices_mod._write_safetensors
+
+    def and_one_removed(path: Path, tensor: PtTensor) -> None:
+        real(path, tensor)
+        (out / "b.safetensors").unlink(missing_ok=True)
+
+    monkeypatch.setattr(voices_mod, "_write_safetensors", and_one_removed)
+    convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out)
+    want = raw_bits(bf16_voice(3, seed=ord("b")))
+    assert raw_bits(load_file(out / "b.safetensors")["embedding"]) == want
+
+
 def test_convert_refuses_hostile_before_writing(tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
 

@@ -223,9 +223,19 @@ def find_weight_files(model_dir: Path) -> tuple[str, list[Path], dict[str, str] 
     )
 
 
-# The first part of every tensor name of the model, in Mistral's and in mlx-audio's names.
+# The first part of every tensor name of the model, in Mistral's names (and of mlx-audio's
+# names the rename table does not know).
 _MODEL_ROOTS = frozenset(
-    {"layers", "norm", "mm_audio_embeddings", "acoustic_transformer", "audio_tokenizer"}
+    {
+        "layers",
+        "norm",
+        "output",
+        "mm_audio_embeddings",
+        "acoustic_transformer",
+        "audio_tokenizer",
+        "language_model",
+        "audio_codebook_embeddings",
+    }
 )
 
 

@@ -147,7 +147,7 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
             if left_out and any(n in names for n in series):
                 # Its tensors would be reported missing, as if the config were the culprit.
                 raise CheckpointError(
-                    f"{index_path} names {total - len(left_out)} of the {total} files of "
+                    f"{index_path} names {sum(n in names for n in series)} of the {total} files of "
                     f"its series, not {left_out[0]}: the index is stale or damaged; "
                     "re-download or re-convert the model"
                 )

@@ -217,6 +217,7 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
             f"cannot write to {one_line(str(out.parent))}: {reason}; choose a writable output "
             "directory"
         ) from None
+    received: list[int] = []  # signals held while the output was swapped in
     try:
         yield tmp
         _sync_tree(tmp)
@@ -229,7 +230,7 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
             remove_dirs(created)
             close_quietly(lock)
-        deliver_signals(again, None)
+        deliver_signals([*received, *again], None)
         if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise InputError(
                 f"output {one_line(str(out))} was filled by something else while this was "

@@ -45,7 +45,7 @@ class PrefixCacheWarning(UserWarning):
 
 def model_fingerprint(model_dir: Path) -> str:
     """A hash of the model directory's weight and config files: name, size, modification
-    and change times, inode, and for safetensors the header (every tensor's name, dtype,
+    and change times, and for safetensors the header (every tensor's name, dtype,
     shape and offsets) and a sample of every tensor's bytes (its start, middle and end), so
     that another checkpoint of the same shapes copied in with its timestamps kept is not
     taken for it. The change time, which no tool can set back, catches an edit in place that
@@ -59,7 +59,7 @@ def model_fingerprint(model_dir: Path) -> str:
             if not path.is_file():
                 continue
             st = path.stat()
-            stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}"
+            stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
             h.update(f"{path.name}\0{stamp}\0".encode())
             if path.suffix == ".safetensors":
                 with path.open("rb") as f:

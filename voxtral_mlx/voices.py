@@ -644,6 +644,7 @@ def convert_voice_files(
     created: list[Path] = []
     stage: Path | None = None
     lock: int | None = None  # tells other runs (even in other PID namespaces) it is in use
+    received: list[int] = []  # signals held while the files went into place
     try:
         created = make_dirs(out_dir)
         remove_orphans(out_dir, "voices", "partial")
@@ -659,11 +660,11 @@ def convert_voice_files(
             close_quietly(lock)
     except BaseException as e:
         with signals_deferred() as again:
-            if stage is not None:
+            if stage is not None and not isinstance(e, _NotPutBack):
                 shutil.rmtree(stage, ignore_errors=True)
             close_quietly(lock)
             remove_dirs(created)
-        deliver_signals(again, None)
+        deliver_signals([*received, *again], None)
         if isinstance(e, OSError):
             raise VoiceError(
                 f"cannot write voices to {one_line(str(out_dir))}: "
@@ -676,27 +677,69 @@ def convert_voice_files(
 
 def _place_all(stage: Path, targets: list[Path], overwrite: bool, replaced: set[Path]) -> None:
     """Move the staged files onto ``targets``, all of them or none: on a failure the ones
-    placed are removed and the files they replaced put back."""
+    placed are removed and the files they replaced put back. A replaced file is kept in the
+    stage as a hard link, so every target holds its old file or its new one at each moment
+    (a model reading its voices meanwhile finds one)."""
     placed: list[tuple[Path, Path | None]] = []
     try:
-        for i, dst in enumerate(targets):
+        for dst in targets:
             if not overwrite:
                 _place_new(stage / dst.name, dst)
                 placed.append((dst, None))
                 continue
-            kept = None
-            if dst in replaced:
-                kept = stage / f"replaced-{i}"
-                os.replace(dst, kept)
-            placed.append((dst, kept))
+            kept = _keep(dst, stage / f"old-{dst.name}") if dst in replaced else None
+            if kept is not None:
+                placed.append((dst, kept))
             os.replace(stage / dst.name, dst)
-    except BaseException:
-        for dst, kept in reversed(placed):
-            try:
-                if kept is not None:
-                    os.replace(kept, dst)
-                else:
-                    dst.unlink(missing_ok=True)
+            if kept is None:
+                placed.append((dst, None))
+    except BaseException as e:
+        failed = _put_back(placed)
+        if failed:
+            visible = stage.parent / f"replaced-voices-{os.getpid()}"
+            try:  # out of the hidden stage, which a later run would remove as litter
+                os.rename(stage, visible)
+                stage = visible
             except OSError:
-                pass  # as much as can be put back; the first error is the one to report
+                pass
+            raise _NotPutBack(
+                f"{one_line(str(failed))} could not be put back after the conversion failed "
+                f"({one_line(str(e) or type(e).__name__, 100)}); the voices it replaced are "
+                f"old-*.safetensors in {one_line(str(stage))}: move them back into "
+                f"{one_line(str(stage.parent))} without the old- prefix"
+            ) from e
         raise
+
+
+class _NotPutBack(VoiceError):
+    """Replaced voices that could not be put back: the stage holding them is kept."""
+
+
+def _keep(dst: Path, kept: Path) -> Path | None:
+    """``dst`` kept as ``kept`` (a hard link; moved where there are none); None if it is
+    gone."""
+    try:
+        os.link(dst, kept, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except (OSError, NotImplementedError):  # no hard links here (FAT, some shares)
+        try:
+            os.replace(dst, kept)
+        except FileNotFoundError:
+            return None
+    return kept
+
+
+def _put_back(placed: list[tuple[Path, Path | None]]) -> Path | None:
+    """Undo :func:`_place_all`'s renames, latest first; the first target that could not be
+    restored, if any."""
+    failed = None
+    for dst, kept in reversed(placed):
+        try:
+            if kept is not None:
+                os.replace(kept, dst)
+            else:
+                dst.unlink(missing_ok=True)
+        except OSError:
+            failed = dst
+    return failed

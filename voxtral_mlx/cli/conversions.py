@@ -163,6 +163,8 @@ def _fetch_to_convert(args: argparse.Namespace) -> Path:
 
     QuantOptions.make(args.q_bits, args.q_group_size, args.q_flow_bits)
     output_dtype(args.dtype)
-    if not Path(args.model).expanduser().is_dir():  # a local one is checked with the output
+    # (os.path: a path of a user that does not exist, or too long, is resolve_model_dir's
+    # to name.) A local model is checked with the output, for their overlap first.
+    if not os.path.isdir(os.path.expanduser(args.model)):
         check_output_dir(directory_path(args.output), args.force)  # again once it is known
     return interruptibly(lambda: resolve_model_dir(args.model))
