@@ -842,6 +842,27 @@ def test_ctrl_c_then_a_failing_swap_is_still_an_interrupt(source, tmp_path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_ctrl_c_while_its_voices_go_into_place_says_interrupted_only(
+    source, tmp_path, monkeypatch, capsys
+) -> None:
+    """The voices' "interrupted after ... was written (it is complete)" named the staged
+    voice folder of a conversion that was then abandoned, as if the output were written."""
+    import voxtral_mlx.voices as voices_mod
+
+    real = os.replace
+
+    def interrupted(src, dst) -> None:
+        real(src, dst)
+        if Path(dst).parent.name == "voice_embedding":
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(voices_mod.os, "replace", interrupted)
+    out = tmp_path / "out"
+    assert cli_main(["convert", str(source), "-o", str(out)]) == 130
+    assert capsys.readouterr().err.strip() == "voxtral-mlx: error: interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_a_hang_up_while_swapping_in_is_held_too(converted, source, tmp_path, monkeypatch):
     """SIGHUP (a closed terminal; the CLI turns it into an exception) during the removal
     of the replaced model: held back like Ctrl-C, so no hidden copy of it stays."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -701,7 +702,9 @@ def test_a_rename_failing_midway_puts_the_replaced_voices_back(
     real = os.replace
 
     def third_fails(src, dst) -> None:
-        if Path(dst).name == "c.safetensors" and Path(src).name == "c.safetensors":
+        if Path(dst).name == "c.safetensors" and Path(src).parent.name.startswith(
+            ".voices.partial"
+        ):
             raise OSError(5, "Input/output error")
         real(src, dst)
 
@@ -789,30 +792,47 @@ def test_a_replaced_voice_is_never_missing_while_the_new_ones_go_in(
     assert sorted(p.name for p in out.iterdir()) == [f"{n}.safetensors" for n in "abc"]
 
 
-def test_replaced_voices_that_cannot_be_put_back_are_kept_and_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The stage holding the only copy of a replaced voice was deleted after a put-back
-    failed."""
-    out = _three_voices_over_old_ones(tmp_path)
+def _failing_to_put_back_a(out: Path, interrupt: bool):
     real = os.replace
 
     def failing(src, dst) -> None:
-        if Path(dst) == out / "c.safetensors" and Path(src).name == "c.safetensors":
+        if Path(dst) == out / "c.safetensors" and Path(src).parent.name.startswith(
+            ".voices.partial"
+        ):
             raise OSError(5, "Input/output error")
-        if Path(dst) == out / "a.safetensors" and Path(src).name.startswith("old-"):
+        if Path(dst) == out / "a.safetensors" and Path(src).parent.name == "replaced":
             raise OSError(5, "Input/output error")
         real(src, dst)
+        if interrupt and Path(dst) == out / "b.safetensors":
+            signal.raise_signal(signal.SIGINT)
 
-    monkeypatch.setattr(voices_mod.os, "replace", failing)
-    with pytest.raises(VoiceError) as exc:
-        convert_voice_files([tmp_path / f"{n}.pt" for n in "abc"], out)
-    kept = out / f"replaced-voices-{os.getpid()}"
-    assert f"old-*.safetensors in {kept}: move them back" in one_line(exc)
-    assert "a.safetensors could not be put back" in one_line(exc)
-    assert (kept / "old-a.safetensors").read_bytes() == b"old a"
-    for name in ("b", "c"):
-        assert (out / f"{name}.safetensors").read_bytes() == f"old {name}".encode()
+    return failing
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_replaced_voices_that_cannot_be_put_back_are_kept_and_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interrupt: bool
+) -> None:
+    """The stage holding the only copy of a replaced voice was deleted after a put-back
+    failed. Kept in a folder of a new name each time (a later run removes stages), named by
+    the error, or by the interrupt's line after a Ctrl-C."""
+    out = _three_voices_over_old_ones(tmp_path)
+    sources = [tmp_path / f"{n}.pt" for n in "abc"]
+    monkeypatch.setattr(voices_mod.os, "replace", _failing_to_put_back_a(out, interrupt))
+    for attempt in (1, 2):
+        with pytest.raises(KeyboardInterrupt if interrupt else VoiceError) as exc:
+            convert_voice_files(sources, out)
+        line = exc.value.detail if interrupt else one_line(exc)
+        kept = sorted(out.glob("replaced-voices-*"))
+        assert len(kept) == attempt
+        here = next(k for k in kept if f"the voices it replaced are in {k / 'voices'};" in line)
+        assert f"{out / 'a.safetensors'} could not be put back" in line
+        assert (here / "voices" / "a.safetensors").read_bytes() == b"old a"
+        (out / "a.safetensors").write_bytes(b"old a")  # moved back, as the line asks
+        for name in ("b", "c"):
+            assert (out / f"{name}.safetensors").read_bytes() == f"old {name}".encode()
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [f"{n}.safetensors" for n in "abc"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
 def test_ctrl_c_then_a_failure_while_placing_is_still_an_interrupt(
@@ -826,7 +846,9 @@ def test_ctrl_c_then_a_failure_while_placing_is_still_an_interrupt(
     real = os.replace
 
     def failing(src, dst) -> None:
-        if Path(dst) == out / "c.safetensors" and Path(src).name == "c.safetensors":
+        if Path(dst) == out / "c.safetensors" and Path(src).parent.name.startswith(
+            ".voices.partial"
+        ):
             raise OSError(5, "Input/output error")
         real(src, dst)
         if Path(dst) == out / "a.safetensors":

@@ -586,6 +586,10 @@ def _copy_voices(src: Path, dst: Path, registry: VoiceRegistry) -> None:
     if pts:
         try:
             convert_voice_files(pts, out)
+        except KeyboardInterrupt as e:
+            # "written (complete)" would name the staged voices of an output not written.
+            e.__dict__.pop("detail", None)
+            raise
         except VoiceError as e:
             # Its message names the staging directory and asks for another output
             # directory: a failed write is reported as the weights' are.

@@ -8,8 +8,10 @@ tekken.json lists the row count N each voice must have.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import shutil
 import stat
 import struct
@@ -23,7 +25,7 @@ from typing import BinaryIO, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import load_tensors
+from .checkpoint import load_tensors, some_names
 from .errors import CheckpointError, InputError, VoiceError
 from .fileio import (
     atomic_write,
@@ -660,11 +662,12 @@ def convert_voice_files(
             close_quietly(lock)
     except BaseException as e:
         with signals_deferred() as again:
-            if stage is not None and not isinstance(e, _NotPutBack):
+            if stage is not None and not (isinstance(e, _NotPutBack) and e.in_stage):
                 shutil.rmtree(stage, ignore_errors=True)
             close_quietly(lock)
             remove_dirs(created)
-        deliver_signals([*received, *again], None)
+        # (Where replaced voices are, if they could not be put back, is the line to show.)
+        deliver_signals([*received, *again], str(e) if isinstance(e, _NotPutBack) else None)
         if isinstance(e, OSError):
             raise VoiceError(
                 f"cannot write voices to {one_line(str(out_dir))}: "
@@ -677,9 +680,9 @@ def convert_voice_files(
 
 def _place_all(stage: Path, targets: list[Path], overwrite: bool, replaced: set[Path]) -> None:
     """Move the staged files onto ``targets``, all of them or none: on a failure the ones
-    placed are removed and the files they replaced put back. A replaced file is kept in the
-    stage as a hard link, so every target holds its old file or its new one at each moment
-    (a model reading its voices meanwhile finds one)."""
+    placed are removed and the files they replaced put back. A replaced file is kept (in a
+    folder of the stage no target can be named) as a hard link, so every target holds its
+    old file or its new one at each moment (a model reading its voices meanwhile finds one)."""
     placed: list[tuple[Path, Path | None]] = []
     try:
         for dst in targets:
@@ -687,7 +690,7 @@ def _place_all(stage: Path, targets: list[Path], overwrite: bool, replaced: set[
                 _place_new(stage / dst.name, dst)
                 placed.append((dst, None))
                 continue
-            kept = _keep(dst, stage / f"old-{dst.name}") if dst in replaced else None
+            kept = _keep(dst, stage / _KEPT / dst.name) if dst in replaced else None
             if kept is not None:
                 placed.append((dst, kept))
             os.replace(stage / dst.name, dst)
@@ -696,28 +699,26 @@ def _place_all(stage: Path, targets: list[Path], overwrite: bool, replaced: set[
     except BaseException as e:
         failed = _put_back(placed)
         if failed:
-            visible = stage.parent / f"replaced-voices-{os.getpid()}"
-            try:  # out of the hidden stage, which a later run would remove as litter
-                os.rename(stage, visible)
-                stage = visible
-            except OSError:
-                pass
-            raise _NotPutBack(
-                f"{one_line(str(failed))} could not be put back after the conversion failed "
-                f"({one_line(str(e) or type(e).__name__, 100)}); the voices it replaced are "
-                f"old-*.safetensors in {one_line(str(stage))}: move them back into "
-                f"{one_line(str(stage.parent))} without the old- prefix"
-            ) from e
+            raise _not_put_back(stage, failed, e) from e
         raise
 
 
+# The stage's folder of the replaced files (the staged files are *.safetensors beside it).
+_KEPT = "replaced"
+
+
 class _NotPutBack(VoiceError):
-    """Replaced voices that could not be put back: the stage holding them is kept."""
+    """Replaced voices that could not be put back: where they are is kept and named."""
+
+    def __init__(self, message: str, in_stage: bool) -> None:
+        super().__init__(message)
+        self.in_stage = in_stage  # they could not be moved out of the stage: keep it
 
 
 def _keep(dst: Path, kept: Path) -> Path | None:
     """``dst`` kept as ``kept`` (a hard link; moved where there are none); None if it is
     gone."""
+    kept.parent.mkdir(exist_ok=True)
     try:
         os.link(dst, kept, follow_symlinks=False)
     except FileNotFoundError:
@@ -730,10 +731,9 @@ def _keep(dst: Path, kept: Path) -> Path | None:
     return kept
 
 
-def _put_back(placed: list[tuple[Path, Path | None]]) -> Path | None:
-    """Undo :func:`_place_all`'s renames, latest first; the first target that could not be
-    restored, if any."""
-    failed = None
+def _put_back(placed: list[tuple[Path, Path | None]]) -> list[tuple[Path, Path | None]]:
+    """Undo :func:`_place_all`'s renames, latest first; the ones that could not be undone."""
+    failed = []
     for dst, kept in reversed(placed):
         try:
             if kept is not None:
@@ -741,5 +741,43 @@ def _put_back(placed: list[tuple[Path, Path | None]]) -> Path | None:
             else:
                 dst.unlink(missing_ok=True)
         except OSError:
-            failed = dst
+            failed.append((dst, kept))
     return failed
+
+
+def _not_put_back(
+    stage: Path, failed: list[tuple[Path, Path | None]], cause: BaseException
+) -> VoiceError:
+    """The error for renames :func:`_put_back` could not undo. Replaced voices among them
+    are moved out of the stage (which would be removed) into a new visible folder, named."""
+    why = one_line(str(cause) or type(cause).__name__, 100)
+    old = [dst for dst, kept in failed if kept is not None]
+    if not old:
+        return VoiceError(
+            f"{some_names([str(d) for d, _ in failed], 2)} could not be removed after the "
+            f"conversion failed ({why}): remove {'it' if len(failed) == 1 else 'them'}"
+        )
+    kept_dir = stage / _KEPT
+    in_stage = True
+    for _ in range(100):
+        visible = stage.parent / f"replaced-voices-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(visible)  # claimed: a folder of that name from an earlier run stays
+        except FileExistsError:
+            continue
+        except OSError:
+            break
+        try:
+            os.rename(kept_dir, visible / "voices")
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(visible)
+            break
+        kept_dir, in_stage = visible / "voices", False
+        break
+    return _NotPutBack(
+        f"{some_names([str(d) for d in old], 2)} could not be put back after the conversion "
+        f"failed ({why}): the voices it replaced are in {one_line(str(kept_dir))}; move them "
+        f"back into {one_line(str(stage.parent))}",
+        in_stage,
+    )
