@@ -216,13 +216,8 @@ def _cached_snapshot(
     if commit is None or missing:
         return None, missing
     root = Path(paths[0]).parents[len(Path(wanted[0]).parts) - 1]
-    if not named:
+    if not named or _main_commit(root.parent.parent) == commit:
         return root, []
-    try:
-        if (root.parent.parent / "refs" / "main").read_text().strip() == commit:
-            return root, []
-    except OSError:
-        pass
     return None, []
 
 
@@ -242,13 +237,18 @@ def _whole_snapshot(repo_id: str, weights: bool = True) -> Path | None:
     return next((s for s in snapshots if _holds_a_model(s, weights)), None)
 
 
+def _main_commit(repo_cache: Path) -> str | None:
+    """The commit ``refs/main`` of a repo's cache folder names, if it can be read."""
+    try:
+        return (repo_cache / "refs" / "main").read_text().strip()
+    except OSError:
+        return None
+
+
 def _main_is_whole(repo_id: str) -> bool:
     """Whether the snapshot ``refs/main`` names holds a whole model."""
-    try:
-        commit = (_repo_cache(repo_id) / "refs" / "main").read_text().strip()
-    except OSError:
-        return False
-    return bool(_COMMIT.fullmatch(commit)) and _holds_a_model(
+    commit = _main_commit(_repo_cache(repo_id))
+    return bool(commit and _COMMIT.fullmatch(commit)) and _holds_a_model(
         _repo_cache(repo_id) / "snapshots" / commit
     )
 
