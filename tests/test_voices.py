@@ -688,17 +688,22 @@ def test_convert_failure_midway_writes_none_of_the_voices(
     assert (out / "a.safetensors").read_bytes() == b"old"  # replaced only when all succeed
 
 
-def test_a_rename_failing_midway_puts_the_replaced_voices_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With overwrite, the voices renamed into place before a failing rename stayed: a mix
-    of old and new files (and a new directory kept a file)."""
+def _three_voices_over_old_ones(tmp_path: Path) -> Path:
     for name in ("a", "b", "c"):
         torch.save(bf16_voice(3, seed=ord(name)), tmp_path / f"{name}.pt")
     out = tmp_path / "out"
     out.mkdir()
     for name in ("a", "b", "c"):
         (out / f"{name}.safetensors").write_bytes(f"old {name}".encode())
+    return out
+
+
+def test_a_rename_failing_midway_puts_the_replaced_voices_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With overwrite, the voices renamed into place before a failing rename stayed: a mix
+    of old and new files (and a new directory kept a file)."""
+    out = _three_voices_over_old_ones(tmp_path)
     real = os.replace
 
     def third_fails(src, dst) -> None:
@@ -755,16 +760,6 @@ def test_ctrl_c_while_the_voices_go_into_place_comes_after_all_of_them(
         want = raw_bits(bf16_voice(3, seed=ord(name)))
         assert raw_bits(load_file(out / f"{name}.safetensors")["embedding"]) == want
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-
-
-def _three_voices_over_old_ones(tmp_path: Path) -> Path:
-    for name in ("a", "b", "c"):
-        torch.save(bf16_voice(3, seed=ord(name)), tmp_path / f"{name}.pt")
-    out = tmp_path / "out"
-    out.mkdir()
-    for name in ("a", "b", "c"):
-        (out / f"{name}.safetensors").write_bytes(f"old {name}".encode())
-    return out
 
 
 def test_a_replaced_voice_is_never_missing_while_the_new_ones_go_in(

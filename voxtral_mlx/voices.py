@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import stat
 import struct
+import tempfile
 import threading
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping
@@ -759,22 +759,17 @@ def _not_put_back(
         )
     kept_dir = stage / _KEPT
     in_stage = True
-    for _ in range(100):
-        visible = stage.parent / f"replaced-voices-{secrets.token_hex(4)}"
-        try:
-            os.mkdir(visible)  # claimed: a folder of that name from an earlier run stays
-        except FileExistsError:
-            continue
-        except OSError:
-            break
+    try:  # a new name each time: a folder from an earlier run stays as it is
+        visible = Path(tempfile.mkdtemp(prefix="replaced-voices-", dir=stage.parent))
+    except OSError:
+        visible = None
+    if visible is not None:
         try:
             os.rename(kept_dir, visible / "voices")
+            kept_dir, in_stage = visible / "voices", False
         except OSError:
             with contextlib.suppress(OSError):
                 os.rmdir(visible)
-            break
-        kept_dir, in_stage = visible / "voices", False
-        break
     return _NotPutBack(
         f"{some_names([str(d) for d in old], 2)} could not be put back after the conversion "
         f"failed ({why}): the voices it replaced are in {one_line(str(kept_dir))}; move them "
