@@ -393,6 +393,22 @@ def test_a_failed_sounddevice_import_names_what_is_missing(tmp_path, monkeypatch
         assert "_no_such_sounddevice_data" in message and "--force-reinstall" in message
 
 
+def test_portaudio_failing_to_start_at_import_is_one_line_error(tmp_path, monkeypatch):
+    """sounddevice starts PortAudio at import: a broken ALSA configuration made its
+    PortAudioError escape as a traceback."""
+    (tmp_path / "sounddevice.py").write_text(
+        "class PortAudioError(Exception):\n    pass\n"
+        "raise PortAudioError('Error initializing PortAudio: Unanticipated host error')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "sounddevice", raising=False)
+    with pytest.raises(AudioOutputError) as e:
+        import_sounddevice()
+    message = str(e.value)
+    assert "PortAudio could not start" in message and "Unanticipated host error" in message
+    assert "ALSA" in message and "-o FILE" in message and "\n" not in message
+
+
 def test_missing_portaudio_is_one_line_error(tmp_path, monkeypatch):
     # sounddevice raises OSError at import when libportaudio cannot be found.
     (tmp_path / "sounddevice.py").write_text("raise OSError('PortAudio library not found')\n")

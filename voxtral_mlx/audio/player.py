@@ -85,6 +85,15 @@ def import_sounddevice() -> ModuleType:
         raise AudioOutputError(
             f"the sounddevice package is not installed; pip install sounddevice {_NO_DEVICE_HINT}"
         ) from e
+    except Exception as e:
+        # sounddevice starts PortAudio at import; a broken audio setup (an ALSA configuration
+        # it cannot use, no audio service) raises its PortAudioError from there.
+        if type(e).__name__ != "PortAudioError":
+            raise
+        raise AudioOutputError(
+            f"PortAudio could not start ({one_line(str(e), 120)}); check the system's audio "
+            f"setup (Linux: the ALSA configuration and ALSA_CONFIG_PATH) {_NO_DEVICE_HINT}"
+        ) from e
     return sounddevice
 
 
