@@ -673,6 +673,21 @@ def test_cache_without_refs_main_serves_a_whole_snapshot_offline(
     assert "HF_HUB_OFFLINE" in one_line(exc.value)
 
 
+def test_a_cached_snapshot_with_absurdly_nested_json_is_no_model_offline(
+    offline_cache: Path, tiny_checkpoint: Path
+) -> None:
+    """Judging a snapshot without refs/main parsed its tekken.json with json.loads, whose
+    RecursionError on arrays nested 10^5 deep escaped as a traceback."""
+    snapshot = populate_hub_cache(offline_cache, REPO, tiny_checkpoint)
+    (snapshot.parent.parent / "refs" / "main").unlink()
+    tekken = snapshot / "tekken.json"
+    tekken.unlink()  # a link into the blobs: write a file of its own
+    tekken.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(REPO)
+    assert "HF_HUB_OFFLINE" in one_line(exc.value)
+
+
 @pytest.mark.parametrize("cut", ["tekken.json", "shard", "voice"])
 def test_an_update_cut_off_leaves_the_older_whole_copy_in_use_offline(
     offline_cache: Path, tiny_checkpoint: Path, tmp_path: Path, cut: str

@@ -173,6 +173,34 @@ def test_other_weights_copied_in_with_their_timestamps_change_the_fingerprint(tm
     assert model_fingerprint(a) != before
 
 
+def _safetensors_with_header(path: Path, header: bytes, data: bytes = b"\0" * 16) -> None:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"[" * 200_000 + b"]" * 200_000,  # json.loads: RecursionError
+        json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 2**64]}}).encode(),
+        json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [-(2**70), 0]}}).encode(),
+        json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [2**62, 2**63]}}).encode(),
+    ],
+    ids=["nested", "beyond-seek", "negative", "past-the-end"],
+)
+def test_a_stray_damaged_safetensors_file_does_not_fail_the_load(
+    tiny_checkpoint, tmp_path, noise, reference, header
+):
+    """The fingerprint read every .safetensors file's header and offsets before the loader
+    had judged them: a stray file beside a valid checkpoint (which the loader passes over)
+    made load() raise a bare RecursionError or ValueError (a traceback from speak)."""
+    model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
+    _safetensors_with_header(model / "notes.safetensors", header)
+    before = model_fingerprint(model)
+    assert model_fingerprint(model) == before
+    speech = run(model, tmp_path / "store", noise)
+    np.testing.assert_array_equal(speech.audio, reference.audio)
+
+
 def test_a_byte_edited_in_place_with_its_time_set_back_is_a_miss(tiny_checkpoint, tmp_path, noise):
     """A byte the fingerprint's samples do not read, edited in place with the size and the
     modification time kept: the stale prefix was reused, speaking other audio than the

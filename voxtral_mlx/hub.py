@@ -285,7 +285,7 @@ def _holds_a_model(folder: Path, weights: bool = True) -> bool:
             if not shards or not shards <= names:
                 return False
         return _holds_its_voices(folder, names)
-    except (OSError, ValueError, AttributeError, TypeError):  # a file of another shape
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):  # another shape
         return False
 
 

@@ -63,7 +63,7 @@ def model_fingerprint(model_dir: Path) -> str:
             h.update(f"{path.name}\0{stamp}\0".encode())
             if path.suffix == ".safetensors":
                 with path.open("rb") as f:
-                    _hash_safetensors(f, h)
+                    _hash_safetensors(f, h, st.st_size)
             elif st.st_size <= _HEADER_LIMIT:
                 h.update(path.read_bytes())
         except OSError:  # a file the loader did not need (it read the rest): its name counts
@@ -71,13 +71,15 @@ def model_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def _hash_safetensors(f, h) -> None:
+def _hash_safetensors(f, h, size: int) -> None:
     head = f.read(8)
     if len(head) < 8:
         return
     (n,) = struct.unpack("<Q", head)
     header = f.read(min(n, _HEADER_LIMIT))
     h.update(header)
+    # Not for the fingerprint to judge a damaged header or spans outside the file (a stray
+    # file the loader passes over, or one it is about to report): it samples what it can.
     try:
         entries = json.loads(header)
         spans = [
@@ -85,13 +87,15 @@ def _hash_safetensors(f, h) -> None:
             for k, e in entries.items()
             if k != "__metadata__" and isinstance(e, dict)
         ]
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return  # not for the fingerprint to judge: the loader has read this file
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return
+    data = size - 8 - n
     offsets = set()
     for span in spans:
-        if len(span) == 2 and all(isinstance(v, int) for v in span) and span[0] < span[1]:
+        if len(span) == 2 and all(type(v) is int for v in span) and 0 <= span[0] < span[1]:
             b, e = span
-            offsets.update((b, (b + e) // 2, max(b, e - _SAMPLE)))
+            if e <= data:
+                offsets.update((b, (b + e) // 2, max(b, e - _SAMPLE)))
     for offset in sorted(offsets):  # in file order: a few hundred small reads
         f.seek(8 + n + offset)
         h.update(f.read(_SAMPLE))
