@@ -429,14 +429,14 @@ def test_bad_input_raises_one_line_errors():
     decoder = build_decoder(config, raw_weights(config, 0))
     state = decoder.new_state(1)
     bad = [
-        (mx.zeros((1, 2, 36), dtype=mx.int32), state),
-        (mx.zeros((2, 2, 37), dtype=mx.int32), state),
-        (mx.zeros((1, 2, 37), dtype=mx.float32), state),
+        (mx.zeros((1, 2, 36), dtype=mx.int32), "shape [batch, frames, 37], got [1, 2, 36]"),
+        (mx.zeros((2, 2, 37), dtype=mx.int32), "2 streams but the codec state was made for 1"),
+        (mx.zeros((1, 2, 37), dtype=mx.float32), "must be integers, got float32"),
     ]
-    for codes, st in bad:
+    for codes, words in bad:
         with pytest.raises(InputError) as info:
-            decoder.decode_chunk(codes, st)
-        assert "\n" not in str(info.value)
+            decoder.decode_chunk(codes, state)
+        assert "\n" not in str(info.value) and words in str(info.value)
     with pytest.raises(InputError):
         decoder.decode(mx.zeros((37,), dtype=mx.int32))
 

@@ -178,6 +178,28 @@ def test_a_broken_safetensors_voice_names_the_pt_beside_it(tmp_path: Path) -> No
     assert VoiceRegistry.from_dir(vdir, {}, DIM).embedding("fr_male").shape == (5, DIM)
 
 
+def test_a_voice_of_integers_is_named_with_its_dtype(tmp_path: Path) -> None:
+    """The message said "holds mlx.core.int64 values" (MLX's repr) where convert-voices
+    says "I64": the dtype's own name now."""
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    torch.save(torch.zeros(5, DIM, dtype=torch.int64), vdir / "ints.pt")
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    with pytest.raises(VoiceError) as exc:
+        reg.embedding("ints")
+    assert "holds int64 values, not floats" in one_line(exc)
+
+
+def test_a_voice_beyond_float16_names_the_dtype(tmp_path: Path) -> None:
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    torch.save(torch.full((5, DIM), 1e5), vdir / "loud.pt")
+    reg = VoiceRegistry.from_dir(vdir, {}, DIM)
+    with pytest.raises(VoiceError) as exc:
+        reg.embedding("loud", mx.float16)
+    assert "beyond the range of float16; load the model in float32" in one_line(exc)
+
+
 def test_unknown_voice_lists_names(tmp_path: Path) -> None:
     vdir = make_voice_dir(tmp_path / "v", {"neutral_male": 5, "de_female": 5, "ar_male": 5})
     reg = VoiceRegistry.from_dir(vdir, {}, DIM)

@@ -348,7 +348,8 @@ class VoiceRegistry(Mapping[str, Voice]):
                 if not mx.all(mx.isfinite(result)).item():  # e.g. 1e5 in a float16 model
                     raise VoiceError(
                         f"voice {name!r} ({one_line(str(voice.path))}) holds values beyond the "
-                        f"range of {dtype}; load the model in float32 or bfloat16 instead"
+                        f"range of {str(dtype).removeprefix('mlx.core.')}; load the model in "
+                        "float32 or bfloat16 instead"
                     )
             self._cache[(name, dtype)] = result
             return result
@@ -395,7 +396,8 @@ class VoiceRegistry(Mapping[str, Voice]):
             )
         if not mx.issubdtype(array.dtype, mx.floating):
             raise VoiceError(
-                f"voice {voice.name!r} ({src}) holds {array.dtype} values, not floats; {fix}"
+                f"voice {voice.name!r} ({src}) holds "
+                f"{str(array.dtype).removeprefix('mlx.core.')} values, not floats; {fix}"
             )
         if rows < 1:
             raise VoiceError(f"voice {voice.name!r} ({src}) has no rows; {fix}")

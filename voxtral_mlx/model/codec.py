@@ -337,7 +337,8 @@ class CodecDecoder(nn.Module):
                 f"use new_state(batch={codes.shape[0]})"
             )
         if not mx.issubdtype(codes.dtype, mx.integer):
-            raise InputError(f"codec codes must be integers, got {codes.dtype}")
+            got = str(codes.dtype).removeprefix("mlx.core.")
+            raise InputError(f"codec codes must be integers, got {got}")
         return codes
 
     # -- one-shot -----------------------------------------------------------------------
