@@ -352,7 +352,7 @@ def _blocks(job: _Job, chunk_bytes: int, fd: int) -> Iterator[mx.array]:
         raw = os.pread(fd, (r1 - r0) * row_bytes, offset)
         if len(raw) != (r1 - r0) * row_bytes:
             raise CheckpointError(
-                f"{job.ref.path} is truncated at tensor '{job.name}': re-download it"
+                f"{job.ref.path} is truncated at tensor '{job.ref.key}': re-download it"
             )
         values = np.frombuffer(raw, dtype=_NP_DTYPES[info.dtype]).reshape((r1 - r0, *shape[1:]))
         block = mx.array(values.astype(np.float32) if info.dtype == "F64" else values)
@@ -378,7 +378,7 @@ def _produce(
             _check_finite(job, source)
             block = source.astype(dtype)
             if dtype == mx.float16 and source.dtype != mx.float16:
-                _check_float16_range(job.name, source, block)
+                _check_float16_range(job, source, block)
             if job.spec is None:
                 mx.eval(block)
                 yield _to_bytes(block)
@@ -406,18 +406,19 @@ def _check_finite(job: _Job, source: mx.array) -> None:
 
 def _not_finite(job: _Job) -> CheckpointError:
     return CheckpointError(
-        f"{job.ref.path}: tensor '{job.name}' holds NaN or infinite values: the "
+        f"{job.ref.path}: tensor '{job.ref.key}' holds NaN or infinite values: the "
         "checkpoint is damaged; re-download it"
     )
 
 
-def _check_float16_range(name: str, source: mx.array, block: mx.array) -> None:
+def _check_float16_range(job: _Job, source: mx.array, block: mx.array) -> None:
     """float16 tops out at 65504: a larger weight would be written as infinity."""
     if mx.any(mx.isinf(block) & mx.isfinite(source)).item():
         largest = mx.max(mx.where(mx.isfinite(source), mx.abs(source), 0)).item()
         raise InputError(
-            f"tensor '{name}' holds values beyond float16's range (up to {largest:.4g}; "
-            "float16 ends at 65504): convert with --dtype bfloat16 or float32"
+            f"{job.ref.path}: tensor '{job.ref.key}' holds values beyond float16's range "
+            f"(up to {largest:.4g}; float16 ends at 65504): convert with --dtype bfloat16 "
+            "or float32"
         )
 
 
@@ -439,7 +440,7 @@ def _raw_copy(job: _Job, chunk_bytes: int) -> Iterator[bytes]:
             piece = os.pread(fd, min(chunk_bytes, total - done), start + done)
             if not piece or len(piece) % item:
                 raise CheckpointError(
-                    f"{job.ref.path} is truncated at tensor '{job.name}': re-download it"
+                    f"{job.ref.path} is truncated at tensor '{job.ref.key}': re-download it"
                 )
             if not _all_finite(piece, info.dtype):
                 raise _not_finite(job)
