@@ -664,7 +664,10 @@ def test_error_vocab_too_short(tmp_path):
 )
 def test_error_malformed_fields(tmp_path, changes, needle):
     path = _write_json(tmp_path / "tekken.json", _byte_tekken(**changes))
-    assert needle in _load_error(path, tmp_path)
+    message = _load_error(path, tmp_path)
+    assert needle in message
+    # every one names the fix (the byte-token one did not: its ";" passed for a fix)
+    assert message.endswith(("restore tekken.json from the model's download", "tekken.json"))
 
 
 def test_error_bad_vocab_entries(tmp_path):

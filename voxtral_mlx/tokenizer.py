@@ -379,7 +379,7 @@ def _build_checked(raw: bytes, path: Path) -> tuple[dict[str, Any], Tokenizer]:
     if n_text < 256:
         raise TokenizerError(
             f"{path}: default_vocab_size {vocab_size} leaves {n_text} text tokens after "
-            f"{n_special} special tokens; byte-level BPE needs at least the 256 byte tokens"
+            f"{n_special} special tokens (byte-level BPE needs at least the 256 byte tokens)"
         )
     if len(vocab) < n_text:
         raise TokenizerError(
