@@ -1042,6 +1042,7 @@ def test_folders_that_cannot_be_read_are_named_as_such(model_dir, tmp_path):
         voices.chmod(0o000)
         err = one_line_error(_run_as_user("convert-voices", str(voices), "-o", str(tmp_path / "v")))
         assert f"cannot list voice directory {voices}: Permission denied" in err
+        assert err.rstrip().endswith("let this user read it (chmod or chown), or run as its owner")
         voices.chmod(0o644)  # names listed, files unreachable
         err = one_line_error(_run_as_user("convert-voices", str(voices), "-o", str(tmp_path / "v")))
         assert "Permission denied: check the permissions of its folder" in err

@@ -503,7 +503,8 @@ def _voice_sources(sources: object) -> list[Path]:
             except OSError as e:  # glob() would say "no voices" for a folder it cannot list
                 raise VoiceError(
                     f"cannot list voice directory {one_line(str(source))}: "
-                    f"{one_line(e.strerror or str(e))}; check its permissions"
+                    f"{one_line(e.strerror or str(e))}; "
+                    f"{unreadable_fix(e, 'check that it is a folder this user can read')}"
                 ) from None
             found = sorted(source / n for n in names if not n.startswith("."))
             for path in found:
