@@ -424,6 +424,48 @@ def test_close_frees_the_model_while_the_object_is_still_held(tiny_checkpoint_no
     assert model.sample_rate == 24000 and VOICE in model.voices
 
 
+def test_close_frees_the_model_when_an_apps_player_fails_to_stop(tiny_checkpoint_noend):
+    """A player (say(player=...)) whose stop() raised made close() raise before freeing
+    anything, with the finalizer already detached: the model stayed loaded for good."""
+
+    class FailingStop(NullPlayer):
+        def stop(self) -> None:
+            raise RuntimeError("the app's player failed")
+
+    model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    playback = model.say(
+        "One. Two. Three.", VOICE, wait=False, max_frames=300, player=FailingStop()
+    )
+    refs = weakref.ref(model.model), weakref.ref(model.model.audio_tokenizer)
+    model.close()
+    assert model.worker.closed
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
+    with pytest.raises(VoxtralError, match="closed"):
+        playback.wait(60)
+
+
+def test_a_job_of_another_model_is_refused(tiny_checkpoint_noend, tiny_checkpoint):
+    """A job made by one loaded model and submitted to another ran its prompt, voice rows
+    and noise on the wrong weights: a raw MLX shape error, or audio of the wrong model."""
+    a = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    b = voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=None)
+    try:
+        job = a.job("Hi.", VOICE, seed=1, max_frames=2)
+        with pytest.raises(InputError) as exc:
+            b.submit(job)
+        assert "made by another model" in str(exc.value) and "\n" not in str(exc.value)
+        a.submit(job)  # not claimed by the refusal: still its own model's to run
+        frames = 0
+        while (item := job.output.get(timeout=60)) is not DONE:
+            assert not isinstance(item, BaseException), item
+            frames += item.frames
+        assert frames == 2
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_dropped_model_is_freed_without_close(tiny_checkpoint_noend):
     """An app that forgets close() must not keep a copy of the weights per load."""
 

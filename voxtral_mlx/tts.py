@@ -297,14 +297,18 @@ class VoxtralTTS:
         The object is unusable after. Dropping the last reference to the object does the
         same, later."""
         self._finalizer.detach()
-        with self._playbacks_lock:
-            playing = list(self._playbacks)
-        for playback in playing:
-            playback.end(closed_error())
-        # The memory comes back now, not when this object goes: switching models (close,
-        # then load) must not hold both. The worker lets go of the rest.
-        self.model = _ClosedModel()
-        self.worker.close()
+        try:
+            with self._playbacks_lock:
+                playing = list(self._playbacks)
+            for playback in playing:
+                # An app's own player whose stop() fails must not keep the model loaded.
+                with contextlib.suppress(Exception):
+                    playback.end(closed_error())
+        finally:
+            # The memory comes back now, not when this object goes: switching models (close,
+            # then load) must not hold both. The worker lets go of the rest.
+            self.model = _ClosedModel()
+            self.worker.close()
 
     @property
     def sample_rate(self) -> int:
@@ -714,6 +718,11 @@ class VoxtralTTS:
         is an :class:`InputError`."""
         if not isinstance(job, Job):
             raise InputError(f"submit() takes a Job made by tts.job(...), got {type(job).__name__}")
+        if job.owner is not self:  # its prompt, voice rows and noise are another model's
+            raise InputError(
+                "this job was made by another model (tts.job() of another load()): make it "
+                "with this model's job(...)"
+            )
         self._submit_all([job])
         return job
 
