@@ -424,6 +424,20 @@ def test_close_frees_the_model_while_the_object_is_still_held(tiny_checkpoint_no
     assert model.sample_rate == 24000 and VOICE in model.voices
 
 
+def test_a_with_block_closes_the_model(tiny_checkpoint_noend):
+    with voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None) as model:
+        speech = model.synthesize("Hi.", VOICE, seed=1, max_frames=2)
+        assert len(speech.audio) == 2 * model.samples_per_frame
+        assert not model.worker.closed
+    assert model.worker.closed
+    with pytest.raises(VoxtralError, match="this model was closed"):
+        model.synthesize("Hi.", VOICE, seed=1, max_frames=2)
+    other = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
+    with pytest.raises(KeyError), other:  # an error in the block is not swallowed
+        raise KeyError("from the block")
+    assert other.worker.closed
+
+
 def test_close_frees_the_model_when_an_apps_player_fails_to_stop(tiny_checkpoint_noend):
     """A player (say(player=...)) whose stop() raised made close() raise before freeing
     anything, with the finalizer already detached: the model stayed loaded for good."""

@@ -310,6 +310,13 @@ class VoxtralTTS:
             self.model = _ClosedModel()
             self.worker.close()
 
+    def __enter__(self) -> VoxtralTTS:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """``with voxtral_mlx.load(...) as tts:`` closes the model at the block's end."""
+        self.close()
+
     @property
     def sample_rate(self) -> int:
         return self.config.sampling_rate
