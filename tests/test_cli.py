@@ -320,6 +320,44 @@ def test_piped_text_with_colours_speaks_as_plain_text(model_dir, reference):
     assert np.array_equal(float_to_int16(audio), float_to_int16(reference.audio))
 
 
+def test_follow_refuses_a_folder_before_the_model_loads(tmp_path):
+    """os.open() takes a folder: --follow -f DIR failed at its first read, after the
+    model had loaded (minutes for the real one), with no fix named."""
+    from voxtral_mlx.textinput import text_source
+
+    with pytest.raises(voxtral_mlx.errors.InputError) as e:
+        text_source(str(tmp_path), [])
+    assert str(e.value) == (
+        f"cannot read text file {tmp_path}: Is a directory; pass a readable text file, or - "
+        "for stdin"
+    )
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ("Hello world.".encode("utf-16-le"), "looks like UTF-16LE without a byte-order mark"),
+        ("Hello world.".encode("utf-16-be"), "looks like UTF-16BE without a byte-order mark"),
+        ("Good day, sir.".encode("utf-16-be"), "iconv -f UTF-16BE -t UTF-8"),
+        (b"Hello\x00 there.", "which no text has (binary data in it"),
+        (b"\x00" * 100, "remove them (e.g. tr -d '\\000')"),
+    ],
+    ids=["utf16le", "utf16be", "utf16be-iconv", "stray-nul", "all-nuls"],
+)
+def test_nul_bytes_are_told_apart(raw, words):
+    """Every NUL got the advice iconv -f UTF-16LE: wrong for UTF-16BE (garbage out) and
+    for a stray NUL in UTF-8 text. Whole and followed text alike."""
+    from voxtral_mlx.textinput import decode_text, text_pieces
+
+    with pytest.raises(voxtral_mlx.errors.InputError) as e:
+        decode_text(raw, "text file t.txt")
+    assert words in str(e.value)
+    reads = iter([raw, b""])
+    with pytest.raises(voxtral_mlx.errors.InputError) as e:
+        list(text_pieces(lambda: next(reads), "stdin"))
+    assert words in str(e.value) and str(e.value).startswith("stdin holds NUL bytes")
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_follow_from_a_fifo_does_not_wait_for_its_writer_before_the_model_loads(tmp_path):
     """Opening a FIFO waits for a writer: ``-f FIFO --follow`` checks it and opens it at
@@ -433,7 +471,7 @@ def test_voices_of_a_model_without_voices_is_an_error(model_dir, tmp_path):
         (["-v is cool"], "'-v is cool' was read as the option -v: text that starts with '-' goes"),
         (["-f", "/nonexistent/text.txt"], "not found: check the path"),
         (["-f", "/"], "cannot read text file /: Is a directory; pass a readable text file"),
-        (["--follow", "-f", "/"], "cannot read text file /: Is a directory"),
+        (["--follow", "-f", "/"], "cannot read text file /: Is a directory; pass a readable"),
         (["--follow", "-f", "/nonexistent/text.txt"], "not found: check the path"),
         (["--follow", "Hi."], "text given as arguments is all there already: drop --follow"),
         (["--follow", "--no-split", "-f", "-"], "--no-split makes one utterance"),

@@ -21,6 +21,7 @@ from .fileio import one_line
 
 MAX_TEXT_BYTES = 64 << 20  # -f FILE or stdin: more is not text to speak
 READ_CHARS = 1 << 16  # --follow: at most this much read at a time (less if less came)
+_NUL_SAMPLE = 4096  # bytes looked at to tell UTF-16 from binary data
 _WIDE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
 
@@ -78,10 +79,13 @@ def text_source(file: str | None, words: Sequence[str]) -> tuple[Callable[[], by
     if file is not None and file != "-":
         name = f"text file {one_line(file)}"
         try:
-            if stat.S_ISFIFO(os.stat(file).st_mode):
+            mode = os.stat(file).st_mode
+            if stat.S_ISFIFO(mode):
                 if not os.access(file, os.R_OK):
                     raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
                 return _read_fifo(file), name
+            if stat.S_ISDIR(mode):  # os.open() takes a folder: its first read would fail
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
             fd = os.open(file, os.O_RDONLY)
         except OSError as e:
             raise _file_error(file, e) from None
@@ -108,7 +112,10 @@ def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
         try:
             data = read()
         except OSError as e:
-            raise InputError(f"cannot read {what}: {e.strerror}") from None
+            raise InputError(
+                f"cannot read {what}: {e.strerror}; pass a readable text file, or pipe the "
+                "text on stdin"
+            ) from None
         end = not data
         if isinstance(data, str):  # a stdin of Python objects (embedded use): decoded already
             text = data.removeprefix("\ufeff") if first else data
@@ -128,7 +135,8 @@ def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
                     text = text.removeprefix("\ufeff")
         first = False
         if "\x00" in text:  # as bytes that are not text: what came before it is spoken
-            failure = _nul_error(what, wide=head.startswith(_WIDE_BOMS))
+            raw = data if isinstance(data, bytes) else b""
+            failure = _nul_error(what, wide=head.startswith(_WIDE_BOMS), raw=raw)
             text, end = text[: text.index("\x00")], True
         text = held + text
         held = "\r" if not end and text.endswith("\r") else ""
@@ -153,7 +161,7 @@ def decode_text(raw: bytes, what: str) -> str:
     else:
         text = raw.decode("utf-8-sig")  # editors that save a byte-order mark
     if "\x00" in text:  # valid UTF-8, but no text has it: each would be a prompt token
-        raise _nul_error(what, wide=raw.startswith(_WIDE_BOMS))
+        raise _nul_error(what, wide=raw.startswith(_WIDE_BOMS), raw=raw)
     return _one_newline(text)
 
 
@@ -171,15 +179,26 @@ def _file_error(path: str, error: OSError) -> InputError:
     )
 
 
-def _nul_error(what: str, wide: bool = False) -> InputError:
+def _nul_error(what: str, wide: bool = False, raw: bytes = b"") -> InputError:
+    """The error for NULs in text; ``raw``: the bytes they came in, which tell UTF-16
+    without a byte-order mark (a NUL in most pairs of bytes, on the side of its byte
+    order) from a stray NUL."""
     if wide:  # read as UTF-16 or UTF-32 by its byte-order mark: NUL characters, not bytes
         return InputError(
             f"{what} holds NUL characters, which no text has (binary data in it?): remove "
             "them, or pass a text file"
         )
+    sample = raw[:_NUL_SAMPLE]
+    nuls = sample.count(0)
+    if len(sample) <= 4 * nuls <= 3 * len(sample):  # neither a stray NUL nor all NULs
+        order = "LE" if 2 * sample[1::2].count(0) > nuls else "BE"  # "H\0" is LE's "H"
+        return InputError(
+            f"{what} holds NUL bytes: it looks like UTF-16{order} without a byte-order "
+            f"mark; convert it to UTF-8 first (e.g. iconv -f UTF-16{order} -t UTF-8)"
+        )
     return InputError(
-        f"{what} holds NUL bytes: it is not text, or UTF-16 without a byte-order mark; "
-        "convert it to UTF-8 first (e.g. iconv -f UTF-16LE -t UTF-8)"
+        f"{what} holds NUL bytes, which no text has (binary data in it, or UTF-16 without "
+        "a byte-order mark?): remove them (e.g. tr -d '\\000'), or convert it to UTF-8"
     )
 
 
