@@ -996,3 +996,22 @@ def test_renumbering_leaves_a_file_that_is_no_ogg_stream_alone(tmp_path):
     pages = PageRenumberer()
     streamed = b"".join(pages.feed(raw[i : i + 100]) for i in range(0, len(raw), 100))
     assert streamed + pages.finish() == path.read_bytes() != raw
+
+
+def test_a_path_too_long_for_the_temp_file_says_to_shorten_it(tmp_path):
+    """A folder path near PATH_MAX: the target fits, its longer hidden temp name does not.
+    The message held the whole 4 KB path and said "choose another location"."""
+    folder = str(tmp_path)
+    while len(folder) < 4080 - 200:
+        folder = os.path.join(folder, "d" * 200)
+    folder = os.path.join(folder, "e" * (4080 - len(folder) - 1))
+    try:
+        os.makedirs(folder)
+    except OSError:
+        pytest.skip("this file system refuses paths this long")
+    with pytest.raises(AudioOutputError) as e:
+        AudioFileWriter(os.path.join(folder, "x.wav"), 24000)
+    message = str(e.value)
+    assert message.endswith("File name too long; choose a shorter path")
+    assert len(message) < 300 and "\n" not in message
+    assert os.listdir(folder) == []

@@ -547,10 +547,16 @@ class AudioFileWriter:
             # O_EXCL: never reuse someone else's file; mode 0o666 lets the umask decide.
             fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         except OSError as e:
+            # Its hidden temp name is longer than the target's: a path near the system's
+            # limit fits as the target and not as that.
+            fix = (
+                "choose a shorter path"
+                if e.errno == errno.ENAMETOOLONG
+                else "choose another location"
+            )
             raise AudioOutputError(
-                f"cannot create a file in {str(self._target.parent)!r}: "
-                f"{creation_failure(e, self._target.parent)}; "
-                "choose another location"
+                f"cannot create a file in {one_line(repr(str(self._target.parent)), 200)}: "
+                f"{creation_failure(e, self._target.parent)}; {fix}"
             ) from e
         hold_lock(fd)  # a run in another PID namespace must not take it for an orphan
         # A private target (0600) keeps its temp file private while it is written; its
