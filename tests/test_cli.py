@@ -259,6 +259,26 @@ def test_every_source_gets_one_kind_of_line_end_and_no_nul(monkeypatch):
         read_text("-", [])
 
 
+def test_an_empty_file_or_stdin_is_named_as_such(monkeypatch, tmp_path):
+    """Nothing at all was read: "text is empty (nothing but spaces, invisible or control
+    characters ...)" sent the user looking for invisible characters."""
+    from voxtral_mlx.textinput import read_text
+
+    (tmp_path / "t.txt").write_bytes(b"")
+    with pytest.raises(voxtral_mlx.errors.InputError) as e:
+        read_text(str(tmp_path / "t.txt"), [])
+    assert (
+        str(e.value)
+        == f"text file {tmp_path / 't.txt'} is empty: give a file with some text to speak"
+    )
+    for stdin in (io.StringIO(""), io.TextIOWrapper(io.BytesIO(b""))):
+        monkeypatch.setattr(sys, "stdin", stdin)
+        with pytest.raises(voxtral_mlx.errors.InputError, match=r"^stdin is empty: pipe some"):
+            read_text("-", [])
+    (tmp_path / "t.txt").write_bytes(b" \n")  # not empty: judged later, as all text is
+    assert read_text(str(tmp_path / "t.txt"), []) == " \n"
+
+
 @pytest.mark.parametrize(
     ("raw", "spoken"),
     [

@@ -37,6 +37,8 @@ def read_text(file: str | None, words: Sequence[str]) -> str:
             with open(file, "rb") as f:  # a FIFO is read like cat reads it
                 raw = f.read(MAX_TEXT_BYTES + 1)
             _check_size(raw, what)
+            if not raw:
+                raise InputError(f"{what} is empty: give a file with some text to speak")
             return without_terminal_codes(decode_text(raw, what))
         except UnicodeDecodeError as e:
             raise _not_text(what, e) from None
@@ -264,6 +266,8 @@ def _read_stdin() -> str:
     except OSError as e:
         raise InputError(f"cannot read stdin: {e.strerror}") from None
     _check_size(raw, "stdin")
+    if not raw:
+        raise InputError("stdin is empty: pipe some text, or pass it as arguments or -f FILE")
     if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
         if "\x00" in raw:
             raise _nul_error("stdin", wide=True)
