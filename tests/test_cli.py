@@ -699,6 +699,67 @@ def test_no_output_device_is_a_one_line_error(model_dir, tmp_path):
     assert not out.exists()
 
 
+# A device that plays whatever it is given at once, logging the rate each stream opens at.
+_RATE_LOGGING_DEVICE = """
+import threading
+import numpy as np
+
+LOG = {log!r}
+
+
+class PortAudioError(Exception):
+    pass
+
+
+def query_devices(device=None, kind=None):
+    dev = {{"name": "Speakers", "index": 0, "max_input_channels": 0, "max_output_channels": 2}}
+    return dev if kind == "output" else [dev]
+
+
+class OutputStream:
+    latency = 0.01
+
+    def __init__(self, callback, finished_callback, blocksize, samplerate, **kwargs):
+        self.callback, self.finished, self.blocksize = callback, finished_callback, blocksize
+        self.stopped = threading.Event()
+        with open(LOG, "a") as f:
+            f.write(f"{{samplerate}}\\n")
+
+    def start(self):
+        def run():
+            while not self.stopped.wait(0.001):
+                self.callback(np.zeros((self.blocksize, 1), np.float32), self.blocksize, None, 0)
+            self.finished()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def abort(self):
+        self.stopped.set()
+
+    stop = abort
+
+    def close(self):
+        self.stopped.set()
+"""
+
+
+def test_speak_plays_at_the_models_sample_rate(model_dir, tmp_path):
+    """The player was opened before the model loaded, at the release's 24 kHz: a model of
+    another rate played too fast (say() opened it at the model's)."""
+    model = Path(shutil.copytree(model_dir, tmp_path / "model16k"))
+    params = json.loads((model / "params.json").read_text())
+    encoding = params["multimodal"]["audio_model_args"]["audio_encoding_args"]
+    encoding["sampling_rate"], encoding["frame_rate"] = 16000, 16000 / 1920
+    params["multimodal"]["audio_tokenizer_args"]["sampling_rate"] = 16000
+    (model / "params.json").write_text(json.dumps(params))
+    log = tmp_path / "rates.log"
+    env = _fake_sounddevice(tmp_path, _RATE_LOGGING_DEVICE.format(log=str(log)))
+    proc = run("speak", "-m", str(model), "--max-frames", "3", "-q", "Hi.", env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    rates = log.read_text().split()
+    assert rates and rates[-1] == "16000", rates
+
+
 # A device that plays ``BLOCKS`` callbacks' worth, then goes away (unplugged headphones).
 _VANISHING_DEVICE = """
 import threading

@@ -150,6 +150,11 @@ def cmd_speak(args: argparse.Namespace) -> int:
             ) from e
     try:
         tts = load_model(args)
+        if player is not None and player.sample_rate != tts.sample_rate:
+            # Opened before the model's rate was known (at the release's 24 kHz): a model
+            # of another rate would play too fast or too slow.
+            player.stop()
+            player = AudioPlayer(tts.sample_rate, device=args.device)
         if args.voice is not None:
             tts.voices.get_voice(args.voice)
         if args.no_split:
