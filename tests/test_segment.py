@@ -659,6 +659,29 @@ def test_a_url_with_a_cjk_host_stays_whole() -> None:
             assert any(url in s.text for s in segs), (target, texts(segs))
 
 
+def test_a_url_running_on_into_cjk_after_its_ascii_start_stays_whole() -> None:
+    """A "." "!" or "?" between two CJK characters is a sentence end, except in a URL whose
+    host or path turns CJK after "https://www." or "example.com/": it was cut there."""
+    for text, url in (
+        ("Besuchen Sie https://www.例子.中国 für Details.", "https://www.例子.中国"),
+        ("请访问 www.例子.中国 了解详情。", "www.例子.中国"),
+        ("下载 https://example.com/文件.中文 就好了。", "https://example.com/文件.中文"),
+        ("下载 https://example.com/下载?名字=张三!李四 就好了。", "名字=张三!李四"),
+        ("写信给张三@例子.中国。好的", "张三@例子.中国"),
+    ):
+        for target in range(3, 20):
+            segs = split_text(text, target_chars=target, max_chars=40)
+            check_invariants(text, segs, 40)
+            assert any(url in s.text for s in segs), (target, texts(segs))
+    # Its end (full-width punctuation, a space) ends that: later sentences split as ever.
+    text = "请访问https://example.com了解详情。明天.见 下载 www.例子.中国 好.的"
+    segs = split_text(text, target_chars=3, max_chars=40)
+    check_invariants(text, segs, 40)
+    ends = [s.text[-3:] for s in segs]
+    assert "详情。" in ends and "明天." in ends
+    assert segs[-2].text.endswith(" 好.") and segs[-1].text == "的"
+
+
 def test_a_period_after_a_short_number_is_no_sentence_end() -> None:
     # German ordinals and dates; a comma is preferred, a space would do as well
     text = (

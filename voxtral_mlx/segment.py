@@ -451,11 +451,16 @@ def _find_splits(
     paragraphs.append((start, len(text.rstrip())))
 
     glued = _Splits()  # CJK punctuation, dashes: no space needed
+    addresses: _Addresses | None = None
     for m in _scan(_NO_SPACE_BREAK, text, check=check):
         check()
         a, q = m.span()
         if a == 0 or text[a - 1].isspace():
             continue
+        if text[a] in ".!?":  # between CJK characters: in a URL too ("https://www.例子.中国")
+            addresses = addresses or _Addresses(text)
+            if addresses.holds(a):
+                continue
         while q < n and (text[q] in _CLOSERS or _is_symbol(text[q])):
             q += 1  # "太好了！😀明天见": the emoji stays with the sentence it follows
         if q < n and not text[q].isspace():
@@ -468,6 +473,31 @@ def _find_splits(
         if not forbid[e] and _cuttable(text, s):
             allowed.add(e, s, kind)
     return paragraphs, allowed, forbid
+
+
+class _Addresses:
+    """Where URLs and e-mail addresses may run: from each ``://``, ``www.`` or ``@`` to the
+    next whitespace or full-width punctuation, as a URL whose host is CJK runs (found once
+    per run: linear in the text)."""
+
+    _START = re.compile(r"://|www\.|@", re.IGNORECASE)
+    _SPACE = re.compile(r"[\s<>\"।॥؟،۔\u3000-\u303f\ufe30-\ufe4f\uff00-\uffef]")
+
+    def __init__(self, text: str):
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        end = -1
+        for m in self._START.finditer(text):  # a literal search: milliseconds for a book
+            if m.start() < end:
+                continue  # in the run already found
+            space = self._SPACE.search(text, m.end())
+            end = space.start() if space else len(text)
+            self.starts.append(m.start())
+            self.ends.append(end)
+
+    def holds(self, at: int) -> bool:
+        i = bisect_right(self.starts, at) - 1
+        return i >= 0 and at < self.ends[i]
 
 
 def _line_breaks(run: str) -> int:
