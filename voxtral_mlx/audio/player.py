@@ -56,7 +56,7 @@ _CALLBACK_LOCK_S = 0.02  # longest the audio callback waits for the buffer lock
 # Pre-roll when generation is slower than real time.
 PREROLL_SAFETY = 1.1  # margin on the computed deficit: the speed is an estimate
 UNKNOWN_HORIZON_S = 10.0  # assumed remaining length when the total is unknown ...
-MAX_UNKNOWN_PREROLL_S = 3.0  # ... and the most we make the listener wait for it
+MAX_UNKNOWN_PREROLL_S = 3.0  # ... and the most audio buffered for it before playing
 MAX_BUFFER_S = 60.0  # audio waiting to be played at most: feed() blocks beyond it
 
 
