@@ -358,8 +358,15 @@ def test_no_default_output_device():
 def test_stream_open_and_start_errors():
     sd = FakeSD()
     sd.open_error = "Invalid sample rate"
-    with pytest.raises(AudioOutputError, match=r"Invalid sample rate.*-o FILE"):
+    with pytest.raises(AudioOutputError, match=r"Invalid sample rate.*-o FILE") as e:
         AudioPlayer(SR, sd=sd)
+    # The rate asked for is named (a device fixed at 48 kHz refuses 24 kHz), and the
+    # device's own when it is known.
+    assert f"cannot open audio output at {SR} Hz (Invalid" in str(e.value)
+    sd.devices[1]["default_samplerate"] = 48000.0
+    with pytest.raises(AudioOutputError) as e:
+        AudioPlayer(SR, sd=sd)
+    assert f"at {SR} Hz (the device's own rate is 48000 Hz) (Invalid sample" in str(e.value)
     sd = FakeSD()
     sd.start_error = "Device unavailable"
     p = AudioPlayer(SR, sd=sd, clock=sd.clock)

@@ -111,6 +111,16 @@ def _default_output_index(sd: Any) -> int | None:
     return int(idx) if isinstance(idx, int) and idx >= 0 else None
 
 
+def _device_rate(sd: Any, device: int | None) -> str:
+    """The device's own rate as an error message puts it, or "" if unknown."""
+    try:
+        info = sd.query_devices(kind="output") if device is None else sd.query_devices(device)
+        rate = float(info["default_samplerate"])
+    except Exception:
+        return ""
+    return f" (the device's own rate is {rate:.0f} Hz)" if rate > 0 else ""
+
+
 def _stream_channels(device: int | None, sd: Any) -> int:
     """Channels to open on ``device`` (None: the default output): 2 for a Core Audio device
     with two outputs or more, both then carrying the mono signal, else 1.
@@ -390,8 +400,11 @@ class AudioPlayer:
         try:
             return self._sd.OutputStream(**kwargs)
         except _portaudio_errors(self._sd) as e:
+            rate = ""
+            if "sample rate" in str(e).lower():  # e.g. an ALSA hw: device fixed at 48 kHz
+                rate = f" at {self.sample_rate} Hz{_device_rate(self._sd, self.device)}"
             raise AudioOutputError(
-                f"cannot open audio output ({e}); {_PICK_DEVICE} {_NO_DEVICE_HINT}"
+                f"cannot open audio output{rate} ({e}); {_PICK_DEVICE} {_NO_DEVICE_HINT}"
             ) from e
 
     # -- measurements ---------------------------------------------------------------
