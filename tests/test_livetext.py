@@ -327,6 +327,20 @@ def test_text_given_at_once_is_split_as_split_text_splits_it(text):
     assert got == split_text(text, target_chars=60, max_chars=120)
 
 
+def test_text_after_an_address_is_split_as_split_text_splits_it():
+    """A window cut after an address no longer holds its start: the address's run must end
+    where split_text's does, or the two split the text after it differently."""
+    text = "请访问https://example.com了解详情—" + "谢谢你们.明天见面吧—" * 12
+    lt = live(target_chars=6, max_chars=30)
+    lt.put(text)
+    lt.end()
+    got = []
+    while (seg := lt.take(False)) is not END:
+        got.append(seg)
+    assert got == split_text(text, target_chars=6, max_chars=30)
+    assert "谢谢你们." in [s.text for s in got]
+
+
 def test_a_producer_far_ahead_waits_for_the_speech():
     lt = live(max_buffer_chars=1000)
     done = threading.Event()

@@ -682,6 +682,24 @@ def test_a_url_running_on_into_cjk_after_its_ascii_start_stays_whole() -> None:
     assert segs[-2].text.endswith(" 好.") and segs[-1].text == "的"
 
 
+def test_an_ascii_address_before_cjk_text_keeps_the_sentence_ends_after_it() -> None:
+    """An ASCII host ends where CJK text follows it with no space, and "@" before no
+    domain is a handle: the sentence ends after them split as without them (the guard for
+    addresses that turn CJK took every "." "!" "?" up to the paragraph's end)."""
+    for text, end in (
+        ("请访问https://example.com了解详情.谢谢你的帮助.明天见", "谢谢你的帮助."),
+        ("发邮件到a@b.com了解详情!谢谢你的帮助!明天见", "谢谢你的帮助!"),
+        (
+            "詳しくはhttps://example.comを見てね!また明日!楽しみ",
+            "詳しくはhttps://example.comを見てね!",
+        ),
+        ("ありがとう@田中さん!また明日ね!楽しみ", "ありがとう@田中さん!"),
+    ):
+        segs = split_text(text, target_chars=6, max_chars=30)
+        check_invariants(text, segs, 30)
+        assert end in texts(segs), texts(segs)
+
+
 def test_a_period_after_a_short_number_is_no_sentence_end() -> None:
     # German ordinals and dates; a comma is preferred, a space would do as well
     text = (

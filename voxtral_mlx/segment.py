@@ -476,23 +476,29 @@ def _find_splits(
 
 
 class _Addresses:
-    """Where URLs and e-mail addresses may run: from each ``://``, ``www.`` or ``@`` to the
-    next whitespace or full-width punctuation, as a URL whose host is CJK runs (found once
-    per run: linear in the text)."""
+    """Where URLs and e-mail addresses whose host or path turns CJK may run: from each
+    ``://``, ``www.`` or ``@`` (of an address: a dot in its domain) to the next whitespace
+    or full-width punctuation, or to an ASCII letter or digit followed by CJK text, where
+    an ASCII host ends ("请访问https://example.com了解详情", as :data:`_URL_BODY` ends it).
+    Linear in the text: each run is searched once."""
 
     _START = re.compile(r"://|www\.|@", re.IGNORECASE)
-    _SPACE = re.compile(r"[\s<>\"।॥؟،۔\u3000-\u303f\ufe30-\ufe4f\uff00-\uffef]")
+    _DOMAIN = re.compile(r"@[\w\-]+\.[\w\-]")
+    _END = re.compile(
+        r"[\s<>\"।॥؟،۔\u3000-\u303f\ufe30-\ufe4f\uff00-\uffef]" rf"|[A-Za-z0-9](?=[{_CJK}])"
+    )
 
     def __init__(self, text: str):
         self.starts: list[int] = []
         self.ends: list[int] = []
         end = -1
         for m in self._START.finditer(text):  # a literal search: milliseconds for a book
-            if m.start() < end:
-                continue  # in the run already found
-            space = self._SPACE.search(text, m.end())
-            end = space.start() if space else len(text)
-            self.starts.append(m.start())
+            a = m.start()
+            if a < end or (text[a] == "@" and not self._DOMAIN.match(text, a)):
+                continue  # in the run already found; a handle ("@田中さん"), no address
+            stop = self._END.search(text, m.end())
+            end = len(text) if stop is None else stop.start()
+            self.starts.append(a)
             self.ends.append(end)
 
     def holds(self, at: int) -> bool:
