@@ -340,6 +340,21 @@ def test_piped_text_with_colours_speaks_as_plain_text(model_dir, reference):
     assert np.array_equal(float_to_int16(audio), float_to_int16(reference.audio))
 
 
+def test_nul_bytes_in_followed_text_are_judged_from_the_streams_start():
+    """A read beginning at an odd byte of UTF-16LE looked like UTF-16BE; text decoded
+    already (a stdin of Python objects) is told of NUL characters, not UTF-16 bytes."""
+    from voxtral_mlx.textinput import text_pieces
+
+    reads = iter([b"H", "Hello world".encode("utf-16-le")[1:], b""])
+    with pytest.raises(voxtral_mlx.errors.InputError) as e:
+        list(text_pieces(lambda: next(reads), "stdin"))
+    assert "UTF-16LE without a byte-order mark" in str(e.value)
+    lines = iter(["Hello\x00 world.\n", ""])
+    with pytest.raises(voxtral_mlx.errors.InputError) as e:
+        list(text_pieces(lambda: next(lines), "stdin"))
+    assert "stdin holds NUL characters" in str(e.value)
+
+
 def test_follow_refuses_a_folder_before_the_model_loads(tmp_path):
     """os.open() takes a folder: --follow -f DIR failed at its first read, after the
     model had loaded (minutes for the real one), with no fix named."""
@@ -361,8 +376,20 @@ def test_follow_refuses_a_folder_before_the_model_loads(tmp_path):
         ("Good day, sir.".encode("utf-16-be"), "iconv -f UTF-16BE -t UTF-8"),
         (b"Hello\x00 there.", "which no text has (binary data in it"),
         (b"\x00" * 100, "remove them (e.g. tr -d '\\000')"),
+        (b"Hi\x00", "which no text has (binary data in it"),  # too short to tell
+        (b"ab\x00c", "which no text has (binary data in it"),
+        (b"a\x00b\x00cd\x00\x00ef\x00\x00", "which no text has (binary data in it"),  # both sides
     ],
-    ids=["utf16le", "utf16be", "utf16be-iconv", "stray-nul", "all-nuls"],
+    ids=[
+        "utf16le",
+        "utf16be",
+        "utf16be-iconv",
+        "stray-nul",
+        "all-nuls",
+        "short",
+        "short2",
+        "mixed",
+    ],
 )
 def test_nul_bytes_are_told_apart(raw, words):
     """Every NUL got the advice iconv -f UTF-16LE: wrong for UTF-16BE (garbage out) and

@@ -1101,6 +1101,8 @@ def test_speak_closes_the_audio_output_it_opened_early_on_bad_input(
     opened = []
 
     class Player:
+        sample_rate = 24000
+
         def __init__(self, *args, **kwargs):
             self.stopped = False
             opened.append(self)

@@ -84,6 +84,7 @@ class AheadPlayer:
     with seconds buffered (after its first chunk); records what it is fed."""
 
     instances: ClassVar[list[AheadPlayer]] = []
+    sample_rate = 24000
 
     def __init__(self, *args, **kwargs):
         self.fed: list[np.ndarray] = []

@@ -429,6 +429,8 @@ def test_speak_feeds_a_live_segments_empty_last_chunk_to_the_player(monkeypatch,
     feeds: list[tuple[int, float | None]] = []
 
     class Player:
+        sample_rate = 24000
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             pass
 

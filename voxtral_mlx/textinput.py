@@ -25,6 +25,10 @@ _NUL_SAMPLE = 4096  # bytes looked at to tell UTF-16 from binary data
 _WIDE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
 
+class EmptyTextError(InputError):
+    """The text file or stdin held nothing at all."""
+
+
 def read_text(file: str | None, words: Sequence[str]) -> str:
     """The whole text: of ``-f FILE`` (``-``: stdin), else the words given as arguments,
     else stdin when it is not a terminal."""
@@ -38,7 +42,7 @@ def read_text(file: str | None, words: Sequence[str]) -> str:
                 raw = f.read(MAX_TEXT_BYTES + 1)
             _check_size(raw, what)
             if not raw:
-                raise InputError(f"{what} is empty: give a file with some text to speak")
+                raise EmptyTextError(f"{what} is empty: give a file with some text to speak")
             return without_terminal_codes(decode_text(raw, what))
         except UnicodeDecodeError as e:
             raise _not_text(what, e) from None
@@ -109,6 +113,7 @@ def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
     held = ""  # a piece's final "\r": the next piece may start with its "\n"
     codes = TerminalCodes()
     first = True
+    consumed = 0  # bytes of the stream before ``data``
     failure: InputError | None = None
     while failure is None:
         try:
@@ -137,9 +142,14 @@ def text_pieces(read: Callable[[], bytes | str], what: str) -> Iterator[str]:
                     text = text.removeprefix("\ufeff")
         first = False
         if "\x00" in text:  # as bytes that are not text: what came before it is spoken
-            raw = data if isinstance(data, bytes) else b""
-            failure = _nul_error(what, wide=head.startswith(_WIDE_BOMS), raw=raw)
+            if isinstance(data, str):  # decoded already: NUL characters, not bytes
+                failure = _nul_error(what, wide=True)
+            else:  # parity counted from the stream's start: a read may begin at an odd byte
+                failure = _nul_error(
+                    what, wide=head.startswith(_WIDE_BOMS), raw=data, offset=consumed
+                )
             text, end = text[: text.index("\x00")], True
+        consumed += len(data)
         text = held + text
         held = "\r" if not end and text.endswith("\r") else ""
         text = codes.remove(_one_newline(text[: len(text) - len(held)]), end)
@@ -181,10 +191,10 @@ def _file_error(path: str, error: OSError) -> InputError:
     )
 
 
-def _nul_error(what: str, wide: bool = False, raw: bytes = b"") -> InputError:
-    """The error for NULs in text; ``raw``: the bytes they came in, which tell UTF-16
-    without a byte-order mark (a NUL in most pairs of bytes, on the side of its byte
-    order) from a stray NUL."""
+def _nul_error(what: str, wide: bool = False, raw: bytes = b"", offset: int = 0) -> InputError:
+    """The error for NULs in text; ``raw``: the bytes they came in (from ``offset`` in the
+    stream), which tell UTF-16 without a byte-order mark (a NUL in most pairs of bytes,
+    all on the side of its byte order) from stray NULs."""
     if wide:  # read as UTF-16 or UTF-32 by its byte-order mark: NUL characters, not bytes
         return InputError(
             f"{what} holds NUL characters, which no text has (binary data in it?): remove "
@@ -192,8 +202,13 @@ def _nul_error(what: str, wide: bool = False, raw: bytes = b"") -> InputError:
         )
     sample = raw[:_NUL_SAMPLE]
     nuls = sample.count(0)
-    if len(sample) <= 4 * nuls <= 3 * len(sample):  # neither a stray NUL nor all NULs
-        order = "LE" if 2 * sample[1::2].count(0) > nuls else "BE"  # "H\0" is LE's "H"
+    odd = sample[1 - offset % 2 :: 2].count(0)  # at odd offsets in the stream
+    # Neither stray NULs nor all NULs, and on one side: "H\0" is UTF-16LE's "H".
+    if len(sample) >= 8 and len(sample) <= 4 * nuls <= 3 * len(sample):
+        order = "LE" if odd >= 0.9 * nuls else "BE" if odd <= 0.1 * nuls else None
+    else:
+        order = None
+    if order is not None:
         return InputError(
             f"{what} holds NUL bytes: it looks like UTF-16{order} without a byte-order "
             f"mark; convert it to UTF-8 first (e.g. iconv -f UTF-16{order} -t UTF-8)"
@@ -267,7 +282,7 @@ def _read_stdin() -> str:
         raise InputError(f"cannot read stdin: {e.strerror}") from None
     _check_size(raw, "stdin")
     if not raw:
-        raise InputError("stdin is empty: pipe some text, or pass it as arguments or -f FILE")
+        raise EmptyTextError("stdin is empty: pipe some text, or pass it as arguments or -f FILE")
     if isinstance(raw, str):  # a text-only stdin (embedded use) is decoded already
         if "\x00" in raw:
             raise _nul_error("stdin", wide=True)

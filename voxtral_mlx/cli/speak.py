@@ -15,7 +15,7 @@ from ..audio.horizon import PlaybackHorizon, plays
 from ..errors import AudioDeviceError, AudioOutputError, AudioStoppedError, InputError, VoxtralError
 from ..fileio import one_line
 from ..interrupts import held_after, hold_from_now, signals_held, terminable
-from ..textinput import read_text, reads_stdin, text_pieces, text_source
+from ..textinput import EmptyTextError, read_text, reads_stdin, text_pieces, text_source
 from .listing import print_devices, print_voices
 from .loading import check_dtype, load_model
 from .output import PROG, info, to_stderr
@@ -128,7 +128,10 @@ def cmd_speak(args: argparse.Namespace) -> int:
         source, source_name = text_source(args.file, args.text)
         text: Any = text_pieces(source, source_name)
     else:
-        text = read_text(args.file, args.text)
+        try:
+            text = read_text(args.file, args.text)
+        except EmptyTextError as e:  # stdin read as "-v is cool" went to the option -v
+            raise InputError(f"{e}{_text_as_option_hint(args)}") from None
         from ..segment import EMPTY_TEXT, is_blank
 
         if is_blank(text):
