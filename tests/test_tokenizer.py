@@ -667,7 +667,9 @@ def test_error_malformed_fields(tmp_path, changes, needle):
     message = _load_error(path, tmp_path)
     assert needle in message
     # every one names the fix (the byte-token one did not: its ";" passed for a fix)
-    assert message.endswith(("restore tekken.json from the model's download", "tekken.json"))
+    assert message.endswith(
+        ("restore tekken.json from the model's download", "re-download tekken.json")
+    )
 
 
 def test_error_bad_vocab_entries(tmp_path):

@@ -184,6 +184,11 @@ class _Job:
     spec: QuantSpec | None
     outputs: list[TensorSpec] = field(default_factory=list)
 
+    @property
+    def shown(self) -> str:
+        """Its name in its file, for a message (header text: made printable)."""
+        return one_line(self.ref.key, 80)
+
 
 @dataclass(frozen=True)
 class ConvertResult:
@@ -352,7 +357,7 @@ def _blocks(job: _Job, chunk_bytes: int, fd: int) -> Iterator[mx.array]:
         raw = os.pread(fd, (r1 - r0) * row_bytes, offset)
         if len(raw) != (r1 - r0) * row_bytes:
             raise CheckpointError(
-                f"{job.ref.path} is truncated at tensor '{job.ref.key}': re-download it"
+                f"{job.ref.path} is truncated at tensor '{job.shown}': re-download it"
             )
         values = np.frombuffer(raw, dtype=_NP_DTYPES[info.dtype]).reshape((r1 - r0, *shape[1:]))
         block = mx.array(values.astype(np.float32) if info.dtype == "F64" else values)
@@ -406,7 +411,7 @@ def _check_finite(job: _Job, source: mx.array) -> None:
 
 def _not_finite(job: _Job) -> CheckpointError:
     return CheckpointError(
-        f"{job.ref.path}: tensor '{job.ref.key}' holds NaN or infinite values: the "
+        f"{job.ref.path}: tensor '{job.shown}' holds NaN or infinite values: the "
         "checkpoint is damaged; re-download it"
     )
 
@@ -416,7 +421,7 @@ def _check_float16_range(job: _Job, source: mx.array, block: mx.array) -> None:
     if mx.any(mx.isinf(block) & mx.isfinite(source)).item():
         largest = mx.max(mx.where(mx.isfinite(source), mx.abs(source), 0)).item()
         raise InputError(
-            f"{job.ref.path}: tensor '{job.ref.key}' holds values beyond float16's range "
+            f"{job.ref.path}: tensor '{job.shown}' holds values beyond float16's range "
             f"(up to {largest:.4g}; float16 ends at 65504): convert with --dtype bfloat16 "
             "or float32"
         )
@@ -440,7 +445,7 @@ def _raw_copy(job: _Job, chunk_bytes: int) -> Iterator[bytes]:
             piece = os.pread(fd, min(chunk_bytes, total - done), start + done)
             if not piece or len(piece) % item:
                 raise CheckpointError(
-                    f"{job.ref.path} is truncated at tensor '{job.ref.key}': re-download it"
+                    f"{job.ref.path} is truncated at tensor '{job.shown}': re-download it"
                 )
             if not _all_finite(piece, info.dtype):
                 raise _not_finite(job)
