@@ -659,35 +659,33 @@ def test_a_url_with_a_cjk_host_stays_whole() -> None:
             assert any(url in s.text for s in segs), (target, texts(segs))
 
 
-def test_a_url_running_on_into_cjk_after_its_ascii_start_stays_whole() -> None:
-    """A "." "!" or "?" between two CJK characters is a sentence end, except in a URL whose
-    host or path turns CJK after "https://www." or "example.com/": it was cut there."""
+def test_a_url_with_a_cjk_host_after_www_stays_whole() -> None:
+    """A "." between CJK characters is a sentence end, except in a URL whose CJK host
+    follows "www." ("https://www.例子.中国"): it was cut there. (A CJK path after an ASCII
+    host, "example.com/文件.中文", is not told from a sentence after a URL: it may be cut.)"""
     for text, url in (
         ("Besuchen Sie https://www.例子.中国 für Details.", "https://www.例子.中国"),
         ("请访问 www.例子.中国 了解详情。", "www.例子.中国"),
-        ("下载 https://example.com/文件.中文 就好了。", "https://example.com/文件.中文"),
-        ("下载 https://example.com/下载?名字=张三!李四 就好了。", "名字=张三!李四"),
+        ("请访问 http://www.例子.公司/页面 了解详情。", "http://www.例子.公司/页面"),
         ("写信给张三@例子.中国。好的", "张三@例子.中国"),
     ):
         for target in range(3, 20):
             segs = split_text(text, target_chars=target, max_chars=40)
             check_invariants(text, segs, 40)
             assert any(url in s.text for s in segs), (target, texts(segs))
-    # Its end (full-width punctuation, a space) ends that: later sentences split as ever.
-    text = "请访问https://example.com了解详情。明天.见 下载 www.例子.中国 好.的"
-    segs = split_text(text, target_chars=3, max_chars=40)
-    check_invariants(text, segs, 40)
-    ends = [s.text[-3:] for s in segs]
-    assert "详情。" in ends and "明天." in ends
-    assert segs[-2].text.endswith(" 好.") and segs[-1].text == "的"
 
 
 def test_an_ascii_address_before_cjk_text_keeps_the_sentence_ends_after_it() -> None:
-    """An ASCII host ends where CJK text follows it with no space, and "@" before no
-    domain is a handle: the sentence ends after them split as without them (the guard for
-    addresses that turn CJK took every "." "!" "?" up to the paragraph's end)."""
+    """An ASCII host ends where CJK text follows it, and "www" after a word is laughter:
+    the sentence ends after them split as without them (a guard for URLs that turn CJK,
+    tried and dropped, took every "." "!" "?" up to the paragraph's end)."""
     for text, end in (
         ("请访问https://example.com了解详情.谢谢你的帮助.明天见", "谢谢你的帮助."),
+        ("请访问https://example.com.谢谢你的帮助.明天见面吧", "谢谢你的帮助."),
+        ("请访问https://example.com!谢谢你的帮助!明天见面吧", "谢谢你的帮助!"),
+        ("请访问(https://example.com)了解详情.谢谢你的帮助.明天见面吧", "谢谢你的帮助."),
+        ("请访问www.example.com.谢谢你的帮助.明天见面吧", "谢谢你的帮助."),
+        ("それは面白いwww.また明日ね.楽しみです", "また明日ね."),
         ("发邮件到a@b.com了解详情!谢谢你的帮助!明天见", "谢谢你的帮助!"),
         (
             "詳しくはhttps://example.comを見てね!また明日!楽しみ",
@@ -697,7 +695,7 @@ def test_an_ascii_address_before_cjk_text_keeps_the_sentence_ends_after_it() -> 
     ):
         segs = split_text(text, target_chars=6, max_chars=30)
         check_invariants(text, segs, 30)
-        assert end in texts(segs), texts(segs)
+        assert any(t.endswith(end) for t in texts(segs)), texts(segs)
 
 
 def test_a_period_after_a_short_number_is_no_sentence_end() -> None:

@@ -137,8 +137,13 @@ _SPACED_NUMBER = r"(?<![\w.,+])\+?" + _DIGIT_GROUP + r"(?: " + _DIGIT_GROUP + r"
 _PROTECTED = re.compile(
     "|".join(
         [
-            r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://(?:" + _IDN_URL_BODY + "|" + _URL_BODY + ")",
-            r"(?<![\w.])www\." + _URL_BODY,
+            # A host written in CJK may follow "www." too ("https://www.例子.中国").
+            r"(?<![a-z0-9+.\-])[a-z][a-z0-9+.\-]*://(?:www\.)?(?:"
+            + _IDN_URL_BODY
+            + "|"
+            + _URL_BODY
+            + ")",
+            r"(?<![\w.])www\.(?:" + _IDN_URL_BODY + "|" + _URL_BODY + ")",
             r"(?<![\w.+\-])[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)+",
             # a number and its percent or currency sign, spaced as French and German write
             # them: "3,5 %", "5 €", "€ 5", "R$ 1.500,00", "1 000 €"
@@ -451,16 +456,11 @@ def _find_splits(
     paragraphs.append((start, len(text.rstrip())))
 
     glued = _Splits()  # CJK punctuation, dashes: no space needed
-    addresses: _Addresses | None = None
     for m in _scan(_NO_SPACE_BREAK, text, check=check):
         check()
         a, q = m.span()
         if a == 0 or text[a - 1].isspace():
             continue
-        if text[a] in ".!?":  # between CJK characters: in a URL too ("https://www.例子.中国")
-            addresses = addresses or _Addresses(text)
-            if addresses.holds(a):
-                continue
         while q < n and (text[q] in _CLOSERS or _is_symbol(text[q])):
             q += 1  # "太好了！😀明天见": the emoji stays with the sentence it follows
         if q < n and not text[q].isspace():
@@ -473,37 +473,6 @@ def _find_splits(
         if not forbid[e] and _cuttable(text, s):
             allowed.add(e, s, kind)
     return paragraphs, allowed, forbid
-
-
-class _Addresses:
-    """Where URLs and e-mail addresses whose host or path turns CJK may run: from each
-    ``://``, ``www.`` or ``@`` (of an address: a dot in its domain) to the next whitespace
-    or full-width punctuation, or to an ASCII letter or digit followed by CJK text, where
-    an ASCII host ends ("请访问https://example.com了解详情", as :data:`_URL_BODY` ends it).
-    Linear in the text: each run is searched once."""
-
-    _START = re.compile(r"://|www\.|@", re.IGNORECASE)
-    _DOMAIN = re.compile(r"@[\w\-]+\.[\w\-]")
-    _END = re.compile(
-        r"[\s<>\"।॥؟،۔\u3000-\u303f\ufe30-\ufe4f\uff00-\uffef]" rf"|[A-Za-z0-9](?=[{_CJK}])"
-    )
-
-    def __init__(self, text: str):
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-        end = -1
-        for m in self._START.finditer(text):  # a literal search: milliseconds for a book
-            a = m.start()
-            if a < end or (text[a] == "@" and not self._DOMAIN.match(text, a)):
-                continue  # in the run already found; a handle ("@田中さん"), no address
-            stop = self._END.search(text, m.end())
-            end = len(text) if stop is None else stop.start()
-            self.starts.append(a)
-            self.ends.append(end)
-
-    def holds(self, at: int) -> bool:
-        i = bisect_right(self.starts, at) - 1
-        return i >= 0 and at < self.ends[i]
 
 
 def _line_breaks(run: str) -> int:
