@@ -726,11 +726,15 @@ def test_no_output_device_is_a_one_line_error(model_dir, tmp_path):
     assert not out.exists()
 
 
-# A device that plays whatever it is given at once, logging the rate each stream opens at.
-_RATE_LOGGING_DEVICE = """
+# A device with one output. It plays ``BLOCKS`` callbacks' worth, then goes away (unplugged
+# headphones), or with BLOCKS None whatever it is given until stopped; ``LOG``, when set,
+# gets the rate each stream opens at.
+_FAKE_OUTPUT_DEVICE = """
+import itertools
 import threading
 import numpy as np
 
+BLOCKS = {blocks}
 LOG = {log!r}
 
 
@@ -749,12 +753,15 @@ class OutputStream:
     def __init__(self, callback, finished_callback, blocksize, samplerate, **kwargs):
         self.callback, self.finished, self.blocksize = callback, finished_callback, blocksize
         self.stopped = threading.Event()
-        with open(LOG, "a") as f:
-            f.write(f"{{samplerate}}\\n")
+        if LOG is not None:
+            with open(LOG, "a") as f:
+                f.write(f"{{samplerate}}\\n")
 
     def start(self):
         def run():
-            while not self.stopped.wait(0.001):
+            for _ in itertools.count() if BLOCKS is None else range(BLOCKS):
+                if self.stopped.wait(0.001):
+                    break
                 self.callback(np.zeros((self.blocksize, 1), np.float32), self.blocksize, None, 0)
             self.finished()
 
@@ -780,55 +787,16 @@ def test_speak_plays_at_the_models_sample_rate(model_dir, tmp_path):
     params["multimodal"]["audio_tokenizer_args"]["sampling_rate"] = 16000
     (model / "params.json").write_text(json.dumps(params))
     log = tmp_path / "rates.log"
-    env = _fake_sounddevice(tmp_path, _RATE_LOGGING_DEVICE.format(log=str(log)))
+    env = _fake_sounddevice(tmp_path, _FAKE_OUTPUT_DEVICE.format(blocks=None, log=str(log)))
     proc = run("speak", "-m", str(model), "--max-frames", "3", "-q", "Hi.", env=env)
     assert proc.returncode == 0, proc.stderr.decode()
     rates = log.read_text().split()
     assert rates and rates[-1] == "16000", rates
 
 
-# A device that plays ``BLOCKS`` callbacks' worth, then goes away (unplugged headphones).
-_VANISHING_DEVICE = """
-import threading
-import numpy as np
-
-BLOCKS = {blocks}
-
-
-class PortAudioError(Exception):
-    pass
-
-
-def query_devices(device=None, kind=None):
-    dev = {{"name": "Headphones", "index": 0, "max_input_channels": 0, "max_output_channels": 2}}
-    return dev if kind == "output" else [dev]
-
-
-class OutputStream:
-    latency = 0.01
-
-    def __init__(self, callback, finished_callback, blocksize, **kwargs):
-        self.callback, self.finished, self.blocksize = callback, finished_callback, blocksize
-
-    def start(self):
-        def run():
-            for _ in range(BLOCKS):
-                self.callback(np.zeros((self.blocksize, 1), np.float32), self.blocksize, None, 0)
-            self.finished()
-
-        threading.Thread(target=run, daemon=True).start()
-
-    def abort(self):
-        pass
-
-    def close(self):
-        pass
-"""
-
-
 def test_a_device_lost_while_playing_keeps_the_file_being_written(endless_model_dir, tmp_path):
     # The file beside the playback is the user's: a vanished device must not delete it.
-    env = _fake_sounddevice(tmp_path, _VANISHING_DEVICE.format(blocks=2))
+    env = _fake_sounddevice(tmp_path, _FAKE_OUTPUT_DEVICE.format(blocks=2, log=None))
     out = tmp_path / "both.wav"
     proc = run(
         "speak", "-m", str(endless_model_dir), "--max-frames", "30", "--no-split",

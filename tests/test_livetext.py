@@ -315,15 +315,21 @@ def test_segments_of_text_in_any_pieces_rebuild_it(case, sizes):
     assert re.sub(r"\s", "", "".join(s.text for s in segments)) == re.sub(r"\s", "", text)
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.text(min_size=1, max_size=600))
-def test_text_given_at_once_is_split_as_split_text_splits_it(text):
-    lt = live(target_chars=60, max_chars=120)
+def _given_at_once(text: str, **sizes) -> list:
+    """The segments LiveText makes of ``text`` put whole, then ended."""
+    lt = live(**sizes)
     lt.put(text)
     lt.end()
     got = []
     while (seg := lt.take(False)) is not END:
         got.append(seg)
+    return got
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=1, max_size=600))
+def test_text_given_at_once_is_split_as_split_text_splits_it(text):
+    got = _given_at_once(text, target_chars=60, max_chars=120)
     assert got == split_text(text, target_chars=60, max_chars=120)
 
 
@@ -331,12 +337,7 @@ def test_text_after_an_address_is_split_as_split_text_splits_it():
     """A window cut after an address no longer holds its start: the address's run must end
     where split_text's does, or the two split the text after it differently."""
     text = "请访问https://example.com了解详情—" + "谢谢你们.明天见面吧—" * 12
-    lt = live(target_chars=6, max_chars=30)
-    lt.put(text)
-    lt.end()
-    got = []
-    while (seg := lt.take(False)) is not END:
-        got.append(seg)
+    got = _given_at_once(text, target_chars=6, max_chars=30)
     assert got == split_text(text, target_chars=6, max_chars=30)
     assert "谢谢你们." in [s.text for s in got]
 
