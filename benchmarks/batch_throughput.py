@@ -38,6 +38,7 @@ CONFIGS = TINY_WIDE_FULL
 
 def main(argv: list[str] | None = None) -> int:
     import voxtral_mlx
+    from voxtral_mlx.fileio import dtype_name
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="wide", help=f"{sorted(CONFIGS)} or a directory")
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve(args.config, CONFIGS, args.dtype or "bfloat16")
     voice = pick_voice(path)
     tts = voxtral_mlx.load(path, dtype=args.dtype)
-    dtype = str(tts.dtype).removeprefix("mlx.core.")
+    dtype = dtype_name(tts.dtype)
     print(f"{label(args.config)}: {dtype} compute", flush=True)
     suppress_end(tts)
     kwargs = {"seed": 1, "split": True, "max_chars": 80, "max_frames": args.frames, "pause": 0.0}

@@ -35,6 +35,11 @@ def one_line(text: str, limit: int = 160) -> str:
 MAX_JSON_BYTES = 64 << 20  # params.json, config.json, an index: kilobytes in any release
 
 
+def dtype_name(dtype: object) -> str:
+    """An MLX dtype as messages name it: ``float16``, not its repr ``mlx.core.float16``."""
+    return str(dtype).removeprefix("mlx.core.")
+
+
 def unreadable_fix(error: OSError, fix: str) -> str:
     """``fix`` for a file that could not be read, unless the error is a permission one:
     a new copy would not help, letting this user read it does."""

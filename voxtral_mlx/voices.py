@@ -30,6 +30,7 @@ from .errors import CheckpointError, InputError, VoiceError
 from .fileio import (
     atomic_write,
     close_quietly,
+    dtype_name,
     one_line,
     open_locked,
     owned_name,
@@ -348,8 +349,8 @@ class VoiceRegistry(Mapping[str, Voice]):
                 if not mx.all(mx.isfinite(result)).item():  # e.g. 1e5 in a float16 model
                     raise VoiceError(
                         f"voice {name!r} ({one_line(str(voice.path))}) holds values beyond the "
-                        f"range of {str(dtype).removeprefix('mlx.core.')}; load the model in "
-                        "float32 or bfloat16 instead"
+                        f"range of {dtype_name(dtype)}; load the model in float32 or "
+                        "bfloat16 instead"
                     )
             self._cache[(name, dtype)] = result
             return result
@@ -396,8 +397,8 @@ class VoiceRegistry(Mapping[str, Voice]):
             )
         if not mx.issubdtype(array.dtype, mx.floating):
             raise VoiceError(
-                f"voice {voice.name!r} ({src}) holds "
-                f"{str(array.dtype).removeprefix('mlx.core.')} values, not floats; {fix}"
+                f"voice {voice.name!r} ({src}) holds {dtype_name(array.dtype)} values, not "
+                f"floats; {fix}"
             )
         if rows < 1:
             raise VoiceError(f"voice {voice.name!r} ({src}) has no rows; {fix}")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ConfigError, InputError
-from ..fileio import one_line
+from ..fileio import dtype_name, one_line
 from ..interrupts import signals_held
 from .output import PROG, info, to_stderr
 from .waiting import interruptibly
@@ -155,5 +155,5 @@ def weights_summary(tts) -> str:
         kind = f"{spec.bits}-bit" if spec.mode == "affine" else spec.mode
         bits[kind] = bits.get(kind, 0) + 1
     quant = ", ".join(f"{n} layer{'s' * (n != 1)} {kind}" for kind, n in sorted(bits.items()))
-    dtype = str(tts.dtype).removeprefix("mlx.core.")
+    dtype = dtype_name(tts.dtype)
     return f"{tts.layout} layout ({shown}), {quant + ', ' if quant else ''}{dtype} compute"

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..config import N_SPECIAL_AUDIO_CODES, CodecArgs
 from ..errors import InputError
+from ..fileio import dtype_name
 from .codec_layers import (
     CausalConv1d,
     CausalConvTranspose1d,
@@ -337,8 +338,7 @@ class CodecDecoder(nn.Module):
                 f"use new_state(batch={codes.shape[0]})"
             )
         if not mx.issubdtype(codes.dtype, mx.integer):
-            got = str(codes.dtype).removeprefix("mlx.core.")
-            raise InputError(f"codec codes must be integers, got {got}")
+            raise InputError(f"codec codes must be integers, got {dtype_name(codes.dtype)}")
         return codes
 
     # -- one-shot -----------------------------------------------------------------------
