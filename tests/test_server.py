@@ -733,6 +733,40 @@ def test_server_errors_are_json_without_details():
         assert tc.get("/health").json()["requests"] == 0
 
 
+def test_a_request_whose_stream_cannot_be_opened_counts_as_failed():
+    """The model refusing a request when its stream is opened (a voice file damaged since
+    start-up, say) frees the request's slot and shows in /health's failed count, as a
+    failure while generating does."""
+    from starlette.testclient import TestClient
+
+    from voxtral_mlx.errors import CheckpointError
+    from voxtral_mlx.server import ServerConfig, create_app
+
+    def refusing_astream(*args, **kwargs):
+        raise CheckpointError("/srv/voices/casual_male.pt: damaged since start-up")
+
+    class Voices(dict):
+        broken: ClassVar[dict] = {}
+
+    fake = SimpleNamespace(
+        voices=Voices(casual_male=SimpleNamespace(language="en")),
+        default_voice="casual_male",
+        load_voice=lambda name: name,
+        sample_rate=SR,
+        astream=refusing_astream,
+        engine=SimpleNamespace(
+            max_batch=4, stats=lambda: {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}
+        ),
+    )
+    app = create_app(fake, ServerConfig())
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        r = tc.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
+        error = _assert_openai_error(r, 500)
+        assert "/srv" not in error["message"]
+        health = tc.get("/health").json()
+        assert health["requests"] == 0 and health["failed"] == 1
+
+
 class _Reduce:
     def __init__(self, func, *args):
         self.func, self.args = func, args

@@ -236,6 +236,7 @@ class SpeechAPI:
         try:
             return await asyncio.to_thread(open_stream)
         except VoxtralError as e:
+            self.counters.failed += 1  # as when the stream fails later
             raise request_failed(e) from None
 
     async def _respond(self, req: SpeechRequest) -> Response:
