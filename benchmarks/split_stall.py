@@ -1,7 +1,7 @@
 """How long splitting a long text holds the GIL: the longest gap of a thread ticking every
 millisecond beside ``split_text``, for texts with and without whitespace.
 
-Usage: python benchmarks/split_stall.py [--repeat N] [--mb M]
+Usage: python benchmarks/split_stall.py [--repeat N] [--mb M] [--no-record]
 
 An app's event loop or UI thread waits for whatever one C call of the splitter holds; the
 split itself takes about a second per MB either way.
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
+
+from common import command_line, record, show_row
 
 from voxtral_mlx.segment import split_text
 
@@ -51,20 +54,29 @@ def stall(text: str) -> tuple[float, float]:
     return took, max(gaps)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--mb", type=float, default=3.0, help="size of each text (default 3)")
-    args = parser.parse_args()
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args(argv)
     if args.repeat < 1 or args.mb <= 0:
         parser.error("--repeat must be at least 1 and --mb positive")
+    rows = [("text", "characters", "split ms", "longest stall ms")]
     for name, text in texts(args.mb).items():
         runs = [stall(text) for _ in range(args.repeat)]
         took = statistics.median(r[0] for r in runs)
         longest = statistics.median(r[1] for r in runs)
-        print(
-            f"{name:24s} {len(text):>9,} chars: split {took * 1e3:6.0f} ms, "
-            f"longest stall {longest * 1e3:5.0f} ms (medians of {args.repeat})"
+        rows.append((name, f"{len(text):,}", f"{took * 1e3:.0f}", f"{longest * 1e3:.0f}"))
+        show_row(rows)
+    if not args.no_record:
+        record(
+            "Splitting a long text: how long the GIL is held",
+            command_line(__file__, sys.argv[1:] if argv is None else argv),
+            rows,
+            notes="Longest stall: the longest gap of a thread ticking every millisecond "
+            "beside `split_text` (what an app's event loop or UI thread would wait).",
+            runs=args.repeat,
         )
 
 
