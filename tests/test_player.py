@@ -416,6 +416,50 @@ def test_portaudio_failing_to_start_at_import_is_one_line_error(tmp_path, monkey
     assert "ALSA" in message and "-o FILE" in message and "\n" not in message
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ALSA is Linux's")
+@pytest.mark.parametrize("named", ["missing", "empty", "a folder", "two, neither usable"])
+def test_alsa_config_path_naming_no_configuration_is_one_line_error(tmp_path, named):
+    """libasound with ALSA_CONFIG_PATH naming no configuration made PortAudio's start at
+    import abort the process (SIGABRT, nothing said)."""
+    (tmp_path / "empty.conf").write_text("")
+    value = {
+        "missing": str(tmp_path / "no-such.conf"),
+        "empty": str(tmp_path / "empty.conf"),
+        "a folder": str(tmp_path),
+        "two, neither usable": f"{tmp_path / 'empty.conf'}:{tmp_path / 'no-such.conf'}",
+    }[named]
+    env = {**os.environ, "ALSA_CONFIG_PATH": value, "JACK_NO_START_SERVER": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    script = (
+        "from voxtral_mlx.audio.player import import_sounddevice\n"
+        "from voxtral_mlx.errors import AudioOutputError\n"
+        "try:\n    import_sounddevice()\nexcept AudioOutputError as e:\n"
+        "    print(e)\n    raise SystemExit(3)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
+    message = proc.stdout.strip()
+    assert "\n" not in message and f"ALSA_CONFIG_PATH={value!r}" in message
+    assert "unset it" in message and "-o FILE" in message
+
+
+def test_alsa_config_path_with_one_usable_file_is_left_to_alsa(tmp_path, monkeypatch):
+    """A missing file beside a usable one is skipped by libasound: no error for it."""
+    from voxtral_mlx.audio.player import _check_alsa_config_path
+
+    conf = tmp_path / "asoundrc"
+    conf.write_text(ALSA_TEMPLATE.read_text())
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delitem(sys.modules, "sounddevice", raising=False)
+    monkeypatch.setenv("ALSA_CONFIG_PATH", f"{tmp_path / 'no-such.conf'}:{conf}")
+    _check_alsa_config_path()
+    monkeypatch.setenv("ALSA_CONFIG_PATH", str(tmp_path / "no-such.conf"))
+    with pytest.raises(AudioOutputError, match="names no ALSA configuration file"):
+        _check_alsa_config_path()
+
+
 def test_missing_portaudio_is_one_line_error(tmp_path, monkeypatch):
     # sounddevice raises OSError at import when libportaudio cannot be found.
     (tmp_path / "sounddevice.py").write_text("raise OSError('PortAudio library not found')\n")

@@ -24,7 +24,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import os
 import re
+import sys
 import threading
 import time
 import weakref
@@ -66,8 +68,32 @@ _PORTAUDIO_LOCK = threading.RLock()
 _PLAYERS: weakref.WeakSet[AudioPlayer] = weakref.WeakSet()
 
 
+def _check_alsa_config_path() -> None:
+    """On Linux, ALSA_CONFIG_PATH replaces ALSA's own configuration: when none of the files
+    it names exists with something in it, PortAudio's start at import aborts the whole
+    process (SIGABRT, no message). Say so instead. (Files that exist but define no PCM
+    device abort it too; telling those apart would mean parsing ALSA's syntax.)"""
+    value = os.environ.get("ALSA_CONFIG_PATH")
+    if not sys.platform.startswith("linux") or not value or "sounddevice" in sys.modules:
+        return
+    named = [p for p in value.split(":") if p]
+    for path in named:
+        try:
+            if os.path.isfile(path) and os.path.getsize(path) > 0:
+                return
+        except OSError:
+            continue
+    shown = one_line(repr(value), 400)
+    raise AudioOutputError(
+        f"ALSA_CONFIG_PATH={shown} names no ALSA configuration file with anything in it, "
+        "and PortAudio would abort on it: point it at a configuration that defines a PCM "
+        f"device or unset it (ALSA then reads the system's), {_NO_DEVICE_HINT}"
+    )
+
+
 def import_sounddevice() -> ModuleType:
     """Import sounddevice, turning a missing PortAudio into a one-line AudioOutputError."""
+    _check_alsa_config_path()
     try:
         import sounddevice
     except OSError as e:  # sounddevice raises OSError when libportaudio cannot be loaded
