@@ -733,17 +733,30 @@ def test_server_errors_are_json_without_details():
         assert tc.get("/health").json()["requests"] == 0
 
 
-def test_a_request_whose_stream_cannot_be_opened_counts_as_failed():
+def test_a_request_whose_stream_cannot_be_opened_or_set_up_counts_as_failed(monkeypatch):
     """The model refusing a request when its stream is opened (a voice file damaged since
-    start-up, say) frees the request's slot and shows in /health's failed count, as a
-    failure while generating does."""
+    start-up, say), or its encoder failing to start, frees the request's slot and shows in
+    /health's failed count, as a failure while generating does; an opened stream is
+    cancelled."""
     from starlette.testclient import TestClient
 
     from voxtral_mlx.errors import CheckpointError
     from voxtral_mlx.server import ServerConfig, create_app
+    from voxtral_mlx.server import app as app_module
+
+    opened = []
 
     def refusing_astream(*args, **kwargs):
-        raise CheckpointError("/srv/voices/casual_male.pt: damaged since start-up")
+        if not opened:
+            opened.append(None)
+            raise CheckpointError("/srv/voices/casual_male.pt: damaged since start-up")
+        stream = SimpleNamespace(cancelled=False)
+        stream.cancel = lambda: setattr(stream, "cancelled", True)
+        opened.append(stream)
+        return stream
+
+    def failing_encoder(*args, **kwargs):
+        raise RuntimeError("the encoder's library went missing")
 
     class Voices(dict):
         broken: ClassVar[dict] = {}
@@ -765,6 +778,12 @@ def test_a_request_whose_stream_cannot_be_opened_counts_as_failed():
         assert "/srv" not in error["message"]
         health = tc.get("/health").json()
         assert health["requests"] == 0 and health["failed"] == 1
+        monkeypatch.setattr(app_module, "make_encoder", failing_encoder)
+        r = tc.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
+        assert r.status_code == 500 and "went missing" not in r.text
+        assert len(opened) == 2 and opened[1].cancelled
+        health = tc.get("/health").json()
+        assert health["requests"] == 0 and health["failed"] == 2
 
 
 class _Reduce:

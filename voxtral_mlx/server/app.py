@@ -211,6 +211,10 @@ class SpeechAPI:
         c.in_progress += 1
         try:
             return await self._respond(req)
+        except Exception:  # its stream could not be opened or set up: as if it failed later
+            c.in_progress -= 1
+            c.failed += 1
+            raise
         except BaseException:
             c.in_progress -= 1
             raise
@@ -236,17 +240,20 @@ class SpeechAPI:
         try:
             return await asyncio.to_thread(open_stream)
         except VoxtralError as e:
-            self.counters.failed += 1  # as when the stream fails later
             raise request_failed(e) from None
 
     async def _respond(self, req: SpeechRequest) -> Response:
         fmt = FORMATS[req.response_format]
         chunk_frames = 1 if fmt.streams else SYNTH_CHUNK_FRAMES
         stream, input_tokens = await self._open(req, chunk_frames)
-        encoder = make_encoder(fmt.name, self.tts.sample_rate)
-        stretcher = None
-        if req.speed != 1.0:
-            stretcher = TimeStretcher(req.speed, self.tts.sample_rate)
+        try:
+            encoder = make_encoder(fmt.name, self.tts.sample_rate)
+            stretcher = None
+            if req.speed != 1.0:
+                stretcher = TimeStretcher(req.speed, self.tts.sample_rate)
+        except BaseException:
+            stream.cancel()
+            raise
         done = Progress()
         audio = self._encoded(stream, encoder, stretcher, done, grow=fmt.streams)
 
