@@ -1251,6 +1251,32 @@ def test_a_voice_that_cannot_load_stops_the_conversion(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+@pytest.mark.parametrize(("before", "after"), [(0o700, 0o700), (0o2750, 0o2750), (0o555, 0o755)])
+@pytest.mark.parametrize("filled", [False, True])
+def test_a_folder_written_over_keeps_its_mode(
+    tmp_path: Path, before: int, after: int, filled: bool
+) -> None:
+    """An empty folder, or a model replaced with --force, was given the umask's mode: a
+    private model folder became readable by all. Its owner keeps full access (a later
+    --force run must be able to delete what is inside)."""
+    import stat
+
+    from voxtral_mlx.output_dir import staged_dir
+
+    out = tmp_path / "model"
+    out.mkdir()
+    if filled:
+        (out / "config.json").write_text("{}")
+    os.chmod(out, before)
+    old = os.umask(0o022)
+    try:
+        with staged_dir(out, force=True) as tmp:
+            (tmp / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == after
+
+
 @pytest.mark.parametrize("umask", [0o077, 0o002, 0o022])
 def test_a_written_folder_takes_the_umask_as_its_files_do(tmp_path: Path, umask: int) -> None:
     """It was 0755 whatever the umask (private while written, then opened to all)."""

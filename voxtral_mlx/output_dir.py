@@ -328,6 +328,9 @@ def deliver_signals(received: list[int], detail: str | None) -> None:
 
 
 def _swap_into_place(tmp: Path, out: Path, force: bool, mode: int) -> None:
+    with contextlib.suppress(OSError):
+        if out.is_dir():  # a folder replaced keeps its mode (a private one stays private)
+            mode = stat.S_IMODE(out.stat().st_mode) | stat.S_IRWXU
     os.chmod(tmp, mode)
     if out.is_dir() and not _has_content(out):
         (out / _LITTER).unlink(missing_ok=True)  # an empty folder the Finder has shown
