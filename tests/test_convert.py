@@ -119,6 +119,20 @@ def loaded(converted: dict[str, Path]) -> dict[str, LoadedModel]:
 # --------------------------------------------------------------------------- the layout
 
 
+def test_a_conversion_without_params_json_converts_to_mistrals_params(
+    converted: dict[str, Path], source: Path, tmp_path: Path
+) -> None:
+    """Its params come from its config.json, which also records the earlier conversion
+    (format, source, dtype, ...): those were copied into the new params.json."""
+    src = Path(shutil.copytree(converted["bf16"], tmp_path / "src"))
+    (src / "params.json").unlink()
+    out = convert_model(src, tmp_path / "q4", q_bits=4, dtype="float32").path
+    params = json.loads((source / "params.json").read_text())
+    assert json.loads((out / "params.json").read_text()) == params
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float32" and config["source"] == "src"
+
+
 def test_directory_layout(converted: dict[str, Path], source: Path) -> None:
     for name, path in converted.items():
         files = sorted(p.name for p in path.iterdir())

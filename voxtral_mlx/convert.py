@@ -501,6 +501,26 @@ def _without_quantization(params: dict) -> dict:
     return {k: v for k, v in params.items() if k not in ("quantization", "quantization_config")}
 
 
+# What config.json records of a conversion, beside params.json's keys (model_type is one).
+_CONVERSION_KEYS = frozenset(
+    {
+        "format",
+        "format_version",
+        "source",
+        "source_layout",
+        "dtype",
+        "weight_names",
+        "codec_weight_norm",
+    }
+)
+
+
+def _params_of(config: dict) -> dict:
+    """params.json's keys in an MLX directory's config.json: without what an earlier
+    conversion recorded there (its source, dtype, quantization)."""
+    return {k: v for k, v in _without_quantization(config).items() if k not in _CONVERSION_KEYS}
+
+
 def _config_json(
     params: dict,
     source: str,
@@ -676,7 +696,7 @@ def convert_model(
         if (src / "params.json").is_file():
             shutil.copyfile(src / "params.json", tmp / "params.json")
         else:  # an MLX directory keeping its params in config.json only
-            params = _without_quantization(config.raw)  # the source's, not this output's
+            params = _params_of(config.raw)  # the source's, not this output's
             atomic_write_text(tmp / "params.json", json.dumps(params, indent=4) + "\n")
         shutil.copyfile(src / "tekken.json", tmp / "tekken.json")
         _copy_voices(src, tmp, voice_registry)
