@@ -162,9 +162,12 @@ def test_load_arguments(tiny_checkpoint_noend, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"q_bits": 4.0}, "--q-bits 4.0 is not supported"),
+        ({"q_bits": 4.0}, r"--q-bits \(q_bits=\) 4.0 is not supported"),
         ({"q_bits": np.array([4, 6])}, "is not supported"),
-        ({"q_bits": 8, "q_group_size": 64.0}, "--q-group-size 64.0 is not supported"),
+        (
+            {"q_bits": 8, "q_group_size": 64.0},
+            r"--q-group-size \(q_group_size=\) 64.0 is not supported",
+        ),
         ({"chunk_bytes": 0}, "chunk_bytes must be a whole number >= 1"),
         ({"max_shard_bytes": 0}, "max_shard_bytes must be a whole number >= 1"),
         ({"progress": 5}, "progress must be a function"),

@@ -483,14 +483,14 @@ def test_mlx_directories_convert_again(converted, source: Path, tmp_path: Path) 
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"q_bits": 3}, "--q-bits 3"),
-        ({"q_bits": 16}, "--q-bits 16"),
-        ({"q_bits": 4, "q_flow_bits": 5}, "--q-flow-bits 5"),
+        ({"q_bits": 3}, "--q-bits (q_bits=) 3"),
+        ({"q_bits": 16}, "--q-bits (q_bits=) 16"),
+        ({"q_bits": 4, "q_flow_bits": 5}, "--q-flow-bits (q_flow_bits=) 5"),
         ({"q_flow_bits": 8}, "--q-flow-bits (q_flow_bits=) needs --q-bits (q_bits=)"),
         ({"q_group_size": 7}, "--q-group-size (q_group_size=) needs --q-bits (q_bits=)"),
         ({"q_group_size": 64}, "--q-group-size (q_group_size=) needs --q-bits"),
-        ({"q_bits": 4, "q_group_size": 48}, "--q-group-size 48"),
-        ({"dtype": "int8"}, "--dtype"),
+        ({"q_bits": 4, "q_group_size": 48}, "--q-group-size (q_group_size=) 48"),
+        ({"dtype": "int8"}, "--dtype (dtype=) 'int8' is not supported"),
     ],
 )
 def test_bad_options(source: Path, tmp_path: Path, kwargs: dict, words: str) -> None:

@@ -130,11 +130,13 @@ class QuantOptions:
         for flag, value in (("--q-bits", bits), ("--q-flow-bits", flow_bits)):
             if value is not None and not _one_of(value, SUPPORTED_BITS):
                 raise InputError(
-                    f"{flag} {value!r} is not supported: use "
+                    f"{flag} ({flag[2:].replace('-', '_')}=) {value!r} is not supported: use "
                     f"{', '.join(map(str, SUPPORTED_BITS[:-1]))} or {SUPPORTED_BITS[-1]}"
                 )
         if not _one_of(group_size, SUPPORTED_GROUP_SIZES):
-            raise InputError(f"--q-group-size {group_size!r} is not supported: use 32, 64 or 128")
+            raise InputError(
+                f"--q-group-size (q_group_size=) {group_size!r} is not supported: use 32, 64 or 128"
+            )
         flow = max(MIN_FLOW_BITS, bits) if flow_bits is None else flow_bits
         return cls(bits, flow, group_size)
 
@@ -254,7 +256,10 @@ def output_dtype(dtype: str) -> str:
         for name, (_, mx_dtype) in OUTPUT_DTYPES.items():
             if parsed == mx_dtype:
                 return name
-    raise InputError(f"--dtype {dtype!r} is not supported: use bfloat16, float16 or float32")
+    raise InputError(
+        f"--dtype (dtype=) {one_line(repr(dtype), 60)} is not supported: use bfloat16, float16 "
+        "or float32"
+    )
 
 
 # --------------------------------------------------------------------------- planning
