@@ -548,3 +548,37 @@ def test_the_key_names_the_mlx_build_and_device(tiny_checkpoint, tmp_path):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(mx, "default_device", lambda: "Device(gpu, 0)")
         assert store.key([1, 2], rows) != here
+
+
+def test_the_key_names_the_code_that_computes_it(tiny_checkpoint, tmp_path, noise, monkeypatch):
+    """A prefix stored by another voxtral_mlx (an upgrade whose backbone or prefill differs)
+    was reused: the output then matched neither version's uncached run."""
+    from voxtral_mlx import prefix_store
+
+    package = Path(prefix_store.__file__).parent
+    copy = Path(shutil.copytree(package, tmp_path / "pkg", ignore=shutil.ignore_patterns("*.pyc")))
+    store = tmp_path / "store"
+    try:
+        run(tiny_checkpoint, store, noise)
+        assert run(tiny_checkpoint, store, noise).timings.prefix_from_disk
+        here = prefix_store.code_digest()
+        monkeypatch.setattr(prefix_store, "__file__", str(copy / "prefix_store.py"))
+        prefix_store.code_digest.cache_clear()
+        assert prefix_store.code_digest() == here  # the same files
+        with (copy / "model" / "backbone.py").open("a") as f:
+            f.write("\n# patched\n")
+        prefix_store.code_digest.cache_clear()
+        assert prefix_store.code_digest() != here
+        assert not run(tiny_checkpoint, store, noise).timings.prefix_cached
+        monkeypatch.undo()
+        prefix_store.code_digest.cache_clear()
+        monkeypatch.setattr(voxtral_mlx, "__version__", voxtral_mlx.__version__ + "+next")
+        assert prefix_store.code_digest() != here
+        monkeypatch.undo()
+        prefix_store.code_digest.cache_clear()
+        monkeypatch.setattr("voxtral_mlx.engine.PREFIX_PART_TOKENS", 32)
+        assert prefix_store.code_digest() != here
+    finally:
+        monkeypatch.undo()
+        prefix_store.code_digest.cache_clear()
+    assert prefix_store.code_digest() == here

@@ -4,8 +4,8 @@ One safetensors file per (model, voice, compute dtype): the keys and values of e
 layer after ``[BOS, BEGIN_AUDIO, voice rows..., NEXT_AUDIO_TEXT]``. The file name and the
 key stored inside it hash everything the state depends on -- the model files (names, sizes,
 modification times, safetensors headers and a sample of every tensor), the compute dtype,
-the prompt ids and the voice's rows themselves -- so a changed model, voice or dtype does
-not reuse a stale file.
+the prompt ids, the voice's rows themselves, and the code and MLX build that compute it --
+so a changed model, voice, dtype or upgraded voxtral_mlx does not reuse a stale file.
 The file also records a digest of its tensors' bytes: a file that is unreadable, truncated,
 inconsistent or has bytes changed on disk is a miss (and is removed); a
 directory that cannot be written only loses the cache (a :class:`PrefixCacheWarning`).
@@ -14,6 +14,7 @@ directory that cannot be written only loses the cache (a :class:`PrefixCacheWarn
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -37,6 +38,29 @@ _SAMPLE = 64  # bytes of each tensor read at its start, middle and end
 # The files this cache writes (see PrefixStore._path): pruning and clear() touch no other,
 # whatever else the folder holds.
 _OWN_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{32}\.safetensors")
+
+
+# The code that computes a prefix, beside voxtral_mlx/model/: an upgrade that changes it must
+# not be served the old code's states.
+_PREFIX_CODE = ("engine.py", "generate.py", "loader.py", "checkpoint.py", "mlx_layout.py")
+
+
+@functools.cache
+def code_digest() -> str:
+    """A hash of voxtral_mlx's version, the size of its prefill parts and the files of the
+    code that computes a prefix (the model's modules, the engine and the loader), so that a
+    prefix stored by another version or a patched copy is another key."""
+    from . import __version__
+    from .engine import PREFIX_PART_TOKENS
+
+    root = Path(__file__).parent
+    h = hashlib.sha256(f"{__version__}\0{PREFIX_PART_TOKENS}\0".encode())
+    for path in [*sorted((root / "model").glob("*.py")), *(root / n for n in _PREFIX_CODE)]:
+        try:
+            h.update(f"{path.name}\0".encode() + path.read_bytes())
+        except OSError:  # an app bundle that ships compiled modules only: its version counts
+            h.update(f"{path.name}\0absent\0".encode())
+    return h.hexdigest()
 
 
 class PrefixCacheWarning(UserWarning):
@@ -131,10 +155,10 @@ class PrefixStore:
 
     def key(self, prompt_ids: list[int], voice_rows: mx.array) -> str:
         """The full key of a prefix: model, dtype, prompt ids and the voice rows' bytes, and
-        the MLX version and device that compute it (another kernel's last bits would make
-        the output differ from an uncached run's)."""
+        the code, MLX version and device that compute it (another kernel's last bits would
+        make the output differ from an uncached run's)."""
         h = hashlib.sha256(f"{FORMAT}\0{self.fingerprint}\0{voice_rows.dtype}\0".encode())
-        h.update(f"{mx.__version__}\0{mx.default_device()}\0".encode())
+        h.update(f"{code_digest()}\0{mx.__version__}\0{mx.default_device()}\0".encode())
         h.update(json.dumps(prompt_ids).encode())
         h.update(str(tuple(voice_rows.shape)).encode())
         h.update(_bytes(voice_rows))
