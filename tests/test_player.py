@@ -1037,6 +1037,72 @@ def test_stop_from_another_thread_ends_blocking_finish_quickly():
     assert s.count("abort") == 1 and s.count("close") == 1
 
 
+def _slow_to_close(stream: FakeStream, seconds: float) -> None:
+    """PortAudio's abort as some hosts do it (ALSA: about 0.25 s)."""
+    abort = stream.abort
+
+    def slow_abort() -> None:
+        time.sleep(seconds)
+        abort()
+
+    stream.abort = slow_abort  # type: ignore[method-assign]
+
+
+def test_stop_without_waiting_returns_before_portaudio_has_closed(monkeypatch):
+    """A UI thread's Stop button waited for PortAudio's abort and close (0.2-0.25 s on ALSA,
+    up to a second): with wait=False it returns at once, silent; a later stop() and the
+    interpreter's exit wait for the close."""
+    registered: list[object] = []
+    monkeypatch.setattr(player_module.atexit, "register", registered.append)
+    monkeypatch.setattr(player_module, "_exit_wait_registered", False)
+    p, sd = _playing_player()
+    s = sd.streams[0]
+    _slow_to_close(s, 0.3)
+    t0 = time.monotonic()
+    p.stop(wait=False)
+    assert time.monotonic() - t0 < 0.1
+    assert not s.closed and p.buffered_s == 0 and p.closed
+    assert registered == [player_module._await_closing_streams]
+    p.feed(frame(0))  # ignored, as after any stop()
+    p.stop()  # waits for the close under way; no second one
+    assert s.closed and s.count("abort") == 1 and s.count("close") == 1
+    q, sd2 = _playing_player()
+    _slow_to_close(sd2.streams[0], 0.3)
+    q.stop(wait=False)
+    assert not sd2.streams[0].closed
+    player_module._await_closing_streams()  # what the exit runs
+    assert sd2.streams[0].closed
+    assert registered == [player_module._await_closing_streams]  # once
+
+
+def test_playback_stop_returns_at_once_and_wait_after_the_device_is_released():
+    from voxtral_mlx.playback import Playback
+
+    class Stream:
+        cancelled = False
+
+        def prepare(self) -> None:
+            pass
+
+        def __iter__(self):
+            while not self.cancelled:
+                time.sleep(0.01)
+                yield SimpleNamespace(audio=frame(0))
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    p, sd = make_player(autoplay=True)
+    s = sd.streams[0]
+    playback = Playback(Stream(), p)  # type: ignore[arg-type]
+    _wait_for(lambda: p.started)
+    _slow_to_close(s, 0.3)
+    t0 = time.monotonic()
+    playback.stop()
+    assert time.monotonic() - t0 < 0.1 and not s.closed
+    assert playback.wait(5) and s.closed
+
+
 def test_stop_before_start():
     p, sd = make_player()
     p.feed(frame(0))

@@ -12,6 +12,7 @@ from typing import Any
 
 from .audio.chunking import PlayerPace
 from .audio.horizon import plays
+from .audio.player import AudioPlayer
 from .engine import finite_float
 from .errors import InputError, UsageError
 from .fileio import one_line
@@ -44,6 +45,15 @@ class Playback:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._play()
+        finally:
+            if self._stopped and isinstance(self.player, AudioPlayer):
+                # wait() returns once the device is released, not while stop()'s close runs
+                with contextlib.suppress(Exception):
+                    self.player.stop()
+
+    def _play(self) -> None:
         try:
             self.stream.prepare()
             if self._stopped:  # while the text was being split
@@ -82,10 +92,15 @@ class Playback:
 
     def stop(self) -> None:
         """Silence it within 200 ms and stop generating; from any thread, any number of
-        times. :meth:`wait` then returns, raising only an error that came before the stop."""
+        times, returning at once (the audio device is closed in the background: a UI
+        thread does not wait for it). :meth:`wait` then returns once the device is
+        released, raising only an error that came before the stop."""
         self._stopped = True
         self.stream.cancel()
-        self.player.stop()
+        if isinstance(self.player, AudioPlayer):
+            self.player.stop(wait=False)
+        else:  # an app's own player
+            self.player.stop()
 
     def end(self, error: BaseException) -> None:
         """Stop, with ``error`` for :meth:`wait` to raise (the model was closed), unless

@@ -68,6 +68,27 @@ _PORTAUDIO_LOCK = threading.RLock()
 _PLAYERS: weakref.WeakSet[AudioPlayer] = weakref.WeakSet()
 
 
+_EXIT_WAIT = threading.Lock()
+_exit_wait_registered = False
+
+
+def _close_before_exit() -> None:
+    """Make the interpreter's exit wait for streams still closing (``stop(wait=False)``):
+    sounddevice's own exit handler terminates PortAudio, which must not run beside a close.
+    Registered after sounddevice's, so run before it."""
+    global _exit_wait_registered
+    with _EXIT_WAIT:
+        if not _exit_wait_registered:
+            atexit.register(_await_closing_streams)
+            _exit_wait_registered = True
+
+
+def _await_closing_streams() -> None:
+    for player in list(_PLAYERS):
+        if player._closing is not None:
+            player._close_stream(abort=True)
+
+
 def _check_alsa_config_path() -> None:
     """On Linux, ALSA_CONFIG_PATH replaces ALSA's own configuration: when none of the files
     it names exists with something in it, PortAudio's start at import aborts the whole
@@ -392,6 +413,7 @@ class AudioPlayer:
 
         self._started = False
         self._closed = False
+        self._closing: threading.Event | None = None  # set once PortAudio has closed it
         self._released = False  # PortAudio is done with the stream: it is closed
         # The stream could not be closed in time (a device that hangs) and was left open.
         self.abandoned = False
@@ -763,34 +785,42 @@ class AudioPlayer:
                 return
             self._check_alive()
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool = True) -> None:
         """Silence output now: abort the stream, drop buffered audio, close.
 
-        Safe from any thread, from a signal handler, and more than once.
+        Safe from any thread, from a signal handler, and more than once. PortAudio's abort
+        and close take a few hundred ms on some hosts: ``wait=False`` returns once they are
+        under way (a UI thread's Stop button), and a later ``stop()`` or ``finish()``, or
+        the interpreter's exit, waits for them.
         """
         self._stopped.set()
         with self._lock:
             self._chunks.clear()
             self._head = 0
             self._buffered = 0
-        self._close_stream(abort=True)
+        self._close_stream(abort=True, wait=wait)
 
-    def _close_stream(self, *, abort: bool) -> None:
+    def _close_stream(self, *, abort: bool, wait: bool = True) -> None:
         with self._stream_lock:
-            if self._closed:
-                return
-            self._closed = True
-            closed = threading.Event()
-            threading.Thread(
-                target=self._end_stream,
-                args=(abort and self._started, closed),
-                name="voxtral-mlx-audio-close",
-                daemon=True,
-            ).start()
+            if not self._closed:
+                self._closed = True
+                self._closing = threading.Event()
+                threading.Thread(
+                    target=self._end_stream,
+                    args=(abort and self._started, self._closing),
+                    name="voxtral-mlx-audio-close",
+                    daemon=True,
+                ).start()
+            closing = self._closing
+        if not wait:
+            _close_before_exit()
+            return
+        if closing is None or self.abandoned:
+            return
         # A device that stopped taking audio holds PortAudio's abort and close for as long
         # as its thread is blocked writing to it (minutes, or for ever): the stream is then
         # left to them, and stop(), finish() and Ctrl-C return.
-        if not closed.wait(_CLOSE_WAIT_S):
+        if not closing.wait(_CLOSE_WAIT_S):
             self.abandoned = True
             # sounddevice terminates PortAudio at exit, which would wait on this stream
             # too: the process could never end.
