@@ -810,3 +810,17 @@ def test_reading_a_stream_again_after_its_error_says_so(tts):
     next(stream)
     stream.cancel()
     assert list(stream) == []
+
+
+def test_the_text_type_error_names_split_only_where_it_is_an_argument(tts):
+    """say() always splits and has no split argument: its error told to pass split=True."""
+    with pytest.raises(InputError) as said:
+        tts.say(None, VOICE, wait=False)
+    assert "an iterable of str pieces" in str(said.value) and "split=" not in str(said.value)
+    with pytest.raises(InputError) as streamed:
+        tts.stream(None, VOICE)
+    assert "with split=True, an iterable of str pieces" in str(streamed.value)
+    with pytest.raises(InputError) as ordered:
+        tts.say({"One.", "Two."}, VOICE, wait=False)
+    assert "a list or generator of str pieces" in str(ordered.value)
+    assert "split=" not in str(ordered.value)

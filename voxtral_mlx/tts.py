@@ -467,16 +467,18 @@ class VoxtralTTS:
                 "text given in pieces (an iterable of str) is spoken as it arrives, cut into "
                 "segments at natural pauses: pass split=True"
             )
+        # say() always splits, and a caller who passed split=True needs no telling
+        also = "or" if split else "or, with split=True,"
         if is_unordered(text):
             raise InputError(
                 f"text must be a string, got a {type(text).__name__}, whose order is not the "
-                "text's: pass the text itself (str; or, with split=True, a list or generator "
-                "of str pieces in order)"
+                f"text's: pass the text itself (str; {also} a list or generator of str pieces "
+                "in order)"
             )
         if not pieces and not isinstance(text, str):
             raise InputError(
                 f"text must be a string, got {type(text).__name__}: pass the text itself "
-                "(str; or, with split=True, an iterable of str pieces)"
+                f"(str; {also} an iterable of str pieces)"
             )
         if not pieces and is_blank(text):
             raise InputError(EMPTY_TEXT)
