@@ -1076,7 +1076,7 @@ def test_cli_convert(source: Path, tmp_path: Path, capsys) -> None:
     assert "note:" not in captured.err
     assert cli_main(["convert", str(source), "-o", str(tmp_path / "out"), "--q-bits", "5"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("voxtral-mlx: error: --q-bits 5") and "\n" not in err
+    assert err.startswith("voxtral-mlx: error: --q-bits (q_bits=) 5") and "\n" not in err
 
 
 def test_cli_convert_onto_its_own_source_says_so_without_force(source: Path, capsys) -> None:

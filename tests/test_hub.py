@@ -1402,7 +1402,10 @@ def test_convert_checks_its_options_before_a_download(no_hub, capsys, tmp_path) 
     from voxtral_mlx import cli
 
     out = tmp_path / "out"
-    for flags, words in ((["--q-bits", "5"], "--q-bits 5"), (["--dtype", "int8"], "int8")):
+    for flags, words in (
+        (["--q-bits", "5"], "--q-bits (q_bits=) 5"),
+        (["--dtype", "int8"], "int8"),
+    ):
         assert cli.main(["convert", DEFAULT_REPO, "-o", str(out), *flags]) == 1
         assert words in capsys.readouterr().err
     assert not out.exists()
