@@ -11,6 +11,13 @@ mlx-audio differs from Mistral's reference (SPEC) in three places, each adjusted
     bf16 roundings change even rows exactly representable in bf16, so the prompt is no
     longer the voice's rows. This is a precision flaw of the reference, not of voxtral_mlx;
     tests/test_mlx_community.py::_float32_text_table makes that table return float32.
+Two more only show on checkpoints of other sizes than the release's, each adjusted here:
+  * Euler steps (SPEC §5): mlx-audio runs 7 whatever ``n_decoding_steps`` params.json gives
+    (:func:`spec_decoding_steps`);
+  * its audio code table has ``(s // 128 + 1) * 128 + pad(n * a, 128)`` rows for ``s``
+    semantic and ``n`` acoustic codebooks of ``a`` codes, Mistral's ``pad(s + 2 + n * (a + 2),
+    128)``: equal at the release's sizes only. Both index it with the same offsets, so zero
+    rows fill it to mlx-audio's size (:func:`fit_code_table`).
 Its start noise comes from the global ``mx.random.normal``; :func:`injected_noise` replaces
 that with given rows so both implementations integrate the same ODE.
 """
@@ -95,16 +102,43 @@ def recorded_frames(model) -> Iterator[list[np.ndarray]]:
         del model.acoustic_transformer.decode_one_frame
 
 
+def spec_decoding_steps(model, model_dir: Path) -> None:
+    """Give mlx-audio's flow head the checkpoint's Euler steps (it counts the time points:
+    one more)."""
+    params_json = model_dir / "params.json"
+    if not params_json.is_file():  # a conversion keeping its params in config.json only
+        params_json = model_dir / "config.json"
+    params = json.loads(params_json.read_text())
+    flow = params.get("multimodal", {}).get("audio_model_args", {})
+    steps = flow.get("acoustic_transformer_args", {}).get("n_decoding_steps", 7)
+    model.acoustic_transformer.args.n_denoising_steps = steps + 1
+
+
+def fit_code_table(model, weights: dict) -> dict:
+    """``weights`` (mlx-audio's names) with the audio code table padded with zero rows to
+    the size mlx-audio's model has for the checkpoint's codebooks (see the module's notes)."""
+    name = "audio_codebook_embeddings.embeddings.weight"
+    table = weights.get(name)
+    rows = model.audio_codebook_embeddings["embeddings"].weight.shape[0]
+    if table is not None and table.shape[0] < rows:
+        extra = mx.zeros((rows - table.shape[0], *table.shape[1:]), dtype=table.dtype)
+        weights = {**weights, name: mx.concatenate([table, extra])}
+    return weights
+
+
 def load_reference(model_dir: Path, patch: bool = True):
     """mlx-audio's Model with our checkpoint's weights (and its tokenizer from tekken.json)."""
     from mlx_audio.tts.models.voxtral_tts.voxtral_tts import Model, ModelConfig
 
     params = json.loads((model_dir / "params.json").read_text())
     model = Model(ModelConfig.from_dict(params))
-    weights = mx.load(str(model_dir / "consolidated.safetensors"))
-    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    weights = model.sanitize(mx.load(str(model_dir / "consolidated.safetensors")))
+    if patch:
+        weights = fit_code_table(model, weights)
+    model.load_weights(list(weights.items()), strict=True)
     if patch:
         model.audio_tokenizer._alibi_slopes = spec_alibi_slopes(model.audio_tokenizer.args.n_heads)
+        spec_decoding_steps(model, model_dir)
     Model.post_load_hook(model, model_dir)
     mx.eval(model.parameters())
     return model
@@ -118,6 +152,7 @@ def load_converted_reference(model_dir: Path, patch: bool = True):
     model = load_model(Path(model_dir))  # evaluates the weights (lazy=False)
     if patch:
         model.audio_tokenizer._alibi_slopes = spec_alibi_slopes(model.audio_tokenizer.args.n_heads)
+        spec_decoding_steps(model, Path(model_dir))
     return model
 
 

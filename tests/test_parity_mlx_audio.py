@@ -145,3 +145,41 @@ def test_whole_pipeline_frame_by_frame(tiny_tts, ref):
     np.testing.assert_array_equal(speech.codes, ref_frames)
     assert speech.audio.shape == ref_audio.shape == (len(ref_frames) * 1920,)
     assert rel_err(speech.audio, ref_audio) < 1e-4, rel_err(speech.audio, ref_audio)
+
+
+def test_other_codebook_sizes_and_euler_steps_frame_by_frame(tmp_path):
+    """A checkpoint of other sizes than the release's (3 Euler steps, 200 semantic codes,
+    20 acoustic codebooks of 13 levels), as an outside benchmark may build: mlx-audio, given
+    the checkpoint's steps and its code table at its own size (see mlx_audio_reference),
+    makes the same codes. Unpatched, it runs 7 steps (and cannot load the table)."""
+    import voxtral_mlx
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
+
+    params = make_params("tiny")
+    audio = params["multimodal"]["audio_model_args"]
+    audio["acoustic_transformer_args"]["n_decoding_steps"] = 3
+    audio.update(semantic_codebook_size=200, acoustic_codebook_size=13, n_acoustic_codebook=20)
+    audio["audio_encoding_args"]["num_codebooks"] = 21
+    codec = params["multimodal"]["audio_tokenizer_args"]
+    codec.update(semantic_codebook_size=200, acoustic_codebook_size=13, acoustic_dim=20)
+    path = build_random_checkpoint(
+        tmp_path / "other", params, seed=5, dtype="float32", voices={VOICE: 9}, suppress_end=True
+    )
+    frames = 6
+    noise = np.random.default_rng(2).standard_normal((frames, 20)).astype(np.float32)
+    tts = voxtral_mlx.load(path, prefix_cache_dir=None)
+    try:
+        assert tts.config.flow.n_decoding_steps == 3
+        speech = tts.synthesize(TEXT, VOICE, noise=noise, max_frames=frames)
+    finally:
+        tts.close()
+    ref = load_reference(path)
+    assert ref.acoustic_transformer.args.n_denoising_steps == 4
+    voice = torch.load(path / "voice_embedding" / f"{VOICE}.pt", weights_only=True)
+    ref._voice_embeddings[VOICE] = mx.array(voice.float().numpy())
+    with recorded_frames(ref) as recorded, injected_noise(noise), spec_codebook_floor():
+        list(ref.generate(TEXT, voice=VOICE, max_tokens=frames))
+    assert len(speech.codes) == frames
+    np.testing.assert_array_equal(speech.codes, np.stack(recorded[:frames]))
+    with pytest.raises(ValueError):  # what the benchmarks reported as "cannot load"
+        load_reference(path, patch=False)
