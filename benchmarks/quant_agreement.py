@@ -67,41 +67,58 @@ VARIANTS: dict[str, dict] = {
 _TRANSIENT: list[Path] = []
 
 
-def convert(source: Path, name: str, **kwargs) -> Path:
-    """The variant's conversion: cached for the built-in random checkpoints, redone for a
-    directory given with --model (its contents may have changed since the last run)."""
+def convert(source: Path, name: str, **kwargs) -> tuple[Path, tuple[int, int]]:
+    """The variant's conversion, and of the layers its options quantize how many could be
+    (an input width that is not a multiple of the group size leaves a layer unquantized):
+    cached for the built-in random checkpoints, redone for a directory given with --model
+    (its contents may have changed since the last run)."""
+    import json
+
     from voxtral_mlx.convert import convert_model
 
     out = CACHE / f"{source.name}-{name.replace(', ', '-').replace(' ', '')}"
     if source.parent != CACHE:
         out = CACHE / "model-conversions" / out.name
         _TRANSIENT.append(out)
-    if source.parent != CACHE or not (out / "config.json").is_file():
-        convert_model(source, out, force=True, **kwargs)
-    return out
+    counts = out.with_name(f"{out.name}.layers.json")  # beside it: not a model's file
+    if source.parent != CACHE or not (out / "config.json").is_file() or not counts.is_file():
+        result = convert_model(source, out, force=True, **kwargs)
+        quantized = len(result.quantized)
+        counts.write_text(json.dumps([quantized, quantized + len(result.unfit)]))
+    quantized, wanted = json.loads(counts.read_text())
+    return out, (quantized, wanted)
+
+
+def _share(layers: tuple[int, int]) -> str:
+    return f"{layers[0]} of {layers[1]}"
 
 
 def remove_transient() -> None:
     import shutil
 
     while _TRANSIENT:
-        shutil.rmtree(_TRANSIENT.pop(), ignore_errors=True)
+        out = _TRANSIENT.pop()
+        shutil.rmtree(out, ignore_errors=True)
+        out.with_name(f"{out.name}.layers.json").unlink(missing_ok=True)
 
 
-def selected_variants(source: Path, only: list[str] | None) -> Iterator[tuple[str, Path]]:
-    """``(name, converted directory)`` of each variant asked for; memory freed after each."""
+def selected_variants(
+    source: Path, only: list[str] | None
+) -> Iterator[tuple[str, Path, tuple[int, int]]]:
+    """``(name, converted directory, (layers quantized, layers its options quantize))`` of
+    each variant asked for; memory freed after each."""
     from voxtral_mlx.errors import InputError
 
     for name, kwargs in VARIANTS.items():
         if only and name not in only:
             continue
         try:
-            path = convert(source, name, **kwargs)
+            path, layers = convert(source, name, **kwargs)
         except InputError as e:  # e.g. no layer width is a multiple of the group size
             # The reason without convert's own advice (a flag this script does not take).
             print(f"{name:<16} skipped: {str(e).split('; ')[0]}", flush=True)
             continue
-        yield name, path
+        yield name, path, layers
         gc.collect()
         mx.clear_cache()
 
@@ -186,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"unknown variant {unknown[0]!r}: choose from {', '.join(map(repr, VARIANTS))}"
         )
-    table = [("variant", "same history", "semantic same for", "all codes same for")]
+    table = [
+        ("variant", "layers quantized", "same history", "semantic same for", "all codes same for")
+    ]
 
     t0 = time.perf_counter()
     if args.model is not None:
@@ -200,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     from voxtral_mlx.errors import VoxtralError
 
     try:
-        base = convert(source, "bf16")
+        base, _ = convert(source, "bf16")
     except VoxtralError as e:  # e.g. a source that is already quantized
         raise SystemExit(str(e)) from None
     if args.no_flow:
@@ -214,9 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         "agreement of semantic codes with the unquantized run"
     )
     print(
-        f"{'variant':<16} {'same history':>12} {'semantic same for':>18} {'all codes same for':>18}"
+        f"{'variant':<16} {'layers':>9} {'same history':>12} {'semantic same for':>18} "
+        f"{'all codes same for':>18}"
     )
-    for name, path in selected_variants(source, args.only):
+    for name, path, layers in selected_variants(source, args.only):
         forced = float(np.mean(teacher_forced(path, ref, args.dtype) == ref[:, 0]))
         gc.collect()
         codes = free_run(path, noise, args.dtype)
@@ -225,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         first = n if same.all() else int(np.argmin(same))
         whole = (codes[:n] == ref[:n]).all(axis=1)
         first_any = n if whole.all() else int(np.argmin(whole))
-        print(f"{name:<16} {forced:>12.1%} {first:>11} frames {first_any:>11} frames")
-        table.append((name, f"{forced:.1%}", f"{first} frames", f"{first_any} frames"))
+        share = _share(layers)
+        print(f"{name:<16} {share:>9} {forced:>12.1%} {first:>11} frames {first_any:>11} frames")
+        table.append((name, share, f"{forced:.1%}", f"{first} frames", f"{first_any} frames"))
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.record and not args.no_record:
         record_table(
@@ -238,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
             "injected noise. Same history: the next semantic code given the unquantized run's "
             "codes (the per-frame error; the issue's 95 % bar). Semantic / all codes same for: "
             "frames the free-running variant matches before its first differing code (on "
-            "random weights two runs part for good there). A proxy, not a quality claim.",
+            "random weights two runs part for good there). Layers quantized: of the Linear "
+            "layers the variant's options quantize, those whose input width is a multiple of "
+            "the group size (the others stay unquantized). A proxy, not a quality claim.",
         )
     return 0
 
@@ -253,11 +276,11 @@ def no_flow(args: argparse.Namespace, source: Path, base: Path, argv: list[str] 
     own = teacher_forced(base, None, args.dtype, acoustic)
     history = np.concatenate([own[:, None], acoustic], axis=1)
     print(f"{source.name}: random weights, {args.frames} frames, {args.dtype} compute, no flow")
-    table = [("variant", "same history")]
-    for name, path in selected_variants(source, args.only):
+    table = [("variant", "layers quantized", "same history")]
+    for name, path, layers in selected_variants(source, args.only):
         forced = float(np.mean(teacher_forced(path, history, args.dtype) == own))
-        print(f"{name:<16} {forced:>12.1%}", flush=True)
-        table.append((name, f"{forced:.1%}"))
+        print(f"{name:<16} {_share(layers):>9} {forced:>12.1%}", flush=True)
+        table.append((name, _share(layers), f"{forced:.1%}"))
     if args.record and not args.no_record:
         record_table(
             f"Quantized semantic-code agreement ({source.name}, {args.frames} frames, no flow, "

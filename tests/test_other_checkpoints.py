@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -216,6 +217,9 @@ def test_quant_agreement_runs_on_other_codebook_counts(odd: Path, bench_env) -> 
     assert "--q-group-size" not in skipped
     measured = next(line for line in lines if line.startswith("4-bit g32"))
     assert measured.count("%") == 1 and measured.count("frames") == 2, measured
+    # Of the layers it quantizes, those whose widths fit group 32: it said nothing of this.
+    quantized, wanted = map(int, re.search(r" (\d+) of (\d+) ", measured).groups())
+    assert 0 < quantized < wanted, measured
 
 
 def test_codec_bench_uses_the_checkpoints_frame_duration(odd: Path, bench_env) -> None:
