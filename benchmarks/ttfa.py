@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-default-interval",
         action="store_true",
-        help="skip mlx-audio at its default 2 s chunks (25 frames: long on the wide config)",
+        help=f"skip mlx-audio at its default chunks ({DEFAULT_CHUNK} frames: 2 s of audio at "
+        "the release's 12.5 frames/s; long on the wide config)",
     )
     args = parser.parse_args(argv)
     rows = [
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             "ours, new voice",
             "ours, cached voice",
             "ours, long text",
-            "mlx-audio stream, default (2 s chunks)",
+            f"mlx-audio stream, default ({DEFAULT_CHUNK}-frame chunks)",
             "new / default",
             "cached / default",
             "mlx-audio stream, 1-frame chunks",
