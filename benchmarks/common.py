@@ -233,9 +233,36 @@ def check_comparable(model_dir: Path, voice: str | None = None) -> str:
             f"{model_dir}: MLX weights without config.json, which mlx-audio's loader needs: "
             "give the conversion's whole directory"
         )
+    _check_reference_codebooks(model_dir)
     if voice is not None:
         _check_listed(model_dir, voice)
     return layout
+
+
+def _check_reference_codebooks(model_dir: Path) -> None:
+    """mlx-audio sizes its audio code table ``(s // 128 + 1) * 128 + pad(n * a, 128)`` rows
+    and its semantic head ``(s // 128 + 1) * 128`` outputs, for ``s`` semantic codes and
+    ``n`` acoustic codebooks of ``a`` levels; the codes (two special ones per codebook)
+    need ``s + 2 + n * (a + 2)`` rows and ``s + 2`` outputs. Enough at the release's sizes;
+    a checkpoint needing more is one it cannot run (one needing fewer rows is padded for
+    it: tests/mlx_audio_reference.py)."""
+    from voxtral_mlx.errors import VoxtralError
+    from voxtral_mlx.loader import read_model_config
+
+    try:
+        flow = read_model_config(model_dir).flow
+    except VoxtralError as e:
+        raise SystemExit(str(e)) from None
+    s, a, n = flow.semantic_codebook_size, flow.acoustic_codebook_size, flow.n_acoustic_codebook
+    semantic = (s // 128 + 1) * 128
+    table = semantic + -(-n * a // 128) * 128
+    if table < s + 2 + n * (a + 2) or semantic < s + 2:
+        raise SystemExit(
+            f"{model_dir}: mlx-audio cannot run {s} semantic codes and {n} acoustic codebooks "
+            f"of {a} levels (its code table holds {table} rows for {s + 2 + n * (a + 2)} codes, "
+            f"its semantic head {semantic} outputs for {s + 2}), so there is nothing to compare "
+            "with (frame_speed.py can time voxtral_mlx alone with --no-reference)"
+        )
 
 
 def load_reference(model_dir: Path):

@@ -587,3 +587,28 @@ def test_revision_compare_runs_each_tree_whatever_the_working_directory(
     (tmp_path / "empty").mkdir()  # no voxtral_mlx: the installed one would be timed
     with pytest.raises(SystemExit, match=r"imported voxtral_mlx from .*, not from this tree"):
         run_child(str(tmp_path / "empty"), child, [])
+
+
+@pytest.mark.parametrize(
+    ("codebooks", "words"),
+    [
+        ({"semantic_codebook_size": 200}, "holds 1024 rows for 1030 codes"),
+        ({"semantic_codebook_size": 127}, "semantic head 128 outputs for 129"),
+    ],
+)
+def test_codebooks_mlx_audio_cannot_hold_are_refused_before_timing(tmp_path, codebooks, words):
+    """A checkpoint mlx-audio's code table or semantic head is too small for was reported
+    only when its load failed, and run.py then failed three scripts instead of timing
+    voxtral_mlx alone."""
+    from benchmarks.common import check_comparable
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
+
+    params = make_params("tiny")
+    audio = params["multimodal"]["audio_model_args"]
+    audio.update(codebooks)
+    params["multimodal"]["audio_tokenizer_args"].update(codebooks)
+    path = build_random_checkpoint(tmp_path / "m", params, voices={VOICE: 5})
+    with pytest.raises(SystemExit) as exc:
+        check_comparable(path, VOICE)
+    message = str(exc.value)
+    assert words in message and "--no-reference" in message and "\n" not in message
