@@ -445,19 +445,24 @@ def test_alsa_config_path_naming_no_configuration_is_one_line_error(tmp_path, na
     assert "unset it" in message and "-o FILE" in message
 
 
-def test_alsa_config_path_with_one_usable_file_is_left_to_alsa(tmp_path, monkeypatch):
-    """A missing file beside a usable one is skipped by libasound: no error for it."""
+def test_alsa_config_path_is_read_as_libasound_reads_it(tmp_path, monkeypatch):
+    """A missing file beside a usable one is skipped by libasound: no error for it. Entries
+    are split at ":" and " ", read up to the first empty one, "~/" is the home folder."""
     from voxtral_mlx.audio.player import _check_alsa_config_path
 
     conf = tmp_path / "asoundrc"
     conf.write_text(ALSA_TEMPLATE.read_text())
+    missing = tmp_path / "no-such.conf"
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.delitem(sys.modules, "sounddevice", raising=False)
-    monkeypatch.setenv("ALSA_CONFIG_PATH", f"{tmp_path / 'no-such.conf'}:{conf}")
-    _check_alsa_config_path()
-    monkeypatch.setenv("ALSA_CONFIG_PATH", str(tmp_path / "no-such.conf"))
-    with pytest.raises(AudioOutputError, match="names no ALSA configuration file"):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for usable in (f"{missing}:{conf}", f"{missing} {conf}", "~/asoundrc", f"{conf}::{missing}"):
+        monkeypatch.setenv("ALSA_CONFIG_PATH", usable)
         _check_alsa_config_path()
+    for unusable in (str(missing), f":{conf}", f"{missing}::{conf}", "~/no-such.conf"):
+        monkeypatch.setenv("ALSA_CONFIG_PATH", unusable)
+        with pytest.raises(AudioOutputError, match="names no ALSA configuration file"):
+            _check_alsa_config_path()
 
 
 def test_missing_portaudio_is_one_line_error(tmp_path, monkeypatch):
@@ -1056,23 +1061,49 @@ def test_stop_without_waiting_returns_before_portaudio_has_closed(monkeypatch):
     monkeypatch.setattr(player_module.atexit, "register", registered.append)
     monkeypatch.setattr(player_module, "_exit_wait_registered", False)
     p, sd = _playing_player()
+    # When a player is made (after sounddevice's handler: run before it), not at a stop
+    # that may come from an exit handler itself, too late to register one.
+    assert registered == [player_module._await_closing_streams]
     s = sd.streams[0]
     _slow_to_close(s, 0.3)
     t0 = time.monotonic()
     p.stop(wait=False)
     assert time.monotonic() - t0 < 0.1
     assert not s.closed and p.buffered_s == 0 and p.closed
-    assert registered == [player_module._await_closing_streams]
     p.feed(frame(0))  # ignored, as after any stop()
     p.stop()  # waits for the close under way; no second one
     assert s.closed and s.count("abort") == 1 and s.count("close") == 1
     q, sd2 = _playing_player()
     _slow_to_close(sd2.streams[0], 0.3)
     q.stop(wait=False)
-    assert not sd2.streams[0].closed
-    player_module._await_closing_streams()  # what the exit runs
+    q.finish()  # as a `with` block's normal end: waits for the close too
     assert sd2.streams[0].closed
+    r, sd3 = _playing_player()
+    _slow_to_close(sd3.streams[0], 0.3)
+    r.stop(wait=False)
+    assert not sd3.streams[0].closed
+    player_module._await_closing_streams()  # what the exit runs
+    assert sd3.streams[0].closed
     assert registered == [player_module._await_closing_streams]  # once
+
+
+def test_a_stream_abandoned_at_exit_leaves_sounddevices_exit_handler_nothing_to_do(
+    monkeypatch,
+):
+    """Unregistering sounddevice's handler from inside the exit run does not stop it on
+    Python 3.14+ (it runs over a copy): it would stop and close the hung stream and
+    terminate PortAudio, waiting for ever."""
+    monkeypatch.setattr(player_module, "_CLOSE_WAIT_S", 0.1)
+    monkeypatch.setattr(player_module.atexit, "unregister", lambda handler: None)
+    p, sd = _playing_player()
+    hung = threading.Event()
+    sd.streams[0].abort = lambda: hung.wait(30)  # type: ignore[method-assign]
+    sd._last_callback = object()
+    sd._initialized = 1
+    p.stop(wait=False)
+    player_module._await_closing_streams()
+    assert p.abandoned and sd._last_callback is None and sd._initialized == 0
+    hung.set()
 
 
 def test_playback_stop_returns_at_once_and_wait_after_the_device_is_released():
@@ -1343,6 +1374,23 @@ def test_refresh_output_devices_sees_a_device_connected_since_start():
     p = AudioPlayer(SR, device="AirPods", sd=sd)
     assert p.device == len(sd.devices) - 1
     p.stop()
+
+
+def test_refresh_output_devices_right_after_a_stop_waits_for_the_close():
+    """Stop, headphones plugged in, refresh: Playback.stop() returns before PortAudio has
+    closed the stream, and the refresh was refused as if audio were still playing."""
+    sd = RestartableSD()
+    p = AudioPlayer(SR, sd=sd, clock=sd.clock)
+    for i in range(50):
+        p.feed(frame(i))
+        sd.clock.advance(0.001)
+    assert p.started
+    _slow_to_close(sd.streams[0], 0.3)
+    p.stop(wait=False)
+    assert not sd.streams[0].closed
+    devices = refresh_output_devices(sd)
+    assert sd.restarts == 1 and sd.streams[0].closed
+    assert [d["name"] for d in devices if d["default"]] == ["AirPods"]
 
 
 def test_refresh_output_devices_is_refused_while_a_player_is_open():

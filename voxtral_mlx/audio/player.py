@@ -75,7 +75,9 @@ _exit_wait_registered = False
 def _close_before_exit() -> None:
     """Make the interpreter's exit wait for streams still closing (``stop(wait=False)``):
     sounddevice's own exit handler terminates PortAudio, which must not run beside a close.
-    Registered after sounddevice's, so run before it."""
+    Registered when a player is made, after sounddevice's handler (at its import), so run
+    before it; not at the stop, which may itself come from an exit handler (too late to
+    register one)."""
     global _exit_wait_registered
     with _EXIT_WAIT:
         if not _exit_wait_registered:
@@ -87,6 +89,16 @@ def _await_closing_streams() -> None:
     for player in list(_PLAYERS):
         if player._closing is not None:
             player._close_stream(abort=True)
+        if player.abandoned:
+            # Unregistering sounddevice's handler from inside the exit run does not stop it
+            # on Python 3.14+ (the run goes over a copy): leave it nothing to do instead, or
+            # it would wait on the stream PortAudio could not close, for ever.
+            sd = player._sd
+            with contextlib.suppress(Exception):
+                if getattr(sd, "_last_callback", None) is not None:
+                    sd._last_callback = None
+                if isinstance(getattr(sd, "_initialized", None), int):
+                    sd._initialized = 0
 
 
 def _check_alsa_config_path() -> None:
@@ -97,7 +109,13 @@ def _check_alsa_config_path() -> None:
     value = os.environ.get("ALSA_CONFIG_PATH")
     if not sys.platform.startswith("linux") or not value or "sounddevice" in sys.modules:
         return
-    named = [p for p in value.split(":") if p]
+    # As libasound reads it: entries split at ":" or " ", up to the first empty one, "~/"
+    # the home folder.
+    named = []
+    for entry in re.split("[: ]", value):
+        if not entry:
+            break
+        named.append(os.path.expanduser(entry) if entry.startswith("~/") else entry)
     for path in named:
         try:
             if os.path.isfile(path) and os.path.getsize(path) > 0:
@@ -228,6 +246,9 @@ def refresh_output_devices(sd: Any = None) -> list[dict[str, Any]]:
             f"this sounddevice ({getattr(sd, '__version__', 'unknown version')}) cannot "
             "restart PortAudio; restart the app to see new audio devices"
         )
+    for player in list(_PLAYERS):  # stopped without waiting (Playback.stop()): let it close
+        if player._sd is sd and player._closing is not None:
+            player._close_stream(abort=True)
     with _PORTAUDIO_LOCK:
         if any(p._sd is sd and p.abandoned and not p._released for p in list(_PLAYERS)):
             raise UsageError(
@@ -381,6 +402,7 @@ class AudioPlayer:
         max_buffer_s: float = MAX_BUFFER_S,
     ) -> None:
         self._sd = sd if sd is not None else import_sounddevice()
+        _close_before_exit()
         self.sample_rate = int(sample_rate)
         self.blocksize = int(blocksize)
         self.min_preroll_s = float(min_preroll_s)
@@ -733,17 +755,21 @@ class AudioPlayer:
         time that sample leaves the DAC: PortAudio's ``outputBufferDacTime`` for its
         block (``stream.latency`` where the host API gives no timing) plus its offset in
         the block, plus one block for PortAudio's adaptation of our block size to the
-        host's buffers. Returns at once after ``stop()``. KeyboardInterrupt (or any
+        host's buffers. After ``stop()``, returns once the stream is closed (at once but
+        after a ``stop(wait=False)`` whose close is under way). KeyboardInterrupt (or any
         exception) while waiting stops playback and propagates.
         """
         try:
             with self._lock:
-                if self._closed or self._stopped.is_set():
-                    return
-                self._eof = True
-                if self._buffered == 0:
-                    self._gap = 0  # silence after the last sample is not a gap
+                ended = self._closed or self._stopped.is_set()
+                if not ended:
+                    self._eof = True
+                    if self._buffered == 0:
+                        self._gap = 0  # silence after the last sample is not a gap
                 nothing = self._buffered == 0 and not self._started
+            if ended:  # by stop(wait=False), perhaps: its close may still be under way
+                self._close_stream(abort=True)
+                return
             if nothing:
                 self._close_stream(abort=False)
                 return
@@ -790,8 +816,8 @@ class AudioPlayer:
 
         Safe from any thread, from a signal handler, and more than once. PortAudio's abort
         and close take a few hundred ms on some hosts: ``wait=False`` returns once they are
-        under way (a UI thread's Stop button), and a later ``stop()`` or ``finish()``, or
-        the interpreter's exit, waits for them.
+        under way (a UI thread's Stop button), and a later ``stop()`` or ``finish()``,
+        :func:`refresh_output_devices` or the interpreter's exit waits for them.
         """
         self._stopped.set()
         with self._lock:
@@ -813,7 +839,6 @@ class AudioPlayer:
                 ).start()
             closing = self._closing
         if not wait:
-            _close_before_exit()
             return
         if closing is None or self.abandoned:
             return
