@@ -116,14 +116,17 @@ def spec_decoding_steps(model, model_dir: Path) -> None:
 
 def fit_code_table(model, weights: dict) -> dict:
     """``weights`` (mlx-audio's names) with the audio code table padded with zero rows to
-    the size mlx-audio's model has for the checkpoint's codebooks (see the module's notes)."""
-    name = "audio_codebook_embeddings.embeddings.weight"
-    table = weights.get(name)
+    the size mlx-audio's model has for the checkpoint's codebooks (see the module's notes);
+    a quantized table's scales and biases too (zero rows of all three dequantize to 0)."""
     rows = model.audio_codebook_embeddings["embeddings"].weight.shape[0]
-    if table is not None and table.shape[0] < rows:
-        extra = mx.zeros((rows - table.shape[0], *table.shape[1:]), dtype=table.dtype)
-        weights = {**weights, name: mx.concatenate([table, extra])}
-    return weights
+    padded = dict(weights)
+    for part in ("weight", "scales", "biases"):
+        name = f"audio_codebook_embeddings.embeddings.{part}"
+        table = weights.get(name)
+        if table is not None and table.shape[0] < rows:
+            extra = mx.zeros((rows - table.shape[0], *table.shape[1:]), dtype=table.dtype)
+            padded[name] = mx.concatenate([table, extra])
+    return padded
 
 
 def load_reference(model_dir: Path, patch: bool = True):
@@ -147,9 +150,16 @@ def load_reference(model_dir: Path, patch: bool = True):
 def load_converted_reference(model_dir: Path, patch: bool = True):
     """mlx-audio's Model read by mlx-audio's own loader from a directory in its layout (an
     mlx-community conversion, mlx-audio's converter's output or ``voxtral-mlx convert``'s)."""
+    from mlx_audio.tts.models.voxtral_tts.voxtral_tts import Model
     from mlx_audio.tts.utils import load_model
 
-    model = load_model(Path(model_dir))  # evaluates the weights (lazy=False)
+    sanitize = Model.sanitize
+    if patch:  # its loader sanitizes the weights it read before quantizing and loading them
+        Model.sanitize = lambda self, weights: fit_code_table(self, sanitize(self, weights))
+    try:
+        model = load_model(Path(model_dir))  # evaluates the weights (lazy=False)
+    finally:
+        Model.sanitize = sanitize
     if patch:
         model.audio_tokenizer._alibi_slopes = spec_alibi_slopes(model.audio_tokenizer.args.n_heads)
         spec_decoding_steps(model, Path(model_dir))

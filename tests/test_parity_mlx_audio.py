@@ -153,6 +153,8 @@ def test_other_codebook_sizes_and_euler_steps_frame_by_frame(tmp_path):
     the checkpoint's steps and its code table at its own size (see mlx_audio_reference),
     makes the same codes. Unpatched, it runs 7 steps (and cannot load the table)."""
     import voxtral_mlx
+    from tests.mlx_audio_reference import load_converted_reference
+    from voxtral_mlx.convert import convert_model
     from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
 
     params = make_params("tiny")
@@ -173,13 +175,17 @@ def test_other_codebook_sizes_and_euler_steps_frame_by_frame(tmp_path):
         speech = tts.synthesize(TEXT, VOICE, noise=noise, max_frames=frames)
     finally:
         tts.close()
-    ref = load_reference(path)
-    assert ref.acoustic_transformer.args.n_denoising_steps == 4
     voice = torch.load(path / "voice_embedding" / f"{VOICE}.pt", weights_only=True)
-    ref._voice_embeddings[VOICE] = mx.array(voice.float().numpy())
-    with recorded_frames(ref) as recorded, injected_noise(noise), spec_codebook_floor():
-        list(ref.generate(TEXT, voice=VOICE, max_tokens=frames))
-    assert len(speech.codes) == frames
-    np.testing.assert_array_equal(speech.codes, np.stack(recorded[:frames]))
+    # Mistral's layout, and a conversion that mlx-audio's own loader reads.
+    converted = convert_model(path, tmp_path / "converted", dtype="float32").path
+    for ref in (load_reference(path), load_converted_reference(converted)):
+        assert ref.acoustic_transformer.args.n_denoising_steps == 4
+        ref._voice_embeddings[VOICE] = mx.array(voice.float().numpy())
+        with recorded_frames(ref) as recorded, injected_noise(noise), spec_codebook_floor():
+            list(ref.generate(TEXT, voice=VOICE, max_tokens=frames))
+        assert len(speech.codes) == frames
+        np.testing.assert_array_equal(speech.codes, np.stack(recorded[:frames]))
     with pytest.raises(ValueError):  # what the benchmarks reported as "cannot load"
         load_reference(path, patch=False)
+    with pytest.raises(ValueError):
+        load_converted_reference(converted, patch=False)
