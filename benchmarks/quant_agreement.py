@@ -75,18 +75,23 @@ def convert(source: Path, name: str, **kwargs) -> tuple[Path, tuple[int, int]]:
     import json
 
     from voxtral_mlx.convert import convert_model
+    from voxtral_mlx.fileio import atomic_write_text
 
     out = CACHE / f"{source.name}-{name.replace(', ', '-').replace(' ', '')}"
     if source.parent != CACHE:
         out = CACHE / "model-conversions" / out.name
         _TRANSIENT.append(out)
     counts = out.with_name(f"{out.name}.layers.json")  # beside it: not a model's file
-    if source.parent != CACHE or not (out / "config.json").is_file() or not counts.is_file():
+    try:
+        layers = tuple(json.loads(counts.read_text()))
+    except (OSError, ValueError, TypeError):  # none yet, or cut short by a killed run
+        layers = ()
+    if source.parent != CACHE or not (out / "config.json").is_file() or len(layers) != 2:
         result = convert_model(source, out, force=True, **kwargs)
         quantized = len(result.quantized)
-        counts.write_text(json.dumps([quantized, quantized + len(result.unfit)]))
-    quantized, wanted = json.loads(counts.read_text())
-    return out, (quantized, wanted)
+        layers = (quantized, quantized + len(result.unfit))
+        atomic_write_text(counts, json.dumps(layers))
+    return out, layers  # type: ignore[return-value]
 
 
 def _share(layers: tuple[int, int]) -> str:

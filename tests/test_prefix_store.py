@@ -555,20 +555,20 @@ def test_the_key_names_the_code_that_computes_it(tiny_checkpoint, tmp_path, nois
     was reused: the output then matched neither version's uncached run."""
     from voxtral_mlx import prefix_store
 
-    package = Path(prefix_store.__file__).parent
-    copy = Path(shutil.copytree(package, tmp_path / "pkg", ignore=shutil.ignore_patterns("*.pyc")))
     store = tmp_path / "store"
+    read = prefix_store._module_code
     try:
         run(tiny_checkpoint, store, noise)
         assert run(tiny_checkpoint, store, noise).timings.prefix_from_disk
         here = prefix_store.code_digest()
-        monkeypatch.setattr(prefix_store, "__file__", str(copy / "prefix_store.py"))
-        prefix_store.code_digest.cache_clear()
-        assert prefix_store.code_digest() == here  # the same files
-        with (copy / "model" / "backbone.py").open("a") as f:
-            f.write("\n# patched\n")
-        prefix_store.code_digest.cache_clear()
-        assert prefix_store.code_digest() != here
+        for module in ("voxtral_mlx.model.backbone", "voxtral_mlx.config", "voxtral_mlx.engine"):
+            monkeypatch.setattr(
+                prefix_store,
+                "_module_code",
+                lambda name, module=module: read(name) + (b"#" if name == module else b""),
+            )
+            prefix_store.code_digest.cache_clear()
+            assert prefix_store.code_digest() != here, module
         assert not run(tiny_checkpoint, store, noise).timings.prefix_cached
         monkeypatch.undo()
         prefix_store.code_digest.cache_clear()
@@ -582,3 +582,27 @@ def test_the_key_names_the_code_that_computes_it(tiny_checkpoint, tmp_path, nois
         monkeypatch.undo()
         prefix_store.code_digest.cache_clear()
     assert prefix_store.code_digest() == here
+
+
+def test_compiled_modules_alone_are_read_for_the_key(tmp_path, monkeypatch):
+    """An app bundle or a zip may ship .pyc files only: their code is what counts (the
+    version alone would not tell a patched build)."""
+    import py_compile
+    import zipfile
+
+    from voxtral_mlx.prefix_store import _module_code
+
+    codes = []
+    for i, body in enumerate(("X = 1\n", "X = 2\n")):
+        (tmp_path / f"mod{i}.py").write_text(body)
+        py_compile.compile(str(tmp_path / f"mod{i}.py"), cfile=str(tmp_path / f"m{i}.pyc"))
+        archive = tmp_path / f"app{i}.zip"
+        with zipfile.ZipFile(archive, "w") as z:
+            z.write(tmp_path / f"m{i}.pyc", "frozen_prefix_mod.pyc")
+        monkeypatch.syspath_prepend(str(archive))
+        monkeypatch.delitem(sys.modules, "frozen_prefix_mod", raising=False)
+        codes.append(_module_code("frozen_prefix_mod"))
+        monkeypatch.undo()
+        monkeypatch.delitem(sys.modules, "frozen_prefix_mod", raising=False)
+    assert codes[0] != codes[1] and b"absent" not in codes[0]
+    assert _module_code("voxtral_mlx.model.backbone").startswith(b'"""')

@@ -16,8 +16,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import json
+import marshal
 import os
+import pkgutil
 import re
 import struct
 import warnings
@@ -40,27 +43,38 @@ _SAMPLE = 64  # bytes of each tensor read at its start, middle and end
 _OWN_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{32}\.safetensors")
 
 
-# The code that computes a prefix, beside voxtral_mlx/model/: an upgrade that changes it must
-# not be served the old code's states.
-_PREFIX_CODE = ("engine.py", "generate.py", "loader.py", "checkpoint.py", "mlx_layout.py")
+# The code that computes a prefix, beside voxtral_mlx.model's modules: an upgrade that
+# changes it must not be served the old code's states.
+_PREFIX_CODE = ("config", "engine", "generate", "loader", "checkpoint", "mlx_layout")
 
 
 @functools.cache
 def code_digest() -> str:
-    """A hash of voxtral_mlx's version, the size of its prefill parts and the files of the
-    code that computes a prefix (the model's modules, the engine and the loader), so that a
+    """A hash of voxtral_mlx's version, the size of its prefill parts and the code that
+    computes a prefix (the model's modules, the config, engine and loader), so that a
     prefix stored by another version or a patched copy is another key."""
-    from . import __version__
+    from . import __version__, model
     from .engine import PREFIX_PART_TOKENS
 
-    root = Path(__file__).parent
+    names = [f"{__package__}.{n}" for n in _PREFIX_CODE]
+    names += [f"{model.__name__}.{m.name}" for m in pkgutil.iter_modules(model.__path__)]
     h = hashlib.sha256(f"{__version__}\0{PREFIX_PART_TOKENS}\0".encode())
-    for path in [*sorted((root / "model").glob("*.py")), *(root / n for n in _PREFIX_CODE)]:
-        try:
-            h.update(f"{path.name}\0".encode() + path.read_bytes())
-        except OSError:  # an app bundle that ships compiled modules only: its version counts
-            h.update(f"{path.name}\0absent\0".encode())
+    for name in sorted(names):
+        h.update(f"{name}\0".encode() + _module_code(name))
     return h.hexdigest()
+
+
+def _module_code(name: str) -> bytes:
+    """The source of module ``name``; in an app bundle or a zip that ships compiled
+    modules only, its code object."""
+    try:
+        loader = importlib.import_module(name).__spec__.loader
+        source = loader.get_source(name)
+        if source is not None:
+            return source.encode()
+        return marshal.dumps(loader.get_code(name))
+    except Exception:  # nothing to read: the version and the module's name still count
+        return b"\0absent"
 
 
 class PrefixCacheWarning(UserWarning):

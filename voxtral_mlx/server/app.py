@@ -8,6 +8,7 @@ request frame by frame. The event loop only encodes the chunks it receives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -246,6 +247,7 @@ class SpeechAPI:
         fmt = FORMATS[req.response_format]
         chunk_frames = 1 if fmt.streams else SYNTH_CHUNK_FRAMES
         stream, input_tokens = await self._open(req, chunk_frames)
+        encoder = None
         try:
             encoder = make_encoder(fmt.name, self.tts.sample_rate)
             stretcher = None
@@ -253,6 +255,9 @@ class SpeechAPI:
                 stretcher = TimeStretcher(req.speed, self.tts.sample_rate)
         except BaseException:
             stream.cancel()
+            if encoder is not None:
+                with contextlib.suppress(Exception):
+                    encoder.close()
             raise
         done = Progress()
         audio = self._encoded(stream, encoder, stretcher, done, grow=fmt.streams)
