@@ -260,7 +260,8 @@ def test_a_codec_mlx_audio_cannot_build_is_a_one_line_refusal(tmp_path: Path) ->
     with pytest.raises(SystemExit) as exc:
         load_reference(path)
     message = str(exc.value)
-    assert "mlx-audio cannot load" in message and "\n" not in message
+    assert "mlx-audio cannot run 126 semantic codes" in message and "\n" not in message
+    assert "holds 896 rows for 956 codes" in message  # told before loading anything
 
 
 def test_split_text_on_other_codebook_counts(odd: Path) -> None:
