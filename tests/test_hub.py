@@ -189,7 +189,6 @@ def test_file_path_is_an_error(tiny_checkpoint: Path, no_hub) -> None:
         "nope",
         "../nope",
         "nope/",
-        "owner/name/",
         "owner//name",
         "owner/na me",
         "models--owner--name",
@@ -241,6 +240,12 @@ def test_a_hub_timeout_that_is_no_whole_number_is_one_line(
         "https://huggingface.co/acme/tiny",
         "https://huggingface.co/acme/tiny/tree/main",
         "hf.co/acme/tiny",
+        # as tab completion, a clone URL, Windows or hf:// write it
+        "acme/tiny/",
+        "acme/tiny.git",
+        "acme\\tiny",
+        "hf://acme/tiny",
+        "hf://models/acme/tiny",
     ],
 )
 def test_a_page_address_or_a_revision_names_the_repo_id_to_pass(
@@ -402,7 +407,8 @@ MISTRAL_FILES = [
     [
         # the name says nothing (or the wrong thing): the listing decides
         ("someone/Voxtral-4B-TTS-2603-4bit", MLX_FILES, MLX_FETCHED),
-        ("someone/voxtral-tts-q6", MLX_FILES[2:6], MLX_PATTERNS),  # one shard, no index
+        # one shard, no index
+        ("someone/voxtral-tts-q6", [*MLX_FILES[2:6], "voice_embedding/a.pt"], MLX_PATTERNS),
         ("someone/voxtral-tts-mlx-ready", MISTRAL_FILES, MISTRAL_PATTERNS),
         # a conversion that kept its source's weights: only the conversion is fetched
         ("someone/voxtral-copy", [*MLX_FILES, "consolidated.safetensors"], MLX_FETCHED),
@@ -412,6 +418,7 @@ MISTRAL_FILES = [
             "someone/voxtral-weights",
             [
                 *MLX_FILES[:5],
+                "voice_embedding/a.pt",
                 "weights.00.safetensors",
                 "weights.01.safetensors",
                 "consolidated.safetensors",
@@ -430,8 +437,8 @@ MISTRAL_FILES = [
             [*MLX_FETCHED, "voice_embedding/casual_female.pt"],
         ),
         # neither layout: the name decides, the loader says what is missing
-        ("someone/voxtral-empty", ["README.md"], MISTRAL_PATTERNS),
-        ("someone/voxtral-mlx-empty", ["README.md"], MLX_PATTERNS),
+        ("someone/voxtral-empty", ["README.md", "voice_embedding/a.pt"], MISTRAL_PATTERNS),
+        ("someone/voxtral-mlx-empty", ["README.md", "voice_embedding/a.pt"], MLX_PATTERNS),
     ],
 )
 def test_other_repos_are_fetched_by_what_they_hold(
@@ -869,6 +876,8 @@ def test_login_problems_are_named_as_such(
 ) -> None:
     """A revoked token read as a connection problem, a 403 as 'not in the local cache'
     (huggingface_hub raises that, with the HTTP error as its cause)."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     http_error = _http_error(huggingface_hub.errors.HfHubHTTPError, status)()
 
     def download(*args, **kwargs):
@@ -884,6 +893,127 @@ def test_login_problems_are_named_as_such(
     with pytest.raises(ModelNotFoundError) as exc:
         resolve_model_dir(DEFAULT_REPO)
     assert words in one_line(exc.value) and f"({status}" in str(exc.value)
+
+
+def _failing_download(status: int, wrapped: bool):
+    http_error = _http_error(huggingface_hub.errors.HfHubHTTPError, status)()
+
+    def download(*args, **kwargs):
+        if not wrapped:
+            raise http_error
+        try:
+            raise http_error
+        except Exception as cause:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("cannot find") from cause
+
+    return download
+
+
+@pytest.mark.parametrize(
+    ("status", "words"),
+    [
+        (429, "limiting requests from here (HTTP 429)"),
+        (407, "asks for credentials (HTTP 407) for"),
+        (404, "answered HTTP 404 for"),
+    ],
+)
+@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "as-cause"])
+def test_other_http_answers_are_named_not_taken_for_no_network(
+    status: int, words: str, wrapped: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A rate limit or a file the Hub did not find read as 'HF_HUB_OFFLINE set or no
+    network', a proxy's 407 as 'check the connection and free disk space'."""
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _failing_download(status, wrapped))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(DEFAULT_REPO)
+    message = one_line(exc.value)
+    assert words in message and "HF_HUB_OFFLINE" not in message
+    assert "free disk space" not in message
+
+
+@pytest.mark.parametrize("variable", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"])
+def test_a_refused_token_from_the_environment_is_named(
+    variable: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """It said to log in again, which changes nothing while the variable wins over it."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv(variable, "hf_expired")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _failing_download(401, True))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(DEFAULT_REPO)
+    message = one_line(exc.value)
+    assert f"refused the token in ${variable}" in message and f"unset {variable}" in message
+    assert "hf_expired" not in message
+
+
+@pytest.mark.parametrize(
+    ("setting", "words"),
+    [
+        (("HF_ENDPOINT", "huggingface.co"), "HF_ENDPOINT='huggingface.co' lacks http:// or"),
+        (("HF_ENDPOINT", "https://hub.example"), "HF_ENDPOINT='https://hub.example')"),
+        (("HTTPS_PROXY", "http://127.0.0.1:1"), "through the proxy in HTTPS_PROXY"),
+    ],
+)
+def test_an_unreachable_hub_names_the_settings_that_point_at_it(
+    setting, words: str, fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A wrong endpoint or proxy read as the network being down."""
+
+    def unreachable(repo_id, **kwargs):
+        raise ConnectionError("refused")
+
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(*setting)
+    monkeypatch.setattr(hub_module, "_list_files", unreachable)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir("someone/voxtral-tts")
+    message = one_line(exc.value)
+    assert "is not in the local Hugging Face cache" in message and words in message
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        ["params.json", "tekken.json", "consolidated.safetensors"],  # Voxtral Mini Realtime
+        ["config.json", "model.safetensors", "tokenizer.json"],  # any text model
+    ],
+)
+def test_a_repo_without_voices_is_refused_before_its_weights_are_fetched(
+    files: list[str], fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A speech-to-text Voxtral or another model was downloaded whole (9 to 24 GB), then
+    refused for its params, with advice to download it again."""
+
+    def listing(repo_id, **kwargs):
+        return dict.fromkeys(files), COMMIT
+
+    monkeypatch.setattr(hub_module, "_list_files", listing)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir("mistralai/Voxtral-Mini-4B-Realtime-2602")
+    message = one_line(exc.value)
+    assert "is not a Voxtral TTS model: it holds no voices" in message
+    assert DEFAULT_REPO in message and "--force-download" not in message
+    assert not fake_hub  # nothing fetched
+
+
+def test_a_local_folder_named_like_the_default_repo_does_not_hide_it(
+    fake_hub, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """./mistralai/Voxtral-4B-TTS-2603 holding no model (half of an `hf download
+    --local-dir`): a command naming no model was refused as that folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / DEFAULT_REPO).mkdir(parents=True)
+    resolve_model_dir(None)
+    assert fake_hub[0][0][0] == DEFAULT_REPO
+    shutil.rmtree(tmp_path / "mistralai")
+    shutil.copytree(tiny_checkpoint, tmp_path / DEFAULT_REPO)  # a model there: that one
+    assert resolve_model_dir(DEFAULT_REPO) == (tmp_path / DEFAULT_REPO).resolve()
+    assert len(fake_hub) == 1
 
 
 def test_an_interrupted_download_is_named_as_such(monkeypatch, tmp_path) -> None:
@@ -989,7 +1119,12 @@ def test_a_download_the_disk_has_no_room_for_is_refused_before_it_begins(
     download goes ahead."""
     from types import SimpleNamespace
 
-    sizes = {"params.json": 2_000, "tekken.json": 15_000_000, "consolidated.safetensors": 8e9}
+    sizes = {
+        "params.json": 2_000,
+        "tekken.json": 15_000_000,
+        "consolidated.safetensors": 8e9,
+        "voice_embedding/casual_male.pt": 40_000,
+    }
     calls: list[dict] = []
 
     def model_info(repo_id, **kwargs):
@@ -1261,8 +1396,9 @@ def download(*args, **kwargs):
 
 
 huggingface_hub.snapshot_download = download
+voice = type("Sibling", (), {"rfilename": "voice_embedding/casual_male.pt"})()
 huggingface_hub.model_info = lambda repo_id, **kw: type(
-    "Info", (), {"siblings": [], "sha": "0" * 40}
+    "Info", (), {"siblings": [voice], "sha": "0" * 40}
 )()
 sys.exit(cli.main(["voices", "-m", "mistralai/Voxtral-4B-TTS-2603"], own_process=True))
 """

@@ -438,6 +438,18 @@ def looks_like_repo_id(spec: str) -> bool:
     return not (first.is_dir() or first.is_symlink())
 
 
+def _shadows_a_known_repo(given: object, spec: str, path: Path) -> bool:
+    """A folder of the current directory named like a repo of Mistral's or mlx-community's
+    (``./mistralai/Voxtral-4B-TTS-2603``, as ``hf download --local-dir`` might leave one
+    half-made) that holds no model config: the repo is meant, not that folder (no model
+    named at all meant the default repo, and was refused as that folder)."""
+    if isinstance(given, Path) or not _repo_id_syntax(spec):
+        return False
+    if spec.split("/", 1)[0].lower() not in KNOWN_OWNERS or not path.is_dir():
+        return False
+    return not any(os.path.lexists(path / name) for name in ("params.json", "config.json"))
+
+
 def _broken_link(path: Path) -> Path | None:
     """The first of ``path`` and its parents that is a link leading nowhere (or in a loop)."""
     for p in (path, *path.parents):
@@ -471,6 +483,8 @@ def resolve_model_dir(
             f"{DEFAULT_REPO}"
         )
     path = usable_path(spec, "model directory", ModelNotFoundError)
+    if _shadows_a_known_repo(path_or_repo, spec, path):
+        return _download(spec, weights)
     if path.exists():
         if not path.is_dir():
             raise ModelNotFoundError(
@@ -515,12 +529,13 @@ _HUB_URL = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/", re
 def _repo_id_meant(spec: str) -> str | None:
     """The repo id in a model page's address or an id with a revision (``@main``, ``:v1``),
     when that id is a valid one."""
-    rest = spec.strip()
+    rest = spec.strip().replace("\\", "/")
     url = _HUB_URL.match(rest)
     if url:
         rest = "/".join(rest[url.end() :].split("/")[:2])
     else:
-        rest = re.split(r"[@:]", rest, maxsplit=1)[0]
+        rest = re.sub(r"^hf://(?:models/)?", "", rest)
+        rest = re.split(r"[@:]", rest, maxsplit=1)[0].rstrip("/").removesuffix(".git")
     return rest if rest != spec and _repo_id_syntax(rest) else None
 
 
@@ -606,6 +621,12 @@ def _download(repo_id: str, weights: bool = True) -> Path:
                 if _unreachable(e):
                     raise missing from None  # said as "not in the cache" or "incomplete"
                 raise e from e.__cause__ or e.__context__  # where its HTTP status is
+        if not any(_is_voice(f, ".pt") or _is_voice(f, ".safetensors") for f in files):
+            raise ModelNotFoundError(  # before its weights are fetched (gigabytes)
+                f"{repo_id} is not a Voxtral TTS model: it holds no voices (voice_embedding/); "
+                f"Voxtral Mini and Small are speech-to-text models: pass {DEFAULT_REPO} or a "
+                "conversion of it, or a local directory"
+            )
         patterns = needed(allow_patterns(repo_id, files))
         # The voices alone do not move refs/main off a whole model: found by their commit.
         snapshot, missing = _cached_snapshot(repo_id, commit, files, patterns, named=weights)
@@ -690,6 +711,9 @@ def _download(repo_id: str, weights: bool = True) -> Path:
             raise _auth_error(repo_id, _status(e)) from None
         if (_status(e) or 0) >= 500:  # a file's download failed on the Hub's side
             raise _server_error(repo_id, _status(e)) from None
+        answered = _http_error(repo_id, _status(e))
+        if answered is not None:  # not a network that is down: what the Hub said
+            raise answered from None
         if type(e).__name__ == "IncompleteSnapshotError":
             raise ModelNotFoundError(
                 f"the copy of {repo_id} in the local Hugging Face cache is incomplete (an "
@@ -699,8 +723,8 @@ def _download(repo_id: str, weights: bool = True) -> Path:
             ) from None
         raise ModelNotFoundError(
             f"{repo_id} is not in the local Hugging Face cache and downloading is off or "
-            "impossible (HF_HUB_OFFLINE set or no network): connect and unset HF_HUB_OFFLINE, "
-            "or pass a local directory"
+            f"impossible (HF_HUB_OFFLINE set or no network{_network_settings()}): connect and "
+            "unset HF_HUB_OFFLINE, or pass a local directory"
         ) from None
     except ModelNotFoundError:
         raise
@@ -710,6 +734,9 @@ def _download(repo_id: str, weights: bool = True) -> Path:
             raise _auth_error(repo_id, status) from None
         if status is not None and status >= 500:
             raise _server_error(repo_id, status) from None
+        answered = _http_error(repo_id, status)
+        if answered is not None:
+            raise answered from None
         cache = one_line(str(_repo_cache(repo_id).parent), 200)
         if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise ModelNotFoundError(
@@ -760,7 +787,51 @@ def _server_error(repo_id: str, status: int | None) -> ModelNotFoundError:
     )
 
 
+def _http_error(repo_id: str, status: int | None) -> ModelNotFoundError | None:
+    """What an HTTP answer of the Hub (or of a proxy) other than 401, 403 and 5xx means."""
+    if status == 429:
+        return ModelNotFoundError(
+            f"the Hugging Face Hub is limiting requests from here (HTTP 429) for {repo_id}: "
+            "wait a few minutes and run again (logged in with `hf auth login`, the limit is "
+            "higher), or pass a local directory"
+        )
+    if status == 407:
+        return ModelNotFoundError(
+            f"the proxy between here and the Hugging Face Hub asks for credentials (HTTP 407) "
+            f"for {repo_id}: put them in HTTPS_PROXY (http://user:password@host:port), or "
+            "pass a local directory"
+        )
+    if status is not None and 400 <= status < 500 and status not in (401, 403):
+        return ModelNotFoundError(
+            f"the Hugging Face Hub answered HTTP {status} for {repo_id}: check the repo id and "
+            "run again later, or pass a local directory"
+        )
+    return None
+
+
+def _network_settings() -> str:
+    """The settings that decide where the Hub is asked, when set: a wrong one looks like no
+    network at all."""
+    said = []
+    endpoint = os.environ.get("HF_ENDPOINT")
+    if endpoint:
+        shown = one_line(repr(endpoint), 80)
+        lacks = "" if re.match(r"https?://", endpoint) else " lacks http:// or https://"
+        said.append(f"HF_ENDPOINT={shown}{lacks}")
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY"):
+        if os.environ.get(name):
+            said.append(f"through the proxy in {name}")
+            break
+    return "".join(f"; {s}" for s in said)
+
+
 def _auth_error(repo_id: str, status: int | None) -> ModelNotFoundError:
+    token = next((n for n in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN") if os.environ.get(n)), None)
+    if status == 401 and token is not None:  # it wins over a stored login
+        return ModelNotFoundError(
+            f"the Hugging Face Hub refused the token in ${token} for {repo_id} (401: invalid "
+            f"or expired): replace it, or unset {token} to use your `hf auth login`"
+        )
     if status == 401:
         return ModelNotFoundError(
             f"the Hugging Face Hub refused your login for {repo_id} (401: the token is invalid "
