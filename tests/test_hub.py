@@ -258,6 +258,12 @@ def test_a_page_address_or_a_revision_names_the_repo_id_to_pass(
     message = one_line(exc.value)
     assert "pass the repo id alone, acme/tiny (" in message and "revisions are not" in message
     assert not no_hub
+    (tmp_path / "acme").mkdir()  # a local folder by the owner's name: a path typo
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(spec)
+    if not spec.startswith(("http", "hf.co")):
+        assert "repo id alone" not in one_line(exc.value)
+    assert not no_hub
 
 
 def test_path_object_is_never_a_repo(no_hub, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -914,7 +920,10 @@ def _failing_download(status: int, wrapped: bool):
     [
         (429, "limiting requests from here (HTTP 429)"),
         (407, "asks for credentials (HTTP 407) for"),
-        (404, "answered HTTP 404 for"),
+        (404, "answered HTTP 404 for mistralai/Voxtral-4B-TTS-2603: check the repo id"),
+        (408, "timed out a request for mistralai/Voxtral-4B-TTS-2603 (HTTP 408): check the net"),
+        (416, "could not resume a partial download"),
+        (418, "answered HTTP 418 for mistralai/Voxtral-4B-TTS-2603: run again later"),
     ],
 )
 @pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "as-cause"])
@@ -986,7 +995,8 @@ def test_a_repo_without_voices_is_refused_before_its_weights_are_fetched(
     files: list[str], fake_hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A speech-to-text Voxtral or another model was downloaded whole (9 to 24 GB), then
-    refused for its params, with advice to download it again."""
+    refused for its params, with advice to download it again. Only its params are
+    fetched to tell."""
 
     def listing(repo_id, **kwargs):
         return dict.fromkeys(files), COMMIT
@@ -998,7 +1008,26 @@ def test_a_repo_without_voices_is_refused_before_its_weights_are_fetched(
     message = one_line(exc.value)
     assert "is not a Voxtral TTS model: it holds no voices" in message
     assert DEFAULT_REPO in message and "--force-download" not in message
-    assert not fake_hub  # nothing fetched
+    ((_, kwargs),) = fake_hub  # its params alone
+    assert kwargs["allow_patterns"] == [f for f in ("params.json", "config.json") if f in files]
+    assert kwargs["revision"] == COMMIT
+
+
+def test_a_tts_repo_without_voices_or_without_a_listing_is_still_fetched(
+    fake_hub, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A Voxtral TTS model published without voices (the loader names what it lacks), and
+    a listing that names no files (a mirror that leaves them out): not refused."""
+    files = ["params.json", "tekken.json", "consolidated.safetensors"]
+    listings = iter([dict.fromkeys(files), {}])
+    monkeypatch.setattr(hub_module, "_list_files", lambda repo_id, **kw: (next(listings), COMMIT))
+    shutil.copy(tiny_checkpoint / "params.json", tmp_path / "snapshot" / "params.json")
+    monkeypatch.chdir(tmp_path)
+    resolve_model_dir("someone/voxtral-tts-voiceless")
+    assert [kw["allow_patterns"] for _, kw in fake_hub] == [["params.json"], MISTRAL_PATTERNS]
+    fake_hub.clear()
+    resolve_model_dir("someone/voxtral-tts-mirror")
+    assert [kw["allow_patterns"] for _, kw in fake_hub] == [MISTRAL_PATTERNS]
 
 
 def test_a_local_folder_named_like_the_default_repo_does_not_hide_it(
@@ -1012,6 +1041,8 @@ def test_a_local_folder_named_like_the_default_repo_does_not_hide_it(
     assert fake_hub[0][0][0] == DEFAULT_REPO
     shutil.rmtree(tmp_path / "mistralai")
     shutil.copytree(tiny_checkpoint, tmp_path / DEFAULT_REPO)  # a model there: that one
+    assert resolve_model_dir(DEFAULT_REPO) == (tmp_path / DEFAULT_REPO).resolve()
+    (tmp_path / DEFAULT_REPO / "params.json").unlink()  # a damaged one: still that one
     assert resolve_model_dir(DEFAULT_REPO) == (tmp_path / DEFAULT_REPO).resolve()
     assert len(fake_hub) == 1
 

@@ -1103,7 +1103,11 @@ def test_a_stream_abandoned_at_exit_leaves_sounddevices_exit_handler_nothing_to_
     p.stop(wait=False)
     player_module._await_closing_streams()
     assert p.abandoned and sd._last_callback is None and sd._initialized == 0
-    hung.set()
+    hung.set()  # the device came back and the stream closed after all: nothing to disarm
+    _wait_for(lambda: p._released)
+    sd._last_callback, sd._initialized = object(), 1
+    player_module._await_closing_streams()
+    assert sd._last_callback is not None and sd._initialized == 1
 
 
 def test_playback_stop_returns_at_once_and_wait_after_the_device_is_released():

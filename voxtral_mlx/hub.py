@@ -441,13 +441,18 @@ def looks_like_repo_id(spec: str) -> bool:
 def _shadows_a_known_repo(given: object, spec: str, path: Path) -> bool:
     """A folder of the current directory named like a repo of Mistral's or mlx-community's
     (``./mistralai/Voxtral-4B-TTS-2603``, as ``hf download --local-dir`` might leave one
-    half-made) that holds no model config: the repo is meant, not that folder (no model
-    named at all meant the default repo, and was refused as that folder)."""
+    just begun) that holds no model file at all: the repo is meant, not that folder (no
+    model named at all meant the default repo, and was refused as that folder)."""
     if isinstance(given, Path) or not _repo_id_syntax(spec):
         return False
     if spec.split("/", 1)[0].lower() not in KNOWN_OWNERS or not path.is_dir():
         return False
-    return not any(os.path.lexists(path / name) for name in ("params.json", "config.json"))
+    try:  # one it cannot read is named as such, below
+        with os.scandir(path) as entries:
+            names = [e.name for e in entries]
+    except OSError:
+        return False
+    return not any(n in ("params.json", "config.json") or n.endswith(".safetensors") for n in names)
 
 
 def _broken_link(path: Path) -> Path | None:
@@ -533,10 +538,11 @@ def _repo_id_meant(spec: str) -> str | None:
     url = _HUB_URL.match(rest)
     if url:
         rest = "/".join(rest[url.end() :].split("/")[:2])
-    else:
-        rest = re.sub(r"^hf://(?:models/)?", "", rest)
-        rest = re.split(r"[@:]", rest, maxsplit=1)[0].rstrip("/").removesuffix(".git")
-    return rest if rest != spec and _repo_id_syntax(rest) else None
+        return rest if rest != spec and _repo_id_syntax(rest) else None
+    rest = re.sub(r"^hf://(?:models/)?", "", rest)
+    rest = re.split(r"[@:]", rest, maxsplit=1)[0].rstrip("/").removesuffix(".git")
+    # "models/tiny/" with a local "models/" is a path typo, as looks_like_repo_id() says
+    return rest if rest != spec and looks_like_repo_id(rest) else None
 
 
 # huggingface_hub reads these with int() when first imported, printing its own line first.
@@ -621,12 +627,10 @@ def _download(repo_id: str, weights: bool = True) -> Path:
                 if _unreachable(e):
                     raise missing from None  # said as "not in the cache" or "incomplete"
                 raise e from e.__cause__ or e.__context__  # where its HTTP status is
-        if not any(_is_voice(f, ".pt") or _is_voice(f, ".safetensors") for f in files):
-            raise ModelNotFoundError(  # before its weights are fetched (gigabytes)
-                f"{repo_id} is not a Voxtral TTS model: it holds no voices (voice_embedding/); "
-                f"Voxtral Mini and Small are speech-to-text models: pass {DEFAULT_REPO} or a "
-                "conversion of it, or a local directory"
-            )
+        if files and not any(_is_voice(f, ".pt") or _is_voice(f, ".safetensors") for f in files):
+            # No voices: a speech-to-text Voxtral, or another model? Its params say, before
+            # its weights are fetched (gigabytes).
+            _check_speaks(repo_id, files, commit, quiet)
         patterns = needed(allow_patterns(repo_id, files))
         # The voices alone do not move refs/main off a whole model: found by their commit.
         snapshot, missing = _cached_snapshot(repo_id, commit, files, patterns, named=weights)
@@ -767,6 +771,30 @@ def _download(repo_id: str, weights: bool = True) -> Path:
         ) from None
 
 
+def _check_speaks(repo_id: str, files: dict, commit: str | None, quiet: dict) -> None:
+    """Refuse ``repo_id`` unless its params.json (or config.json) is a Voxtral TTS model's,
+    fetching that file alone."""
+    from huggingface_hub import snapshot_download
+
+    from .errors import VoxtralError
+    from .loader import read_model_config
+
+    configs = [name for name in ("params.json", "config.json") if name in files]
+    if configs:
+        revision = commit if commit is not None and _COMMIT.fullmatch(commit) else None
+        folder = snapshot_download(repo_id, allow_patterns=configs, revision=revision, **quiet)
+        try:
+            read_model_config(Path(folder))
+            return  # a Voxtral TTS model without voices: the loader says what it lacks
+        except VoxtralError:
+            pass
+    raise ModelNotFoundError(
+        f"{repo_id} is not a Voxtral TTS model: it holds no voices (voice_embedding/) and its "
+        f"params are not a Voxtral TTS model's (Voxtral Mini and Small are speech-to-text "
+        f"models): pass {DEFAULT_REPO} or a conversion of it, or a local directory"
+    )
+
+
 def _status(e: BaseException | None) -> int | None:
     """The HTTP status of a Hub error, or of the error that caused it (huggingface_hub turns
     a failed listing into "not in the cache"), if one carries a response."""
@@ -801,10 +829,25 @@ def _http_error(repo_id: str, status: int | None) -> ModelNotFoundError | None:
             f"for {repo_id}: put them in HTTPS_PROXY (http://user:password@host:port), or "
             "pass a local directory"
         )
-    if status is not None and 400 <= status < 500 and status not in (401, 403):
+    if status == 408:
         return ModelNotFoundError(
-            f"the Hugging Face Hub answered HTTP {status} for {repo_id}: check the repo id and "
-            "run again later, or pass a local directory"
+            f"the Hugging Face Hub timed out a request for {repo_id} (HTTP 408): check the "
+            f"network (a proxy or a sign-in page in the way?{_network_settings()}) and run "
+            "again, or pass a local directory"
+        )
+    if status == 416:
+        return ModelNotFoundError(
+            f"the Hugging Face Hub could not resume a partial download of {repo_id} (HTTP "
+            "416): run again; if it persists, delete the repo's *.incomplete files under "
+            "blobs/ in the Hugging Face cache"
+        )
+    if status is not None and 400 <= status < 500 and status not in (401, 403):
+        check = "check the repo id and " if status in (400, 404, 410) else ""
+        settings = _network_settings()  # a wrong HF_ENDPOINT answers 404 too
+        where = f" ({settings[2:]})" if settings else ""
+        return ModelNotFoundError(
+            f"the Hugging Face Hub answered HTTP {status} for {repo_id}{where}: {check}run "
+            "again later, or pass a local directory"
         )
     return None
 
@@ -818,7 +861,10 @@ def _network_settings() -> str:
         shown = one_line(repr(endpoint), 80)
         lacks = "" if re.match(r"https?://", endpoint) else " lacks http:// or https://"
         said.append(f"HF_ENDPOINT={shown}{lacks}")
-    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY"):
+    # The proxy variables of the endpoint's scheme (https unless HF_ENDPOINT says http).
+    plain = (endpoint or "").lower().startswith("http://")
+    scheme = ("HTTP_PROXY", "http_proxy") if plain else ("HTTPS_PROXY", "https_proxy")
+    for name in (*scheme, "ALL_PROXY", "all_proxy"):
         if os.environ.get(name):
             said.append(f"through the proxy in {name}")
             break

@@ -89,7 +89,7 @@ def _await_closing_streams() -> None:
     for player in list(_PLAYERS):
         if player._closing is not None:
             player._close_stream(abort=True)
-        if player.abandoned:
+        if player.abandoned and not player._released:
             # Unregistering sounddevice's handler from inside the exit run does not stop it
             # on Python 3.14+ (the run goes over a copy): leave it nothing to do instead, or
             # it would wait on the stream PortAudio could not close, for ever.
