@@ -873,35 +873,9 @@ def test_any_network_failure_falls_back_to_a_complete_cached_copy(
     assert "HF_HUB_OFFLINE" not in message  # the cache was tried: it has no complete copy
 
 
-@pytest.mark.parametrize(
-    ("status", "words"), [(401, "log in again with `hf auth login`"), (403, "was refused (403)")]
-)
-@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "as-cause"])
-def test_login_problems_are_named_as_such(
-    status: int, words: str, wrapped: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """A revoked token read as a connection problem, a 403 as 'not in the local cache'
-    (huggingface_hub raises that, with the HTTP error as its cause)."""
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-    http_error = _http_error(huggingface_hub.errors.HfHubHTTPError, status)()
-
-    def download(*args, **kwargs):
-        if not wrapped:
-            raise http_error
-        try:
-            raise http_error
-        except Exception as cause:
-            raise huggingface_hub.errors.LocalEntryNotFoundError("cannot find") from cause
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ModelNotFoundError) as exc:
-        resolve_model_dir(DEFAULT_REPO)
-    assert words in one_line(exc.value) and f"({status}" in str(exc.value)
-
-
 def _failing_download(status: int, wrapped: bool):
+    """snapshot_download failing with HTTP ``status``: raised, or (``wrapped``) as the
+    cause of a LocalEntryNotFoundError, as huggingface_hub gives a failed listing."""
     http_error = _http_error(huggingface_hub.errors.HfHubHTTPError, status)()
 
     def download(*args, **kwargs):
@@ -913,6 +887,24 @@ def _failing_download(status: int, wrapped: bool):
             raise huggingface_hub.errors.LocalEntryNotFoundError("cannot find") from cause
 
     return download
+
+
+@pytest.mark.parametrize(
+    ("status", "words"), [(401, "log in again with `hf auth login`"), (403, "was refused (403)")]
+)
+@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "as-cause"])
+def test_login_problems_are_named_as_such(
+    status: int, words: str, wrapped: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A revoked token read as a connection problem, a 403 as 'not in the local cache'
+    (huggingface_hub raises that, with the HTTP error as its cause)."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _failing_download(status, wrapped))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model_dir(DEFAULT_REPO)
+    assert words in one_line(exc.value) and f"({status}" in str(exc.value)
 
 
 @pytest.mark.parametrize(

@@ -698,6 +698,25 @@ def test_the_openai_client_sees_its_own_exceptions(server, client):
     bad.close()
 
 
+class _Voices(dict):
+    broken: ClassVar[dict] = {}
+
+
+def _fake_model(**parts) -> SimpleNamespace:
+    """What create_app() reads of a loaded model, one voice, with ``parts`` (how its
+    requests are run) added."""
+    return SimpleNamespace(
+        voices=_Voices(casual_male=SimpleNamespace(language="en")),
+        default_voice="casual_male",
+        load_voice=lambda name: name,
+        sample_rate=SR,
+        engine=SimpleNamespace(
+            max_batch=4, stats=lambda: {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}
+        ),
+        **parts,
+    )
+
+
 def test_server_errors_are_json_without_details():
     """An internal failure is a 500 in OpenAI's shape (in-process: it cannot be provoked
     from outside a healthy server)."""
@@ -712,20 +731,7 @@ def test_server_errors_are_json_without_details():
         future.set_exception(RuntimeError("secret internal detail"))
         return future
 
-    class Voices(dict):
-        broken: ClassVar[dict] = {}
-
-    fake = SimpleNamespace(
-        voices=Voices(casual_male=SimpleNamespace(language="en")),
-        default_voice="casual_male",
-        load_voice=lambda name: name,
-        sample_rate=SR,
-        worker=SimpleNamespace(submit=failing_submit),
-        engine=SimpleNamespace(
-            stats=lambda: {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}
-        ),
-    )
-    app = create_app(fake, ServerConfig())
+    app = create_app(_fake_model(worker=SimpleNamespace(submit=failing_submit)), ServerConfig())
     with TestClient(app, raise_server_exceptions=False) as tc:
         r = tc.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
         error = _assert_openai_error(r, 500)
@@ -758,20 +764,7 @@ def test_a_request_whose_stream_cannot_be_opened_or_set_up_counts_as_failed(monk
     def failing_encoder(*args, **kwargs):
         raise RuntimeError("the encoder's library went missing")
 
-    class Voices(dict):
-        broken: ClassVar[dict] = {}
-
-    fake = SimpleNamespace(
-        voices=Voices(casual_male=SimpleNamespace(language="en")),
-        default_voice="casual_male",
-        load_voice=lambda name: name,
-        sample_rate=SR,
-        astream=refusing_astream,
-        engine=SimpleNamespace(
-            max_batch=4, stats=lambda: {"active": 0, "waiting": 0, "parked": 0, "max_batch": 4}
-        ),
-    )
-    app = create_app(fake, ServerConfig())
+    app = create_app(_fake_model(astream=refusing_astream), ServerConfig())
     with TestClient(app, raise_server_exceptions=False) as tc:
         r = tc.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
         error = _assert_openai_error(r, 500)
