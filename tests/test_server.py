@@ -150,14 +150,14 @@ def wait_until(predicate, timeout: float = 10.0, every: float = 0.02):
     raise AssertionError("condition not reached in time")
 
 
-def idle(server: Server) -> dict:
+def idle(server: Server, timeout: float = 10.0) -> dict:
     """/health once no request is in progress and the engine has no job left."""
 
     def check() -> dict | None:
         h = server.health()
         return h if h["requests"] == h["active"] == h["waiting"] == 0 else None
 
-    return wait_until(check)
+    return wait_until(check, timeout)
 
 
 # -- listing endpoints -------------------------------------------------------------------

@@ -32,7 +32,10 @@ _PORT_TAKEN_FIX = "choose another --port or stop the program using it"
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` (port 0: any free port), not yet listening."""
+    """A socket bound to ``host:port`` (port 0: any free port) and listening, so the port
+    is this server's while the model loads (connections wait until :func:`serve` accepts
+    them): two sockets bound with SO_REUSEADDR and not listening can share a port on
+    Linux, and the second ``listen()`` would fail only after the load."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -49,6 +52,7 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen()
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
