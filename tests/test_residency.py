@@ -191,6 +191,19 @@ def test_residency_problems_never_stop_generation(fake):
     r.release()  # released once only
 
 
+def test_a_failed_synchronize_still_puts_the_limit_back(fake):
+    r = Residency(1, backend=fake)
+    r.acquire()
+
+    def broken() -> None:
+        raise RuntimeError("command buffer failed")
+
+    fake.synchronize = broken
+    with pytest.warns(MemoryWarning, match="command buffer failed"):
+        r.release()
+    assert fake.limit == 123 and fake.history == [BUDGET, 123]
+
+
 @pytest.mark.parametrize("where", ["acquire", "release"])
 def test_warnings_raised_as_errors_do_not_stop_the_worker(checkpoint, fake, where):
     """Under ``-W error`` (or pytest's filterwarnings=error) the warning of a refused wired

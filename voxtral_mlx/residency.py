@@ -1,8 +1,9 @@
 """Keep the weights resident in GPU memory while a Mac generates (Metal only).
 
-Every frame reads all the weights (8 GB for Mistral's bf16 release). On macOS 15 and
-later, Metal may evict buffers it was not told to keep, and a frame that has to page its
-weights back in costs many times a normal one. While requests run, the process's wired
+Every frame reads all the weights (8 GB for Mistral's bf16 release). Metal may evict
+buffers it was not told to keep, and a frame that has to page its weights back in costs
+many times a normal one (MLX keeps buffers resident on macOS 15 and later; before, the
+limit is accepted and changes nothing). While requests run, the process's wired
 limit is raised to what the GPU can keep resident (``max_recommended_working_set_size``,
 as mlx-lm does while it generates), and put back when the model goes idle, so an app that
 loaded the model but is not speaking does not pin memory. Models in one process share
@@ -99,7 +100,7 @@ class Residency:
             if _WIRING.holders == 0:
                 try:
                     _WIRING.previous = self._backend.set_wired_limit(self.limit)
-                except Exception as e:  # e.g. macOS before 15: generate without it
+                except Exception as e:  # a limit refused: generate without it
                     self.limit = 0
                     _warn("weights not kept resident (wired limit refused)", e)
                     return
@@ -115,7 +116,9 @@ class Residency:
             _WIRING.holders -= 1
             if _WIRING.holders == 0:
                 try:
-                    self._backend.synchronize()  # nothing in flight relies on wired buffers
-                    self._backend.set_wired_limit(_WIRING.previous)
+                    try:
+                        self._backend.synchronize()  # nothing in flight needs wired buffers
+                    finally:  # not left raised for the rest of the process
+                        self._backend.set_wired_limit(_WIRING.previous)
                 except Exception as e:
                     _warn("the previous wired memory limit could not be restored", e)
