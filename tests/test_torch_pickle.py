@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import tracemalloc
+import warnings
 import zipfile
 import zlib
 from pathlib import Path
@@ -902,6 +903,23 @@ def test_zip_without_data_pkl(tmp_path: Path) -> None:
     with pytest.raises(VoiceError) as exc:
         read_pt(tmp_path / "z.pt")
     assert "data.pkl" in one_line(exc)
+
+
+@pytest.mark.parametrize("record", ["data/0", "byteorder"])
+def test_a_record_stored_twice_is_refused(tmp_path: Path, record: str) -> None:
+    """torch.load reads the first of two same-named records, a lookup by name the last:
+    which one holds the voice cannot be told."""
+    path = tmp_path / "d.pt"
+    torch.save(torch.arange(4, dtype=torch.float32), path)
+    assert read_pt(path).data.view("<f4").tolist() == [0, 1, 2, 3]
+    with zipfile.ZipFile(path) as zf:
+        name = next(n for n in zf.namelist() if n.endswith("/" + record))
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "a") as zf:
+        warnings.simplefilter("ignore")  # zipfile's "Duplicate name"
+        zf.writestr(name, b"big" if record == "byteorder" else b"\0" * 16)
+    with pytest.raises(VoiceError) as exc:
+        read_pt(path)
+    assert f"two records named '{name}'" in one_line(exc) and "d.pt" in str(exc.value)
 
 
 def test_storage_record_missing(tmp_path: Path) -> None:

@@ -522,6 +522,16 @@ def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, src: str) -> bytes:
 
 
 def _read_zip(zf: zipfile.ZipFile, src: str, key: str | None, max_values: int | None) -> PtTensor:
+    seen: set[str] = set()
+    for info in zf.infolist():
+        # Lookups by name find the last of two records and torch the first: which one holds
+        # the voice cannot be told, so a damaged (or doctored) archive is refused.
+        if info.filename in seen:
+            raise VoiceError(
+                f"{src} holds two records named {one_line(info.filename, 100)!r}: the file is "
+                "damaged; re-download it or re-save the tensor with torch.save"
+            )
+        seen.add(info.filename)
     pickles = [
         i for i in zf.infolist() if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1
     ]
