@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -481,6 +482,33 @@ def test_writing_an_entry_removes_older_formats_of_the_same_file(byte_tekken_fil
     TekkenTokenizer.from_file(byte_tekken_file, cache_dir=tmp_path)
     current = f"tekken-{digest}-f{tokenizer_mod.CACHE_FORMAT}.json"
     assert sorted(p.name for p in folder.iterdir()) == sorted([current, newer.name, other.name])
+
+
+def test_entries_of_other_files_beyond_the_limit_go_least_recently_used_first(
+    tmp_path, monkeypatch
+):
+    """Each distinct tekken.json added a 6.6 MB entry for good."""
+    import hashlib
+
+    monkeypatch.setattr(tokenizer_mod, "MAX_CACHED_TOKENIZERS", 3)
+    cache, folder = tmp_path / "cache", tmp_path / "cache" / "tokenizers"
+    files = {}
+    for name in "abcd":
+        path = write_tekken(
+            tmp_path / name / "tekken.json", build_tekken({name: 3}, vocab_source=None)
+        )
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        files[name] = (path, f"tekken-{digest}-f{tokenizer_mod.CACHE_FORMAT}.json")
+    for name in "abc":
+        TekkenTokenizer.from_file(files[name][0], cache_dir=cache)
+    (folder / "notes.txt").write_text("not an entry")
+    now = time.time()
+    for age, name in zip((30, 20, 10), "abc"):
+        os.utime(folder / files[name][1], (now - age, now - age))
+    TekkenTokenizer.from_file(files["a"][0], cache_dir=cache)  # read: now the most recent
+    TekkenTokenizer.from_file(files["d"][0], cache_dir=cache)
+    kept = sorted(p.name for p in folder.iterdir())
+    assert kept == sorted([files[n][1] for n in "acd"] + ["notes.txt"])
 
 
 def test_unwritable_cache_dir_still_loads(byte_tekken_file, tmp_path):

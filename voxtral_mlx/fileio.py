@@ -323,6 +323,35 @@ def remove_orphans(
     return removed
 
 
+def prune_oldest(directory: Path, names: re.Pattern[str], keep: str, max_files: int) -> None:
+    """Delete the least recently modified files of ``directory`` whose names ``names``
+    matches whole, beyond ``max_files``; never ``keep`` (the file just written, counted:
+    files with times in the future would be newer). Errors are ignored: this is a cache's
+    tidying, never its job."""
+    files = []
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                if entry.name == keep or not names.fullmatch(entry.name):
+                    continue
+                with contextlib.suppress(OSError):
+                    files.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path))
+    except OSError:
+        return
+    files.sort()
+    excess = len(files) + 1 - max_files
+    for _, path in files:
+        if excess <= 0:
+            break
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass  # another process pruned it
+        except OSError:  # one that cannot go (a folder of that name, another user's)
+            continue
+        excess -= 1
+
+
 def _process_exists(pid: int) -> bool:
     if os.name != "posix" or pid <= 0 or pid == os.getpid():
         return True  # (elsewhere signal 0 is not a probe; 0 and below are groups)

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import VoxtralError
-from .fileio import TEMP_KIND, atomic_write, one_line, remove_orphans
+from .fileio import TEMP_KIND, atomic_write, one_line, prune_oldest, remove_orphans
 from .model.cache import KVCache
 
 FORMAT = "voxtral_mlx.prefix/3"  # 3: prefilled in fixed parts
@@ -277,27 +277,9 @@ class PrefixStore:
             return []
 
     def _prune(self, keep: Path) -> None:
-        """Delete the oldest of the cache's files beyond ``max_files``, never ``keep`` (the
-        file just written: files with times in the future would be newer)."""
+        """Delete the oldest of the cache's files beyond ``max_files``, never ``keep``."""
         # Temp files of processes killed while writing (the CLI exits without waiting
         # after Ctrl-C); a running process's may be a write in progress and stays. Only
         # those of files this cache names: a shared folder holds others' too.
         remove_orphans(self.directory, _OWN_NAME, TEMP_KIND)
-        files = []
-        for p in self._files():
-            if p.name == keep.name:
-                continue
-            try:
-                files.append((p.stat().st_mtime_ns, p))
-            except OSError:
-                continue
-        files.sort()
-        excess = len(files) + 1 - self.max_files
-        for _, p in files:
-            if excess <= 0:
-                break
-            try:  # one that cannot go (a folder of that name, another user's) is passed over
-                p.unlink(missing_ok=True)
-            except OSError:
-                continue
-            excess -= 1
+        prune_oldest(self.directory, _OWN_NAME, keep.name, self.max_files)

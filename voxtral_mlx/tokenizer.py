@@ -40,6 +40,7 @@ from .fileio import (
     TEMP_KIND,
     atomic_write_text,
     one_line,
+    prune_oldest,
     read_limited,
     remove_orphans,
     unreadable_fix,
@@ -48,6 +49,9 @@ from .fileio import (
 
 # Bump when the cached file's layout or the way the model is built changes.
 CACHE_FORMAT = 4  # 2: max_token_bytes; 3: merges as "a b" strings; 4: a content checksum
+# Entries (6.6 MB each for the real vocabulary) of other tekken.json files beyond this are
+# deleted, the least recently used first.
+MAX_CACHED_TOKENIZERS = 8
 MAX_TEKKEN_BYTES = 256 << 20  # the real tekken.json holds 19 MB
 MAX_TOKEN_BYTES = 1024  # Tekken's longest token has 78 bytes
 MAX_MERGES = 4_000_000  # Tekken's vocabulary makes about 270,000
@@ -173,6 +177,8 @@ class TekkenTokenizer:
         cache_file = _cache_root(cache_dir) / f"tekken-{digest}-f{CACHE_FORMAT}.json"
         cached = _read_cache(cache_file, digest)
         if cached is not None:
+            with contextlib.suppress(OSError):
+                os.utime(cache_file)  # least recently used order for pruning
             try:
                 return cls._from_meta(*cached, path)
             except Exception:
@@ -592,6 +598,7 @@ def _write_cache(file: Path, meta: dict[str, Any], backend: Tokenizer) -> None:
         head = json.dumps({**meta, "content": _checksum(meta, body)}, ensure_ascii=False)
         payload = head + "\n" + body
         atomic_write_text(file, payload, durable=False)  # checksummed: a torn one is rebuilt
+        prune_oldest(file.parent, _CACHE_NAME, file.name, MAX_CACHED_TOKENIZERS)
         for old in range(1, CACHE_FORMAT):  # this file's entries in formats no longer read
             with contextlib.suppress(OSError):
                 file.with_name(f"tekken-{meta['sha256']}-f{old}.json").unlink(missing_ok=True)
