@@ -510,6 +510,13 @@ def test_entries_of_other_files_beyond_the_limit_go_least_recently_used_first(
     kept = sorted(p.name for p in folder.iterdir())
     assert kept == sorted([files[n][1] for n in "acd"] + ["notes.txt"])
 
+    # A format change: d's entry of the older format is replaced, not counted beside it.
+    older_d = folder / files["d"][1].replace(f"-f{tokenizer_mod.CACHE_FORMAT}", "-f1")
+    (folder / files["d"][1]).rename(older_d)
+    TekkenTokenizer.from_file(files["d"][0], cache_dir=cache)
+    kept = sorted(p.name for p in folder.iterdir())
+    assert kept == sorted([files[n][1] for n in "acd"] + ["notes.txt"])
+
 
 def test_unwritable_cache_dir_still_loads(byte_tekken_file, tmp_path):
     blocker = tmp_path / "not-a-dir"

@@ -334,8 +334,8 @@ def prune_oldest(directory: Path, names: re.Pattern[str], keep: str, max_files: 
             for entry in it:
                 if entry.name == keep or not names.fullmatch(entry.name):
                     continue
-                with contextlib.suppress(OSError):
-                    files.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path))
+                with contextlib.suppress(OSError):  # (the times os.utime() sets on a hit)
+                    files.append((entry.stat().st_mtime_ns, entry.path))
     except OSError:
         return
     files.sort()

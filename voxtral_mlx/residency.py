@@ -116,9 +116,10 @@ class Residency:
             _WIRING.holders -= 1
             if _WIRING.holders == 0:
                 try:
-                    try:
-                        self._backend.synchronize()  # nothing in flight needs wired buffers
-                    finally:  # not left raised for the rest of the process
-                        self._backend.set_wired_limit(_WIRING.previous)
+                    self._backend.synchronize()  # nothing in flight needs wired buffers
+                except Exception as e:  # the limit still goes back: not raised for good
+                    _warn("waiting for the GPU failed (the wired limit is restored anyway)", e)
+                try:
+                    self._backend.set_wired_limit(_WIRING.previous)
                 except Exception as e:
                     _warn("the previous wired memory limit could not be restored", e)

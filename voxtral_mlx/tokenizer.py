@@ -598,9 +598,9 @@ def _write_cache(file: Path, meta: dict[str, Any], backend: Tokenizer) -> None:
         head = json.dumps({**meta, "content": _checksum(meta, body)}, ensure_ascii=False)
         payload = head + "\n" + body
         atomic_write_text(file, payload, durable=False)  # checksummed: a torn one is rebuilt
-        prune_oldest(file.parent, _CACHE_NAME, file.name, MAX_CACHED_TOKENIZERS)
         for old in range(1, CACHE_FORMAT):  # this file's entries in formats no longer read
             with contextlib.suppress(OSError):
                 file.with_name(f"tekken-{meta['sha256']}-f{old}.json").unlink(missing_ok=True)
+        prune_oldest(file.parent, _CACHE_NAME, file.name, MAX_CACHED_TOKENIZERS)
     except OSError:
         pass  # an unwritable cache only costs the build time on the next load
