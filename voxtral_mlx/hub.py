@@ -711,10 +711,6 @@ def _download(repo_id: str, weights: bool = True) -> Path:
             "local directory"
         ) from None
     except LocalEntryNotFoundError as e:
-        if _status(e) in (401, 403):
-            raise _auth_error(repo_id, _status(e)) from None
-        if (_status(e) or 0) >= 500:  # a file's download failed on the Hub's side
-            raise _server_error(repo_id, _status(e)) from None
         answered = _http_error(repo_id, _status(e))
         if answered is not None:  # not a network that is down: what the Hub said
             raise answered from None
@@ -733,12 +729,7 @@ def _download(repo_id: str, weights: bool = True) -> Path:
     except ModelNotFoundError:
         raise
     except Exception as e:
-        status = _status(e)
-        if status in (401, 403):
-            raise _auth_error(repo_id, status) from None
-        if status is not None and status >= 500:
-            raise _server_error(repo_id, status) from None
-        answered = _http_error(repo_id, status)
+        answered = _http_error(repo_id, _status(e))
         if answered is not None:
             raise answered from None
         cache = one_line(str(_repo_cache(repo_id).parent), 200)
@@ -816,7 +807,11 @@ def _server_error(repo_id: str, status: int | None) -> ModelNotFoundError:
 
 
 def _http_error(repo_id: str, status: int | None) -> ModelNotFoundError | None:
-    """What an HTTP answer of the Hub (or of a proxy) other than 401, 403 and 5xx means."""
+    """What an HTTP error answer of the Hub (or of a proxy) means; None for no answer."""
+    if status in (401, 403):
+        return _auth_error(repo_id, status)
+    if status is not None and status >= 500:  # e.g. a file's download failed on its side
+        return _server_error(repo_id, status)
     if status == 429:
         return ModelNotFoundError(
             f"the Hugging Face Hub is limiting requests from here (HTTP 429) for {repo_id}: "
@@ -841,7 +836,7 @@ def _http_error(repo_id: str, status: int | None) -> ModelNotFoundError | None:
             "416): run again; if it persists, delete the repo's *.incomplete files under "
             "blobs/ in the Hugging Face cache"
         )
-    if status is not None and 400 <= status < 500 and status not in (401, 403):
+    if status is not None and 400 <= status < 500:
         check = "check the repo id and " if status in (400, 404, 410) else ""
         settings = _network_settings()  # a wrong HF_ENDPOINT answers 404 too
         where = f" ({settings[2:]})" if settings else ""
