@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import warnings
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 import voxtral_mlx
 import voxtral_mlx.engine as engine_mod
+from voxtral_mlx.config import END_AUDIO
 from voxtral_mlx.prefix_store import PrefixCacheWarning
 
 VOICE = "casual_male"
@@ -57,7 +59,16 @@ def solo(tts, text: str, **kwargs) -> np.ndarray:
 
 def test_a_set_aside_segment_rejoins_while_another_prompt_is_prefilled(tts, monkeypatch):
     """A set-aside segment needs no prefill: it waited for every part of another job's
-    long prompt, with a slot free all along and nothing generating."""
+    long prompt, with a slot free all along and nothing generating. It takes only the
+    free slots: the batch never runs more than ``max_batch`` rows."""
+    most = []
+    add = engine_mod.FrameBatch.add
+
+    def counted_add(batch, seq):
+        add(batch, seq)
+        most.append(batch.live())
+
+    monkeypatch.setattr(engine_mod.FrameBatch, "add", counted_add)
     monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 16)
     monkeypatch.setattr(engine_mod, "MIN_PREFILL_PART_TOKENS", 16)
     long_text = " ".join(f"Sentence number {i} goes on a little." for i in range(30))
@@ -87,6 +98,7 @@ def test_a_set_aside_segment_rejoins_while_another_prompt_is_prefilled(tts, monk
 
     pumps, parts_left = tts.call(scenario)
     assert pumps <= 2 and parts_left  # back at once, while the long prompt was prefilling
+    assert max(most) == tts.engine.max_batch, most
     for name, text, seed, frames in (
         ("a0", "Text A first segment.", 1, 12),
         ("a1", "Text A second segment.", 2, 40),
@@ -313,3 +325,195 @@ def test_grown_chunks_start_with_the_first_chunk_and_flush_when_the_job_is_neede
 
     # 1, then frames 2-4 and the one made as it was needed, then 8s, then the rest.
     assert tts.call(scenario) == [1, 4, 8, 8, 8, 1]
+
+
+class _EndOnRows:
+    """``model.frame`` whose semantic code is END, from the call after ``rows`` is set, for
+    the rows in ``rows`` (indices into the batch): the others run on."""
+
+    def __init__(self, model):
+        self.original, self.rows = model.frame, None
+
+    def __call__(self, h, noise, cfg):
+        sem, all_codes = self.original(h, noise, cfg)
+        if self.rows is not None:
+            ends = mx.array([i in self.rows for i in range(h.shape[0])])
+            sem = mx.where(ends, END_AUDIO, sem)
+            all_codes = mx.concatenate([sem[:, None], all_codes[:, 1:]], axis=-1)
+        return sem, all_codes
+
+
+@pytest.mark.parametrize("ending_rows", [{0}, {1}, {0, 1}])
+def test_end_stops_exactly_the_rows_that_say_it(tts, monkeypatch, ending_rows):
+    """END is checked for every row of the batch, not only the first; a row that ends
+    leaves the others running."""
+    frame = _EndOnRows(tts.model)
+    monkeypatch.setattr(tts.model, "frame", frame)
+
+    def scenario():
+        e = tts.engine
+        jobs = [tts.job("Text number one.", VOICE, seed=s, max_frames=30) for s in (1, 2)]
+        for j in jobs:
+            j.claim()
+            e.submit(j)
+        pump_while(e, lambda: len(e._batch.rows) < 2)
+        order = list(e._batch.rows)
+        frame.rows = ending_rows
+        e.pump()  # queues the frame that says END for those rows
+        frame.rows = None
+        pump_while(e, lambda: e.busy)
+        return [next(j for j in jobs if j.seq is s) for s in order]
+
+    for i, made in enumerate(tts.call(scenario)):
+        assert made.done
+        if i in ending_rows:
+            assert made.seq.stop_reason == "end" and made.seq.frames < 30, (i, made.seq)
+        else:
+            assert made.seq.stop_reason == "max_frames" and made.seq.frames == 30, (i, made.seq)
+
+
+def test_max_frames_0_makes_no_frame_when_the_voice_prefix_is_not_in_memory(tts):
+    """A zero-frame job whose voice prefix must still be computed joins no batch either
+    (warmup's zero-frame jobs rely on it)."""
+    tts.clear_prefix_cache()
+    speech = tts.synthesize("Text number one.", VOICE, seed=1, max_frames=0)
+    assert len(speech.codes) == 0 and len(speech.audio) == 0
+    tts.clear_prefix_cache()
+    speech = tts.synthesize("Text number one.", VOICE, noise=np.zeros((0, 36), np.float32))
+    assert len(speech.codes) == 0 and len(speech.audio) == 0
+
+
+def test_one_frame_is_one_frame_when_the_voice_prefix_is_cached(tts):
+    tts.synthesize("Hi.", VOICE, seed=1, max_frames=1)  # the voice's prefix cached
+    speech = tts.synthesize("Hi.", VOICE, seed=2, max_frames=1)
+    assert len(speech.codes) == 1 and speech.timings.prefix_cached
+
+
+def test_a_cancelled_set_aside_segment_ends_while_the_batch_is_full(tts):
+    """A segment set aside for a newcomer and then cancelled ends at once, not when a slot
+    frees for it to rejoin."""
+
+    def scenario():
+        e = tts.engine
+        a0 = job(tts, "Text A first segment.", 0, False, seed=1, max_frames=40)
+        a1 = job(tts, "Text A second segment.", 1, True, seed=2, max_frames=40)
+        for j in (a0, a1):
+            e.submit(j)
+        pump_while(e, lambda: len(e._batch.rows) < 2)
+        e.submit(job(tts, "Quick one.", 0, False, seed=3, max_frames=40))
+        pump_while(e, lambda: a1 not in e._parked)
+        a1.cancel()
+        pumps = pump_while(e, lambda: not a1.done)
+        still_running = not a0.done
+        pump_while(e, lambda: e.busy)
+        return pumps, still_running, a1.seq.stop_reason
+
+    pumps, still_running, reason = tts.call(scenario)
+    assert pumps <= 2 and still_running and reason == "cancelled"
+
+
+def test_a_cancel_stops_a_long_prefill_at_its_next_part(tts, monkeypatch):
+    monkeypatch.setattr(engine_mod, "PREFILL_PART_TOKENS", 16)
+    monkeypatch.setattr(engine_mod, "MIN_PREFILL_PART_TOKENS", 16)
+    long_text = " ".join(f"Sentence number {i} goes on a little." for i in range(30))
+    tts.synthesize("Quick one.", VOICE, seed=1, max_frames=1)  # the voice's prefix cached
+
+    def scenario():
+        e = tts.engine
+        e._part_tokens = 16
+        long = job(tts, long_text, 0, False, seed=4, max_frames=5)
+        e.submit(long)
+        pump_while(e, lambda: e._prefilling is None)
+        long.cancel()
+        pumps = pump_while(e, lambda: not long.done)
+        pump_while(e, lambda: e.busy)
+        return pumps, long.seq.frames
+
+    assert tts.call(scenario) == (1, 0)
+
+
+def test_the_segment_furthest_ahead_makes_room_for_a_waited_job(tts):
+    def scenario():
+        e = tts.engine
+        a1 = job(tts, "Text A second segment.", 1, True, seed=1, max_frames=40)
+        a2 = job(tts, "Text A third segment.", 2, True, seed=2, max_frames=40)
+        for j in (a1, a2):
+            e.submit(j)
+        pump_while(e, lambda: len(e._batch.rows) < 2)
+        e.submit(job(tts, "Quick one.", 0, False, seed=3, max_frames=40))
+        pump_while(e, lambda: not e._parked)
+        parked = list(e._parked)
+        pump_while(e, lambda: e.busy)
+        return parked, a2
+
+    parked, a2 = tts.call(scenario)
+    assert parked == [a2]
+
+
+def test_the_prefix_cache_keeps_the_most_recently_used_voices(tts, monkeypatch):
+    monkeypatch.setattr(tts.engine, "prefix_cache_voices", 2)
+    tts.clear_prefix_cache()
+
+    def hit(voice):
+        return tts.synthesize("Hi.", voice, seed=1, max_frames=1).timings.prefix_cached
+
+    assert [hit(v) for v in ("casual_male", "neutral_female", "casual_male")] == [
+        False,
+        False,
+        True,
+    ]
+    assert not hit("cheerful_female")  # neutral_female, used least recently, goes
+    assert hit("casual_male") and hit("cheerful_female")
+    assert not hit("neutral_female")
+
+
+def test_a_prefix_computed_across_a_clear_is_not_kept(tts):
+    tts.clear_prefix_cache()
+
+    def scenario():
+        e = tts.engine
+        made = job(tts, "Hi.", 0, False, seed=1, max_frames=2)
+        e.submit(made)
+        e.pump()  # the first of the prefix's parts
+        assert e._prefilling is not None and e._prefilling.prefix is not None
+        e.clear_prefix_cache()
+        pump_while(e, lambda: e.busy)
+        return made
+
+    made = tts.call(scenario)
+    assert made.done and not made.timings.prefix_cached
+    assert not tts.synthesize("Hi.", VOICE, seed=1, max_frames=1).timings.prefix_cached
+
+
+def test_a_job_whose_last_chunk_is_being_decoded_hears_of_a_failure(tts):
+    """A job that has left the batch, its last chunk still decoding beside the next frame,
+    gets the error of a failure then (or the model's closing) instead of waiting for ever."""
+
+    def scenario():
+        e = tts.engine
+        short = job(tts, "Quick one.", 0, False, seed=1, max_frames=3)
+        other = job(tts, "Text A first segment.", 0, False, seed=2, max_frames=40)
+        for j in (short, other):
+            e.submit(j)
+        pump_while(e, lambda: not any(r[0] is short and r[3] for r in e._inflight))
+        assert not short.done
+        e.fail_all(RuntimeError("the frame failed"))
+        return short, other
+
+    for made in tts.call(scenario):
+        items = []
+        while not made.output.empty():
+            items.append(made.output.get())
+        assert made.done and isinstance(items[-1], RuntimeError), items[-1:]
+        assert str(items[-1]) == "the frame failed"
+
+
+def test_a_reply_that_ends_at_once_reports_no_first_audio(tts, monkeypatch):
+    """END as the first frame: no audio, so no time to first audio (0), not the time of
+    the empty last chunk."""
+    frame = _EndOnRows(tts.model)
+    frame.rows = {0}
+    monkeypatch.setattr(tts.model, "frame", frame)
+    speech = tts.synthesize("Hi.", VOICE, seed=1, max_frames=10)
+    assert len(speech.codes) == 0 and len(speech.audio) == 0
+    assert speech.timings.first_audio_s == 0.0 and speech.timings.total_s > 0

@@ -35,7 +35,7 @@ from voxtral_mlx.errors import (
     VoiceError,
     VoxtralError,
 )
-from voxtral_mlx.generate import NoiseSource
+from voxtral_mlx.generate import NOISE_BLOCK, NoiseSource
 from voxtral_mlx.synthetic.checkpoint import REAL_VOICES, build_random_checkpoint, make_params
 from voxtral_mlx.synthetic.tekken import mistral_common_tekken_path
 
@@ -1020,3 +1020,12 @@ def test_checkpoint_written_by_torch_at_odd_sizes_speaks(tmp_path: Path, dtype: 
     assert ((speech.codes[:, 0] >= 2) & (speech.codes[:, 0] < 39)).all()
     assert ((speech.codes[:, 1:] >= 2) & (speech.codes[:, 1:] <= 6)).all()
     assert np.array_equal(tts.decode(speech.codes), speech.audio)
+
+
+def test_each_block_of_start_noise_has_its_own_key() -> None:
+    """Noise is drawn in blocks of NOISE_BLOCK frames, each from the next key of the seed's
+    chain: frame 64 is no repeat of frame 0, and any frame depends on the seed alone."""
+    rows = seeded_noise(5, 3 * NOISE_BLOCK).reshape(3, NOISE_BLOCK, 36)
+    assert not np.allclose(rows[0], rows[1]) and not np.allclose(rows[1], rows[2])
+    again = NoiseSource(36, seed=5)
+    np.testing.assert_array_equal(np.array(again.row(2 * NOISE_BLOCK + 3))[0], rows[2, 3])
