@@ -314,7 +314,7 @@ class LiveText:
             glued = e == s and (s + 1 < len(view) or view[s:] != "-")
             if _KINDS[k] == SENTENCE and (glued or _NEXT_WORD.search(view, s)):
                 cost = _length_cost(e, target, max_chars)  # as split_text weighs lengths
-                if cost <= best_cost:
+                if cost < best_cost:  # the first of equals, as split_text chooses
                     best, best_cost = (e, s), cost
         if best is not None:
             e, s = best
