@@ -229,11 +229,32 @@ def _is_int(value: Any) -> bool:
 
 
 def _shown(value: Any, limit: int = 160) -> str:
-    """``repr(value)`` for a message; Python refuses to print integers of over 4,300 digits."""
+    """``repr(value)`` for a message; Python refuses to print integers of over 4,300 digits,
+    and a container whose parts are shared many times over (``t = (t, t)``, grown in place
+    after it was shared) is named, not printed (its repr may need gigabytes)."""
+    if not _few_parts(value, limit):
+        return f"<a {type(value).__name__} of many parts>"
     try:
         return one_line(repr(value), limit)
     except (ValueError, RecursionError):
         return f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else "<?>"
+
+
+def _few_parts(value: Any, most: int) -> bool:
+    """Whether ``value`` holds at most ``most`` parts, shared ones counted each time (as
+    repr would print them)."""
+    todo, seen = [value], 0
+    while todo:
+        item = todo.pop()
+        seen += 1
+        if seen > most:
+            return False
+        if isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, (tuple, list, frozenset, set)):
+            todo.extend(item)
+    return True
 
 
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
@@ -274,7 +295,7 @@ class _RebuildTensorV2(_Inert):
         if metadata is not None and not isinstance(metadata, dict):
             raise _Malformed("tensor metadata must be a dict")
         if metadata and any(metadata.values()):
-            flags = ", ".join(one_line(str(k)) for k, v in metadata.items() if v)
+            flags = ", ".join(_shown(k, 80) for k, v in metadata.items() if v)
             raise _Malformed(f"tensor carries lazy {flags} bits, which are not supported")
         return _TensorRef(storage, storage_offset, shape, strides)
 
@@ -667,15 +688,19 @@ def _read_exact(f: BinaryIO, n: int, src: str) -> bytes:
 def _check_shape(data: bytes) -> None:
     """Walk the pickle's opcodes, building nothing, and refuse one that would make more
     objects than :data:`_MAX_PICKLE_OPS`, nest them deeper than :data:`_MAX_NESTING`, build
-    a set, or dicts of over :data:`_MAX_DICT_ENTRIES` entries in all.
+    a set, dicts of over :data:`_MAX_DICT_ENTRIES` entries in all, or an object of over
+    :data:`_MAX_PICKLE_OPS` parts counting shared ones each time: ``t = (t, t)`` 31 times
+    over is 31 deep and a few hundred bytes, yet hashing it as a key takes 2**31 steps.
 
-    The stack holds object numbers; ``depth[n]`` is how deep object ``n`` nests. The memo
-    holds numbers too, so a container changed after it was memoised is still seen whole.
+    The stack holds object numbers; ``depth[n]`` is how deep object ``n`` nests and
+    ``parts[n]`` how many parts it has. The memo holds numbers too, so a container changed
+    after it was memoised is still seen whole.
     """
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[Any, int] = {}
     depth: list[int] = []
+    parts: list[int] = []
     entries = 0  # of all dicts: one per dict would let many dicts add up
     try:
         ops = pickletools.genops(data)
@@ -725,9 +750,15 @@ def _check_shape(data: bytes) -> None:
                     target, items = taken[0], taken[1:]
                     inner = max((depth[i] for i in items), default=-1) + 1
                     depth[target] = max(depth[target], inner)
+                    parts[target] += sum(parts[i] for i in items)
                 else:
                     target, items = len(depth), taken
                     depth.append(max((depth[i] for i in taken), default=-1) + 1)
+                    parts.append(1 + sum(parts[i] for i in taken))
+                if parts[target] > _MAX_PICKLE_OPS:
+                    raise _Malformed(
+                        f"its pickle shares objects into one of over {_MAX_PICKLE_OPS} parts"
+                    )
                 if name in ("DICT", "SETITEM", "SETITEMS"):
                     entries += len(items) // 2
                     if entries > _MAX_DICT_ENTRIES:
