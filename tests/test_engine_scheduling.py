@@ -389,18 +389,30 @@ def test_one_frame_is_one_frame_when_the_voice_prefix_is_cached(tts):
     assert len(speech.codes) == 1 and speech.timings.prefix_cached
 
 
+def fill_then_a_waited_job(tts, *parts: tuple[str, int, bool]) -> list:
+    """Jobs of ``parts`` ((text, segment, ahead), seeds 1, 2, ...) fill the batch; then a
+    short job someone waits for is submitted. Returns the filling jobs. On the worker."""
+    e = tts.engine
+    made = [
+        job(tts, text, segment, ahead, seed=i + 1, max_frames=40)
+        for i, (text, segment, ahead) in enumerate(parts)
+    ]
+    for j in made:
+        e.submit(j)
+    pump_while(e, lambda: len(e._batch.rows) < len(made))
+    e.submit(job(tts, "Quick one.", 0, False, seed=len(made) + 1, max_frames=40))
+    return made
+
+
 def test_a_cancelled_set_aside_segment_ends_while_the_batch_is_full(tts):
     """A segment set aside for a newcomer and then cancelled ends at once, not when a slot
     frees for it to rejoin."""
 
     def scenario():
         e = tts.engine
-        a0 = job(tts, "Text A first segment.", 0, False, seed=1, max_frames=40)
-        a1 = job(tts, "Text A second segment.", 1, True, seed=2, max_frames=40)
-        for j in (a0, a1):
-            e.submit(j)
-        pump_while(e, lambda: len(e._batch.rows) < 2)
-        e.submit(job(tts, "Quick one.", 0, False, seed=3, max_frames=40))
+        a0, a1 = fill_then_a_waited_job(
+            tts, ("Text A first segment.", 0, False), ("Text A second segment.", 1, True)
+        )
         pump_while(e, lambda: a1 not in e._parked)
         a1.cancel()
         pumps = pump_while(e, lambda: not a1.done)
@@ -435,12 +447,9 @@ def test_a_cancel_stops_a_long_prefill_at_its_next_part(tts, monkeypatch):
 def test_the_segment_furthest_ahead_makes_room_for_a_waited_job(tts):
     def scenario():
         e = tts.engine
-        a1 = job(tts, "Text A second segment.", 1, True, seed=1, max_frames=40)
-        a2 = job(tts, "Text A third segment.", 2, True, seed=2, max_frames=40)
-        for j in (a1, a2):
-            e.submit(j)
-        pump_while(e, lambda: len(e._batch.rows) < 2)
-        e.submit(job(tts, "Quick one.", 0, False, seed=3, max_frames=40))
+        _, a2 = fill_then_a_waited_job(
+            tts, ("Text A second segment.", 1, True), ("Text A third segment.", 2, True)
+        )
         pump_while(e, lambda: not e._parked)
         parked = list(e._parked)
         pump_while(e, lambda: e.busy)

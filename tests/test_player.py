@@ -1110,26 +1110,32 @@ def test_a_stream_abandoned_at_exit_leaves_sounddevices_exit_handler_nothing_to_
     assert sd._last_callback is not None and sd._initialized == 1
 
 
+class FrameStream:
+    """A text stream for Playback yielding one frame every 10 ms until cancelled."""
+
+    text_error = None
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def prepare(self) -> None:
+        pass
+
+    def __iter__(self):
+        while not self.cancelled:
+            time.sleep(0.01)
+            yield SimpleNamespace(audio=frame(0))
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 def test_playback_stop_returns_at_once_and_wait_after_the_device_is_released():
     from voxtral_mlx.playback import Playback
 
-    class Stream:
-        cancelled = False
-
-        def prepare(self) -> None:
-            pass
-
-        def __iter__(self):
-            while not self.cancelled:
-                time.sleep(0.01)
-                yield SimpleNamespace(audio=frame(0))
-
-        def cancel(self) -> None:
-            self.cancelled = True
-
     p, sd = make_player(autoplay=True)
     s = sd.streams[0]
-    playback = Playback(Stream(), p)  # type: ignore[arg-type]
+    playback = Playback(FrameStream(), p)  # type: ignore[arg-type]
     _wait_for(lambda: p.started)
     _slow_to_close(s, 0.3)
     t0 = time.monotonic()

@@ -19,6 +19,7 @@ from test_player import (
     FRAME_S,
     SR,
     FakeSD,
+    FrameStream,
     _slow_to_close,
     frame,
     make_player,
@@ -249,32 +250,12 @@ def test_stop_after_a_stream_was_abandoned_returns_at_once(monkeypatch):
 # -- Playback -----------------------------------------------------------------------------
 
 
-class _Stream:
-    """A text stream yielding one frame every 10 ms until cancelled."""
-
-    text_error = None
-
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def prepare(self) -> None:
-        pass
-
-    def __iter__(self):
-        while not self.cancelled:
-            time.sleep(0.01)
-            yield SimpleNamespace(audio=frame(0))
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 def test_playback_end_after_stop_leaves_wait_without_an_error():
     """end(error) after stop() does not turn the user's stop into an error from wait()."""
     from voxtral_mlx.playback import Playback
 
     p, sd = make_player(autoplay=True)
-    playback = Playback(_Stream(), p)  # type: ignore[arg-type]
+    playback = Playback(FrameStream(), p)  # type: ignore[arg-type]
     assert _wait_until(lambda: p.started)
     _slow_to_close(sd.streams[0], 0.3)  # the thread is still closing when end() comes
     playback.stop()
@@ -292,7 +273,7 @@ def test_an_empty_chunk_never_starts_the_stream_even_with_a_zero_expected_total(
     assert sd.streams[0].calls == ["close"]
 
 
-class _ReadyStream(_Stream):
+class _ReadyStream(FrameStream):
     """Hands out the chunks it already holds even after cancel(), as TextStream does with
     those it has made ready."""
 
@@ -389,7 +370,7 @@ def test_playback_with_a_horizon_feeds_audio_and_segment_ends_only():
     empty = np.zeros(0, np.float32)
     chunks = [(frame(0), False), (empty, False), (frame(1, 10), False), (empty, True)]
 
-    class Stream(_Stream):
+    class Stream(FrameStream):
         def __iter__(self):
             for audio, ends in chunks:
                 yield SimpleNamespace(audio=audio, ends_segment=ends)
@@ -419,7 +400,7 @@ def test_an_error_that_stop_causes_in_the_apps_player_is_not_raised_by_wait():
         def stop(self):
             stopped.set()
 
-    playback = Playback(_Stream(), Player())  # type: ignore[arg-type]
+    playback = Playback(FrameStream(), Player())  # type: ignore[arg-type]
     assert in_feed.wait(5)
     playback.stop()
     assert playback.wait(5) is True
@@ -443,7 +424,7 @@ def test_playback_end_keeps_an_error_that_came_first():
             if threading.current_thread().name == "voxtral-mlx-say":
                 release.wait(5)  # the playback thread is still handling its failure
 
-    playback = Playback(_Stream(), Player())  # type: ignore[arg-type]
+    playback = Playback(FrameStream(), Player())  # type: ignore[arg-type]
     assert _wait_until(lambda: playback.error is not None)
     assert not playback.done
     playback.end(RuntimeError("the model was closed"))
@@ -459,7 +440,7 @@ def test_a_stop_during_the_split_skips_the_horizon_and_the_stream():
     splitting, stopped = threading.Event(), threading.Event()
     made: list[str] = []
 
-    class Stream(_Stream):
+    class Stream(FrameStream):
         def prepare(self) -> None:
             splitting.set()
             stopped.wait(5)

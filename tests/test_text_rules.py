@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_livetext import Clock, live, texts
 
 from voxtral_mlx.engine import DONE, AudioChunk, Timings
 from voxtral_mlx.errors import InputError
-from voxtral_mlx.livetext import END, LiveText, is_text_pieces, is_unordered
+from voxtral_mlx.livetext import LiveText, is_text_pieces, is_unordered
 from voxtral_mlx.segment import PARAGRAPH, PAUSE_AFTER, SENTENCE, Segment, split_text
 from voxtral_mlx.textinput import (
     TerminalCodes,
@@ -116,27 +117,6 @@ def test_a_byte_order_mark_is_dropped_from_the_first_decoded_piece_only():
 # ------------------------------------------------------------------ live text
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _live(clock=None, **kwargs) -> LiveText:
-    kwargs.setdefault("target_chars", 100)
-    kwargs.setdefault("max_chars", 200)
-    return LiveText(clock=clock or Clock(), **kwargs)
-
-
-def _texts(lt: LiveText) -> list[str]:
-    out = []
-    while (seg := lt.take(False)) not in (None, END):
-        out.append(seg.text)
-    return out
-
-
 def _put_in_thread(lt: LiveText, piece: str) -> bool:
     """Whether put() returned within a second (it waits while the buffer is full)."""
     t = threading.Thread(target=lt.put, args=(piece,), daemon=True)
@@ -151,14 +131,14 @@ def _put_in_thread(lt: LiveText, piece: str) -> bool:
 def test_a_tiny_buffer_still_holds_enough_text_for_a_cut():
     """Below 4 * max_chars the producer would wait for room the reader can only make by
     cutting a segment, which needs more text: a deadlock."""
-    lt = _live(max_buffer_chars=10)
+    lt = live(max_buffer_chars=10)
     assert lt.max_buffer_chars == 4 * 200
     lt.put("word " * 100)  # 500 characters, no sentence end
     assert _put_in_thread(lt, "more ")
 
 
 def test_a_full_buffer_waits_only_beyond_its_limit():
-    lt = _live(max_buffer_chars=800)
+    lt = live(max_buffer_chars=800)
     lt.put("x" * 800)  # exactly the limit: the next piece is taken
     assert _put_in_thread(lt, "y")
 
@@ -166,15 +146,15 @@ def test_a_full_buffer_waits_only_beyond_its_limit():
 def test_empty_pieces_do_not_postpone_a_stall_cut():
     """An LLM's empty deltas (keep-alives) are no text: the stall after a sentence stands."""
     clock = Clock()
-    lt = _live(clock, idle_s=0.5)
+    lt = live(clock, idle_s=0.5)
     lt.put("Done thinking.")
     clock.t = 10.0
     lt.put("")
-    assert _texts(lt) == ["Done thinking."]
+    assert texts(lt) == ["Done thinking."]
 
 
 def test_the_first_error_given_to_end_is_the_one_raised():
-    lt = _live()
+    lt = live()
     first, second = ValueError("first"), ValueError("second")
     lt.end(first)
     lt.end(second)
@@ -186,54 +166,51 @@ def test_read_from_leaves_an_iterable_it_did_not_make_open():
     """A file object is iterable and has close(): reading it to its end is no reason to
     close the caller's file (only a stopped stream closes its source)."""
     f = io.StringIO("Hello there.\nBye.\n")
-    lt = _live()
+    lt = live()
     lt.read_from(f).join(5)
-    assert _texts(lt) == ["Hello there.\nBye."]
+    assert texts(lt) == ["Hello there.\nBye."]
     assert not f.closed
 
 
-def test_a_single_line_break_then_an_indented_line_keeps_the_sentence_pause():
+@pytest.mark.parametrize(
+    "first, kind, later, rest",
+    [
+        ("A line.\n", SENTENCE, "  Indented next line.", "Indented next line."),
+        ("A paragraph.\n\n", PARAGRAPH, "\n  Next one.", "Next one."),
+    ],
+    ids=["one-line-break-then-an-indent", "paragraph-then-more-blank-lines"],
+)
+def test_a_pause_cut_at_a_stall_that_did_not_change_is_not_reported_again(first, kind, later, rest):
+    """pause_after(i) is for a pause that changed since the cut: one line break and an
+    indented line keep a sentence's pause, a segment cut with its blank line already there
+    keeps the paragraph pause it was given."""
     clock = Clock()
-    lt = _live(clock, idle_s=0.5)
-    lt.put("A line.\n")
+    lt = live(clock, idle_s=0.5)
+    lt.put(first)
     clock.t = 1.0
-    assert lt.take(False).pause_after == PAUSE_AFTER[SENTENCE]
-    lt.put("  Indented next line.")
+    assert lt.take(False).pause_after == PAUSE_AFTER[kind]
+    lt.put(later)
     lt.end()
-    assert _texts(lt) == ["Indented next line."]
-    assert lt.pause_after(0) is None
-
-
-def test_a_paragraph_cut_at_a_stall_reports_no_later_pause():
-    """pause_after(i) is for a pause that changed since the cut: a segment cut with its
-    blank line already there keeps the paragraph pause it was given."""
-    clock = Clock()
-    lt = _live(clock, idle_s=0.5)
-    lt.put("A paragraph.\n\n")
-    clock.t = 1.0
-    assert lt.take(False).pause_after == PAUSE_AFTER[PARAGRAPH]
-    lt.put("\n  Next one.")
-    lt.end()
-    assert _texts(lt) == ["Next one."]
+    assert texts(lt) == [rest]
     assert lt.pause_after(0) is None
 
 
 def test_a_sentence_exactly_max_chars_long_is_cut_once_confirmed():
-    lt = _live(target_chars=50, max_chars=100)
+    lt = live(target_chars=50, max_chars=100)
     sentence = "A" + "b" * 98 + "."
     lt.put(sentence + " Next word ")
-    assert _texts(lt) == [sentence]
+    assert texts(lt) == [sentence]
 
 
 def test_a_stall_after_an_upper_case_web_address_waits_for_what_follows():
     clock = Clock()
-    lt = _live(clock, idle_s=0.5)
+    lt = live(clock, idle_s=0.5)
     lt.put("Go to WWW.example.")
     clock.t = 5.0
-    assert _texts(lt) == []
+    assert texts(lt) == []
     lt.put("org today.")
     lt.end()
-    assert _texts(lt) == ["Go to WWW.example.org today."]
+    assert texts(lt) == ["Go to WWW.example.org today."]
 
 
 def test_a_memoryview_or_a_dicts_values_are_no_text_pieces():
@@ -296,7 +273,7 @@ def _silences(chunks) -> list[int]:
 
 def test_a_blank_live_segment_does_not_shorten_the_pause_it_falls_in():
     clock = Clock()
-    lt = _live(clock, idle_s=0.5)
+    lt = live(clock, idle_s=0.5)
     lt.put("Hello.\n\n\u200b\n")  # a paragraph, then a blank line cut at a stall
     clock.t = 1.0
     stream = TextStream(_submit, lambda i, seg: _Job(i), lt, 24000, 1, None)
@@ -310,7 +287,7 @@ def test_a_blank_live_segment_does_not_shorten_the_pause_it_falls_in():
 
 def test_a_fixed_pause_stays_when_a_blank_line_completes_after_the_cut():
     clock = Clock()
-    lt = _live(clock, idle_s=0.5)
+    lt = live(clock, idle_s=0.5)
     lt.put("First line.\n")
     clock.t = 1.0
     stream = TextStream(_submit, lambda i, seg: _Job(i), lt, 24000, 1, 0.25)
@@ -330,6 +307,6 @@ def test_live_text_breaks_a_tie_of_lengths_as_split_text_does():
     rest = " Next words here, and then a good deal more text follows after them, enough of it."
     whole = split_text(first + second + rest, target_chars=100, max_chars=200)
     assert whole[0].text == first
-    lt = _live(target_chars=100, max_chars=200)
+    lt = live(target_chars=100, max_chars=200)
     lt.put(first + second + " Next ")
-    assert _texts(lt) == [first, second.strip()]
+    assert texts(lt) == [first, second.strip()]

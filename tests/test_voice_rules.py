@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from test_torch_pickle import make_pt, op_global, op_int, op_str, op_tuple, tensor_pickle
 
 import voxtral_mlx.voices as voices_mod
 from voxtral_mlx.errors import InputError, UnsafePickleError, VoiceError
@@ -19,64 +20,12 @@ from voxtral_mlx.torch_pickle import _LEGACY_MAGIC, _MAX_PICKLE_OPS, _shown, rea
 from voxtral_mlx.voices import MAX_VOICE_ROWS, VoiceRegistry, convert_voice_files
 
 
-def op_global(module: str, name: str) -> bytes:
-    return f"c{module}\n{name}\n".encode()
-
-
-def op_str(text: str) -> bytes:
-    raw = text.encode()
-    return b"X" + struct.pack("<I", len(raw)) + raw
-
-
-def op_int(value: int) -> bytes:
-    return b"J" + struct.pack("<i", value)
-
-
 def op_long(value: int) -> bytes:
     raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
     return b"\x8b" + struct.pack("<I", len(raw)) + raw  # LONG4
 
 
-def op_tuple(*items: bytes) -> bytes:
-    return b"(" + b"".join(items) + b"t"
-
-
-HOOKS = b"\x89" + op_global("collections", "OrderedDict") + b")R"  # requires_grad, hooks
-
-
-def tensor_pickle(
-    storage: str = "FloatStorage",
-    numel: int = 4,
-    offset: int = 0,
-    shape: tuple[int, ...] = (4,),
-    stride: tuple[int, ...] = (1,),
-) -> bytes:
-    """The opcodes torch.save emits for a tensor on storage record "0"."""
-    pid = op_tuple(op_str("storage"), op_global("torch", storage), op_str("0"), op_str("cpu"))
-    pid = pid[:-1] + op_int(numel) + b"t"
-    args = (
-        pid
-        + b"Q"
-        + op_int(offset)
-        + op_tuple(*(op_int(s) for s in shape))
-        + op_tuple(*(op_int(s) for s in stride))
-        + HOOKS
-    )
-    return b"\x80\x02" + op_global("torch._utils", "_rebuild_tensor_v2") + b"(" + args + b"tR."
-
-
 BODY = tensor_pickle()[2:-1]  # the tensor's opcodes without PROTO and STOP
-
-
-def make_pt(path: Path, pkl: bytes, byteorder: bytes = b"little", extra: dict | None = None):
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("archive/data.pkl", pkl)
-        zf.writestr("archive/byteorder", byteorder)
-        zf.writestr("archive/data/0", np.arange(4, dtype=np.float32).tobytes())
-        zf.writestr("archive/version", b"3\n")
-        for name, data in (extra or {}).items():
-            zf.writestr(name, data)
-    return path
 
 
 def refused(path: Path, key: str | None = None) -> str:
@@ -247,7 +196,9 @@ def test_a_key_naming_a_non_tensor_entry_is_a_voice_error(tmp_path: Path) -> Non
 
 def test_an_archive_with_two_data_pkl_records_is_refused(tmp_path: Path) -> None:
     """Two top-level data.pkl records make the archive ambiguous: refused, not the first taken."""
-    path = make_pt(tmp_path / "two.pt", tensor_pickle(), extra={"other/data.pkl": tensor_pickle()})
+    path = make_pt(tmp_path / "two.pt", tensor_pickle())
+    with zipfile.ZipFile(path, "a") as zf:
+        zf.writestr("other/data.pkl", tensor_pickle())
     assert "2 data.pkl records" in refused(path)
 
 
