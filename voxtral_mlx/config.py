@@ -425,7 +425,7 @@ class ModelConfig:
         voice_index = {}
         raw_voice = codec_r.data.get("voice", {})
         if isinstance(raw_voice, Mapping):
-            voice_index = {str(k): v for k, v in raw_voice.items() if isinstance(v, int)}
+            voice_index = {str(k): v for k, v in raw_voice.items() if type(v) is int and v >= 0}
 
         config = cls(
             backbone=backbone,

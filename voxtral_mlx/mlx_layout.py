@@ -384,9 +384,12 @@ def read_quantization(config: Mapping[str, Any] | None, rename: bool) -> QuantCo
         else:
             layer_mode = _mode(value.get("mode", mode), f"{where}.mode")
             default_group, default_bits = group, bits
+        own_bits, own_group = value.get("bits"), value.get("group_size")
         out[name] = LayerQuant(
-            bits=_int(value.get("bits") or default_bits, f"{where}.bits"),
-            group_size=_int(value.get("group_size") or default_group, f"{where}.group_size"),
+            bits=_int(default_bits if own_bits is None else own_bits, f"{where}.bits"),
+            group_size=_int(
+                default_group if own_group is None else own_group, f"{where}.group_size"
+            ),
             mode=layer_mode,
         )
     return QuantConfig(bits, group, mode, out)
