@@ -666,6 +666,41 @@ def test_say_with_a_damaged_voice_file_raises_and_opens_no_audio(
         model.close()
 
 
+def test_say_of_live_text_with_a_damaged_voice_file_lets_the_text_go(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """The stream say() made for the text is closed: its reader does not go on taking the
+    app's pieces (an LLM's answer) after say() has raised."""
+    import shutil
+
+    import voxtral_mlx.audio.player as player_mod
+    from voxtral_mlx.errors import VoiceError
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model_dir)
+    (model_dir / "voice_embedding" / "fr_male.pt").write_bytes(b"not a voice")
+    monkeypatch.setattr(player_mod, "AudioPlayer", lambda *a, **k: NullPlayer())
+    resumed, released = threading.Event(), threading.Event()
+
+    def answer():
+        try:
+            yield "Hello there. "
+            resumed.wait(10)
+            while True:
+                yield "More words. "
+        finally:
+            released.set()
+
+    model = voxtral_mlx.load(model_dir, prefix_cache_dir=None)
+    try:
+        with pytest.raises(VoiceError, match=r"fr_male\.pt"):
+            model.say(answer(), "fr_male", wait=False)
+        resumed.set()
+        assert released.wait(10)
+    finally:
+        model.close()
+
+
 def test_say_and_async_requests_from_the_worker_thread_are_refused(tts):
     """say(), an event loop run inside tts.call(), and a warmup future waited on there all
     waited for the worker from the worker: the model hung for good (and the process
