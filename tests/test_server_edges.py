@@ -424,12 +424,23 @@ def test_bind_errors_name_the_fix_for_their_cause(monkeypatch):
 def test_a_streamed_response_asks_for_larger_chunks_once_the_client_is_ahead(
     live, monkeypatch, speed
 ):
-    """The tiny model runs ~10x real time: after the first one-frame chunk, a client that
+    """Generated well ahead of real time (5 ms a frame on the server's clock here, so a
+    busy machine cannot make it slower), after the first one-frame chunk a client that
     started playing at the first byte holds enough for chunks of 8 frames. The bytes are
     those of one-frame chunks throughout."""
+    import itertools
+
+    import voxtral_mlx.audio.chunking as chunking
     import voxtral_mlx.server.app as app_mod
     from voxtral_mlx.textstream import _Reader
 
+    class SteadyClient(chunking.ClientBuffer):
+        def __init__(self, rate: float = 1.0):
+            ticks = itertools.count()
+            super().__init__(rate, clock=lambda: 0.005 * next(ticks))
+
+    monkeypatch.setattr(app_mod, "ClientBuffer", SteadyClient)
+    monkeypatch.setattr(chunking._SegmentPace, "update", lambda self, chunk: 0.0)
     asked: list[int] = []
     set_chunk_frames = _Reader.set_chunk_frames
 
