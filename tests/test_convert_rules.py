@@ -151,16 +151,29 @@ def shard_tensors(path: Path) -> dict[str, mx.array]:
     return mx.load(str(path))
 
 
-def test_a_group_size_that_fits_no_backbone_layer_names_the_largest_that_does(
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            # the group size that fits no backbone layer: the largest that does is named
+            {"q_bits": 4, "q_group_size": 128},
+            "--q-bits 4 with group size 128 quantizes no backbone layer: their input widths "
+            "(64, 192) are not multiples of 128; use --q-group-size 64",
+        ),
+        ({"max_shard_bytes": 0}, "max_shard_bytes must be a whole number >= 1, got 0"),
+        ({"progress": 5}, "progress must be a function or None, got int"),
+    ],
+    ids=["group-size-fits-no-layer", "shard-limit-below-one-byte", "progress-not-a-function"],
+)
+def test_bad_conversion_arguments_are_refused_before_writing(
     source: Path,  # noqa: F811
     tmp_path: Path,
+    kwargs: dict[str, Any],
+    message: str,
 ) -> None:
     with pytest.raises(InputError) as exc:
-        convert_model(source, tmp_path / "out", q_bits=4, q_group_size=128)
-    assert str(exc.value) == (
-        "--q-bits 4 with group size 128 quantizes no backbone layer: their input widths "
-        "(64, 192) are not multiples of 128; use --q-group-size 64"
-    )
+        convert_model(source, tmp_path / "out", **kwargs)
+    assert str(exc.value) == message
     assert list(tmp_path.iterdir()) == []
 
 
@@ -178,16 +191,6 @@ def test_shards_split_exactly_at_the_byte_limit_and_none_is_empty(
     assert shard_tensors(below.files[0]).keys() == shards[0].keys()
     at = convert_model(source, tmp_path / "at", max_shard_bytes=first + second)
     assert shard_tensors(at.files[0]).keys() == shards[0].keys() | shards[1].keys()
-
-
-def test_a_shard_limit_below_one_byte_is_refused(
-    source: Path,  # noqa: F811
-    tmp_path: Path,
-) -> None:
-    with pytest.raises(InputError) as exc:
-        convert_model(source, tmp_path / "out", max_shard_bytes=0)
-    assert str(exc.value) == "max_shard_bytes must be a whole number >= 1, got 0"
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_index_records_the_total_size_and_files_are_marked_mlx(
@@ -217,16 +220,6 @@ def test_a_quantization_section_in_the_source_params_is_not_carried_over(
     out = convert_model(src, tmp_path / "out").path
     config = json.loads((out / "config.json").read_text())
     assert "quantization" not in config and "quantization_config" not in config
-
-
-def test_a_progress_that_is_not_a_function_is_refused_before_writing(
-    source: Path,  # noqa: F811
-    tmp_path: Path,
-) -> None:
-    with pytest.raises(InputError) as exc:
-        convert_model(source, tmp_path / "out", progress=5)
-    assert str(exc.value) == "progress must be a function or None, got int"
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_untied_output_head_in_the_source_is_left_out(

@@ -18,7 +18,7 @@ import soundfile as sf
 from test_audio_io import _ogg_crc_bitwise, _ogg_pages
 from test_interrupts import _child, _wait_for_interrupt
 from test_live_chunks import FRAME_S, _ChunkSink, _Clock, _MeasuredPlayer
-from test_playback_horizon import FRAMES, fake_stream, fake_tts, live_chunk
+from test_playback_horizon import FRAMES, counted_horizon, fake_stream, fake_tts, live_chunk
 from test_player import frame
 
 from voxtral_mlx.audio.chunking import ClientBuffer, PlayerPace, frames_covered
@@ -336,18 +336,7 @@ def test_at_the_start_the_whole_text_is_the_horizon():
 
 
 def test_the_segment_at_tokenized_ahead_is_tokenized_when_it_starts():
-    calls: list[str] = []
-
-    def encode(text: str) -> list[str]:
-        calls.append(text)
-        return text.split()
-
-    tts = fake_tts()
-    tts.tokenizer = SimpleNamespace(encode=encode)
-    spoken = ["word " * 3] * TOKENIZED_AHEAD + ["longer word " * 3]
-    segments = [SimpleNamespace(text=s, spoken=s, pause_after=0.0) for s in spoken]
-    stream = SimpleNamespace(segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0)
-    horizon = PlaybackHorizon(tts, stream, FRAMES, None, started=0.0)
+    horizon, _, calls = counted_horizon(["word " * 3] * TOKENIZED_AHEAD + ["longer word " * 3])
     assert horizon.segment_s[TOKENIZED_AHEAD] == 2.0  # guessed at 7.2 tokens, capped
     horizon(SimpleNamespace(audio=frame(0), segment=TOKENIZED_AHEAD), now=1.0)
     assert len(calls) == TOKENIZED_AHEAD + 1

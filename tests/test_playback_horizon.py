@@ -37,6 +37,22 @@ def fake_stream(pause: float = 0.0) -> SimpleNamespace:
     return SimpleNamespace(segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0)
 
 
+def counted_horizon(spoken: list[str]) -> tuple[PlaybackHorizon, SimpleNamespace, list[str]]:
+    """A horizon over segments of ``spoken`` text, the stream it reads, and the texts its
+    tokenizer was asked to encode (in order)."""
+    calls: list[str] = []
+
+    def encode(text: str) -> list[str]:
+        calls.append(text)
+        return text.split()
+
+    tts = fake_tts()
+    tts.tokenizer = SimpleNamespace(encode=encode)
+    segments = [SimpleNamespace(text=s, spoken=s, pause_after=0.0) for s in spoken]
+    stream = SimpleNamespace(segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0)
+    return PlaybackHorizon(tts, stream, FRAMES, None, started=0.0), stream, calls
+
+
 def simulate(horizon_for) -> tuple[float, float, int, float]:
     """Three segments generated side by side, delivered in order, played by a device that
     takes one block every 80 ms. Returns (start time, end of generation, underruns,
@@ -116,19 +132,9 @@ def test_slower_than_real_time_overall_plans_for_the_whole_text():
 def test_a_long_text_is_not_tokenized_before_it_plays():
     """A book's segments were all tokenized before its first chunk could play (0.26 s for
     100,000 words here); later ones are guessed from their length until they start."""
-    calls: list[str] = []
-
-    def encode(text: str) -> list[str]:
-        calls.append(text)
-        return text.split()
-
-    tts = fake_tts()
-    tts.tokenizer = SimpleNamespace(encode=encode)
     n = TOKENIZED_AHEAD + 100
     spoken = ["word " * 3] * TOKENIZED_AHEAD + ["word " * 3] * 99 + ["longer word " * 3]
-    segments = [SimpleNamespace(text=s, spoken=s, pause_after=0.0) for s in spoken]
-    stream = SimpleNamespace(segments=segments, timings=SimpleNamespace(audio_s=0.0), ahead_s=0.0)
-    horizon = PlaybackHorizon(tts, stream, FRAMES, None, started=0.0)
+    horizon, stream, calls = counted_horizon(spoken)
     assert len(calls) == TOKENIZED_AHEAD
     # 0.2 tokens per character: the last segment guessed at 7.2 tokens, capped at 2 s
     assert horizon.total_s == pytest.approx((n - 1) * 0.9 + 2.0)

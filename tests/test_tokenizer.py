@@ -630,6 +630,11 @@ def _load_error(path: Path, tmp_path: Path) -> str:
     return message
 
 
+def _data_error(data: dict, tmp_path: Path, name: str = "tekken.json") -> str:
+    """:func:`_load_error` of ``data`` written as ``tmp_path / name``."""
+    return _load_error(_write_json(tmp_path / name, data), tmp_path)
+
+
 def test_error_missing_file(tmp_path):
     message = _load_error(tmp_path / "nope" / "tekken.json", tmp_path)
     assert "not found" in message and "tekken.json" in message
@@ -681,7 +686,7 @@ def test_error_missing_section(tmp_path, key):
 
 def test_error_vocab_too_short(tmp_path):
     data = _byte_tekken(config__default_vocab_size=1300)
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "256 entries" in message and "300" in message
 
 
@@ -710,19 +715,19 @@ def test_error_malformed_fields(tmp_path, changes, needle):
 def test_error_bad_vocab_entries(tmp_path):
     data = _byte_tekken()
     data["vocab"][3]["rank"] = 7
-    assert "vocab[3] has rank 7" in _load_error(_write_json(tmp_path / "a.json", data), tmp_path)
+    assert "vocab[3] has rank 7" in _data_error(data, tmp_path, "a.json")
     data = _byte_tekken()
     data["vocab"][65]["token_bytes"] = "Qg=="  # b"B" where b"A" belongs
-    assert "single byte 65" in _load_error(_write_json(tmp_path / "b.json", data), tmp_path)
+    assert "single byte 65" in _data_error(data, tmp_path, "b.json")
     data = _byte_tekken()
     data["vocab"].append({"rank": 256, "token_bytes": "QQ==", "token_str": "A"})
     data["config"]["default_vocab_size"] += 1
-    assert "repeats" in _load_error(_write_json(tmp_path / "c.json", data), tmp_path)
+    assert "repeats" in _data_error(data, tmp_path, "c.json")
     for b64, words in [("@@@", "token_bytes '@@@' that are not base64"), ("", "empty")]:
         data = _byte_tekken()
         data["vocab"].append({"rank": 256, "token_bytes": b64, "token_str": "?"})
         data["config"]["default_vocab_size"] += 1
-        message = _load_error(_write_json(tmp_path / "d.json", data), tmp_path)
+        message = _data_error(data, tmp_path, "d.json")
         assert f"vocab[256] has {words}" in message and "re-download" in message
 
 
@@ -733,11 +738,11 @@ def test_a_tekken_json_too_big_to_build_quickly_is_refused(tmp_path):
     token = base64.b64encode(b"ab" * 600).decode()
     data["vocab"].append({"rank": 256, "token_bytes": token, "token_str": "?"})
     data["config"]["default_vocab_size"] += 1
-    message = _load_error(_write_json(tmp_path / "a.json", data), tmp_path)
+    message = _data_error(data, tmp_path, "a.json")
     assert "vocab[256] is 1200 bytes long" in message and "re-download" in message
     data = _byte_tekken(config__default_num_special_tokens=10**9)
     data["config"]["default_vocab_size"] += 10**9
-    message = _load_error(_write_json(tmp_path / "b.json", data), tmp_path)
+    message = _data_error(data, tmp_path, "b.json")
     assert "default_num_special_tokens is 1000000000" in message
 
 

@@ -16,7 +16,7 @@ from test_hub import (  # hub_listing: autouse, no test reaches the network
     hub_listing,  # noqa: F401
     populate_hub_cache,
 )
-from test_tokenizer import Tekkenizer, _byte_tekken, _load_error, _write_json
+from test_tokenizer import Tekkenizer, _byte_tekken, _data_error, _write_json
 
 import voxtral_mlx.hub as hub_module
 from voxtral_mlx import tokenizer as tokenizer_mod
@@ -54,34 +54,34 @@ def _load(data: dict, tmp_path) -> TekkenTokenizer:
 def test_more_special_tokens_than_configured_are_refused(tmp_path):
     data = _byte_tekken()
     data["special_tokens"].append({"rank": 1000, "token_str": "<extra>"})
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "1001 special tokens but config.default_num_special_tokens is 1000" in message
 
 
 def test_a_special_token_without_a_rank_is_refused(tmp_path):
     data = _byte_tekken()
     del data["special_tokens"][3]["rank"]
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "special_tokens[3] ([INST]) has rank None, expected 3" in message
 
 
 def test_special_token_count_limit_is_inclusive_of_100000(tmp_path):
     data = _byte_tekken(config__default_num_special_tokens=100_001)
     data["config"]["default_vocab_size"] = 100_001 + 256
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "default_num_special_tokens is 100001" in message
     assert "at most 100000 are accepted" in message
 
 
 def test_zero_special_tokens_is_not_a_positive_count(tmp_path):
     data = _byte_tekken(config__default_num_special_tokens=0)
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "config.default_num_special_tokens must be a positive integer, got 0" in message
 
 
 def test_a_version_that_is_no_string_is_refused(tmp_path):
     data = _byte_tekken(config__version=7)
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "config.version must be a string, got 7" in message
 
 
@@ -94,7 +94,7 @@ def test_voice_row_count_limit_is_inclusive_of_4096(tmp_path):
     tok = _load(build_tekken({"long": 4096}, vocab_source=None), tmp_path / "ok")
     assert tok.voice_num_audio_tokens == {"long": 4096}
     data = build_tekken({"long": 4097}, vocab_source=None)
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "gives voice long 4,097 rows (at most 4,096 are accepted" in message
 
 
@@ -104,19 +104,19 @@ def test_voice_row_count_limit_is_inclusive_of_4096(tmp_path):
 def test_the_last_byte_token_must_be_byte_255(tmp_path):
     data = _byte_tekken()
     data["vocab"][255]["token_bytes"] = base64.b64encode(b"\xfe").decode()
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "vocab[255] must be the single byte 255, got b'\\xfe'" in message
 
 
 def test_255_text_tokens_are_too_few(tmp_path):
     data = _byte_tekken(config__default_vocab_size=1255)
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "default_vocab_size 1255 leaves 255 text tokens after 1000 special tokens" in message
 
 
 def test_a_vocab_one_entry_short_is_refused(tmp_path):
     data = _byte_tekken(config__default_vocab_size=1257)
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "vocab has 256 entries but default_vocab_size - default_num_special_tokens = 257" in (
         message
     )
@@ -126,7 +126,7 @@ def test_token_length_limit_is_1024_bytes(tmp_path):
     tok = _load(_with_token(_byte_tekken(), b"x" * 1024), tmp_path / "ok")
     assert tok.max_token_bytes == 1024
     data = _with_token(_byte_tekken(), b"x" * 1025)
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "vocab[256] is 1025 bytes long (at most 1024 are accepted" in message
 
 
@@ -135,7 +135,7 @@ def test_merge_limit_is_the_most_merges_accepted(tmp_path, monkeypatch):
     monkeypatch.setattr(tokenizer_mod, "MAX_MERGES", 1)
     assert _load(data, tmp_path / "ok").encode("ab") == [1256]
     monkeypatch.setattr(tokenizer_mod, "MAX_MERGES", 0)
-    message = _load_error(_write_json(tmp_path / "tekken.json", data), tmp_path)
+    message = _data_error(data, tmp_path)
     assert "its vocabulary makes over 0 merges" in message
 
 
