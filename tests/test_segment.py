@@ -720,6 +720,13 @@ def test_a_period_after_a_short_number_is_no_sentence_end() -> None:
     [
         ("Call ext. 1234 now, please.", "ext. 1234"),
         ("The memo went to Messrs. Smith and Jones.", "Messrs. Smith"),
+        ("We mark Martin Luther King Jr. Day each year.", "Jr. Day"),
+        ("They say Pvt. Ryan came home at last.", "Pvt. Ryan"),
+        ("Hier Mgr. Dupont est venu nous voir.", "Mgr. Dupont"),
+        ("Llegó el Excmo. Sr. Ruiz con la Mtra. Gómez.", "Excmo. Sr. Ruiz"),
+        ("Llegó el Excmo. Sr. Ruiz con la Mtra. Gómez.", "Mtra. Gómez"),
+        ("A Profa. Maria chegou muito cedo.", "Profa. Maria"),
+        ("Ik sprak gisteren mw. Jansen over het plan.", "mw. Jansen"),
         ("Es war im Jahr 44 av. J.-C. in Rom.", "av. J.-C."),
         ("On peut citer p. ex. les pommes.", "p. ex. les"),
         ("Das ist d. h. ganz gut so.", "d. h. ganz"),
@@ -740,6 +747,15 @@ def test_abbreviations_of_the_nine_languages_stay_with_their_word(text: str, phr
         segs = split_text(text, target_chars=target, max_chars=max(2 * target, 30))
         check_invariants(text, segs, max(2 * target, 30))
         assert any(phrase in s.text for s in segs), (target, texts(segs))
+
+
+def test_a_reference_abbreviation_stays_with_its_number() -> None:
+    text = "As Eq. 3 and Sec. 4 show, see para. 2 and Eqs. 5 to 7 below."
+    for target in range(4, 12):
+        segs = split_text(text, target_chars=target, max_chars=2 * target)
+        check_invariants(text, segs, 2 * target)
+        for phrase in ("Eq. 3", "Sec. 4", "para. 2", "Eqs. 5"):
+            assert any(phrase in s.text for s in segs), (target, phrase, texts(segs))
 
 
 def test_a_period_before_a_digit_is_no_sentence_end() -> None:

@@ -69,15 +69,17 @@ _MARKS = _ATTACHED | _OPENERS | _DASHES | frozenset("-")
 # Missing a sentence end costs little (the model reads it within the segment); splitting
 # inside a phrase costs a pause in the middle of it: the lists err on the side of words.
 _TITLES_BY_LANGUAGE = {
-    "en": "mr mrs ms mx dr prof st mt rev fr sr vs e.g i.e cf approx fig vol ch pp ca "
-    "gen col capt lt sgt cpl maj cmdr adm gov sen rep pres supt insp hon messrs dept univ",
-    "fr": "mme mlle ste p.ex c.-à-d mm av apr éd",
+    "en": "mr mrs ms mx dr prof st mt rev fr sr jr vs e.g i.e cf approx fig vol ch pp ca "
+    "gen col capt lt sgt cpl pvt maj cmdr adm gov sen rep pres supt insp det hon atty msgr messrs "
+    "dept univ",
+    "fr": "mme mlle mgr ste p.ex c.-à-d mm av apr éd",
     "de": "z.b bzw d.h vgl ggf sog inkl evtl bspw hr hrn abs bd u.a z.t v.a i.d.r u.u o.g geb "
     "verh med dipl dipl.-ing fa zzgl mio mrd",
-    "es": "sra srta dra ud uds vd dña p.ej pág ee lic arq gral sta sto avda cía",
+    "es": "sra srta dra excmo excma mtro mtra ud uds vd dña p.ej pág ee lic arq gral sta sto "
+    "avda cía",
     "it": "sig sigg dott ing avv p.es spett gent egr geom rag",
-    "pt": "exmo exma eng séc exa srs",
-    "nl": "dhr mevr bijv d.w.z m.b.t t.a.v o.a drs ir i.v.m i.p.v m.a.w t.o.v n.a.v incl "
+    "pt": "exmo exma profa eng séc exa srs",
+    "nl": "dhr mevr mw bijv d.w.z m.b.t t.a.v o.a drs ir i.v.m i.p.v m.a.w t.o.v n.a.v incl "
     "excl evt resp zgn",
     "ar": "أ.د",
     "hi": "डॉ प्रो रु ई.पू कि.मी नं सं पृ",
@@ -85,9 +87,9 @@ _TITLES_BY_LANGUAGE = {
 _TITLES = frozenset(w + "." for words in _TITLES_BY_LANGUAGE.values() for w in words.split())
 # ... only when a number follows ("No. 5", "Jan. 3"; but "No. Thanks." ends a sentence).
 _BEFORE_NUMBERS = (
-    "no nos nr núm art jan feb mar apr jun jul aug sep sept oct nov dec ext tel págs pag blz "
-    "kap abb tab chap env aprox janv févr avr juil déc okt dez mrz febr ene abr ago dic ott "
-    "febbr giu lug sett fev set out mrt"
+    "no nos nr núm art sec para eq eqs jan feb mar apr jun jul aug sep sept oct nov dec ext "
+    "tel págs pag blz kap abb tab chap env aprox janv févr avr juil déc okt dez mrz febr ene abr "
+    "ago dic ott febbr giu lug sett fev set out mrt"
 )
 _NUMBER_ABBREVIATIONS = frozenset(w + "." for w in _BEFORE_NUMBERS.split())
 
