@@ -73,16 +73,31 @@ def test_special_token_count_limit_is_inclusive_of_100000(tmp_path):
     assert "at most 100000 are accepted" in message
 
 
-def test_zero_special_tokens_is_not_a_positive_count(tmp_path):
-    data = _byte_tekken(config__default_num_special_tokens=0)
-    message = _data_error(data, tmp_path)
-    assert "config.default_num_special_tokens must be a positive integer, got 0" in message
-
-
-def test_a_version_that_is_no_string_is_refused(tmp_path):
-    data = _byte_tekken(config__version=7)
-    message = _data_error(data, tmp_path)
-    assert "config.version must be a string, got 7" in message
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        pytest.param(
+            {"config__default_num_special_tokens": 0},
+            "config.default_num_special_tokens must be a positive integer, got 0",
+            id="zero-special-tokens",
+        ),
+        pytest.param(
+            {"config__version": 7}, "config.version must be a string, got 7", id="version-no-string"
+        ),
+        pytest.param(
+            {"config__default_vocab_size": 1255},
+            "default_vocab_size 1255 leaves 255 text tokens after 1000 special tokens",
+            id="255-text-tokens",
+        ),
+        pytest.param(
+            {"config__default_vocab_size": 1257},
+            "vocab has 256 entries but default_vocab_size - default_num_special_tokens = 257",
+            id="vocab-one-entry-short",
+        ),
+    ],
+)
+def test_a_config_value_out_of_its_rule_is_refused(tmp_path, config, expected):
+    assert expected in _data_error(_byte_tekken(**config), tmp_path)
 
 
 def test_a_voice_of_zero_audio_tokens_is_accepted(tmp_path):
@@ -106,20 +121,6 @@ def test_the_last_byte_token_must_be_byte_255(tmp_path):
     data["vocab"][255]["token_bytes"] = base64.b64encode(b"\xfe").decode()
     message = _data_error(data, tmp_path)
     assert "vocab[255] must be the single byte 255, got b'\\xfe'" in message
-
-
-def test_255_text_tokens_are_too_few(tmp_path):
-    data = _byte_tekken(config__default_vocab_size=1255)
-    message = _data_error(data, tmp_path)
-    assert "default_vocab_size 1255 leaves 255 text tokens after 1000 special tokens" in message
-
-
-def test_a_vocab_one_entry_short_is_refused(tmp_path):
-    data = _byte_tekken(config__default_vocab_size=1257)
-    message = _data_error(data, tmp_path)
-    assert "vocab has 256 entries but default_vocab_size - default_num_special_tokens = 257" in (
-        message
-    )
 
 
 def test_token_length_limit_is_1024_bytes(tmp_path):
