@@ -423,3 +423,68 @@ def test_empty_audio_and_padding_rows_are_never_predicted(tiny_tts):
     w[7], w[1] = -1.0, 0.5  # END (1) is now the best unmasked row
     head.semantic_codebook_output.weight = mx.array(w)
     assert head.semantic_code(h).tolist() == [1, 1, 1]
+    w[limit - 1] = 0.75  # the last code is no padding row
+    head.semantic_codebook_output.weight = mx.array(w)
+    assert head.semantic_code(h).tolist() == [limit - 1] * 3
+
+
+def test_a_frame_runs_conditional_and_unconditional_as_one_batch(tiny_tts, monkeypatch):
+    """Per frame: ``llm_projection(h)`` once, the time tokens never (precomputed), and at
+    each Euler step every flow layer once on the 2B rows of both passes, the last one at
+    position 0 only."""
+    import mlx.nn as nn
+
+    from voxtral_mlx.model.flow import FlowHead, cfg_weights
+    from voxtral_mlx.model.layers import TransformerBlock
+
+    args = tiny_tts.config.flow
+    head = FlowHead(args)
+    head.prepare(compile=False)
+    seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def spy(cls, name, label_of):
+        original = getattr(cls, name)
+
+        def wrapper(self, x, *rest, **kw):
+            label = label_of(self)
+            if label:
+                seen.append((label, tuple(x.shape)))
+            return original(self, x, *rest, **kw)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    projections = {id(head.llm_projection): "llm", id(head.time_projection): "time"}
+    spy(TransformerBlock, "__call__", lambda _: "layer")
+    spy(TransformerBlock, "first_position", lambda _: "last")
+    spy(nn.Linear, "__call__", lambda m: projections.get(id(m)))
+    b, n = 3, args.n_decoding_steps
+    h = mx.array(np.random.default_rng(0).standard_normal((b, args.dim)), dtype=mx.float32)
+    noise = mx.zeros((b, args.n_acoustic_codebook))
+    mx.eval(head.frame(h, noise, cfg_weights([1.2] * b)))
+    step = [("layer", (2 * b, 3, args.dim))] * (args.n_layers - 1)
+    step.append(("last", (2 * b, 3, args.dim)))
+    assert seen == [("llm", (b, args.input_dim)), *step * n]
+
+
+def test_a_bfloat16_semantic_head_multiplies_in_bfloat16_then_compares_in_float32(tiny_tts):
+    """SPEC's "logits in float32" read as PyTorch's ``semantic_codebook_output(h).float()``:
+    the product in the model's dtype, cast before the mask and argmax. A product done in
+    float32 picks another code on some rows of near-equal logits."""
+    from voxtral_mlx.model.flow import FlowHead
+
+    args = tiny_tts.config.flow
+    head = FlowHead(args)
+    limit = args.semantic_codebook_size + 2
+    rng = np.random.default_rng(3)
+    w = mx.array(rng.standard_normal((args.semantic_output_rows, args.dim)) / args.dim**0.5)
+    head.semantic_codebook_output.weight = w.astype(mx.bfloat16)
+    h = mx.array(rng.standard_normal((600, args.dim))).astype(mx.bfloat16)
+
+    def greedy(logits: mx.array) -> list[int]:
+        return (mx.argmax(logits[:, 1:limit], axis=-1) + 1).tolist()
+
+    wb = head.semantic_codebook_output.weight
+    in_bf16 = greedy((h @ wb.T).astype(mx.float32))
+    in_f32 = greedy(h.astype(mx.float32) @ wb.astype(mx.float32).T)
+    assert in_bf16 != in_f32  # the data tells the two readings apart
+    assert head.semantic_code(h).tolist() == in_bf16

@@ -344,6 +344,22 @@ def test_random_token_concatenations_bulk(tok, ref):
     assert [tok.encode(t) for t in texts] == [ref_encode(ref, t) for t in texts]
 
 
+def test_tokens_past_the_default_vocab_size_are_never_produced(tok, ref, tekken_file):
+    """tekken.json holds 150,000 ranks, of which the model uses the first 130,072: the text
+    of a later token (" ETH" is rank 130,072) is made of earlier ones, as in mistral-common."""
+    data = json.loads(tekken_file.read_text(encoding="utf-8"))
+    assert len(data["vocab"]) > 130072
+    rng = random.Random(7)
+    ranks = [130072, 130073, *rng.sample(range(130074, len(data["vocab"])), 300)]
+    pieces = [base64.b64decode(data["vocab"][r]["token_bytes"]) for r in ranks]
+    texts = [p.decode("utf-8", "ignore") for p in pieces]
+    texts.append(b"".join(pieces[:40]).decode("utf-8", "ignore"))
+    assert texts[0] == " ETH" and tok.encode(" ETH") == [1436, 12001]
+    encoded = [tok.encode(t) for t in texts]
+    assert encoded == [ref_encode(ref, t) for t in texts]
+    assert max(max(ids) for ids in encoded if ids) < 131072
+
+
 # ---------------------------------------------------------------------- other vocabs
 
 
