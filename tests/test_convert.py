@@ -1126,6 +1126,29 @@ def test_cli_convert_says_when_the_source_has_no_voices(
     assert not (tmp_path / "out" / "voice_embedding").exists()
 
 
+def test_cli_convert_names_the_voices_the_source_lacks(
+    source: Path, tmp_path: Path, capsys
+) -> None:
+    """A download missing some voice files converts (the others are whole), and says which
+    voices the output lacks rather than leave them to fail at their first use."""
+    partial = tmp_path / "partial"
+    shutil.copytree(source, partial)
+    kept = sorted(p.stem for p in (partial / "voice_embedding").iterdir())
+    assert len(kept) > 1
+    (partial / "voice_embedding" / f"{kept[0]}.pt").unlink()
+    result = convert_model(partial, tmp_path / "api")
+    assert (result.voices, result.missing_voices) == (kept[1:], [kept[0]])
+    assert convert_model(source, tmp_path / "whole").missing_voices == []
+    assert cli_main(["convert", str(partial), "-o", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"voxtral-mlx: note: the tekken.json of {partial} lists voices that have no file in its "
+        f"voice_embedding/ (an incomplete download?), so the conversion has none either: "
+        f"{kept[0]}; fetch the model again, then convert again\n"
+    ) in err
+    assert sorted(p.stem for p in (tmp_path / "out" / "voice_embedding").iterdir()) == kept[1:]
+
+
 def test_entry_script(source: Path, tmp_path: Path) -> None:
     script = Path(__file__).resolve().parent.parent / "convert" / "convert_checkpoint.py"
     run = subprocess.run(

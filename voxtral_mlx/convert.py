@@ -202,6 +202,9 @@ class ConvertResult:
     # Layers the options quantize whose input width is not a multiple of the group size
     # (none at the release's widths): written unquantized.
     unfit: list[str] = field(default_factory=list)
+    # Voices tekken.json lists that the source had no file for, beside others it had (an
+    # incomplete download): the output has none of them either.
+    missing_voices: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- checks
@@ -719,4 +722,4 @@ def convert_model(
         (path for path in layers if options.wanted(path) is not None),
         key=lambda path: order.get(path, len(order)),
     )
-    return ConvertResult(out, files, planned, total, voices, unfit)
+    return ConvertResult(out, files, planned, total, voices, unfit, voice_registry.missing)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..errors import InputError
+from ..fileio import one_line
 from ..interrupts import FINISHED, hold_from_now, terminable
 from .loading import downloads_reported
 from .output import info, note, result_line
@@ -141,6 +142,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"{n} {layers} ({first}{', ...' if n > 3 else ''}) {stay} unquantized: "
             f"{their} input width is not a multiple of the group size "
             f"{args.q_group_size or DEFAULT_GROUP_SIZE}"
+        )
+    if result.missing_voices:
+        names = one_line(", ".join(result.missing_voices), 400)
+        note(
+            f"the tekken.json of {args.model} lists voices that have no file in its "
+            f"voice_embedding/ (an incomplete download?), so the conversion has none either: "
+            f"{names}; fetch the model again, then convert again"
         )
     if not result.voices:
         note(
