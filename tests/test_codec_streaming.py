@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from voxtral_mlx.checkpoint import sanitize
 from voxtral_mlx.config import ModelConfig
 from voxtral_mlx.errors import InputError
-from voxtral_mlx.model.codec import CodecDecoder, CodecState
+from voxtral_mlx.model.codec import WHOLE_CHUNK_FRAMES, CodecDecoder, CodecState, piece_frames
 from voxtral_mlx.synthetic.checkpoint import make_params, random_weights
 
 PREFIX = "audio_tokenizer."
@@ -129,6 +129,41 @@ def test_batched_stream_equals_rows(setup):
     streamed, _ = _stream(decoder, codes, [2, 5, 1])
     for b in range(3):
         assert _max_diff(streamed[b : b + 1], decoder.decode(codes[b : b + 1])) <= TOL
+
+
+def test_a_chunk_runs_as_compiled_steps_of_a_few_lengths():
+    for t in range(1, 400):
+        pieces = piece_frames(t)
+        assert sum(pieces) == t
+        assert all(1 <= n <= WHOLE_CHUNK_FRAMES or n in (32, 64) for n in pieces)
+        assert pieces == sorted(pieces, reverse=True)
+        assert len(pieces) <= t // 64 + 3
+        if t <= WHOLE_CHUNK_FRAMES:
+            assert pieces == [t]
+
+
+def test_chunk_lengths_chosen_freely_compile_a_bounded_number_of_steps(setup):
+    """Every compiled length stays for the model's life: chunks of 17 to 79 frames (as
+    ``stream(chunk_frames=N)`` makes) add the lengths 16, 32, 64 and those below 16, not
+    one each; the audio is the one-shot decode's."""
+    config, decoder = _decoder(0)
+    traced: list[tuple[bool, int]] = []
+
+    def counted(first: bool):
+        def step(codes, *rest):
+            traced.append((first, codes.shape[1]))
+            return decoder._step(codes, *rest, first=first)
+
+        return mx.compile(step)
+
+    decoder._compiled_steps = {first: counted(first) for first in (True, False)}
+    schedule = [17, 19, 23, 29, 31, 37, 41, 47, 53, 59, 61, 67, 71, 79]
+    codes = _codes(config, 5, sum(schedule))
+    streamed, _ = _stream(decoder, codes, schedule)
+    assert _max_diff(streamed, decoder.decode(codes)) <= TOL
+    lengths = {n for _, n in traced}
+    assert lengths <= {*range(1, WHOLE_CHUNK_FRAMES + 1), 32, 64}
+    assert len(traced) == len(set(traced)) <= 2 * (WHOLE_CHUNK_FRAMES + 2)
 
 
 def test_interleaved_states_do_not_interfere(setup):

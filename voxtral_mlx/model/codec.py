@@ -44,6 +44,13 @@ ONE_SHOT_CHUNK_FRAMES = 64
 # Chunks longer than this many steps (or the window) attend in blocks of this size, each
 # block seeing only the keys its window reaches: work linear in the chunk, not quadratic.
 BAND_BLOCK = 16
+# Chunks of up to this many frames (the streaming sizes: live chunks grow to 8 frames,
+# synthesize decodes 16 at a time, a segment's end leaves fewer) run as one compiled step;
+# longer ones as steps of 64, 32 and 16 frames and such a remainder. Each length compiles
+# a graph kept for the model's life (~1 MB): lengths an app picks freely must not each
+# add one.
+WHOLE_CHUNK_FRAMES = 16
+_PIECE_FRAMES = (64, 32, 16)
 # Masks for up to this many queries (the streaming sizes) are kept; larger ones are cheap
 # next to the chunk they serve and would hold megabytes each.
 _CACHED_MASK_MAX_QUERIES = 64
@@ -193,12 +200,23 @@ class CodecDecoder(nn.Module):
         evaluated here; evaluate the audio (and with it the state) at frame boundaries.
         Exact: any split of a stream into chunks gives the one-shot result, the first chunk
         included, provided the first chunk yields more than ``patch_proj_kernel_size - 1``
-        steps at the last stage (one frame gives 8 for the real codec).
+        steps at the last stage (one frame gives 8 for the real codec). A chunk longer than
+        :data:`WHOLE_CHUNK_FRAMES` runs as the steps :func:`piece_frames` lists.
         """
         codes = self._check_codes(codes, state.batch)
         t = codes.shape[1]
         if t == 0:
             return mx.zeros((state.batch, 0), dtype=self.dtype)
+        if t <= WHOLE_CHUNK_FRAMES:
+            return self._decode_piece(codes, state)
+        parts, start = [], 0
+        for n in piece_frames(t):
+            parts.append(self._decode_piece(codes[:, start : start + n], state))
+            start += n
+        return mx.concatenate(parts, axis=1)
+
+    def _decode_piece(self, codes: mx.array, state: CodecState) -> mx.array:
+        t = codes.shape[1]
         plan = self._plan
         masks = [
             self._mask(s, t * plan.rates[s], min(state.position * plan.rates[s], w), self.dtype)
@@ -373,6 +391,19 @@ class CodecDecoder(nn.Module):
                 parts.append(part)
             audio = mx.concatenate(parts, axis=1)
         return audio[0] if single else audio
+
+
+def piece_frames(t: int) -> list[int]:
+    """The lengths of the compiled steps a chunk of ``t`` frames runs as, in order."""
+    if t <= WHOLE_CHUNK_FRAMES:
+        return [t]
+    pieces = [_PIECE_FRAMES[0]] * (t // _PIECE_FRAMES[0])
+    t %= _PIECE_FRAMES[0]
+    for n in _PIECE_FRAMES[1:]:
+        if t >= n:
+            pieces.append(n)
+            t -= n
+    return [*pieces, t] if t else pieces
 
 
 def _concat_states(states: list[CodecState]) -> CodecState:
