@@ -126,7 +126,7 @@ class _Reader:
         parts = raw.split(",")
         if len(parts) > MAX_CODEC_STAGES:
             raise ConfigError(
-                f"{where} lists {len(parts)} values; at most {MAX_CODEC_STAGES} are supported"
+                f"{where} lists {len(parts)} values, more than the {MAX_CODEC_STAGES} supported"
             )
         try:
             values = tuple(int(part) for part in parts)
