@@ -159,6 +159,19 @@ def test_load_arguments(tiny_checkpoint_noend, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("dtype", ["int8", mx.float64, 16])
+def test_an_unsupported_dtype_is_refused_before_the_model_is_fetched(dtype, monkeypatch):
+    """Not after a download of 8 GB."""
+    import voxtral_mlx.hub
+
+    def no_fetch(*_):
+        raise AssertionError("the model was looked for")
+
+    monkeypatch.setattr(voxtral_mlx.hub, "resolve_model_dir", no_fetch)
+    with pytest.raises(InputError, match=r"unsupported dtype .*: use bfloat16, float16 or float32"):
+        voxtral_mlx.load("mistralai/Voxtral-4B-TTS-2603", dtype=dtype)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ import pytest
 import voxtral_mlx
 from tests.players import NullPlayer
 from voxtral_mlx.engine import DONE, CallbackWarning
-from voxtral_mlx.errors import InputError, UsageError, VoxtralError
+from voxtral_mlx.errors import CheckpointError, InputError, UsageError, VoxtralError
 from voxtral_mlx.worker import Worker
 
 VOICE = "neutral_male"
@@ -157,6 +158,10 @@ def test_loading_again_and_again_reuses_the_closed_models_threads(tiny_checkpoin
     def threads() -> int:
         return sum(t.name == "voxtral-mlx" for t in threading.enumerate())
 
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint_noend, broken)
+    weights = broken / "consolidated.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # the loader, on its thread, refuses it
     first = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
     want = first.synthesize("Hi.", VOICE, seed=1, max_frames=2).codes
     first.close()
@@ -165,8 +170,8 @@ def test_loading_again_and_again_reuses_the_closed_models_threads(tiny_checkpoin
         model = voxtral_mlx.load(tiny_checkpoint_noend, prefix_cache_dir=None)
         assert np.array_equal(model.synthesize("Hi.", VOICE, seed=1, max_frames=2).codes, want)
         model.close()
-        with pytest.raises(VoxtralError, match="unsupported dtype 'int8'"):
-            voxtral_mlx.load(tiny_checkpoint_noend, dtype="int8")  # fails on its thread
+        with pytest.raises(CheckpointError, match=r"consolidated\.safetensors"):
+            voxtral_mlx.load(broken, prefix_cache_dir=None)
     assert threads() == before
     closed = Worker()
     closed.close()

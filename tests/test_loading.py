@@ -164,8 +164,9 @@ def test_float16_checkpoint_computes_in_float16(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float64", "q4", "", mx.int8, mx.float64, mx.uint32])
-def test_unsupported_dtype_is_a_config_error(small_checkpoint: Path, dtype: str) -> None:
-    with pytest.raises(ConfigError) as exc:
+def test_unsupported_dtype_is_an_input_error(small_checkpoint: Path, dtype: str) -> None:
+    """A bad argument (InputError), not a bad params.json (ConfigError)."""
+    with pytest.raises(InputError) as exc:
         voxtral_mlx.load(small_checkpoint, dtype=dtype)
     assert "bfloat16" in one_line(exc.value)
 

@@ -92,14 +92,15 @@ def load(
     from .engine import check_max_batch
     from .fileio import one_line, usable_path
     from .hub import resolve_model_dir
-    from .loader import load_model_dir
+    from .loader import load_model_dir, parse_dtype
     from .prefix_store import PrefixCacheWarning, PrefixStore, model_fingerprint
     from .residency import Residency
     from .tokenizer import default_cache_dir
     from .tts import VoxtralTTS
     from .worker import Worker
 
-    check_max_batch(max_batch)  # before the model is read, not after
+    check_max_batch(max_batch)  # before the model is read (or downloaded), not after
+    parse_dtype(dtype)
     directory = None
     if prefix_cache_dir is not None:
         if not isinstance(prefix_cache_dir, (str, os.PathLike)):

@@ -59,7 +59,7 @@ from .checkpoint import (
     safetensors_data_start,
 )
 from .engine import check_flag, check_whole
-from .errors import CheckpointError, ConfigError, InputError, VoiceError
+from .errors import CheckpointError, InputError, VoiceError
 from .fileio import atomic_write_text, one_line
 from .hub import cached_repo, resolve_model_dir
 from .loader import (
@@ -253,7 +253,7 @@ def output_dtype(dtype: str) -> str:
     """The name in :data:`OUTPUT_DTYPES` of ``dtype`` (aliases such as ``bf16`` included)."""
     try:
         parsed = parse_dtype(dtype)
-    except ConfigError:
+    except InputError:
         parsed = None
     if parsed is not None:
         for name, (_, mx_dtype) in OUTPUT_DTYPES.items():

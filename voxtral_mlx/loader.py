@@ -49,7 +49,7 @@ from .checkpoint import (
     verify_tensors,
 )
 from .config import ModelConfig
-from .errors import CheckpointError, ConfigError, ModelNotFoundError
+from .errors import CheckpointError, ConfigError, InputError, ModelNotFoundError
 from .fileio import one_line
 from .mlx_layout import (
     CONSOLIDATED,
@@ -111,7 +111,7 @@ def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
     elif isinstance(dtype, str) and dtype.lower() in DTYPES:
         return DTYPES[dtype.lower()]
     # mx.int8 / mx.float64 would build a model MLX cannot run (or quantize); refuse them here.
-    raise ConfigError(f"unsupported dtype {dtype!r}: use bfloat16, float16 or float32")
+    raise InputError(f"unsupported dtype {dtype!r}: use bfloat16, float16 or float32")
 
 
 def check_tokenizer(config: ModelConfig, tokenizer: TekkenTokenizer) -> None:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import ConfigError, InputError
+from ..errors import InputError
 from ..fileio import dtype_name, one_line
 from ..interrupts import signals_held
 from .output import PROG, info, to_stderr
@@ -84,7 +84,7 @@ def check_dtype(args: argparse.Namespace) -> None:
 
     try:
         parse_dtype(args.dtype)
-    except ConfigError:
+    except InputError:
         raise InputError(
             f"--dtype {one_line(args.dtype, 40)} is not supported: use bfloat16, float16 or float32"
         ) from None
