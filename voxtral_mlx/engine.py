@@ -63,7 +63,28 @@ IDLE_CACHE_BYTES = 256 * 2**20
 class Timings:
     """Wall-clock figures of one request (seconds unless named otherwise), from when it
     was submitted: ``queued_s`` waiting for a batch slot, then ``prefill_s`` prefilling its
-    prompt (frames of requests running beside it included), then its frames."""
+    prompt (frames of requests running beside it included), then its frames.
+
+    Of a split text, a :class:`Speech`'s timings are the whole text's, counted from when it
+    was first read; a streamed audio chunk carries its own segment's (from when that
+    segment was submitted), a pause chunk the whole text's.
+
+    Attributes:
+        prompt_tokens: tokens of the prompt (voice rows included).
+        first_audio_s: until the first audio was decoded.
+        total_s: until the latest chunk.
+        frames: frames generated (80 ms each).
+        audio_s: seconds of audio so far, ``pause_s`` of them the silence put between a
+            split text's segments.
+        peak_memory_bytes: MLX's peak memory as the process has seen it so far (weights
+            and every request included: ``mx.get_peak_memory()`` when the latest chunk
+            was made).
+        prefix_cached: the voice's prompt prefix came from the cache (``prefix_from_disk``:
+            from the cache on disk).
+        cut_short: utterances (segments, with split) that reached ``max_frames`` (or the
+            end of the given noise) before the model's END, their audio cut short (0 with
+            ``max_frames=0``, which asks for no frames).
+    """
 
     prompt_tokens: int = 0
     queued_s: float = 0.0
@@ -72,15 +93,10 @@ class Timings:
     total_s: float = 0.0
     frames: int = 0
     audio_s: float = 0.0
-    pause_s: float = 0.0  # of audio_s, the silence put between a split text's segments
-    # MLX's peak memory as the process has seen it so far (weights and every request
-    # included: ``mx.get_peak_memory()`` when the latest chunk was made).
+    pause_s: float = 0.0
     peak_memory_bytes: int = 0
-    prefix_cached: bool = False  # the voice prefix came from memory or disk
+    prefix_cached: bool = False
     prefix_from_disk: bool = False
-    # Utterances (segments, with split) that reached max_frames (or the end of the given
-    # noise) before the model's END: their audio is cut short. (0 with max_frames=0,
-    # which asks for no frames.)
     cut_short: int = 0
 
     @property
@@ -106,20 +122,35 @@ class AudioChunk:
     0), ``frames`` 0, ``seed`` None, ``segment`` the segment it follows. Blank segments
     (zero-width marks alone) make no pause of their own: the one they fall in is the
     longest of the run, and none comes before the first words or after the last.
+
+    Attributes:
+        audio: ``[frames * samples_per_frame]`` float32, mono, at ``sample_rate``
+            (silence of a pause chunk: ``frames`` 0).
+        frame_index: the chunk's first frame in its utterance (its segment, with split;
+            0 for a pause chunk).
+        frames: frames in the chunk; 0 for a pause, and for a chunk that only marks an
+            end (``ends_segment`` or ``is_final`` found after the last frame was sent,
+            e.g. on the model's END): skip empty chunks for their audio, not their flags.
+        is_final: the last chunk of the whole stream.
+        codes: ``[frames, 37]`` int32, as in :class:`~voxtral_mlx.tts.Speech`.
+        timings: see :class:`Timings` (a segment's own, or for a pause the whole text's).
+        seed: the noise seed (None when the noise was given explicitly, and for a pause).
+        segment: which segment of a split text, of ``segments``
+            (see ``VoxtralTTS.stream(split=True)``).
+        ends_segment: the last chunk of its segment's audio: a player of text still
+            arriving learns here that nothing more is on its way yet.
     """
 
-    audio: np.ndarray  # [frames * samples_per_frame] float32 (silence between segments: frames 0)
+    audio: np.ndarray
     sample_rate: int
-    frame_index: int  # index of the chunk's first frame in its utterance (segment, with split)
+    frame_index: int
     frames: int
     is_final: bool
-    codes: np.ndarray  # [frames, 37] int32
+    codes: np.ndarray
     timings: Timings
-    seed: int | None  # the noise seed (None when the noise was given explicitly)
-    segment: int = 0  # which segment of a longer text (see VoxtralTTS.stream(split=True))
+    seed: int | None
+    segment: int = 0
     segments: int = 1
-    # The last chunk of its segment's audio (``is_final``: of the whole stream). A player of
-    # text still arriving learns here that nothing more is on its way yet.
     ends_segment: bool = False
 
 

@@ -404,6 +404,7 @@ class TextStream(_Reader):
         return self._ready.popleft()
 
     def close(self) -> None:
+        """Stop generation (as :meth:`cancel`); the ``with`` block's end does the same."""
         self.cancel()
 
     def __enter__(self) -> TextStream:
@@ -559,6 +560,7 @@ class AsyncTextStream(_Reader):
                 loop.call_soon_threadsafe(pump.cancel)
 
     async def aclose(self) -> None:
+        """Stop generation (as :meth:`cancel`); the ``async with`` block's end does the same."""
         self.cancel()
 
     async def __aenter__(self) -> AsyncTextStream:

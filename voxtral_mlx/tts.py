@@ -65,20 +65,33 @@ WARMUP_YIELDS_S = 2.0
 
 @dataclass(eq=False)  # compared by identity: ``==`` on its arrays would be ambiguous
 class Speech:
-    """A whole utterance."""
+    """A whole utterance.
 
-    audio: np.ndarray  # [samples] float32, mono
+    Attributes:
+        audio: ``[samples]`` float32, mono, at ``sample_rate`` (24000 Hz); of a split text,
+            the segments with their pauses.
+        codes: ``[frames, 37]`` int32, the codes as generated (semantic first, each with
+            its +2 offset).
+        voice: the voice's name.
+        seed: the noise seed (of a split text, segment ``i`` used ``seed + i``); None when
+            the noise was given explicitly.
+        timings: see :class:`~voxtral_mlx.engine.Timings`.
+        segment_frames: frames of each segment, in order (one entry unless the text was
+            split): where :meth:`VoxtralTTS.decode` starts the codec afresh, as generation
+            did.
+    """
+
+    audio: np.ndarray
     sample_rate: int
-    codes: np.ndarray  # [frames, 37] int32, +2-offset codes as generated
+    codes: np.ndarray
     voice: str
-    seed: int | None  # None when the noise was given explicitly
+    seed: int | None
     timings: Timings = field(default_factory=Timings)
-    # Frames of each segment, in order (of a split text; one entry otherwise): where
-    # decode() starts the codec afresh, as generation did.
     segment_frames: tuple[int, ...] = ()
 
     @property
     def duration(self) -> float:
+        """Seconds of audio (pauses included)."""
         return len(self.audio) / self.sample_rate
 
 
@@ -204,8 +217,9 @@ class VoxtralTTS:
         warm-up takes its turn among them (so a stream of requests cannot hold it back for
         ever). The 8 most recent
         prefixes stay in memory, the others are read back from disk on use. Returns a future
-        holding the seconds it took (or the error that stopped it, e.g. ``close()``);
-        unknown voices are reported here, before anything runs.
+        holding the seconds it took (or the error that stopped it, e.g. ``close()``; with
+        ``wait=True`` that error is raised here instead); unknown voices are reported here,
+        before anything runs.
 
         ``playback=True`` also starts the audio output library, finds the default output
         device and opens it once without playing (0.03-0.2 s the first :meth:`say` would
@@ -319,10 +333,12 @@ class VoxtralTTS:
 
     @property
     def sample_rate(self) -> int:
+        """Samples per second of the audio (24000 for Voxtral)."""
         return self.config.sampling_rate
 
     @property
     def samples_per_frame(self) -> int:
+        """Samples of audio per generated frame (1920: 80 ms at 24 kHz)."""
         return self.config.samples_per_frame
 
     @property
@@ -612,7 +628,8 @@ class VoxtralTTS:
     ) -> TextStream:
         """Yield audio as it is decoded, ``chunk_frames`` frames (80 ms each) at a time.
 
-        The first chunk is ready after the prompt's prefill and one frame. The last chunk has
+        Generation starts when the first chunk is asked for (not when the stream is made),
+        and the first chunk is ready after the prompt's prefill and one frame. The last chunk has
         ``is_final=True`` (it may be empty when END falls on a chunk boundary).
         ``cancel()`` (any thread) or ``close()`` stops generation within a frame.
         ``set_chunk_frames(n)`` (any thread) sizes the chunks from then on: larger ones
@@ -774,7 +791,10 @@ class VoxtralTTS:
         frame); ``Speech.timings.cut_short`` counts the utterances (segments, with
         ``split``) it stopped before the model's END (``max_frames=0`` asks for none: not
         counted), and the audio is empty when the model
-        ends at once. ``split``, ``pause``, ``max_chars``, ``add_period``: see :meth:`stream`.
+        ends at once. ``cfg_alpha`` weighs the flow-matching head's conditional velocity
+        against the unconditional one (classifier-free guidance: ``a * v_cond + (1 - a) *
+        v_uncond``; 1.2 as Mistral's release uses; -100 to 100). ``split``, ``pause``,
+        ``max_chars``, ``add_period``: see :meth:`stream`.
         """
         stream = self.stream(
             text,
