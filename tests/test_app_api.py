@@ -33,6 +33,22 @@ def tts(tiny_checkpoint_noend):
     model.close()
 
 
+def test_the_documented_attributes_are_there(tts, tiny_checkpoint_noend):
+    """What VoxtralTTS's docstring lists for apps (a voice picker among them)."""
+    from voxtral_mlx.voices import Voice
+
+    picker = {name: v.language for name, v in tts.voices.items()}
+    assert picker["casual_male"] == "en" and picker["fr_male"] == "fr"
+    assert all(isinstance(v, Voice) for v in tts.voices.values())
+    assert tts.default_voice == "casual_male"
+    assert tts.path == tiny_checkpoint_noend and tts.layout == "mistral"
+    assert [p.name for p in tts.weight_files] == ["consolidated.safetensors"]
+    assert tts.quantized == {} and tts.dtype == mx.float32  # the checkpoint's own
+    assert tts.config.sampling_rate == tts.sample_rate == 24000
+    assert tts.samples_per_frame == 1920 and tts.tokenizer.encode("Hi") != []
+    assert tts.engine.idle_cache_bytes >= 0
+
+
 def test_batched_segments_equal_sequential_synthesis(tts, batch_sizes, monkeypatch):
     segments = split_text(STORY, target_chars=60, max_chars=120)
     assert len(segments) >= 4

@@ -120,6 +120,18 @@ class VoxtralTTS:
 
     Safe to use from several threads: all MLX work runs on the model's own worker thread,
     and concurrent requests share one batch of frames.
+
+    Attributes (read them, do not assign):
+        voices: the voices by name (a mapping of :class:`~voxtral_mlx.voices.Voice`, each
+            with ``language``, e.g. ``{n: v.language for n, v in tts.voices.items()}`` for
+            a voice picker).
+        default_voice: the voice used when none is named.
+        path: the model's folder; ``layout``: which weights were read (``"mistral"``,
+            ``"voxtral-mlx"`` or ``"mlx-community"``), ``weight_files`` their files,
+            ``quantized`` the quantized layers (by Mistral name).
+        dtype: the compute dtype; ``config``: the model's configuration; ``tokenizer``: its
+            Tekken tokenizer.
+        engine: the batch scheduler (``engine.idle_cache_bytes``: see the README).
     """
 
     def __init__(
@@ -865,7 +877,14 @@ class VoxtralTTS:
         Each call opens its own output stream, so two at once play together (as two ``say``
         processes do): ``stop()`` the first to replace it. ``device`` (a name or index) and
         the default output are looked up among the devices PortAudio found when it started;
-        :func:`voxtral_mlx.audio.player.refresh_output_devices` re-reads them.
+        :func:`voxtral_mlx.audio.player.refresh_output_devices` re-reads them. ``seed``,
+        ``pause`` and ``max_frames`` are :meth:`stream`'s.
+
+        A ``player``'s ``feed(audio)`` is called on the playback thread with non-empty mono
+        float32 arrays at :attr:`sample_rate` (it may block to pace generation), then
+        ``finish()`` once all is fed (:meth:`Playback.wait` returns after it does: return
+        when the audio has played); ``stop()`` may come from any thread, during a
+        ``feed()``, and should make a ``feed()`` or ``finish()`` blocked then return.
         """
         wait = check_flag("wait", wait)
         if wait:
