@@ -33,6 +33,20 @@ def tts(tiny_checkpoint_noend):
     model.close()
 
 
+def test_the_types_the_api_returns_are_exported(tts):
+    from voxtral_mlx.playback import Playback
+
+    assert set(voxtral_mlx.__all__) <= set(dir(voxtral_mlx))
+    stream = tts.stream("Hi.", seed=1, max_frames=1)
+    assert isinstance(stream, voxtral_mlx.TextStream)
+    stream.close()
+    astream = tts.astream("Hi.", seed=1, max_frames=1)
+    assert isinstance(astream, voxtral_mlx.AsyncTextStream)
+    asyncio.run(astream.aclose())
+    assert isinstance(tts.voices["casual_male"], voxtral_mlx.Voice)
+    assert voxtral_mlx.Playback is Playback
+
+
 def test_the_documented_attributes_are_there(tts, tiny_checkpoint_noend):
     """What VoxtralTTS's docstring lists for apps (a voice picker among them)."""
     from voxtral_mlx.voices import Voice

@@ -22,11 +22,31 @@ DEFAULT_REPO = "mistralai/Voxtral-4B-TTS-2603"
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from .tts import AudioChunk, Speech, Timings, VoxtralTTS
+    from .tts import (
+        AsyncTextStream,
+        AudioChunk,
+        Playback,
+        Speech,
+        TextStream,
+        Timings,
+        Voice,
+        VoxtralTTS,
+    )
 
 # MLX and the model code load on first use, so that `voxtral-mlx --help` is quick and
 # Ctrl-C right after starting the command ends it with one line, not a traceback.
-_FROM_TTS = frozenset({"AudioChunk", "Speech", "Timings", "VoxtralTTS"})
+_FROM_TTS = frozenset(
+    {
+        "AsyncTextStream",
+        "AudioChunk",
+        "Playback",
+        "Speech",
+        "TextStream",
+        "Timings",
+        "Voice",
+        "VoxtralTTS",
+    }
+)
 
 
 def _import_tts():
@@ -55,9 +75,13 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DEFAULT_REPO",
+    "AsyncTextStream",
     "AudioChunk",
+    "Playback",
     "Speech",
+    "TextStream",
     "Timings",
+    "Voice",
     "VoxtralError",
     "VoxtralTTS",
     "load",
