@@ -33,21 +33,6 @@ if TYPE_CHECKING:
         VoxtralTTS,
     )
 
-# MLX and the model code load on first use, so that `voxtral-mlx --help` is quick and
-# Ctrl-C right after starting the command ends it with one line, not a traceback.
-_FROM_TTS = frozenset(
-    {
-        "AsyncTextStream",
-        "AudioChunk",
-        "Playback",
-        "Speech",
-        "TextStream",
-        "Timings",
-        "Voice",
-        "VoxtralTTS",
-    }
-)
-
 
 def _import_tts():
     try:
@@ -86,6 +71,9 @@ __all__ = [
     "VoxtralTTS",
     "load",
 ]
+# MLX and the model code load on first use, so that `voxtral-mlx --help` is quick and
+# Ctrl-C right after starting the command ends it with one line, not a traceback.
+_FROM_TTS = frozenset(__all__) - {"DEFAULT_REPO", "VoxtralError", "load"}
 __version__ = "0.1.0"
 
 

@@ -49,16 +49,7 @@ from .worker import Worker, WorkerFuture, closed_error
 
 T = TypeVar("T")
 
-__all__ = [
-    "AsyncTextStream",
-    "AudioChunk",
-    "Playback",
-    "Speech",
-    "TextStream",
-    "Timings",
-    "Voice",
-    "VoxtralTTS",
-]
+__all__ = ["AudioChunk", "Speech", "Timings", "VoxtralTTS"]
 
 DEFAULT_VOICE = "casual_male"
 DEFAULT_MAX_FRAMES = 2400  # 192 s of audio at 12.5 frames/s
