@@ -1023,6 +1023,20 @@ def test_a_second_ctrl_c_cuts_the_grace_short(checkpoint, tmp_path):
     assert "Traceback" not in log and "Finished server process" in log
 
 
+def test_sigterm_stops_gracefully_then_ends_by_the_signal(checkpoint, tmp_path):
+    """As the docs say: a supervisor's SIGTERM gets uvicorn's graceful stop, and the exit
+    status of a process the signal ended (143 in a shell), not 0."""
+    srv = start_server(tmp_path, checkpoint, "--no-warmup")
+    try:
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == -signal.SIGTERM
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "Finished server process" in log
+
+
 def test_ctrl_c_while_a_body_is_arriving_answers_503_at_once(checkpoint, tmp_path):
     """The half-sent request waited for uvicorn's grace to run out, then got a text/plain
     500 and the log a traceback after 'Finished server process'."""

@@ -87,7 +87,10 @@ Shutdown
     arriving with 503 ``server_shutting_down`` at once, lets speech requests finish for up
     to 3 s, then cuts them off (their generation is cancelled; one that has sent no audio
     yet gets that 503, the others a truncated body) and exits. The log says so in one line
-    each, at INFO.
+    each, at INFO. ``voxtral-mlx serve`` exits with status 0 after Ctrl-C and 143 after
+    SIGTERM (the signal is re-raised once the server has stopped, as supervisors expect of
+    a process that obeyed it); SIGHUP ends it at once (129). An error before it serves (a
+    taken port, a model that does not load) is one line on stderr and status 1.
 """
 
 from __future__ import annotations
