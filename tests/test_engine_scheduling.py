@@ -494,6 +494,43 @@ def test_a_prefix_computed_across_a_clear_is_not_kept(tts):
     assert not tts.synthesize("Hi.", VOICE, seed=1, max_frames=1).timings.prefix_cached
 
 
+@pytest.mark.parametrize("voices_kept", [8, 0])
+def test_a_waited_job_goes_on_with_a_prefix_a_set_aside_prefill_began(
+    tts, monkeypatch, voices_kept
+):
+    """A segment generated ahead is computing its voice's prefix (several parts) when a job
+    someone waits for, with the same voice, arrives: the newcomer takes the half-computed
+    prefix over rather than start it again, and the other, resuming, starts from the
+    finished one (kept in memory, or computed once more when none are kept): neither hears
+    the other's prompt."""
+    monkeypatch.setattr(tts.engine, "prefix_cache_voices", voices_kept)
+    tts.clear_prefix_cache()
+
+    def scenario():
+        e = tts.engine
+        a = job(tts, "Text A second segment.", 1, True, seed=2, max_frames=4)
+        e.submit(a)
+        e.pump()  # the first part of the voice's prefix
+        begun = e._prefilling.prefix
+        assert begun is not None and begun.embeds.shape[1] > 0  # parts to go
+        b = job(tts, "Quick one.", 0, False, seed=3, max_frames=4)
+        e.submit(b)
+        e.pump()  # a's prefill is set aside for b
+        taken = e._prefilling.job is b and e._prefilling.prefix is begun
+        left_with_a = a._suspended.prefix
+        pump_while(e, lambda: e.busy)
+        return a, b, taken, left_with_a
+
+    a, b, taken, left_with_a = tts.call(scenario)
+    assert taken and left_with_a is None
+    assert a.timings.prefix_cached == (voices_kept > 0)
+    monkeypatch.setattr(tts.engine, "prefix_cache_voices", 8)
+    for made, text, seed in ((a, "Text A second segment.", 2), (b, "Quick one.", 3)):
+        np.testing.assert_array_equal(
+            codes(made), solo(tts, text, seed=seed, max_frames=4), err_msg=text
+        )
+
+
 def test_a_job_whose_last_chunk_is_being_decoded_hears_of_a_failure(tts):
     """A job that has left the batch, its last chunk still decoding beside the next frame,
     gets the error of a failure then (or the model's closing) instead of waiting for ever."""
