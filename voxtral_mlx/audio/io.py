@@ -50,6 +50,9 @@ FORMATS: dict[str, tuple[str, str]] = {
     ".mp3": ("MP3", "MPEG_LAYER_III"),
     ".opus": ("OGG", "OPUS"),
 }
+# libsndfile writes nothing readable for these without a sample (FLAC and MP3 nothing at
+# all, Opus its headers alone).
+_NO_EMPTY_FILES = frozenset({".flac", ".mp3", ".opus"})
 LOSSLESS_EXTENSIONS = frozenset(ext for ext, (_, sub) in FORMATS.items() if sub == "PCM_16")
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
 # libvorbis's encoder takes up to 200 kHz; libsndfile crashes (SIGSEGV) above it.
@@ -71,12 +74,22 @@ def float_to_int16(audio: np.ndarray) -> np.ndarray:
     (:func:`numpy.rint`). Values beyond full scale clip (+1.0 becomes 32767, the only
     in-range value that clips); NaN becomes 0.
     """
-    scaled = np.asarray(audio, dtype=np.float32) * np.float32(_INT16_SCALE)
+    with np.errstate(over="ignore"):  # beyond float32's range: inf, which clips below
+        scaled = np.asarray(audio, dtype=np.float32) * np.float32(_INT16_SCALE)
     if np.isnan(scaled).any():
         scaled = np.nan_to_num(scaled, nan=0.0)
     np.rint(scaled, out=scaled)
     np.clip(scaled, -32768.0, 32767.0, out=scaled)
     return scaled.astype(np.int16)
+
+
+def float_to_unit(audio: np.ndarray) -> np.ndarray:
+    """Float samples as the lossy encoders take them: clipped to [-1, 1], NaN as 0 (as
+    :func:`float_to_int16` has it; LAME aborts the whole process on a NaN sample)."""
+    a = np.asarray(audio, dtype=np.float32)
+    if np.isnan(a).any():
+        a = np.nan_to_num(a, nan=0.0)
+    return np.clip(a, -1.0, 1.0)
 
 
 def float_to_pcm16(audio: np.ndarray) -> bytes:
@@ -520,7 +533,8 @@ class AudioFileWriter:
 
     WAV and FLAC are 16-bit PCM encoded with :func:`float_to_int16` (so reading the file
     back gives exactly those integers); lossy formats get the float samples clipped to
-    [-1, 1].
+    [-1, 1]. A file with no audio is refused when kept as a ``.flac``, ``.mp3`` or
+    ``.opus``, whose empty files cannot be read back (the other formats can be empty).
     """
 
     def __init__(
@@ -533,6 +547,7 @@ class AudioFileWriter:
         self._target = output_target(self.path)  # through a symbolic link
         ext = _extension(self.path) or _extension(self._target)  # as check_output_path
         fmt, subtype = FORMATS[ext]
+        self._ext = ext
         self._format = fmt
         self._pcm16 = subtype == "PCM_16"
         limit = _MAX_SAMPLE_BYTES.get(fmt)
@@ -624,7 +639,7 @@ class AudioFileWriter:
                 f"{hours:.1f} hours of audio at {self.sample_rate} Hz",
                 "write .flac or .caf for longer audio",
             )
-        data = float_to_int16(a) if self._pcm16 else np.clip(a, -1.0, 1.0)
+        data = float_to_int16(a) if self._pcm16 else float_to_unit(a)
         # Ctrl-C lands between bytecodes: right after libsndfile's write, before the count.
         # The close-time check then accepts the file with or without that chunk.
         self._pending = a.shape[0]
@@ -667,6 +682,13 @@ class AudioFileWriter:
                 _discard(handle, self._tmp, folder_fd, data_fd)
                 return
             assert handle is not None and data_fd is not None
+            if self.frames_written == 0 and self._ext in _NO_EMPTY_FILES:
+                with contextlib.suppress(Exception):
+                    handle.close()  # the temp file and its descriptor go below
+                raise AudioOutputError(
+                    f"{str(self.path)!r} was not written: there is no audio for it, and an "
+                    f"empty {self._ext} file cannot be read back (a .wav can be empty)"
+                )
             handle.close()
             if self._format == "OGG":  # the same audio, the same bytes (see audio.ogg)
                 renumber_file(self._tmp)

@@ -4,7 +4,9 @@ libsndfile numbers the one logical stream of an ``.ogg``/``.opus`` file at rando
 same audio made different bytes on every run (a cache keyed by a hash of the response
 missed, two runs could not be compared with ``cmp``). Every page is given
 :data:`SERIAL` instead, its CRC recomputed; nothing else changes, and a page keeps its size
-(a file is rewritten in place, page by page).
+(a file is rewritten in place, page by page). The same audio means the same samples
+written in the same chunks for Vorbis (``.ogg``), whose encoder's output depends on how
+the audio was split into writes; Opus's (and MP3's) does not.
 """
 
 from __future__ import annotations

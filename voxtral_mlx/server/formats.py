@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import soundfile as sf
 
-from ..audio.io import float_to_int16, float_to_pcm16, wav_header
+from ..audio.io import float_to_int16, float_to_pcm16, float_to_unit, wav_header
 from ..audio.ogg import PageRenumberer
 
 
@@ -194,7 +194,7 @@ class SoundFileEncoder(Encoder):
             # Lossless formats get the integers of float_to_int16 (libsndfile would scale
             # floats by 32767, not 32768); lossy encoders take the floats.
             a = np.asarray(audio, np.float32)
-            self._sf.write(float_to_int16(a) if self._pcm16 else np.clip(a, -1.0, 1.0))
+            self._sf.write(float_to_int16(a) if self._pcm16 else float_to_unit(a))
         return self._out()
 
     def finish(self) -> bytes:
