@@ -14,11 +14,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import mlx.core as mx
 import pytest
 import uvicorn
 from test_server import idle, start_server, stop_server, wait_until
 
 import voxtral_mlx
+from voxtral_mlx.config import END_AUDIO
 from voxtral_mlx.server import ServerConfig, bind, create_app, url_of
 from voxtral_mlx.server.app import BODY_TIMEOUT_S, SEND_TIMEOUT_S
 from voxtral_mlx.server.response import BodyResponse
@@ -275,6 +277,33 @@ def test_unusual_but_visible_input_is_spoken(live, text):
     body = {"input": text, "response_format": "pcm"}
     r = httpx.post(f"{live.url}/v1/audio/speech", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200 and len(r.content) % 2 == 0 and len(r.content) > 0
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+@pytest.mark.parametrize("fmt", ["pcm", "wav", "mp3", "opus", "flac"])
+def test_a_text_the_model_ends_at_once_gets_422_not_an_empty_body(
+    live, tts, monkeypatch, fmt, stream_format
+):
+    """END as the first frame: there is no audio, and empty FLAC, MP3 and Opus bodies are
+    not even readable files; the client is told so, as `speak` tells its user."""
+
+    def end_at_once(h, noise, cfg):
+        sem, codes = original(h, noise, cfg)
+        sem = mx.full(sem.shape, END_AUDIO, dtype=sem.dtype)
+        return sem, mx.concatenate([sem[:, None], codes[:, 1:]], axis=-1)
+
+    original = tts.model.frame
+    monkeypatch.setattr(tts.model, "frame", end_at_once)
+    before = idle(live)
+    body = {"input": "Hello there.", "response_format": fmt, "stream_format": stream_format}
+    r = httpx.post(f"{live.url}/v1/audio/speech", json=body, headers=AUTH, timeout=60)
+    error = assert_openai_error(r.status_code, r.content, 422)
+    assert error["code"] == "no_audio" and "another seed" in error["message"]
+    after = idle(live)
+    assert after["failed"] == before["failed"] + 1
+    monkeypatch.undo()
+    r = httpx.post(f"{live.url}/v1/audio/speech", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.content
 
 
 # -- clients that go away --------------------------------------------------------------------

@@ -69,7 +69,9 @@ Limits and errors
     404 unknown route, 405 wrong method, 408 body not fully received within 30 s of the
     headers (``--body-timeout``; then the connection is closed), 413 body far beyond the
     input limit (refused at once when Content-Length declares it), 415 a Content-Type
-    other than JSON or a compressed body (``Content-Encoding``), 429 queue full, 500 a
+    other than JSON or a compressed body (``Content-Encoding``), 422 ``no_audio`` when the
+    model ends the text before its first frame (as ``speak`` refuses to write an empty
+    file: rephrase it or send another seed), 429 queue full, 500 a
     server failure (details only in the server's log). A request whose body is still
     arriving is not yet in the queue; a client that stops reading the audio for 60 s
     (``--send-timeout``) is cut off and leaves it (its connection is reset, dropping what

@@ -32,6 +32,7 @@ from ..voices import LANGUAGE_NAMES, unreadable
 from .errors import (
     APIError,
     bad_request,
+    no_audio,
     request_failed,
     server_error,
     shown,
@@ -323,18 +324,22 @@ class SpeechAPI:
         asks for larger chunks as far as what the client must hold covers them (the codec
         then runs once per chunk, not per frame)."""
         client = ClientBuffer(1.0 if stretcher is None else 1.0 / stretcher.speed)
+        heard = False  # any audio at all (a split text's pauses count)
         try:
             async for chunk in stream:
                 done.frames += chunk.frames
                 self.counters.frames += chunk.frames  # live: /health shows generation
                 stream.lookahead = self._lookahead()  # read when the next segment is due
                 if len(chunk.audio):
+                    heard = True
                     audio = chunk.audio if stretcher is None else stretcher.process(chunk.audio)
                     yield encoder.write(audio)
                 if grow:
                     seconds = len(chunk.audio) / chunk.sample_rate
                     frames = client.sent(seconds, chunk.frames, chunk)
                     stream.set_chunk_frames(frames)
+            if not heard:  # nothing sent yet: an error, as `speak` gives, not an empty body
+                raise no_audio()
             if stretcher is not None:
                 yield encoder.write(stretcher.flush())
             yield encoder.finish()

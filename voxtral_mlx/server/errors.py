@@ -69,6 +69,17 @@ def server_error(
     return APIError(500, message, type="server_error")
 
 
+def no_audio() -> APIError:
+    """The model ended the request before its first frame: no audio to send (an empty
+    FLAC, MP3 or Opus body would not even be a readable file)."""
+    return APIError(
+        422,
+        "the model produced no audio for this text (END on the first frame): rephrase it "
+        "or send another seed",
+        code="no_audio",
+    )
+
+
 def shutting_down() -> APIError:
     return APIError(
         503,
