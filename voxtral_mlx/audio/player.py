@@ -595,6 +595,8 @@ class AudioPlayer:
         a = np.clip(np.nan_to_num(a, copy=False, nan=0.0), -1.0, 1.0)
         now = self._clock()
         with self._lock:
+            if self._stopped.is_set():  # stop() came since the check above: it emptied the
+                return  # buffer, which must stay empty
             if expected_total_s is not None:
                 self._expected_total_s = float(expected_total_s)
             self._more_coming = None if more_coming is None else bool(more_coming)
