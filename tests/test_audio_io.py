@@ -939,6 +939,7 @@ def _ogg_pages(data: bytes) -> list[bytes]:
         size = 27 + n + sum(data[pos + 27 : pos + 27 + n])
         pages.append(data[pos : pos + size])
         pos += size
+    assert pos == len(data)  # whole pages, nothing after the last
     return pages
 
 

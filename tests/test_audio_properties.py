@@ -27,6 +27,7 @@ import pytest
 import soundfile as sf
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from test_audio_io import _ogg_pages
 
 from voxtral_mlx.audio import io as aio
 from voxtral_mlx.audio.io import (
@@ -723,18 +724,6 @@ def test_server_lossy_bodies_are_chunking_independent(name, data):
         # no LAME tag: the silent placeholder frame, encoder delay and padding remain
         assert x.size + MP3_FRAME <= y.size <= x.size + 5 * MP3_FRAME
         assert y.size % MP3_FRAME == 0
-
-
-def _ogg_pages(data: bytes) -> list[bytes]:
-    pages, pos = [], 0
-    while pos < len(data):
-        assert data[pos : pos + 4] == b"OggS"
-        n = data[pos + 26]
-        size = 27 + n + sum(data[pos + 27 : pos + 27 + n])
-        pages.append(data[pos : pos + size])
-        pos += size
-    assert pos == len(data)
-    return pages
 
 
 def _n_pages(parts: list[bytes]) -> int:

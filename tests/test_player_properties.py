@@ -40,6 +40,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from test_player import FakeClock, FakePortAudioError
 
 from voxtral_mlx.audio import player as player_module
 from voxtral_mlx.audio.player import AudioPlayer
@@ -64,23 +65,15 @@ def dump_stacks_and_fail(what: str) -> None:
 # -- fake sounddevice -----------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class FakePortAudioError(Exception):
-    pass
-
-
 class FakeCallbackAbort(Exception):
     pass
 
 
 class Stream:
+    """Unlike test_player's FakeStream, abort(), stop() and close() wait for a callback
+    the simulation is running (its ``lock``), as PortAudio's do: stop() from another
+    thread is tested against that."""
+
     def __init__(self, sd: SD, **kw: Any) -> None:
         self.sd, self.kw = sd, kw
         self.callback = kw["callback"]
@@ -170,7 +163,7 @@ class Sim:
     counter: int = 0
 
     def __post_init__(self) -> None:
-        self.clock = Clock()
+        self.clock = FakeClock(1000.0)
         self.sd = SD()
         if self.channels_core_audio:
             self.sd.hostapi = "Core Audio"  # 2 channels, both carrying the signal
