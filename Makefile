@@ -13,6 +13,8 @@ else
 TORCH_SPEC := torch>=2.4
 endif
 TORCH_PIP_ARGS ?=
+# Test processes (pytest-xdist): one per CPU; TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= auto
 
 .PHONY: install test lint format bench bench-full bench-openblas demo clean
 
@@ -30,7 +32,7 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check voxtral_mlx tests benchmarks convert
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check voxtral_mlx tests benchmarks convert

@@ -10,10 +10,22 @@ from pathlib import Path
 
 import pytest
 
-# Keep the tokenizer cache (and anything else cached) out of the user's home.
+# Keep the tokenizer cache (and anything else cached) out of the user's home, one cache per
+# process: pytest-xdist's workers inherit the environment, and tests that look into the
+# cache (what a clear left, which files were written) must not see another worker's files.
 _CACHE = tempfile.mkdtemp(prefix="voxtral-mlx-test-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-os.environ.setdefault("VOXTRAL_MLX_CACHE", _CACHE)
+if os.environ.get("VOXTRAL_MLX_CACHE") in (None, os.environ.get("VOXTRAL_MLX_TEST_CACHE")):
+    os.environ["VOXTRAL_MLX_CACHE"] = os.environ["VOXTRAL_MLX_TEST_CACHE"] = _CACHE
+
+# MLX's CPU backend compiles fused kernels with g++ into $TMPDIR/mlx, with no lock between
+# processes: a worker could read a source file another is rewriting, or load a library
+# another is still linking. Each worker keeps its own (lasting, so later runs reuse it).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    _JIT = Path(tempfile.gettempdir()) / f"voxtral-mlx-tests-{_WORKER}"
+    _JIT.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(_JIT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

@@ -832,9 +832,12 @@ def test_replaced_voices_that_cannot_be_put_back_are_kept_and_named(
 ) -> None:
     """The stage holding the only copy of a replaced voice was deleted after a put-back
     failed. Kept in a folder of a new name each time (a later run removes stages), named by
-    the error, or by the interrupt's line after a Ctrl-C."""
-    out = _three_voices_over_old_ones(tmp_path)
-    sources = [tmp_path / f"{n}.pt" for n in "abc"]
+    the error, or by the interrupt's line after a Ctrl-C. In a folder of a long path, the
+    file was named by a path cut to 80 characters, which left its name out."""
+    base = tmp_path / ("a-folder-with-a-long-name-" * 4)
+    base.mkdir()
+    out = _three_voices_over_old_ones(base)
+    sources = [base / f"{n}.pt" for n in "abc"]
     monkeypatch.setattr(voices_mod.os, "replace", _failing_to_put_back_a(out, interrupt))
     for attempt in (1, 2):
         with pytest.raises(KeyboardInterrupt if interrupt else VoiceError) as exc:
@@ -843,13 +846,48 @@ def test_replaced_voices_that_cannot_be_put_back_are_kept_and_named(
         kept = sorted(out.glob("replaced-voices-*"))
         assert len(kept) == attempt
         here = next(k for k in kept if f"the voices it replaced are in {k / 'voices'};" in line)
-        assert f"{out / 'a.safetensors'} could not be put back" in line
+        assert line.startswith("a.safetensors could not be put back after the conversion")
+        assert line.endswith(f"move them back into {out}")
         assert (here / "voices" / "a.safetensors").read_bytes() == b"old a"
         (out / "a.safetensors").write_bytes(b"old a")  # moved back, as the line asks
         for name in ("b", "c"):
             assert (out / f"{name}.safetensors").read_bytes() == f"old {name}".encode()
     assert sorted(p.name for p in out.glob("*.safetensors")) == [f"{n}.safetensors" for n in "abc"]
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_new_voices_that_cannot_be_removed_are_named_with_their_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A voice placed before a later rename failed, that could not then be removed, is named
+    by its file name and the folder it is in (a long path is not cut off before its name)."""
+    base = tmp_path / ("a-folder-with-a-long-name-" * 4)
+    base.mkdir()
+    for name in ("a", "b", "c"):
+        torch.save(bf16_voice(3, seed=ord(name)), base / f"{name}.pt")
+    out = base / "out"
+    real_replace, real_unlink = os.replace, Path.unlink
+
+    def failing_replace(src, dst) -> None:
+        if Path(dst) == out / "c.safetensors":
+            raise OSError(5, "Input/output error")
+        real_replace(src, dst)
+
+    def failing_unlink(self: Path, missing_ok: bool = False) -> None:
+        if self == out / "a.safetensors":
+            raise PermissionError(13, "Permission denied")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(voices_mod.os, "replace", failing_replace)
+    monkeypatch.setattr(Path, "unlink", failing_unlink)
+    with pytest.raises(VoiceError) as exc:
+        convert_voice_files([base / f"{n}.pt" for n in "abc"], out)
+    assert one_line(exc) == (
+        f"a.safetensors could not be removed from {out} after the conversion failed "
+        "([Errno 5] Input/output error): remove it"
+    )
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == ["a.safetensors"]
 
 
 def test_ctrl_c_then_a_failure_while_placing_is_still_an_interrupt(

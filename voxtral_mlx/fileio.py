@@ -32,6 +32,13 @@ def one_line(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def path_text(path: object) -> str:
+    """A path a message asks the user to act on (remove, move): escaped as :func:`one_line`
+    does, but whole up to the longest path macOS allows, as a path cut to fit a line can
+    leave out the very file it names."""
+    return one_line(str(path), 1024)
+
+
 MAX_JSON_BYTES = 64 << 20  # params.json, config.json, an index: kilobytes in any release
 
 

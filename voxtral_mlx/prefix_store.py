@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import VoxtralError
-from .fileio import TEMP_KIND, atomic_write, one_line, prune_oldest, remove_orphans
+from .fileio import TEMP_KIND, atomic_write, one_line, path_text, prune_oldest, remove_orphans
 from .model.cache import KVCache
 
 FORMAT = "voxtral_mlx.prefix/3"  # 3: prefilled in fixed parts
@@ -266,7 +266,7 @@ class PrefixStore:
                     path.unlink(missing_ok=True)
                 except OSError as e:
                     raise VoxtralError(
-                        f"cannot delete the voice-prefix file {one_line(str(path))}: "
+                        f"cannot delete the voice-prefix file {path_text(path)}: "
                         f"{e.strerror or e}; delete it by hand or fix the folder's permissions"
                     ) from None
 

@@ -34,6 +34,7 @@ from .fileio import (
     one_line,
     open_locked,
     owned_name,
+    path_text,
     remove_orphans,
     unreadable_fix,
     usable_path,
@@ -628,12 +629,12 @@ def convert_voice_files(
         seen[key] = src
         if not overwrite and (dst.exists() or dst.is_symlink()):
             raise VoiceError(
-                f"{one_line(str(dst))} already exists; remove it or pass --force "
+                f"{path_text(dst)} already exists; remove it or pass --force "
                 "(overwrite=True) to overwrite it"
             )
         if dst.is_dir() or (dst.exists() and not dst.is_file()):
             raise VoiceError(
-                f"{one_line(str(dst))} exists and is not a file; remove it or choose another "
+                f"{path_text(dst)} exists and is not a file; remove it or choose another "
                 "output directory"
             )
     # Voices are small: all are read before anything is written. (Their width is known
@@ -756,10 +757,11 @@ def _not_put_back(
     are moved out of the stage (which would be removed) into a new visible folder, named."""
     why = one_line(str(cause) or type(cause).__name__, 100)
     old = [dst for dst, kept in failed if kept is not None]
+    out_dir = path_text(stage.parent)  # files named by name: each is in the output folder
     if not old:
         return VoiceError(
-            f"{some_names([str(d) for d, _ in failed], 2)} could not be removed after the "
-            f"conversion failed ({why}): remove {'it' if len(failed) == 1 else 'them'}"
+            f"{some_names([d.name for d, _ in failed], 2)} could not be removed from {out_dir} "
+            f"after the conversion failed ({why}): remove {'it' if len(failed) == 1 else 'them'}"
         )
     kept_dir = stage / _KEPT
     in_stage = True
@@ -775,8 +777,8 @@ def _not_put_back(
             with contextlib.suppress(OSError):
                 os.rmdir(visible)
     return _NotPutBack(
-        f"{some_names([str(d) for d in old], 2)} could not be put back after the conversion "
-        f"failed ({why}): the voices it replaced are in {one_line(str(kept_dir))}; move them "
-        f"back into {one_line(str(stage.parent))}",
+        f"{some_names([d.name for d in old], 2)} could not be put back after the conversion "
+        f"failed ({why}): the voices it replaced are in {path_text(kept_dir)}; move them "
+        f"back into {out_dir}",
         in_stage,
     )
