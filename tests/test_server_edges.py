@@ -376,6 +376,64 @@ def test_a_disconnect_is_noticed_between_parts_sent_back_to_back():
     assert len([m for m in sent if m["type"] == "http.response.body"]) == 1
 
 
+class _Transport:
+    """A connection's transport as the server sees it: ``unsent`` bytes it holds."""
+
+    def __init__(self, unsent: int) -> None:
+        self.unsent = unsent
+        self.aborted = False
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+@pytest.mark.parametrize("unsent", [0, 4096])
+def test_a_shutdown_drops_a_connection_only_while_its_bytes_wait_for_the_client(unsent):
+    """Cut off by a shutdown between two parts, while bytes the socket had no room for waited
+    in the server (the client had stopped reading, but the server's send had not had to
+    wait yet): the connection was closed, which waits for those bytes to go, so the server
+    exited only after uvicorn's 3 s with an ERROR line. A client that keeps up is not
+    reset: its connection is closed in the ordinary way."""
+    from voxtral_mlx.server.response import TRANSPORT
+
+    transport = _Transport(unsent)
+    outcomes: list[str] = []
+
+    async def parts():
+        yield b"x" * 10
+        await asyncio.Event().wait()  # the next frame, never ready
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    async def main() -> None:
+        sent = asyncio.Event()
+
+        async def send(message: dict) -> None:
+            if message.get("body"):
+                sent.set()
+
+        async def on_close(outcome: str) -> None:
+            outcomes.append(outcome)
+
+        response = BodyResponse(parts(), "audio/pcm", streams=True, on_close=on_close)
+        task = asyncio.create_task(response({"type": "http", TRANSPORT: transport}, receive, send))
+        await sent.wait()
+        response.abort()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())
+    assert outcomes == ["cancelled"]
+    assert transport.aborted == (unsent > 0)
+
+
 def test_the_body_timeout_flag_reaches_the_server(tiny_checkpoint_noend, tmp_path):
     """``serve --body-timeout`` is the deadline the running server applies."""
     srv = start_server(

@@ -67,6 +67,12 @@ def _drop_connection(scope: Scope) -> None:
     transport.abort()  # the bytes asyncio still holds are dropped too
 
 
+def _unsent(scope: Scope) -> bool:
+    """Whether bytes sent wait in the server for room in the socket's send queue."""
+    transport = scope.get(TRANSPORT)
+    return transport is not None and transport.get_write_buffer_size() > 0
+
+
 async def _pieces(data: bytes) -> AsyncGenerator[bytes, None]:
     """``data`` in messages of :data:`_PIECE_BYTES`."""
     view = memoryview(data)
@@ -173,8 +179,11 @@ class BodyResponse:
                     log.exception("speech generation failed")
                     await self._fail(send, server_error())
                 tg.cancel_scope.cancel()
-            if self._aborted and self._sending:
-                _drop_connection(scope)  # cut off by shutdown while its client is not reading
+            if self._aborted and (self._sending or _unsent(scope)):
+                # Cut off by shutdown while its client is not reading (the server's send
+                # waits, or bytes wait that the socket has no room for): closed, the
+                # connection would wait for that client, and hold up the shutdown.
+                _drop_connection(scope)
             if self._aborted and not self.started:
                 # Cut off by shutdown before any audio (waiting for room in the batch): a
                 # proper error, not the bare 500 the server sends for an unanswered request.
