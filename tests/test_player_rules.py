@@ -155,6 +155,48 @@ def test_a_feed_held_back_at_max_buffer_fails_when_the_device_goes(failure):
     assert isinstance(result.get("error"), AudioDeviceError)
 
 
+@pytest.mark.parametrize("waiting_in", ["feed", "finish"])
+def test_a_process_stopped_and_continued_plays_on(waiting_in):
+    """Ctrl-Z, then fg ten minutes later: PortAudio's thread was stopped with the rest of
+    the process, and the thread checking on the device runs first, having seen the ten
+    minutes pass without a callback. The device calls back a moment later: playback goes
+    on, from where it was, instead of failing as a device that is gone."""
+    p, sd = make_player(max_buffer_s=0.5)
+    s = sd.streams[0]
+    fed: list[int] = []
+    frames = 20 if waiting_in == "feed" else 5
+
+    def produce() -> None:
+        for i in range(frames):
+            p.feed(frame(i))
+            fed.append(i)
+            sd.clock.advance(0.001)
+        p.finish()
+
+    t, result = run_in_thread(produce)
+    held = 6 if waiting_in == "feed" else frames  # held back at max_buffer_s, or all fed
+    assert _wait_until(lambda: len(fed) == held)
+    time.sleep(0.05)
+    assert t.is_alive() and len(fed) == held and p.started
+    sd.clock.advance(600.0)  # stopped: no callback, and no check either
+    time.sleep(0.2)  # continued: the checking thread polls first (every 20 ms)
+    played = []
+    deadline = time.monotonic() + 10
+    while t.is_alive() and time.monotonic() < deadline:
+        played.append(s.pump())  # PortAudio's thread runs again
+        sd.clock.advance(FRAME_S)
+        time.sleep(0.03)
+    stuck = t.is_alive()
+    p.stop()
+    t.join(2)
+    assert not stuck
+    assert "error" not in result, result.get("error")
+    assert len(fed) == frames
+    audio = np.concatenate([b for b in played if b is not None])
+    expected = np.concatenate([frame(i) for i in range(frames)])
+    assert np.array_equal(audio[: frames * FRAME], expected)
+
+
 def test_a_high_latency_device_is_allowed_four_latencies_before_it_counts_as_stalled():
     """The stall limit is max(3 s, 4 x the stream's latency): 3.5 s is fine at 1 s latency."""
     sd = FakeSD()

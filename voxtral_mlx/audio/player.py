@@ -52,6 +52,11 @@ _LIST_DEVICES = (
 )
 _POLL_S = 0.02  # how often blocking waits look at stop() and the clock
 _STALL_S = 3.0  # a device whose callback stops for this long is considered gone
+# ... unless a callback comes within this grace once the silence is noticed (at least
+# 2 x the stream's latency): a process stopped (Ctrl-Z) and continued, or starved, sees the
+# time that passed before the device's thread has run again.
+_STALL_GRACE_S = 0.5
+_MAX_STALL_GRACE_S = 2.0
 _CLOSE_WAIT_S = 1.0  # longest a stream's abort and close may take before it is left open
 _CALLBACK_LOCK_S = 0.02  # longest the audio callback waits for the buffer lock
 
@@ -431,6 +436,7 @@ class AudioPlayer:
         self._last_end_at: float | None = None  # when the latest real sample leaves the DAC
         self._last_sample_at: float | None = None  # same, for the very last sample
         self._last_callback_at: float | None = None
+        self._callbacks = 0  # callbacks run, counted even when the lock was busy
         self._callback_error: Exception | None = None
 
         self._started = False
@@ -661,6 +667,7 @@ class AudioPlayer:
         return delay
 
     def _callback(self, outdata: np.ndarray, frames: int, time_info: Any, status: Any) -> None:
+        self._callbacks += 1
         try:
             self._fill(outdata, frames, time_info, status)
         except Exception as e:
@@ -793,10 +800,24 @@ class AudioPlayer:
             raise AudioDeviceError("the audio stream ended unexpectedly", fix)
         last = self._last_callback_at
         limit = max(_STALL_S, 4 * self._latency)
-        if last is not None and self._clock() - last > limit:
+        if last is not None and self._clock() - last > limit and not self._calls_back_soon():
             raise AudioDeviceError(
                 f"the audio device stopped taking audio (no callback for {limit:.3g} s)", fix
             )
+
+    def _calls_back_soon(self) -> bool:
+        """Whether the device calls back (or stop() comes) within a short grace, in real
+        time: after ``fg`` a stopped process's threads all run again, and the one checking
+        may run before PortAudio's, having seen the whole suspension pass without a
+        callback. A device that is gone stays silent through the grace too."""
+        seen = self._callbacks
+        grace = min(_MAX_STALL_GRACE_S, max(_STALL_GRACE_S, 2 * self._latency))
+        deadline = time.monotonic() + grace
+        while self._callbacks == seen and not self._stopped.is_set():
+            if time.monotonic() >= deadline:
+                return False
+            self._stopped.wait(_POLL_S)
+        return True
 
     def _wait_drained(self) -> None:
         while not self._drained.wait(_POLL_S):
