@@ -590,3 +590,71 @@ def test_cancelling_an_async_stream_while_it_splits_a_book_abandons_the_split(tt
 
     stream = asyncio.run(main())  # asyncio.run waits for the split's thread to end
     assert stream.segments == [] and not stream.jobs
+
+
+def test_say_can_be_paused_resumed_and_followed_segment_by_segment(tts):
+    """A reading app's Pause button and sentence highlighting: pause() holds the speech
+    (the device plays silence, nothing is lost), resume() plays on from there, and
+    `segment` names the segment being heard, each in turn, with `played_s` counting."""
+    from test_player import FRAME, FakeSD
+
+    from voxtral_mlx.audio.player import AudioPlayer
+
+    text = "Good morning.\n\nThe tea is ready.\n\nIt is raining outside.\n\nBring an umbrella."
+    sd = FakeSD()
+    player = AudioPlayer(tts.sample_rate, sd=sd, clock=sd.clock)
+    playback = tts.say(text, VOICE, seed=3, wait=False, player=player, max_frames=10)
+    assert playback.segment is None and playback.played_s == 0.0 and not playback.paused
+    stream = sd.streams[0]
+    expected = tts.synthesize(text, VOICE, seed=3, split=True, max_frames=10).audio
+    expected = np.clip(expected, -1.0, 1.0)  # as the player plays it
+    heard, seen, paused = [], [], False
+    deadline = time.monotonic() + 60
+    while not playback.done and time.monotonic() < deadline:
+        if len(heard) == 12 and not paused:
+            paused = True
+            playback.pause()
+            assert playback.paused
+            at, segment = playback.played_s, playback.segment
+            for _ in range(5):
+                sd.clock.advance(FRAME / tts.sample_rate)
+                block = stream.pump()
+                assert block is not None and not block.any()
+            assert playback.played_s == at and playback.segment is segment
+            assert not playback.wait(timeout=0)
+            playback.resume()
+            assert not playback.paused
+        buffered = round(player.buffered_s * tts.sample_rate)
+        if not player.started or (
+            buffered < FRAME and player.played_samples + buffered < len(expected)
+        ):
+            time.sleep(0.002)  # as a device that never runs dry: a block once one is there
+            continue
+        block = stream.pump()
+        sd.clock.advance(FRAME / tts.sample_rate)
+        if block is None:  # closed, once the end has played
+            continue
+        heard.append(block)
+        segment = playback.segment
+        if segment is not None and (not seen or seen[-1] is not segment):
+            seen.append(segment)
+        assert playback.played_s == pytest.approx(min(len(heard) * FRAME, len(expected)) / 24000)
+    assert playback.wait(timeout=10) and paused
+    played = np.concatenate(heard)
+    np.testing.assert_allclose(played[: len(expected)], expected, atol=1e-5)
+    assert not played[len(expected) :].any()
+    segments = playback.stream.segments
+    assert [s.text for s in segments] == [s.text for s in split_text(text)]
+    assert len(segments) == 4 and len(seen) == 4
+    assert all(a is b for a, b in zip(seen, segments))
+    assert [s.text for s in seen] == [text[s.start : s.end] for s in segments]
+
+
+def test_pausing_a_player_that_cannot_pause_says_so(tts):
+    playback = tts.say(STORY, VOICE, wait=False, player=RecordingPlayer(), max_frames=2)
+    with pytest.raises(voxtral_mlx.errors.UsageError, match=r"RecordingPlayer\) has no pause"):
+        playback.pause()
+    with pytest.raises(voxtral_mlx.errors.UsageError, match="has no resume"):
+        playback.resume()
+    assert not playback.paused and playback.played_s is None and playback.segment is None
+    assert playback.wait(timeout=30)

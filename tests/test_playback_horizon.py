@@ -221,8 +221,10 @@ def test_an_empty_last_chunk_of_a_live_segment_still_starts_what_came():
         def __iter__(self):
             for _ in range(5):  # 0.4 s at 0.5x real time, then END
                 clock.advance(2 * FRAME_S)
-                yield SimpleNamespace(audio=frame(0), segment=0, ends_segment=False)
-            yield SimpleNamespace(audio=np.zeros(0, np.float32), segment=0, ends_segment=True)
+                yield SimpleNamespace(audio=frame(0), frames=1, segment=0, ends_segment=False)
+            yield SimpleNamespace(
+                audio=np.zeros(0, np.float32), frames=0, segment=0, ends_segment=True
+            )
             text_comes.wait(30)  # the rest of the text has yet to come
 
     stream = LiveStream()

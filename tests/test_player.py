@@ -1124,7 +1124,7 @@ class FrameStream:
     def __iter__(self):
         while not self.cancelled:
             time.sleep(0.01)
-            yield SimpleNamespace(audio=frame(0))
+            yield SimpleNamespace(audio=frame(0), frames=1, segment=0)
 
     def cancel(self) -> None:
         self.cancelled = True

@@ -759,7 +759,7 @@ class ScriptStream:
                 raise self.error
             if self.cancelled.wait(d):
                 return
-            yield SimpleNamespace(audio=a)
+            yield SimpleNamespace(audio=a, frames=1, segment=0)
         if self.fail_at is not None and self.fail_at >= len(self.chunks):
             raise self.error
 

@@ -325,7 +325,7 @@ class _ReadyStream(FrameStream):
 
     def __iter__(self):
         for audio in self.chunks:
-            yield SimpleNamespace(audio=audio)
+            yield SimpleNamespace(audio=audio, frames=-(-len(audio) // FRAME), segment=0)
 
 
 def test_playback_feeds_nothing_to_an_apps_player_after_stop():
@@ -415,7 +415,9 @@ def test_playback_with_a_horizon_feeds_audio_and_segment_ends_only():
     class Stream(FrameStream):
         def __iter__(self):
             for audio, ends in chunks:
-                yield SimpleNamespace(audio=audio, ends_segment=ends)
+                yield SimpleNamespace(
+                    audio=audio, frames=-(-len(audio) // FRAME), segment=0, ends_segment=ends
+                )
 
     player = Player()
     playback = Playback(Stream(), player, horizon=Horizon)  # type: ignore[arg-type]
@@ -511,3 +513,67 @@ def test_a_stop_during_the_split_skips_the_horizon_and_the_stream():
     stopped.set()
     assert playback.wait(5) is True
     assert made == []
+
+
+# -- pause and resume -----------------------------------------------------------------------
+
+
+def test_a_paused_player_plays_silence_and_resumes_where_it_was():
+    """pause(): silence from the next block, nothing lost, no underrun counted, the stream
+    left open; resume(): the next block carries on with the next sample."""
+    p, sd = make_player()
+    s = sd.streams[0]
+    for i in range(6):
+        p.feed(frame(i))
+    assert p.started and np.array_equal(s.pump(), frame(0))
+    assert p.played_samples == FRAME
+    p.pause()
+    p.pause()  # twice: still one pause
+    assert p.paused
+    for _ in range(4):
+        sd.clock.advance(FRAME_S)
+        assert not s.pump().any()
+    assert p.played_samples == FRAME and p.buffered_s == 5 * FRAME_S
+    p.resume()
+    assert not p.paused
+    for i in range(1, 6):
+        assert np.array_equal(s.pump(), frame(i))
+    assert p.stats.underruns == 0 and p.stats.underrun_s == 0.0
+    assert s.active and not s.closed and s.count("abort") == 0
+
+
+def test_a_paused_player_is_no_stalled_device_and_finishes_after_resume():
+    """finish() waits through a pause of any length (the device keeps calling back), and
+    returns once the rest has played after resume(); stop() ends a paused player at once."""
+    p, sd = make_player()
+    s = sd.streams[0]
+    for i in range(3):
+        p.feed(frame(i))
+    p.pause()
+    t, result = run_in_thread(p.finish)
+    for _ in range(20):  # a long pause: callbacks go on, in silence
+        sd.clock.advance(1.0)
+        assert not s.pump().any()
+        time.sleep(0.005)
+    assert t.is_alive() and "error" not in result
+    p.resume()
+    played = []
+    deadline = time.monotonic() + 5
+    while t.is_alive() and time.monotonic() < deadline:
+        played.append(s.pump())
+        sd.clock.advance(FRAME_S)
+        time.sleep(0.01)
+    t.join(2)
+    assert not t.is_alive() and "error" not in result
+    audio = np.concatenate([b for b in played if b is not None])
+    assert np.array_equal(audio[: 3 * FRAME], np.concatenate([frame(i) for i in range(3)]))
+
+    p2, _ = make_player()
+    for i in range(3):
+        p2.feed(frame(i))
+    p2.pause()
+    t, result = run_in_thread(p2.finish)
+    time.sleep(0.05)
+    p2.stop()
+    t.join(2)
+    assert not t.is_alive() and "error" not in result and p2.closed

@@ -3,6 +3,7 @@ feeding a text stream's audio to a player, with ``stop()`` and ``wait()``."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 import time
@@ -16,6 +17,7 @@ from .audio.player import AudioPlayer
 from .engine import finite_float
 from .errors import InputError, UsageError
 from .fileio import one_line
+from .segment import Segment
 from .textstream import TextStream
 
 _JOIN_SLICE_S = 0.1
@@ -23,7 +25,8 @@ _JOIN_SLICE_S = 0.1
 
 class Playback:
     """Speech playing in the background: ``stop()`` silences it within 200 ms, ``wait()``
-    blocks until the last sample has played (re-raising any error)."""
+    blocks until the last sample has played (re-raising any error), ``pause()`` and
+    ``resume()`` hold it and play on, ``segment`` and ``played_s`` say where it is."""
 
     def __init__(
         self,
@@ -41,6 +44,8 @@ class Playback:
         self.error: BaseException | None = None  # raised before stop(), if any
         self._error_tb: TracebackType | None = None
         self._stopped = False
+        # Where each segment's audio starts among the samples fed, in order: (sample, index).
+        self._starts: list[tuple[int, int]] = []
         self._thread = threading.Thread(target=self._run, name="voxtral-mlx-say", daemon=True)
         self._thread.start()
 
@@ -61,9 +66,13 @@ class Playback:
             # Made here, not in say(): it tokenizes every segment (a chapter's worth).
             horizon = self._horizon() if self._horizon is not None else None
             pace = PlayerPace(self.stream, self.player, self._frame_s)
+            fed = 0
             for chunk in self.stream:
                 if self._stopped:
                     break
+                if chunk.frames and (not self._starts or self._starts[-1][1] != chunk.segment):
+                    self._starts.append((fed, chunk.segment))
+                fed += len(chunk.audio)
                 if horizon is None:
                     if len(chunk.audio):
                         self.player.feed(chunk.audio)
@@ -101,6 +110,57 @@ class Playback:
             self.player.stop(wait=False)
         else:  # an app's own player
             self.player.stop()
+
+    def pause(self) -> None:
+        """Hold the speech where it is until :meth:`resume` (from any thread; it falls
+        silent within the device's latency, a few ms to ~100 ms). Generation goes on until a
+        minute of audio waits, then waits too; :meth:`wait` returns only once the speech
+        has played out after a resume, or was stopped. Needs a player with ``pause()`` and
+        ``resume()``, as the speakers' has."""
+        self._player_method("pause")()
+
+    def resume(self) -> None:
+        """Play on from where :meth:`pause` held the speech (from any thread)."""
+        self._player_method("resume")()
+
+    @property
+    def paused(self) -> bool:
+        """Whether :meth:`pause` holds the speech (False for a player that cannot pause)."""
+        return bool(getattr(self.player, "paused", False))
+
+    def _player_method(self, name: str) -> Callable[[], None]:
+        method = getattr(self.player, name, None)
+        if not callable(method):
+            raise UsageError(
+                f"this playback's player (a {type(self.player).__name__}) has no {name}(): "
+                "give say() a player with pause() and resume(), or stop() it"
+            )
+        return method
+
+    @property
+    def played_s(self) -> float | None:
+        """Seconds of the speech (pauses between segments included) handed to the audio
+        device so far, heard within its latency; None for a player that does not count
+        them (one without ``played_samples``)."""
+        samples = self._played_samples()
+        return None if samples is None else samples / self.stream.sample_rate
+
+    @property
+    def segment(self) -> Segment | None:
+        """The segment of the text being heard (``text``, and ``start``/``end`` in the text
+        given to say(); for live text, in all the text read so far), or during the pause
+        after it; None before the first sound, and for a player that does not count what
+        it played (see :attr:`played_s`). Poll it to follow the text as it is read."""
+        samples = self._played_samples()
+        starts = self._starts
+        if not samples or not starts or samples <= starts[0][0]:
+            return None
+        i = bisect.bisect_left(starts, (samples, -1)) - 1
+        return self.stream.segments[starts[i][1]]
+
+    def _played_samples(self) -> int | None:
+        samples = getattr(self.player, "played_samples", None)
+        return samples if isinstance(samples, int) else None
 
     def end(self, error: BaseException) -> None:
         """Stop, with ``error`` for :meth:`wait` to raise (the model was closed), unless

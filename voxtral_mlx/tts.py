@@ -872,8 +872,11 @@ class VoxtralTTS:
         chapter) and batched (see :meth:`stream`); an iterable of str pieces is spoken as
         it arrives (as :meth:`stream` does with ``split=True``). With ``wait=True`` this returns
         when the last sample has played; with ``wait=False`` it returns at once with a
-        :class:`Playback` handle (``stop()``, ``wait()``, ``done``). Needs PortAudio, unless
-        ``player`` supplies another sink with ``feed(audio)``, ``finish()`` and ``stop()``.
+        :class:`Playback` handle (``stop()``, ``wait()``, ``done``, ``pause()`` and
+        ``resume()``, and ``segment``: the part of the text being heard). Needs PortAudio,
+        unless ``player`` supplies another sink with ``feed(audio)``, ``finish()`` and
+        ``stop()`` (and, to be paused, ``pause()`` and ``resume()``; to tell what is heard,
+        ``played_samples``).
         Each call opens its own output stream, so two at once play together (as two ``say``
         processes do): ``stop()`` the first to replace it. ``device`` (a name or index) and
         the default output are looked up among the devices PortAudio found when it started;

@@ -429,6 +429,7 @@ class AudioPlayer:
         self._eof = False
         self._gap = 0  # silence samples played since the buffer ran dry
         self._refilling = False  # ran dry: silence until resume_need_s() is buffered
+        self._paused = False  # pause(): silence, the buffered audio kept, until resume()
         # The latest feed's word: more audio on its way (True), none until more input
         # arrives (False), or not said (None).
         self._more_coming: bool | None = None
@@ -567,6 +568,32 @@ class AudioPlayer:
             )
         return min(need, self.max_buffer_s)
 
+    @property
+    def played_samples(self) -> int:
+        """Samples of fed audio handed to the device so far (it plays them within its
+        latency)."""
+        return self._played
+
+    # -- pausing ----------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Hold the audio where it is until :meth:`resume`: the device plays silence from
+        its next block on (the stream stays open, so resuming is immediate) and what was
+        fed waits. ``feed()`` goes on taking audio up to ``max_buffer_s``, then blocks;
+        ``finish()`` returns only once the end has played, after a resume (or a stop).
+        From any thread; pausing a paused player does nothing."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Play on from where :meth:`pause` held the audio (from any thread)."""
+        with self._lock:
+            self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     # -- producer side --------------------------------------------------------------
 
     def feed(
@@ -692,11 +719,12 @@ class AudioPlayer:
         try:
             self._last_callback_at = now
             if self._missed:
-                self._gap += self._missed
+                if not self._paused:  # silence while paused is no gap
+                    self._gap += self._missed
                 self._missed = 0
             if status and getattr(status, "output_underflow", False):
                 self.stats.device_xruns += 1
-            if self._stopped.is_set():
+            if self._stopped.is_set() or self._paused:
                 outdata.fill(0)
                 return
             if self._refilling and not self._eof:
