@@ -592,7 +592,8 @@ def test_cancelling_an_async_stream_while_it_splits_a_book_abandons_the_split(tt
     assert stream.segments == [] and not stream.jobs
 
 
-def test_say_can_be_paused_resumed_and_followed_segment_by_segment(tts):
+@pytest.mark.parametrize("speed", [1.0, 1.5])
+def test_say_can_be_paused_resumed_and_followed_segment_by_segment(tts, speed):
     """A reading app's Pause button and sentence highlighting: pause() holds the speech
     (the device plays silence, nothing is lost), resume() plays on from there, and
     `segment` names the segment being heard, each in turn, with `played_s` counting."""
@@ -603,10 +604,16 @@ def test_say_can_be_paused_resumed_and_followed_segment_by_segment(tts):
     text = "Good morning.\n\nThe tea is ready.\n\nIt is raining outside.\n\nBring an umbrella."
     sd = FakeSD()
     player = AudioPlayer(tts.sample_rate, sd=sd, clock=sd.clock)
-    playback = tts.say(text, VOICE, seed=3, wait=False, player=player, max_frames=10)
+    playback = tts.say(text, VOICE, seed=3, wait=False, player=player, max_frames=10, speed=speed)
     assert playback.segment is None and playback.played_s == 0.0 and not playback.paused
     stream = sd.streams[0]
     expected = tts.synthesize(text, VOICE, seed=3, split=True, max_frames=10).audio
+    if speed != 1.0:
+        from voxtral_mlx.audio.stretch import SegmentStretcher
+
+        stretch = SegmentStretcher(speed, tts.sample_rate)
+        chunks = tts.stream(text, VOICE, seed=3, split=True, max_frames=10)
+        expected = np.concatenate([stretch(c) for c in chunks])
     expected = np.clip(expected, -1.0, 1.0)  # as the player plays it
     heard, seen, paused = [], [], False
     deadline = time.monotonic() + 60
@@ -658,3 +665,20 @@ def test_pausing_a_player_that_cannot_pause_says_so(tts):
         playback.resume()
     assert not playback.paused and playback.played_s is None and playback.segment is None
     assert playback.wait(timeout=30)
+
+
+def test_say_speed_plays_the_speech_faster_at_the_same_pitch(tts):
+    from voxtral_mlx.audio.stretch import SegmentStretcher
+
+    text = "Good morning.\n\nThe tea is ready.\n\nIt is raining outside."
+    player = RecordingPlayer()
+    tts.say(text, VOICE, seed=3, player=player, max_frames=10, speed=1.25)
+    stretch = SegmentStretcher(1.25, tts.sample_rate)
+    chunks = tts.stream(text, VOICE, seed=3, split=True, max_frames=10, chunk_frames=4)
+    expected = np.concatenate([stretch(c) for c in chunks])
+    np.testing.assert_allclose(np.concatenate(player.fed), expected, atol=1e-5)
+    plain = tts.synthesize(text, VOICE, seed=3, split=True, max_frames=10).audio
+    assert len(expected) == pytest.approx(len(plain) / 1.25, abs=3 * 480)
+    for bad in (0.1, 5, float("nan"), "fast"):
+        with pytest.raises(voxtral_mlx.errors.InputError, match="speed must be a number"):
+            tts.say(text, VOICE, wait=False, player=RecordingPlayer(), speed=bad)

@@ -20,6 +20,7 @@ import soundfile as sf
 
 import voxtral_mlx
 from voxtral_mlx.audio.io import float_to_int16
+from voxtral_mlx.segment import split_text
 
 REPO = Path(__file__).resolve().parents[1]
 ALSA_TEMPLATE = Path(__file__).with_name("alsa") / "asoundrc.in"
@@ -103,6 +104,32 @@ def test_speak_writes_each_format(model_dir, reference, tmp_path, ext):
         corr = np.corrcoef(audio[:n], expected[:n])[0, 1]
         assert corr > 0.5, corr
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # no temp files left
+
+
+def test_speak_speed_plays_each_segment_faster_or_slower_in_files_too(model_dir, tmp_path):
+    """--speed: the same speech, each segment (with the pause before it) time-stretched,
+    in the file as it would be played."""
+    from voxtral_mlx.audio.stretch import SegmentStretcher
+
+    text = "A first short sentence.\n\nThen a second one follows it.\n\nAnd a third ends it."
+    tts = voxtral_mlx.load(model_dir)
+    assert len(split_text(text)) == 3
+    for speed in ("1.5", "0.75"):
+        out = tmp_path / f"s{speed}.wav"
+        args = ["speak", "-m", str(model_dir), "--seed", "4", "--max-frames", "12"]
+        proc = run(*args, "--speed", speed, "-o", str(out), "--verbose", text)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert f"at --speed {speed}" in proc.stderr.decode()
+        stretch = SegmentStretcher(float(speed), 24000)
+        chunks = tts.stream(text, seed=4, max_frames=12, split=True, chunk_frames=5)
+        expected = np.concatenate([stretch(c) for c in chunks])
+        unstretched = tts.synthesize(text, seed=4, max_frames=12, split=True).audio
+        assert len(expected) == pytest.approx(len(unstretched) / float(speed), abs=3 * 480)
+        audio, _ = sf.read(out, dtype="float32")
+        assert np.array_equal(float_to_int16(audio), float_to_int16(expected))
+    proc = run("speak", "-m", str(model_dir), "--speed", "5", "-o", str(tmp_path / "x.wav"), "Hi.")
+    assert "--speed must be a number from 0.25 to 4.0" in one_line_error(proc)
+    assert not (tmp_path / "x.wav").exists()
 
 
 def test_speak_verbose_reports_timings(model_dir, tmp_path):

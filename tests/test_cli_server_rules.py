@@ -10,10 +10,10 @@ import pytest
 from test_cli_edges import env_with_repo
 
 from voxtral_mlx import cli
+from voxtral_mlx.audio.stretch import MAX_SPEED, MIN_SPEED
 from voxtral_mlx.server.errors import APIError
 from voxtral_mlx.server.formats import FORMATS
 from voxtral_mlx.server.request import MAX_SEED, parse_speech_request, resolve_voice, voice_aliases
-from voxtral_mlx.server.speed import MAX_SPEED, MIN_SPEED
 
 VOICES = {"casual_male": 1, "neutral_female": 2}
 

@@ -26,8 +26,8 @@ import soundfile as sf
 
 import voxtral_mlx
 from voxtral_mlx.audio.io import float_to_int16
+from voxtral_mlx.audio.stretch import TimeStretcher, time_stretch
 from voxtral_mlx.server.errors import APIError
-from voxtral_mlx.server.speed import TimeStretcher, time_stretch
 from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint
 
 KEY = "test-key"

@@ -14,6 +14,7 @@ from typing import Any
 from .audio.chunking import PlayerPace
 from .audio.horizon import plays
 from .audio.player import AudioPlayer
+from .audio.stretch import SegmentStretcher
 from .engine import finite_float
 from .errors import InputError, UsageError
 from .fileio import one_line
@@ -35,9 +36,11 @@ class Playback:
         horizon: Callable[[], Callable] | None = None,
         refuse_wait: Callable[[], None] = lambda: None,
         frame_s: float = 0.08,
+        speed: float = 1.0,
     ) -> None:
         self.stream = stream
         self.player = player
+        self.speed = speed  # played this many times faster (at the same pitch)
         self._horizon = horizon  # makes the per-chunk expected_total_s (for AudioPlayer)
         self._frame_s = frame_s  # audio seconds per frame, to size chunks (for AudioPlayer)
         self._refuse_wait = refuse_wait  # raises on the model's worker thread
@@ -65,22 +68,27 @@ class Playback:
                 return
             # Made here, not in say(): it tokenizes every segment (a chapter's worth).
             horizon = self._horizon() if self._horizon is not None else None
-            pace = PlayerPace(self.stream, self.player, self._frame_s)
+            # The player's seconds are the stretched ones: a frame plays 1 / speed as long.
+            pace = PlayerPace(self.stream, self.player, self._frame_s / self.speed)
+            stretch = None
+            if self.speed != 1.0:
+                stretch = SegmentStretcher(self.speed, self.stream.sample_rate)
             fed = 0
             for chunk in self.stream:
                 if self._stopped:
                     break
                 if chunk.frames and (not self._starts or self._starts[-1][1] != chunk.segment):
-                    self._starts.append((fed, chunk.segment))
-                fed += len(chunk.audio)
-                if horizon is None:
-                    if len(chunk.audio):
-                        self.player.feed(chunk.audio)
-                elif plays(chunk):
-                    total = horizon(chunk)
-                    self.player.feed(
-                        chunk.audio, expected_total_s=total, more_coming=horizon.more_coming
+                    self._starts.append(
+                        (fed if stretch is None else stretch.position, chunk.segment)
                     )
+                audio = chunk.audio if stretch is None else stretch(chunk)
+                fed += len(audio)
+                if horizon is None:
+                    if len(audio):
+                        self.player.feed(audio)
+                elif plays(chunk):
+                    total = horizon(chunk) / self.speed
+                    self.player.feed(audio, expected_total_s=total, more_coming=horizon.more_coming)
                     pace.fed(chunk)
             if not self._stopped:  # a stopped player has nothing left to play out
                 self.player.finish()
@@ -139,9 +147,9 @@ class Playback:
 
     @property
     def played_s(self) -> float | None:
-        """Seconds of the speech (pauses between segments included) handed to the audio
-        device so far, heard within its latency; None for a player that does not count
-        them (one without ``played_samples``)."""
+        """Seconds of the speech (pauses between segments included; at say()'s ``speed``)
+        handed to the audio device so far, heard within its latency; None for a player that
+        does not count them (one without ``played_samples``)."""
         samples = self._played_samples()
         return None if samples is None else samples / self.stream.sample_rate
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 
+from .audio.stretch import check_speed
 from .checkpoint import QuantSpec
 from .config import ModelConfig
 from .engine import (
@@ -865,6 +866,7 @@ class VoxtralTTS:
         pause: float | None = None,
         max_frames: int = DEFAULT_MAX_FRAMES,
         player: object | None = None,
+        speed: float = 1.0,
     ) -> Playback:
         """Speak ``text`` through the speakers as it is generated (like macOS ``say``).
 
@@ -881,7 +883,9 @@ class VoxtralTTS:
         processes do): ``stop()`` the first to replace it. ``device`` (a name or index) and
         the default output are looked up among the devices PortAudio found when it started;
         :func:`voxtral_mlx.audio.player.refresh_output_devices` re-reads them. ``seed``,
-        ``pause`` and ``max_frames`` are :meth:`stream`'s.
+        ``pause`` and ``max_frames`` are :meth:`stream`'s. ``speed`` plays the speech that many
+        times faster (0.25 to 4; below 1 slower) at the same pitch (a WSOLA time stretch of
+        each segment).
 
         A ``player``'s ``feed(audio)`` is called on the playback thread with non-empty mono
         float32 arrays at :attr:`sample_rate` (it may block to pace generation), then
@@ -890,6 +894,7 @@ class VoxtralTTS:
         ``feed()``, and should make a ``feed()`` or ``finish()`` blocked then return.
         """
         wait = check_flag("wait", wait)
+        speed = check_speed(speed)
         if wait:
             self.worker.refuse_wait()  # before anything opens: playing needs the worker
         if isinstance(player, type):
@@ -949,6 +954,7 @@ class VoxtralTTS:
                 horizon,
                 refuse_wait=self.worker.refuse_wait,
                 frame_s=self.samples_per_frame / self.sample_rate,
+                speed=speed,
             )
         except BaseException:  # e.g. Ctrl-C as the thread starts: nothing plays on unseen
             stream.close()

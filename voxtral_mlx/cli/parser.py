@@ -185,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--pause", type=float, help="seconds of silence between segments (default: natural)"
     )
     speak.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="play the speech faster (e.g. 1.5) or slower (0.8) at the same pitch, in files "
+        "too: 0.25 to 4 (default 1: as generated)",
+    )
+    speak.add_argument(
         "--follow",
         action="store_true",
         help="speak text from stdin (or -f FILE, e.g. a FIFO) as it arrives, a sentence or "

@@ -71,12 +71,14 @@ def cmd_speak(args: argparse.Namespace) -> int:
     if args.file is None and args.text == ["-"]:  # as cat reads it, -- - too
         args.file, args.text = "-", []
     # Before the model is loaded (or downloaded): a typo costs nothing.
+    from ..audio.stretch import check_speed
     from ..generate import check_seed
     from ..textstream import check_pause
 
     try:
         check_seed(args.seed)
         check_pause(args.pause)
+        check_speed(args.speed)
     except InputError as e:  # the library's words, with the option's name
         raise InputError(f"--{e}") from None
     check_dtype(args)
@@ -213,9 +215,15 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if player is not None:
             player.stop()
         raise
+    stretch = None
+    if args.speed != 1.0:
+        from ..audio.stretch import SegmentStretcher
+
+        stretch = SegmentStretcher(args.speed, tts.sample_rate)
     if player is not None:
         horizon = PlaybackHorizon(tts, stream, args.max_frames, args.pause, started)
-        pace = PlayerPace(stream, player, tts.samples_per_frame / tts.sample_rate)
+        # The player's seconds are the stretched ones: a frame plays 1 / speed as long.
+        pace = PlayerPace(stream, player, tts.samples_per_frame / tts.sample_rate / args.speed)
     progress = chunks = None
     ok = generated = False
     interrupted: KeyboardInterrupt | None = None
@@ -232,15 +240,16 @@ def cmd_speak(args: argparse.Namespace) -> int:
             )
         chunks = Chunks(stream)
         for chunk in chunks:
-            if len(chunk.audio):
+            audio = chunk.audio if stretch is None else stretch(chunk)
+            if len(audio):
                 if file_writer is not None:
                     with signals_held():
-                        file_writer.write(chunk.audio)
+                        file_writer.write(audio)
                 for sink in sinks:
-                    sink(chunk.audio)
+                    sink(audio)
             if player is not None and plays(chunk):
-                total = horizon(chunk)
-                player.feed(chunk.audio, expected_total_s=total, more_coming=horizon.more_coming)
+                total = horizon(chunk) / args.speed
+                player.feed(audio, expected_total_s=total, more_coming=horizon.more_coming)
                 pace.fed(chunk)
             if progress is not None:
                 progress.update(chunk, stream.timings)
@@ -319,7 +328,14 @@ def cmd_speak(args: argparse.Namespace) -> int:
                 if wav is not None:
                     wav.close()
                 if interrupted is not None and args.verbose:  # what ran until Ctrl-C
-                    _report(stream.timings, player, started, args.follow, len(stream.segments))
+                    _report(
+                        stream.timings,
+                        player,
+                        started,
+                        args.follow,
+                        len(stream.segments),
+                        args.speed,
+                    )
         except KeyboardInterrupt as e:  # held while the finished file was flushed
             if written and getattr(e, "detail", None) is None:
                 from ..output_dir import written_detail
@@ -339,7 +355,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
             f"is cut short; raise --max-frames{' or drop --no-split' if args.no_split else ''}"
         )
     if args.verbose:
-        _report(timings, player, started, args.follow, len(stream.segments))
+        _report(timings, player, started, args.follow, len(stream.segments), args.speed)
     return 0
 
 
@@ -380,7 +396,9 @@ def _stderr_redraws() -> bool:
     return sys.stderr is not None and sys.stderr.isatty()
 
 
-def _report(t, player, started: float, live: bool = False, segments: int = 1) -> None:
+def _report(
+    t, player, started: float, live: bool = False, segments: int = 1, speed: float = 1.0
+) -> None:
     import mlx.core as mx
 
     whose = "first segment's prompt" if segments > 1 or live else "prompt"
@@ -392,6 +410,8 @@ def _report(t, player, started: float, live: bool = False, segments: int = 1) ->
     else:
         info(f"first audio after {t.first_audio_s * 1000:.0f} ms")
         pauses = f" ({t.pause_s:.2f} s of it pauses between segments)" if t.pause_s else ""
+        if speed != 1.0:
+            pauses += f", {t.audio_s / speed:.2f} s at --speed {speed:g}"
         info(f"frames: {t.frames}, {t.ms_per_frame:.1f} ms/frame, audio {t.audio_s:.2f} s{pauses}")
         waiting = " (leaving out the waits for text)" if live else ""
         of_speech = " of the speech" if t.pause_s else ""

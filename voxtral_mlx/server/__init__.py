@@ -52,7 +52,7 @@ Audio and streaming
     as ``data: {"type": "speech.audio.delta", "audio": base64}`` events, then
     ``{"type": "speech.audio.done", "usage": {"input_tokens", "output_tokens" (frames),
     "total_tokens"}}``. ``speed`` other than 1 is a pitch-preserving WSOLA time stretch
-    (:mod:`voxtral_mlx.server.speed`) applied as the audio streams.
+    (:mod:`voxtral_mlx.audio.stretch`) applied as the audio streams.
 
 Limits and errors
     At most ``--max-queue`` speech requests are in progress (generating, or waiting for

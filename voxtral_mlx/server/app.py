@@ -25,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..audio.chunking import ClientBuffer
+from ..audio.stretch import TimeStretcher
 from ..errors import VoxtralError
 from ..textstream import AsyncTextStream
 from ..tts import DEFAULT_MAX_FRAMES, SYNTH_CHUNK_FRAMES, VoxtralTTS
@@ -41,7 +42,6 @@ from .errors import (
 from .formats import FORMATS, Encoder, make_encoder
 from .request import FIELDS, SpeechRequest, parse_speech_request, voice_aliases
 from .response import BodyResponse, sse_events
-from .speed import TimeStretcher
 
 log = logging.getLogger("uvicorn.error")
 

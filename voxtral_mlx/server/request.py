@@ -12,12 +12,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..audio.stretch import MAX_SPEED, MIN_SPEED
 from ..fileio import one_line
 from ..segment import is_blank
 from ..voices import case_matches
 from .errors import bad_request, shown
 from .formats import FORMATS, UNSUPPORTED_FORMATS
-from .speed import MAX_SPEED, MIN_SPEED
 
 # OpenAI's voice names onto this model's English voices (gender as OpenAI presents them).
 OPENAI_VOICES: dict[str, str] = {

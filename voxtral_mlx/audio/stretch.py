@@ -1,4 +1,5 @@
-"""Pitch-preserving time stretch (WSOLA) for the ``speed`` field of ``/v1/audio/speech``.
+"""Pitch-preserving time stretch (WSOLA): speech played faster or slower, as ``speak
+--speed``, ``say(speed=...)`` and the ``speed`` field of ``/v1/audio/speech`` ask.
 
 Waveform-similarity overlap-add: output frames of 40 ms (Hann windows, 50 % overlap) are
 read from the input ``speed`` times one output hop apart, each shifted by up to 10 ms so
@@ -10,10 +11,32 @@ in any chunking gives exactly the output of feeding it at once.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
+from typing import Any
+
 import numpy as np
+
+from ..errors import InputError
+from ..fileio import one_line
 
 MIN_SPEED = 0.25
 MAX_SPEED = 4.0
+
+
+def check_speed(speed: object) -> float:
+    """``speed`` as a float, or an InputError naming the range."""
+    value = math.nan
+    if isinstance(speed, numbers.Real) and not isinstance(speed, bool):
+        with contextlib.suppress(OverflowError):  # an int past float's range
+            value = float(speed)
+    if not MIN_SPEED <= value <= MAX_SPEED:
+        raise InputError(
+            f"speed must be a number from {MIN_SPEED} to {MAX_SPEED} (1: as generated; 2: "
+            f"twice as fast), got {one_line(repr(speed), 60)}"
+        )
+    return value
 
 
 class TimeStretcher:
@@ -137,3 +160,40 @@ def time_stretch(audio: np.ndarray, speed: float, sample_rate: int) -> np.ndarra
         return np.asarray(audio, np.float32)
     stretcher = TimeStretcher(speed, sample_rate)
     return np.concatenate([stretcher.process(audio), stretcher.flush()])
+
+
+class SegmentStretcher:
+    """A text stream's chunks played ``speed`` times faster: ``stretcher(chunk)`` returns
+    the audio to play for ``chunk`` (an :class:`~voxtral_mlx.engine.AudioChunk`).
+
+    Each segment (with the pause before it) is stretched on its own and flushed at its
+    end, so nothing of a segment waits for the next one's audio (text still being written
+    may have none yet); the cut falls in the silence between them.
+    """
+
+    def __init__(self, speed: float, sample_rate: int) -> None:
+        self.speed = check_speed(speed)
+        self.sample_rate = sample_rate
+        self._stretcher = TimeStretcher(self.speed, sample_rate)
+        self._returned = 0  # samples returned so far
+        self._unit_start = 0  # ... when the current segment's stretch began
+        self._unit_in = 0  # samples given to the current segment's stretch
+
+    @property
+    def position(self) -> int:
+        """Where the audio of the next chunk given starts among the samples returned (as
+        played: the stretch holds back up to a few tens of ms meanwhile)."""
+        return self._unit_start + round(self._unit_in / self.speed)
+
+    def __call__(self, chunk: Any) -> np.ndarray:
+        audio = np.asarray(chunk.audio, np.float32).reshape(-1)
+        parts = [self._stretcher.process(audio)] if len(audio) else []
+        self._unit_in += len(audio)
+        if chunk.ends_segment or chunk.is_final:
+            parts.append(self._stretcher.flush())
+            self._stretcher = TimeStretcher(self.speed, self.sample_rate)
+            self._unit_in = 0
+            self._unit_start = self._returned + sum(len(p) for p in parts)
+        out = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        self._returned += len(out)
+        return out
