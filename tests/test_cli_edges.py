@@ -1256,3 +1256,99 @@ def test_an_interrupt_before_any_audio_says_the_file_was_not_written(model_dir, 
     assert sorted(p.name for p in tmp_path.iterdir()) == (["speech.wav"] if earlier else [])
     if earlier:
         assert out.read_bytes() == b"an earlier file"
+
+
+# -- a machine slower than real time ----------------------------------------------------
+
+
+def _slow_note(paced, speed=1.0, model=None, bits=()):
+    from types import SimpleNamespace
+
+    from voxtral_mlx.checkpoint import QuantSpec
+    from voxtral_mlx.cli.speak import slow_generation_note
+
+    tts = SimpleNamespace(
+        samples_per_frame=1920,
+        sample_rate=24000,
+        quantized={f"layers.{i}.w": QuantSpec(b, 64) for i, b in enumerate(bits)},
+    )
+    return slow_generation_note(tts, paced, SimpleNamespace(speed=speed, model=model))
+
+
+def test_speech_generated_slower_than_it_plays_names_the_faster_model(monkeypatch):
+    """On a base M1 the bf16 release makes ~0.5 s of speech per second: playback waits.
+    speak says so once, with the command that makes a model reading fewer bytes."""
+    monkeypatch.delenv("VOXTRAL_MLX_MODEL", raising=False)
+    note = _slow_note((100, 100 * 0.13))  # 130 ms per 80 ms frame
+    assert note is not None and "\n" not in note
+    assert "generated at 0.62x the speed it plays at" in note
+    assert note.endswith(
+        "voxtral-mlx convert mistralai/Voxtral-4B-TTS-2603 -o Voxtral-4B-TTS-2603-4bit "
+        "--q-bits 4, then speak -m Voxtral-4B-TTS-2603-4bit"
+    )
+    note = _slow_note((100, 100 * 0.13), model="/Users/me/My Models/voxtral/", bits=(8, 8))
+    assert "convert '/Users/me/My Models/voxtral/' -o voxtral-4bit" in note
+    monkeypatch.setenv("VOXTRAL_MLX_MODEL", "me/voxtral-6bit")
+    assert "convert me/voxtral-6bit -o voxtral-6bit-4bit" in _slow_note((100, 13.0), bits=(6,))
+    # Faster played speech needs faster generation: 60 ms frames at --speed 1.5.
+    assert "at 0.89x" in _slow_note((100, 6.0), speed=1.5)
+
+
+@pytest.mark.parametrize(
+    "paced, speed, bits",
+    [
+        ((100, 7.9), 1.0, ()),  # keeps up
+        ((100, 8.3), 1.0, ()),  # within 5 %: a hiccup, not a slow machine
+        ((24, 24 * 0.2), 1.0, ()),  # too few frames to judge (the first one compiles)
+        ((0, 0.0), 1.0, ()),  # nothing played
+        ((100, 13.0), 1.0, (4, 8)),  # already 4-bit: nothing smaller to offer
+        ((100, 10.0), 0.5, ()),  # slowed down to half speed: it keeps up
+    ],
+)
+def test_no_slow_note_when_generation_keeps_up_or_nothing_is_smaller(paced, speed, bits):
+    assert _slow_note(paced, speed=speed, bits=bits) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ALSA recording device")
+def test_speak_measures_each_played_segment_for_the_slow_note(model_dir, tmp_path):
+    """What the note is given: every played segment's frames and the seconds they took, on
+    a GPU only (faked here: on a CPU quantized products are slower), when playing only."""
+    from test_cli import _alsa_env, _portaudio_available
+
+    if not _portaudio_available():
+        pytest.skip("PortAudio is not installed (apt-get install libportaudio2)")
+    alsa, _ = _alsa_env(tmp_path)
+    code = textwrap.dedent(
+        """
+        import sys
+        import voxtral_mlx.cli.speak as speak
+        speak._on_gpu = lambda: True
+        def note(tts, paced, args):
+            print(f"paced {paced[0]} {paced[1]:.6f}", file=sys.stderr)
+            return "voxtral-mlx: note: slow"
+        speak.slow_generation_note = note
+        from voxtral_mlx.cli import main
+        sys.exit(main(sys.argv[1:]))
+        """
+    )
+    text = "One.\n\nTwo more words.\n\nAnd three."
+    args = ["speak", "-m", str(model_dir), "--max-frames", "10", "--seed", "1", "--verbose", text]
+    for extra, plays in (([], True), (["-o", str(tmp_path / "x.wav")], False)):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *args, *extra],
+            env=env_with_repo(alsa),
+            capture_output=True,
+            timeout=300,
+            cwd=REPO,
+        )
+        err = proc.stderr.decode()
+        assert proc.returncode == 0, err
+        lines = [line for line in err.splitlines() if line.startswith("paced ")]
+        if not plays:
+            assert lines == [] and "note: slow" not in err
+            continue
+        assert len(lines) == 1 and err.count("voxtral-mlx: note: slow\n") == 1, err
+        frames, seconds = lines[0].split()[1:]
+        assert int(frames) == 30  # 3 segments of --max-frames (END never fires)
+        per_frame = float(seconds) / 30
+        assert 0 < per_frame < 1.0

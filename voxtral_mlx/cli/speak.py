@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from .. import DEFAULT_REPO
 from ..audio.chunking import PlayerPace
 from ..audio.horizon import PlaybackHorizon, plays
 from ..errors import AudioDeviceError, AudioOutputError, AudioStoppedError, InputError, VoxtralError
@@ -225,6 +227,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
         # The player's seconds are the stretched ones: a frame plays 1 / speed as long.
         pace = PlayerPace(stream, player, tts.samples_per_frame / tts.sample_rate / args.speed)
     progress = chunks = None
+    paced = (0, 0.0)  # frames of the segments played, and the seconds they took
     ok = generated = False
     interrupted: KeyboardInterrupt | None = None
     # The device's failure, or the file's format limit: what the file holds is kept.
@@ -240,6 +243,11 @@ def cmd_speak(args: argparse.Namespace) -> int:
             )
         chunks = Chunks(stream)
         for chunk in chunks:
+            if chunk.ends_segment and chunk.timings.frames:  # the segment's own figures
+                paced = (
+                    paced[0] + chunk.timings.frames,
+                    paced[1] + chunk.timings.ms_per_frame * chunk.timings.frames / 1000.0,
+                )
             audio = chunk.audio if stretch is None else stretch(chunk)
             if len(audio):
                 if file_writer is not None:
@@ -354,9 +362,49 @@ def cmd_speak(args: argparse.Namespace) -> int:
             f"{seconds:g} s) before the model ended {'it' if of == 1 else 'them'}: the audio "
             f"is cut short; raise --max-frames{' or drop --no-split' if args.no_split else ''}"
         )
+    if player is not None and _on_gpu() and (note := slow_generation_note(tts, paced, args)):
+        info(note)  # (on a CPU, quantized products are slower, not faster)
     if args.verbose:
         _report(timings, player, started, args.follow, len(stream.segments), args.speed)
     return 0
+
+
+# Frames a run must have for its speed to say something about the machine (not the first
+# frame's compiling and warming up).
+SLOW_NOTE_MIN_FRAMES = 25
+
+
+def _on_gpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu
+
+
+def slow_generation_note(tts, paced: tuple[int, float], args: argparse.Namespace) -> str | None:
+    """When speech played was generated slower than it plays (playback had to wait for it,
+    as on a base M1 or M2 with the bf16 release): a line on what makes it faster.
+
+    ``paced``: the frames of the segments played and the wall seconds their frames took,
+    each segment's own (from joining the batch to its last frame): what playback waits
+    for. The whole text's wall time would count the waits for a full player too."""
+    frames, seconds = paced
+    if frames < SLOW_NOTE_MIN_FRAMES:
+        return None
+    frame_s = tts.samples_per_frame / tts.sample_rate
+    rtf = seconds / (frames * frame_s) * args.speed  # wall s per s of audio as it plays
+    if not rtf > 1.05:
+        return None
+    bits = [spec.bits for spec in tts.quantized.values() if spec.mode == "affine"]
+    if bits and min(bits) <= 4:
+        return None  # already as small as convert makes it
+    model = args.model or os.environ.get("VOXTRAL_MLX_MODEL") or DEFAULT_REPO
+    out = f"{str(model).rstrip('/').rsplit('/', 1)[-1]}-4bit"
+    return (
+        f"{PROG}: note: speech was generated at {1 / rtf:.2f}x the speed it plays at on this "
+        f"machine, so playback had to wait for it; a 4-bit conversion reads less than half "
+        f"the bytes per frame and is faster: voxtral-mlx convert {shlex.quote(str(model))} "
+        f"-o {shlex.quote(out)} --q-bits 4, then speak -m {shlex.quote(out)}"
+    )
 
 
 @contextlib.contextmanager
