@@ -23,6 +23,7 @@ from test_player import SR, FakeSD, frame, make_player
 from voxtral_mlx import cli
 from voxtral_mlx.audio.io import float_to_int16
 from voxtral_mlx.audio.player import AudioPlayer
+from voxtral_mlx.engine import Timings
 from voxtral_mlx.errors import AudioOutputError
 
 # -- a device that fails while playing -------------------------------------------------
@@ -182,7 +183,9 @@ class _HangingStream:
     def __iter__(self):
         self._timer.start()
         self.timings.frames, self.timings.audio_s = 1, 0.08
-        yield SimpleNamespace(audio=self.audio, is_final=False, frames=1, segment=0)
+        yield SimpleNamespace(
+            audio=self.audio, is_final=False, frames=1, segment=0, ends_segment=False
+        )
         self._gate.acquire()  # untimed: only the release wakes it
 
     def cancel(self) -> None:
@@ -454,7 +457,9 @@ def test_speak_feeds_a_live_segments_empty_last_chunk_to_the_player(monkeypatch,
             for i in range(5):
                 self.timings.frames += 1
                 yield SimpleNamespace(audio=frame(i), segment=0, ends_segment=False)
-            yield SimpleNamespace(audio=np.zeros(0, np.float32), segment=0, ends_segment=True)
+            yield SimpleNamespace(
+                audio=np.zeros(0, np.float32), segment=0, ends_segment=True, timings=Timings()
+            )
 
         def cancel(self):
             pass
