@@ -362,8 +362,11 @@ def cmd_speak(args: argparse.Namespace) -> int:
             f"{seconds:g} s) before the model ended {'it' if of == 1 else 'them'}: the audio "
             f"is cut short; raise --max-frames{' or drop --no-split' if args.no_split else ''}"
         )
-    if player is not None and _on_gpu() and (note := slow_generation_note(tts, paced, args)):
-        info(note)  # (on a CPU, quantized products are slower, not faster)
+    # The device is asked on the model's worker, as all MLX work is, and only when there is
+    # something to say (on a CPU, quantized products are slower, not faster).
+    note = slow_generation_note(tts, paced, args) if player is not None else None
+    if note is not None and tts.call(_on_gpu):
+        info(note)
     if args.verbose:
         _report(timings, player, started, args.follow, len(stream.segments), args.speed)
     return 0
