@@ -203,7 +203,7 @@ def test_an_empty_last_chunk_of_a_live_segment_still_starts_what_came():
     text_comes = threading.Event()
 
     class LiveStream:
-        live, text_error, ahead_s = True, None, 0.0
+        live, text_error, ahead_s, sample_rate = True, None, 0.0, 24000
 
         def __init__(self):
             self.segments = [SimpleNamespace(spoken="word " * 20, pause_after=0.5)]  # 2 s

@@ -1114,6 +1114,7 @@ class FrameStream:
     """A text stream for Playback yielding one frame every 10 ms until cancelled."""
 
     text_error = None
+    sample_rate = SR
 
     def __init__(self) -> None:
         self.cancelled = False

@@ -739,6 +739,7 @@ class ScriptStream:
     """A TextStream stand-in yielding scripted chunks; raises ``error`` at ``fail_at``."""
 
     text_error = None
+    sample_rate = 24000
 
     def __init__(self, chunks, delays, fail_at, error):
         self.chunks, self.delays, self.fail_at, self.error = chunks, delays, fail_at, error

@@ -78,3 +78,15 @@ def test_a_speed_out_of_range_is_one_line_naming_the_range(bad):
 
 def test_speeds_in_range_are_taken_as_floats():
     assert [check_speed(v) for v in (0.25, 1, 4, np.float32(1.5))] == [0.25, 1.0, 4.0, 1.5]
+
+
+def test_at_speed_1_the_audio_passes_through_and_is_counted():
+    stretch = SegmentStretcher(1, SR)
+    rng = np.random.default_rng(1)
+    units = [rng.standard_normal(n).astype(np.float32) for n in (5000, 7000)]
+    out, starts = [], []
+    for chunk in _chunks(units, rng):
+        starts.append(stretch.position)
+        out.append(stretch(chunk))
+    np.testing.assert_array_equal(np.concatenate(out), np.concatenate(units))
+    assert starts[-1] + len(out[-1]) == 12000 and stretch.position == 12000

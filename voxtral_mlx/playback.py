@@ -70,19 +70,13 @@ class Playback:
             horizon = self._horizon() if self._horizon is not None else None
             # The player's seconds are the stretched ones: a frame plays 1 / speed as long.
             pace = PlayerPace(self.stream, self.player, self._frame_s / self.speed)
-            stretch = None
-            if self.speed != 1.0:
-                stretch = SegmentStretcher(self.speed, self.stream.sample_rate)
-            fed = 0
+            stretch = SegmentStretcher(self.speed, self.stream.sample_rate)
             for chunk in self.stream:
                 if self._stopped:
                     break
                 if chunk.frames and (not self._starts or self._starts[-1][1] != chunk.segment):
-                    self._starts.append(
-                        (fed if stretch is None else stretch.position, chunk.segment)
-                    )
-                audio = chunk.audio if stretch is None else stretch(chunk)
-                fed += len(audio)
+                    self._starts.append((stretch.position, chunk.segment))
+                audio = stretch(chunk)
                 if horizon is None:
                     if len(audio):
                         self.player.feed(audio)

@@ -168,7 +168,8 @@ class SegmentStretcher:
 
     Each segment (with the pause before it) is stretched on its own and flushed at its
     end, so nothing of a segment waits for the next one's audio (text still being written
-    may have none yet); the cut falls in the silence between them.
+    may have none yet); the cut falls in the silence between them. At speed 1 the audio
+    passes through as it is (``position`` still counts it).
     """
 
     def __init__(self, speed: float, sample_rate: int) -> None:
@@ -187,8 +188,11 @@ class SegmentStretcher:
 
     def __call__(self, chunk: Any) -> np.ndarray:
         audio = np.asarray(chunk.audio, np.float32).reshape(-1)
-        parts = [self._stretcher.process(audio)] if len(audio) else []
         self._unit_in += len(audio)
+        if self.speed == 1.0:
+            self._returned += len(audio)
+            return audio
+        parts = [self._stretcher.process(audio)] if len(audio) else []
         if chunk.ends_segment or chunk.is_final:
             parts.append(self._stretcher.flush())
             self._stretcher = TimeStretcher(self.speed, self.sample_rate)

@@ -217,11 +217,9 @@ def cmd_speak(args: argparse.Namespace) -> int:
         if player is not None:
             player.stop()
         raise
-    stretch = None
-    if args.speed != 1.0:
-        from ..audio.stretch import SegmentStretcher
+    from ..audio.stretch import SegmentStretcher
 
-        stretch = SegmentStretcher(args.speed, tts.sample_rate)
+    stretch = SegmentStretcher(args.speed, tts.sample_rate)
     if player is not None:
         horizon = PlaybackHorizon(tts, stream, args.max_frames, args.pause, started)
         # The player's seconds are the stretched ones: a frame plays 1 / speed as long.
@@ -248,7 +246,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
                     paced[0] + chunk.timings.frames,
                     paced[1] + chunk.timings.ms_per_frame * chunk.timings.frames / 1000.0,
                 )
-            audio = chunk.audio if stretch is None else stretch(chunk)
+            audio = stretch(chunk)
             if len(audio):
                 if file_writer is not None:
                     with signals_held():
