@@ -174,7 +174,7 @@ class VoxtralTTS:
         engine, release = self.engine, residency.release if residency is not None else None
         voices = self.voices
 
-        def on_close() -> None:  # on the worker thread, before it parks
+        def on_close() -> None:  # on the worker thread, before it ends
             engine.fail_all(closed_error())
             engine.release()
             voices.clear_cache()
@@ -190,7 +190,7 @@ class VoxtralTTS:
         # An app that drops the object without close() must get the memory back: the worker
         # thread (which holds the engine, so the model) is told to let go once this object
         # is collected. Streams, handles and pending calls hold the object, so it outlives
-        # them. At exit the worker module parks every worker itself, waiting for it.
+        # them. At exit the worker module closes every worker itself, waiting for it.
         self._finalizer = weakref.finalize(self, worker.close, False)
         self._finalizer.atexit = False
 
@@ -320,7 +320,7 @@ class VoxtralTTS:
 
     def close(self) -> None:
         """Stop this model's work (pending requests fail; say() stops playing, its wait()
-        raising) and free the model; its worker thread is kept for the next model loaded.
+        raising) and free the model; its worker thread ends.
         The object is unusable after. Dropping the last reference to the object does the
         same, later."""
         self._finalizer.detach()

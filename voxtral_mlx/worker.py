@@ -5,9 +5,8 @@ weight cannot be evaluated from another thread), so each loaded model gets one w
 thread that loads it, generates, decodes and batches every request. Callers in any thread
 (UI code, asyncio, server handlers) hand it work and wait for results.
 
-Threads are never ended (see :meth:`Worker.close`): a closed model's thread waits in a pool
-and serves the next model loaded, so an app that loads and closes models (or retries a
-failed load) keeps one thread per model open at a time, not one per load.
+The thread ends when its model is closed, and every model is closed at interpreter exit,
+each thread first handing back its MLX state (see :meth:`Worker.close`).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -26,43 +26,11 @@ from .errors import UsageError
 T = TypeVar("T")
 
 _WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
-_IDLE: list[_Runner] = []  # threads whose worker was closed, ready for the next one
-_IDLE_LOCK = threading.Lock()
-
-
-class _Runner:
-    """A daemon thread serving one :class:`Worker` at a time, idle in between."""
-
-    def __init__(self, name: str) -> None:
-        self._assigned: queue.SimpleQueue[Worker] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.thread.start()
-
-    @classmethod
-    def serve(cls, worker: Worker, name: str) -> _Runner:
-        with _IDLE_LOCK:
-            runner = _IDLE.pop() if _IDLE else None
-        if runner is None:
-            runner = cls(name)
-        runner._assigned.put(worker)
-        return runner
-
-    def _main(self) -> None:
-        while True:
-            worker: Worker | None = self._assigned.get()
-            assert worker is not None
-            worker._run()
-            worker = None  # the idle frame must not keep the closed worker alive
-
-    def idle(self) -> None:
-        """Called by the worker it served, once done: the next worker may have it (its
-        assignment waits in the queue until the current one has returned)."""
-        with _IDLE_LOCK:
-            _IDLE.append(self)
+CLOSE_WAIT_S = 10.0  # longest close() waits for a frame in progress to end
 
 
 @atexit.register
-def _park_all() -> None:
+def _close_all() -> None:
     # A worker still inside MLX while the interpreter tears down aborts the process.
     for worker in list(_WORKERS):
         worker.close()
@@ -80,16 +48,14 @@ class Worker:
             queue.SimpleQueue()
         )
         self.pump: Callable[[], bool] = lambda: False
-        self.on_close: Callable[[], None] = lambda: None  # run on the thread before it parks
+        self.on_close: Callable[[], None] = lambda: None  # run on the thread before it ends
         self._busy = False
         self._closed = False
-        self._serving = True  # until closed: its thread then serves other workers
         # A task is never queued behind the closing marker. Reentrant: close() can run
         # inside submit() on the same thread (a finalizer run by the garbage collector).
         self._lock = threading.RLock()
-        self._parked = threading.Event()
-        self._runner = _Runner.serve(self, name)
-        self._thread = self._runner.thread
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
         _WORKERS.add(self)
 
     @property
@@ -99,7 +65,7 @@ class Worker:
 
     @property
     def in_worker(self) -> bool:
-        return self._serving and threading.current_thread() is self._thread
+        return threading.current_thread() is self._thread
 
     def refuse_wait(self) -> None:
         """Raise :func:`worker_wait_error` when called on the worker thread: whatever the
@@ -126,20 +92,22 @@ class Worker:
 
     def close(self, wait: bool = True) -> None:
         """Stop taking work and drop the model's references (in-flight calls finish first);
-        ``wait`` for that to be done, up to 10 s (a frame of a large model on a slow machine
-        can take longer: the worker then lets go when it is done, on its own).
+        ``wait`` for the thread to end, up to :data:`CLOSE_WAIT_S` (a frame of a large model
+        on a slow machine can take longer: the thread then ends when it is done, on its
+        own).
 
-        The thread itself is never ended: MLX keeps per-thread stream state whose teardown
-        at thread exit aborts the process ("terminate called without an active
-        exception"). It waits to serve the next worker made; an idle daemon thread is
-        simply dropped at interpreter exit.
+        Before it ends, the thread hands back its MLX state (``mx.clear_streams()``: its
+        streams, random key, compiled graphs). Kept past the thread's end, that state is
+        freed by the thread's exit, which needs the interpreter: at interpreter exit the
+        thread could then be ended by the interpreter's teardown and abort the process
+        ("terminate called without an active exception").
         """
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self._tasks.put(None)
         if wait and not self.in_worker:
-            self._parked.wait(timeout=10)
+            self._thread.join(timeout=CLOSE_WAIT_S)
 
     def _run(self) -> None:
         while True:
@@ -156,15 +124,13 @@ class Worker:
                 self._busy = self.pump()
             except BaseException:  # (pump fails its jobs itself) the thread must live on:
                 self._busy = False  # every later request would wait for it for ever
-        with contextlib.suppress(BaseException):  # the thread must park regardless
+        with contextlib.suppress(BaseException):  # the thread must end cleanly regardless
             self.on_close()
         with self._lock:  # taken once a submit() that close() interrupted has queued
             self._refuse_rest()
         self.pump = lambda: False
         self.on_close = lambda: None
-        self._serving = False
-        self._runner.idle()
-        self._parked.set()
+        _release_mlx_state()
 
     def _refuse_rest(self) -> None:
         # Queued behind the closing marker only by a submit() that close() interrupted on
@@ -177,6 +143,19 @@ class Worker:
                 return
             if item is not None and item[1].set_running_or_notify_cancel():
                 item[1].set_exception(closed_error())
+
+
+def _release_mlx_state() -> None:
+    """Free this thread's MLX state while the interpreter can still take it (see
+    :meth:`Worker.close`); nothing of MLX runs on the thread after this."""
+    mx = sys.modules.get("mlx.core")  # not imported: the thread never used MLX
+    if mx is None:
+        return
+    with contextlib.suppress(Exception):
+        mx.synchronize()  # work queued on the thread's streams ends first
+    with contextlib.suppress(Exception):
+        mx.clear_streams()
+        mx.clear_cache()  # what that freed (the thread's random key) goes back too
 
 
 def _run_task(fn: Callable[[], Any], future: Future) -> None:

@@ -90,9 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     default_signals()
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a server stops: no error
         serve(create_app(tts, config), sock, ready, log_level=args.log_level)
-    # The model is not closed: serve() has cancelled every request and the engine is idle,
-    # and joining the worker thread right before exit can abort the process in MLX's
-    # teardown ("terminate called without an active exception").
+    # serve() has cancelled every request and the engine is idle: the model is closed at
+    # exit, with every other (voxtral_mlx.worker).
     return 0
 
 
