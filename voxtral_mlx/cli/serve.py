@@ -90,8 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     default_signals()
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a server stops: no error
         serve(create_app(tts, config), sock, ready, log_level=args.log_level)
-    # serve() has cancelled every request and the engine is idle: the model is closed at
-    # exit, with every other (voxtral_mlx.worker).
+    # serve() has cancelled every request and the engine is idle; the model is closed at
+    # exit, as every model is (by voxtral_mlx.worker's exit handler).
     return 0
 
 
