@@ -34,7 +34,9 @@ PROTECTED = [
     "v1.2.3",
     "10–20",
     "https://example.com/a.b?c=d",
+    "HTTP://Example.ORG/a.b",
     "www.example.org",
+    "WWW.Example.org",
     "jane.doe@example.com",
     "Mr. Smith",
     "Mrs. Jones",
@@ -634,6 +636,19 @@ def test_numbers_urls_emails() -> None:
         assert any(token in s.text for s in segs)
     assert "Visit https://example.com/a.b?c=d." in texts(segs)
     assert any(s.text.endswith("jane.doe@example.com.") for s in segs)
+
+
+@pytest.mark.parametrize(
+    "url", ["HTTPS://www.例子.中国", "Http://WWW.例子.公司/页面", "WWW.例子.中国", "wWw.例子.中国"]
+)
+def test_a_url_stays_whole_in_any_letter_case(url: str) -> None:
+    """Schemes and "www." are case-insensitive: capitals protect a URL too (a CJK host's "."
+    is cut as a sentence end where no URL protects it)."""
+    text = f"请访问 {url} 了解详情。"
+    for target in range(3, 20):
+        segs = split_text(text, target_chars=target, max_chars=40)
+        check_invariants(text, segs, 40)
+        assert any(url in s.text for s in segs), (target, texts(segs))
 
 
 def test_a_url_ends_where_cjk_text_follows_it() -> None:
