@@ -212,14 +212,20 @@ def test_a_deleted_working_folder_is_named_as_such(model_dir, tmp_path):
     """It read as "it takes no new files (a system folder?)"."""
     gone = tmp_path / "gone"
     gone.mkdir()
-    code = (
-        "import os, runpy, sys; os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]); "
-        "sys.argv = ['voxtral-mlx', *sys.argv[2:]]; "
-        "runpy.run_module('voxtral_mlx', run_name='__main__')"
+    # A script, not `python -c`: under `-c`, Python 3.13.0 fails to import numpy once the
+    # working folder is gone (a SystemError inside numpy's import), which the voxtral-mlx
+    # program (a script) and `python -m voxtral_mlx` never meet.
+    script = tmp_path / "run_in_gone.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        "os.chdir(sys.argv[1])\n"
+        "os.rmdir(sys.argv[1])\n"
+        "sys.argv = ['voxtral-mlx', *sys.argv[2:]]\n"
+        "runpy.run_module('voxtral_mlx', run_name='__main__')\n"
     )
     args = ["speak", "-m", str(model_dir), "--max-frames", "1", "Hi.", "-o", "x.wav"]
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(gone), *args],
+        [sys.executable, str(script), str(gone), *args],
         env=env_with_repo(),
         capture_output=True,
         timeout=300,
