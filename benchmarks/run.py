@@ -12,7 +12,8 @@ a section to benchmarks/RESULTS.md with the command, machine, date and medians.
            played stream's cost per frame as its chunks grow
            -- a few minutes here
     full:  the same plus the real widths (frame speed, time to first audio and batched
-           throughput against mlx-audio; the real codec) and the full 26+3-layer model
+           throughput against mlx-audio; the real codec), the full 26+3-layer model and
+           how long loading the wide and full models takes
            -- an hour or more on a 2-core CPU
     model DIR: the quick comparisons on a checkpoint directory: Mistral's layout (any
            random checkpoint, e.g. from ``voxtral-mlx random-checkpoint``) or an MLX
@@ -71,6 +72,7 @@ FULL = [
     ["newcomer.py", "--configs", "tiny"],
     ["new_voice.py", "--configs", "tiny"],
     ["live_text.py", "--configs", "tiny"],
+    ["model_load.py", "--configs", "wide,full"],
 ]
 
 

@@ -612,3 +612,21 @@ def test_codebooks_mlx_audio_cannot_hold_are_refused_before_timing(tmp_path, cod
         check_comparable(path, VOICE)
     message = str(exc.value)
     assert words in message and "--no-reference" in message and "\n" not in message
+
+
+def test_model_load_times_a_directory_and_a_quit_while_loading(tiny_checkpoint, scripts, capsys):
+    from mlx.utils import tree_flatten
+    from model_load import main
+
+    from voxtral_mlx.loader import load_model_dir
+
+    assert main(["--configs", str(tiny_checkpoint), "--repeats", "1", "--no-record"]) == 0
+    header, row = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert header.startswith("config | weights | load()")
+    name, weights, load, rate, peak, quit_wait = row.split(" | ")
+    model = load_model_dir(tiny_checkpoint).model
+    expected = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    assert name == tiny_checkpoint.name and weights == f"{expected / 2**20:.0f} MiB"
+    assert float(load.removesuffix(" s")) > 0 and rate.endswith(" GB/s")
+    assert int(peak.removesuffix(" MiB")) >= expected / 2**20 - 1
+    assert 0 < float(quit_wait.removesuffix(" s")) < 10

@@ -18,6 +18,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 import voxtral_mlx
 from tests.players import NullPlayer
@@ -235,6 +236,98 @@ def test_a_worker_thread_ended_by_the_interpreters_teardown_does_not_abort(
     )
     assert proc.stdout == b"done\n"
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
+
+
+def test_a_load_stops_between_parts_of_its_weights(tiny_checkpoint, monkeypatch):
+    """The check a load is given runs before every part it reads (one array per part here),
+    and the first check that raises ends the load: nothing is read after it."""
+    from voxtral_mlx import loader
+
+    monkeypatch.setattr(loader, "LOAD_PART_BYTES", 1)
+    real_eval = mx.eval
+    log: list[str] = []
+
+    def spy_eval(*args):
+        log.append("eval")
+        return real_eval(*args)
+
+    monkeypatch.setattr(mx, "eval", spy_eval)
+
+    def check_counted() -> None:
+        log.append("check")
+
+    loaded = loader.load_model_dir(tiny_checkpoint, check=check_counted)
+    arrays = len(tree_flatten(loaded.model.parameters()))
+    checks = log.count("check")
+    # Each layer fused, and every array of the model read on its own, checked before.
+    assert checks >= arrays + loaded.config.backbone.n_layers
+    for stop_at in (1, loaded.config.backbone.n_layers, checks // 2, checks):
+        log.clear()
+
+        def check_stopping(stop_at=stop_at) -> None:
+            # As a closed worker's check: once it raises, it raises every time.
+            log.append("check")
+            if log.count("check") >= stop_at:
+                raise UsageError("stop here")
+
+        with pytest.raises(UsageError, match="stop here"):
+            loader.load_model_dir(tiny_checkpoint, check=check_stopping)
+        stopped = [i for i, what in enumerate(log) if what == "check"][stop_at - 1]
+        assert "eval" not in log[stopped:], f"read on after the load was stopped at {stop_at}"
+
+
+# An app quitting (its main thread returning) while its model loads on a background thread:
+# the load, slowed here to ~20 s by a sleep per array read, ends at the next part instead of
+# holding the exit for CLOSE_WAIT_S (and aborting the process if MLX was still reading then).
+_QUIT_WHILE_LOADING = """
+import sys, threading, time
+import mlx.core as mx
+from mlx.utils import tree_flatten
+import voxtral_mlx
+from voxtral_mlx import loader
+
+loader.LOAD_PART_BYTES = 1
+real_eval = mx.eval
+reading = threading.Event()
+
+
+def slow_eval(*args):
+    reading.set()
+    time.sleep(0.1 * len(tree_flatten(list(args))))
+    return real_eval(*args)
+
+
+mx.eval = slow_eval
+
+
+def load():
+    voxtral_mlx.load(sys.argv[1], prefix_cache_dir=None)
+    print("loaded", flush=True)
+
+
+threading.Thread(target=load, daemon=True).start()
+reading.wait()
+time.sleep(0.3)
+print("quitting", flush=True)
+"""
+
+
+def test_an_app_quitting_while_its_model_loads_exits_at_once(tiny_checkpoint):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _QUIT_WHILE_LOADING, str(tiny_checkpoint)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout.readline() == b"quitting\n"
+        quit_at = time.monotonic()
+        rest, err = proc.communicate(timeout=120)
+        waited = time.monotonic() - quit_at
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    assert rest == b""  # the load did not finish
+    assert waited < 3, f"the exit waited {waited:.1f} s for the load"
 
 
 def test_submissions_racing_close_all_resolve():

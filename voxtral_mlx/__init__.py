@@ -152,7 +152,9 @@ def load(
         if directory is not None:
             with contextlib.suppress(OSError):  # an unreadable folder: the loader says so
                 before = model_fingerprint(model_dir)
-        loaded = worker.call(load_model_dir, model_dir, dtype)
+        # Stopped at the next part by a close: at interpreter exit (an app quitting while
+        # it loads) or here, when this thread is interrupted.
+        loaded = worker.call(load_model_dir, model_dir, dtype, worker.raise_if_closed)
         store = None
         if directory is not None:
             fingerprint = model_fingerprint(loaded.path)

@@ -63,6 +63,12 @@ class Worker:
         """True once :meth:`close` was called: new work is refused."""
         return self._closed
 
+    def raise_if_closed(self) -> None:
+        """Raise :func:`closed_error` once :meth:`close` was called: long work on the
+        thread (a model's load) calls it between parts, so that a close ends it there."""
+        if self._closed:
+            raise closed_error()
+
     @property
     def in_worker(self) -> bool:
         return threading.current_thread() is self._thread

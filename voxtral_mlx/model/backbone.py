@@ -51,10 +51,13 @@ class Backbone(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self._final_norm: Callable[[mx.array], mx.array] | None = None
 
-    def prepare(self, compile: bool = True) -> None:
+    def prepare(self, compile: bool = True, check: Callable[[], None] | None = None) -> None:
         """Fuse each layer's projections (after the weights are loaded) and, with
-        ``compile``, compile the fixed-shape parts of a one-position step."""
+        ``compile``, compile the fixed-shape parts of a one-position step. ``check`` is
+        called before each layer (it raises to stop: weights not yet read are read here)."""
         for layer in self.layers:
+            if check is not None:
+                check()
             layer.prepare(compile_decode=compile)
         self._final_norm = mx.compile(self.norm) if compile else None
 

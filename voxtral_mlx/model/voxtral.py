@@ -34,14 +34,16 @@ class VoxtralModel(Backbone):
         self._code_offsets = mx.array(config.codebook_offsets, dtype=mx.int32)
         self._embed: Callable[[mx.array], mx.array] | None = None
 
-    def prepare(self, compile: bool = True) -> None:
+    def prepare(self, compile: bool = True, check: Callable[[], None] | None = None) -> None:
         """Once the weights are loaded (and again after they change): fuse projections,
         precompute constants, compile the fixed-shape steps of the backbone, the flow head
-        and the codec."""
-        super().prepare(compile)
+        and the codec. ``check`` is called between layers (see :meth:`Backbone.prepare`)."""
+        super().prepare(compile, check)
         self._embed = mx.compile(self.embed_codes) if compile else None
-        self.acoustic_transformer.prepare(compile)
-        self.audio_tokenizer.prepare(compile)
+        for part in (self.acoustic_transformer, self.audio_tokenizer):
+            if check is not None:
+                check()
+            part.prepare(compile)
 
     @property
     def compute_dtype(self) -> mx.Dtype:
