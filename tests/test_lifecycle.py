@@ -4,7 +4,9 @@ itself) is refused instead of hanging."""
 
 from __future__ import annotations
 
+import _thread
 import asyncio
+import concurrent.futures
 import gc
 import json
 import shutil
@@ -24,7 +26,7 @@ import voxtral_mlx
 from tests.players import NullPlayer
 from voxtral_mlx.engine import DONE, CallbackWarning
 from voxtral_mlx.errors import CheckpointError, InputError, UsageError, VoxtralError
-from voxtral_mlx.worker import Worker
+from voxtral_mlx.worker import Worker, WorkerFuture
 
 VOICE = "neutral_male"
 
@@ -328,6 +330,103 @@ def test_an_app_quitting_while_its_model_loads_exits_at_once(tiny_checkpoint):
     assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
     assert rest == b""  # the load did not finish
     assert waited < 3, f"the exit waited {waited:.1f} s for the load"
+
+
+def test_an_interrupt_stops_a_load_at_once(tiny_checkpoint, monkeypatch):
+    """Ctrl-C in a REPL or notebook while load() reads the weights (here an interrupt without
+    a signal, as IDLE sends; on macOS a signal does not break an untimed wait either): it is
+    raised within a wait slice, and the load stops at its next part."""
+    from voxtral_mlx import loader
+
+    monkeypatch.setattr(loader, "LOAD_PART_BYTES", 1)
+    real_eval = mx.eval
+    reading = threading.Event()
+    reads: list[float] = []
+
+    def slow_eval(*args):
+        if threading.current_thread().name == "voxtral-mlx":  # the load's, not the test's
+            reading.set()
+            reads.append(time.monotonic())
+            time.sleep(0.1 * len(tree_flatten(list(args))))  # a load of ~35 s
+        return real_eval(*args)
+
+    monkeypatch.setattr(mx, "eval", slow_eval)
+    before = {t for t in threading.enumerate() if t.name == "voxtral-mlx"}
+
+    def interrupt() -> None:
+        reading.wait(60)
+        time.sleep(0.3)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        voxtral_mlx.load(tiny_checkpoint, prefix_cache_dir=None)
+    interrupted_at = time.monotonic()
+    assert interrupted_at - t0 < 10, f"load() raised after {interrupted_at - t0:.1f} s"
+    # load() closed the model's worker: its thread has ended, reading nothing more.
+    assert {t for t in threading.enumerate() if t.name == "voxtral-mlx"} <= before
+    assert reads[-1] < interrupted_at
+
+
+def test_an_interrupt_stops_synthesize_between_chunks(tts, monkeypatch):
+    """synthesize() waits for 16-frame chunks: an interrupt (Ctrl-C in a REPL) is raised
+    within a wait slice, not after the chunk, and the request stops."""
+    real_eval, real_async_eval = mx.eval, mx.async_eval
+    frames = threading.Event()
+
+    def slowed(real):
+        def run(*args):
+            if threading.current_thread().name == "voxtral-mlx":
+                frames.set()
+                time.sleep(0.15)  # 16 frames: seconds
+            return real(*args)
+
+        return run
+
+    monkeypatch.setattr(mx, "eval", slowed(real_eval))
+    monkeypatch.setattr(mx, "async_eval", slowed(real_async_eval))
+    sent: list[float] = []
+
+    def interrupt() -> None:
+        frames.wait(60)
+        time.sleep(0.3)
+        sent.append(time.monotonic())
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        tts.synthesize("A long utterance.", VOICE, seed=1, max_frames=500)
+    assert time.monotonic() - sent[0] < 1.5
+    deadline = time.monotonic() + 5
+    while tts.worker._busy:  # the request's frames stop (no other request is running)
+        assert time.monotonic() < deadline, "the interrupted request kept generating"
+        time.sleep(0.02)
+    monkeypatch.undo()
+    assert len(tts.synthesize("Hi.", VOICE, seed=1, max_frames=2).codes) == 2
+
+
+def test_a_worker_futures_timeout_and_result_keep_their_meaning():
+    worker = Worker()
+    try:
+        gate = threading.Event()
+        future = WorkerFuture(worker)
+        worker.submit(lambda: future.set_result(gate.wait(10) and 7))
+        t0 = time.monotonic()
+        with pytest.raises(concurrent.futures.TimeoutError):
+            future.result(timeout=0.25)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            future.exception(timeout=0.25)
+        assert 0.45 <= time.monotonic() - t0 < 5
+        gate.set()
+        assert future.result() == 7 and future.exception() is None
+        failed = WorkerFuture(worker)
+        worker.submit(lambda: failed.set_exception(TimeoutError("the task's own")))
+        with pytest.raises(TimeoutError, match="the task's own"):
+            failed.result(timeout=5)
+        assert worker.call(lambda: 3) == 3
+    finally:
+        worker.close()
 
 
 def test_submissions_racing_close_all_resolve():

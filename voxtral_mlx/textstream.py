@@ -24,6 +24,7 @@ from .errors import InputError, UsageError
 from .fileio import one_line
 from .livetext import END, LiveText
 from .segment import EMPTY_TEXT, Segment, SplitStopped, is_blank
+from .worker import get_output
 
 if TYPE_CHECKING:  # imported where used: a process that never awaits skips its import time
     import asyncio
@@ -393,7 +394,7 @@ class TextStream(_Reader):
                     self._take(block=True)
                     continue
                 _, job = self.jobs[0]
-                self._ready.extend(self._on_item(job.output.get()))
+                self._ready.extend(self._on_item(get_output(job.output)))
         except StopIteration:
             raise
         except BaseException as e:

@@ -16,8 +16,10 @@ import contextlib
 import queue
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ T = TypeVar("T")
 
 _WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
 CLOSE_WAIT_S = 10.0  # longest close() waits for a frame in progress to end
+WAIT_SLICE_S = 0.1  # callers wait for the worker in waits this long (see wait_for)
 
 
 @atexit.register
@@ -94,7 +97,9 @@ class Worker:
         """Run ``fn(*args, **kwargs)`` on the worker and wait for it (direct if already there)."""
         if self.in_worker:
             return fn(*args, **kwargs)
-        return self.submit(lambda: fn(*args, **kwargs)).result()
+        future = self.submit(lambda: fn(*args, **kwargs))
+        wait_for(future)
+        return future.result()
 
     def close(self, wait: bool = True) -> None:
         """Stop taking work and drop the model's references (in-flight calls finish first);
@@ -151,6 +156,30 @@ class Worker:
                 item[1].set_exception(closed_error())
 
 
+def wait_for(future: Future, timeout: float | None = None) -> None:
+    """Wait until ``future`` is done (or ``timeout`` passes) in short waits, between which
+    Python raises a pending interrupt. One untimed wait would hold Ctrl-C back until the
+    worker hands the result over (a whole model's load): on macOS a signal never interrupts
+    it, on Linux only when it reaches the waiting thread, and an interrupt raised without a
+    signal (``_thread.interrupt_main()``, as IDLE and other hosts stop code) never does."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not future.done():
+        left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            return
+        futures.wait([future], timeout=min(left, WAIT_SLICE_S))
+
+
+def get_output(output: queue.SimpleQueue) -> Any:
+    """``output.get()`` in short waits (see :func:`wait_for`): a job's next chunk can be
+    many frames away."""
+    while True:
+        try:
+            return output.get(timeout=WAIT_SLICE_S)
+        except queue.Empty:
+            continue
+
+
 def _release_mlx_state() -> None:
     """Free this thread's MLX state while the interpreter can still take it (see
     :meth:`Worker.close`); nothing of MLX runs on the thread after this."""
@@ -182,7 +211,8 @@ def worker_wait_error() -> UsageError:
 
 class WorkerFuture(Future):
     """A future whose result the worker computes: waiting for it on the worker thread
-    itself, which would never end (and stall every request), raises instead."""
+    itself, which would never end (and stall every request), raises instead; a wait
+    elsewhere can be interrupted (see :func:`wait_for`)."""
 
     def __init__(self, worker: Worker) -> None:
         super().__init__()
@@ -190,11 +220,13 @@ class WorkerFuture(Future):
 
     def result(self, timeout: float | None = None) -> Any:
         self._refuse()
-        return super().result(timeout)
+        wait_for(self, timeout)
+        return super().result(0)  # (not done by now: the TimeoutError a timeout gives)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._refuse()
-        return super().exception(timeout)
+        wait_for(self, timeout)
+        return super().exception(0)
 
     def _refuse(self) -> None:
         if not self.done():
