@@ -369,9 +369,17 @@ def test_an_interrupt_stops_a_load_at_once(tiny_checkpoint, monkeypatch):
     assert reads[-1] < interrupted_at
 
 
-def test_an_interrupt_stops_synthesize_between_chunks(tts, monkeypatch):
-    """synthesize() waits for 16-frame chunks: an interrupt (Ctrl-C in a REPL) is raised
-    within a wait slice, not after the chunk, and the request stops."""
+@pytest.mark.parametrize(
+    "call, frame_s, bound_s",
+    [("synthesize", 0.15, 1.5), ("warmup", 1.0, 0.8)],
+    ids=["synthesize", "warmup"],
+)
+def test_an_interrupt_stops_a_blocking_request_between_chunks(
+    tts, monkeypatch, call, frame_s, bound_s
+):
+    """synthesize() waits for 16-frame chunks, warmup() for its jobs' frames: an interrupt
+    (Ctrl-C in a REPL) is raised within a wait slice, not after the chunk or frame, and the
+    request stops."""
     real_eval, real_async_eval = mx.eval, mx.async_eval
     frames = threading.Event()
 
@@ -379,7 +387,7 @@ def test_an_interrupt_stops_synthesize_between_chunks(tts, monkeypatch):
         def run(*args):
             if threading.current_thread().name == "voxtral-mlx":
                 frames.set()
-                time.sleep(0.15)  # 16 frames: seconds
+                time.sleep(frame_s)
             return real(*args)
 
         return run
@@ -396,9 +404,12 @@ def test_an_interrupt_stops_synthesize_between_chunks(tts, monkeypatch):
 
     threading.Thread(target=interrupt, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
-        tts.synthesize("A long utterance.", VOICE, seed=1, max_frames=500)
-    assert time.monotonic() - sent[0] < 1.5
-    deadline = time.monotonic() + 5
+        if call == "synthesize":
+            tts.synthesize("A long utterance.", VOICE, seed=1, max_frames=500)
+        else:
+            tts.warmup(VOICE)
+    assert time.monotonic() - sent[0] < bound_s
+    deadline = time.monotonic() + 10
     while tts.worker._busy:  # the request's frames stop (no other request is running)
         assert time.monotonic() < deadline, "the interrupted request kept generating"
         time.sleep(0.02)

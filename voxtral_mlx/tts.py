@@ -46,7 +46,7 @@ from .segment import EMPTY_TEXT, Segment, SplitStopped, is_blank, is_silent, spl
 from .textstream import AsyncTextStream, TextStream, check_pause
 from .tokenizer import TekkenTokenizer, speech_prompt_ids
 from .voices import Voice, VoiceRegistry, case_matches, no_voices_error
-from .worker import Worker, WorkerFuture, closed_error
+from .worker import WAIT_SLICE_S, Worker, WorkerFuture, closed_error
 
 T = TypeVar("T")
 
@@ -300,12 +300,14 @@ class VoxtralTTS:
         yield_until = time.monotonic() + WARMUP_YIELDS_S
         for job in jobs:
             while True:
-                left = yield_until - time.monotonic() if job.ahead else None
+                # In slices, as every blocking call waits (see worker.wait_for).
+                left = yield_until - time.monotonic() if job.ahead else WAIT_SLICE_S
                 try:
-                    item = job.output.get(timeout=max(0.0, left) if left is not None else None)
+                    item = job.output.get(timeout=max(0.0, min(left, WAIT_SLICE_S)))
                 except queue.Empty:
-                    for j in jobs:
-                        j.needed()
+                    if job.ahead and time.monotonic() >= yield_until:
+                        for j in jobs:
+                            j.needed()
                     continue
                 if item is DONE:
                     break
