@@ -46,8 +46,8 @@ def child_load(path: str) -> dict:
     t0 = time.perf_counter()
     tts = voxtral_mlx.load(path, prefix_cache_dir=None)
     loaded = time.perf_counter() - t0
-    out = {"load": loaded, "peak": mx.get_peak_memory(), "weights": 0}
-    out["weights"] = sum(a.nbytes for _, a in tree_flatten(tts.model.parameters()))
+    weights = sum(a.nbytes for _, a in tree_flatten(tts.model.parameters()))
+    out = {"load": loaded, "peak": mx.get_peak_memory(), "weights": weights}
     tts.close()
     return out
 

@@ -24,7 +24,7 @@ from .errors import InputError, UsageError
 from .fileio import one_line
 from .livetext import END, LiveText
 from .segment import EMPTY_TEXT, Segment, SplitStopped, is_blank
-from .worker import get_output
+from .worker import get_in_slices
 
 if TYPE_CHECKING:  # imported where used: a process that never awaits skips its import time
     import asyncio
@@ -394,7 +394,7 @@ class TextStream(_Reader):
                     self._take(block=True)
                     continue
                 _, job = self.jobs[0]
-                self._ready.extend(self._on_item(get_output(job.output)))
+                self._ready.extend(self._on_item(get_in_slices(job.output)))
         except StopIteration:
             raise
         except BaseException as e:

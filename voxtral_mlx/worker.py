@@ -170,12 +170,12 @@ def wait_for(future: Future, timeout: float | None = None) -> None:
         futures.wait([future], timeout=min(left, WAIT_SLICE_S))
 
 
-def get_output(output: queue.SimpleQueue) -> Any:
-    """``output.get()`` in short waits (see :func:`wait_for`): a job's next chunk can be
+def get_in_slices(q: queue.Queue | queue.SimpleQueue, slice_s: float = WAIT_SLICE_S) -> Any:
+    """``q.get()`` in waits of ``slice_s`` (see :func:`wait_for`): a job's next chunk can be
     many frames away."""
     while True:
         try:
-            return output.get(timeout=WAIT_SLICE_S)
+            return q.get(timeout=slice_s)
         except queue.Empty:
             continue
 

@@ -31,19 +31,12 @@ def interruptibly(fn: Callable[[], T]) -> T:
             box.put((False, e))
 
     threading.Thread(target=run, name="voxtral-mlx-cli", daemon=True).start()
-    ok, value = _get(box)
+    from ..worker import get_in_slices  # here: commands that never wait skip its import
+
+    ok, value = get_in_slices(box, _POLL_S)
     if ok:
         return value
     raise value
-
-
-def _get(q: queue.Queue[T]) -> T:
-    """``q.get()`` in timed waits, so that signals are handled while it waits."""
-    while True:
-        try:
-            return q.get(timeout=_POLL_S)
-        except queue.Empty:
-            continue
 
 
 class Chunks:
@@ -79,8 +72,10 @@ class Chunks:
         self._put(("end", None))
 
     def __iter__(self) -> Iterator[Any]:
+        from ..worker import get_in_slices  # (see interruptibly)
+
         while True:
-            kind, value = _get(self._queue)
+            kind, value = get_in_slices(self._queue, _POLL_S)
             if kind == "end":
                 return
             if kind == "error":
