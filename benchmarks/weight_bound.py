@@ -103,10 +103,11 @@ def frame_shapes(
     decoding one frame, and the frame's weight bytes (the codec's left out).
 
     Rows are those a frame must multiply: the backbone decodes one position; each Euler step
-    runs the flow head on 2 x 3 tokens (cond and uncond), except that its last layer needs
-    only keys and values of the other tokens (position 0 is the only one read out;
-    voxtral_mlx's one wq/wk/wv product also makes their queries, extra work that counts as
-    its overhead); the codec runs each stage at its own rate (1, 2, 4, 8 steps per frame)
+    runs the flow head on 2 x 3 tokens (cond and uncond), except that its first layer
+    projects only the new ``x`` token (the time tokens' projections are constants, the llm
+    token's are made with the first step's, the zeroed token's are zeros) and its last layer
+    computes the queries and everything after the attention at position 0 only (the only
+    one read out); the codec runs each stage at its own rate (1, 2, 4, 8 steps per frame)
     (``synthesize`` decodes chunks of ``SYNTH_CHUNK_FRAMES`` frames: see :func:`codec_parts`).
     """
     m, cfg = tts.model, tts.config
@@ -120,13 +121,18 @@ def frame_shapes(
         linears(layer, 1)
     head = m.acoustic_transformer
     n = cfg.flow.n_decoding_steps
-    for layer in head.layers[:-1]:
-        linears(layer, 6, n)
-    last = head.layers[-1]
-    for name in ("wk", "wv"):
-        mats.extend([(getattr(last.attention, name).weight, 6)] * n)
-    for lin in (last.attention.wq, last.attention.wo, *vars_linears(last.feed_forward)):
-        mats.extend([(lin.weight, 2)] * n)
+    last = len(head.layers) - 1
+    for step in range(n):
+        for i, layer in enumerate(head.layers):
+            attn = layer.attention
+            after = 2 if i == last else 6  # rows of the attention's output onwards
+            if i == 0:  # the new x token; at the first step with the llm token
+                rows = 2 if step == 0 else 1
+                projections = [(attn.wq, rows), (attn.wk, rows), (attn.wv, rows)]
+            else:
+                projections = [(attn.wq, after), (attn.wk, 6), (attn.wv, 6)]
+            rest = [(lin, after) for lin in (attn.wo, *vars_linears(layer.feed_forward))]
+            mats.extend((lin.weight, rows) for lin, rows in projections + rest)
     mats.append((head.semantic_codebook_output.weight, 1))
     mats.append((head.llm_projection.weight, 1))
     mats.extend([(head.input_projection.weight, 1)] * n)

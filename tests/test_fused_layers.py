@@ -171,3 +171,38 @@ def test_loading_holds_the_weights_once_while_fusing(tmp_path):
         )
     )
     assert mx.get_peak_memory() - before - weights < fusable / 2
+
+
+def _every_row_velocity(head, x: mx.array, step: int, h: mx.array) -> mx.array:
+    """A flow step computed plainly: every layer on all three tokens of both passes."""
+    llm = head.llm_projection(h)
+    xin = head.input_projection(x.astype(llm.dtype))
+    tok = mx.broadcast_to(head.time_tokens[step], xin.shape)
+    seq = mx.concatenate(
+        [mx.stack([xin, tok, llm], axis=1), mx.stack([xin, tok, mx.zeros_like(llm)], axis=1)]
+    )
+    for layer in head.layers:
+        seq = layer(seq)
+    return head.acoustic_codebook_output(head.norm(seq[:, 0])).astype(mx.float32)
+
+
+@pytest.mark.parametrize("flow_layers", [1, 2, 3])
+def test_the_flow_steps_shortcuts_equal_every_layer_on_every_row(tmp_path, flow_layers):
+    """The first layer's projections of the time and llm tokens made once, the zeroed
+    token's taken as zeros, the last layer's queries at position 0 only: the velocities
+    of computing everything at every step."""
+    from voxtral_mlx.synthetic.checkpoint import build_random_checkpoint, make_params
+
+    params = make_params("tiny", flow_layers=flow_layers)
+    model = load_model_dir(build_random_checkpoint(tmp_path / "m", params)).model
+    head = model.acoustic_transformer
+    rng = np.random.default_rng(0)
+    b = 3
+    h = mx.array(rng.standard_normal((b, head.args.input_dim)), model.compute_dtype)
+    x = mx.array(rng.standard_normal((b, head.args.n_acoustic_codebook)), mx.float32)
+    llm = head.llm_projection(h)
+    tokens = head.step_tokens(llm, head.first_projections(llm))
+    for step in range(head.args.n_decoding_steps):
+        want = np.array(_every_row_velocity(head, x, step, h))
+        assert np.abs(want[:b] - want[b:]).max() > 0  # the passes do differ
+        assert_same(np.array(head.velocity(x, step, tokens)), want)

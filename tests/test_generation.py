@@ -370,7 +370,7 @@ def test_an_ode_state_that_is_not_finite_becomes_code_1(tiny_tts, bad):
     head = tiny_tts.model.acoustic_transformer
 
     def run() -> np.ndarray:
-        def velocity(x, time_token, llm):  # conditional rows first, then unconditional
+        def velocity(x, step, tokens, x_token=None):  # conditional rows first, then unconditional
             cond = mx.full(x.shape, bad, dtype=mx.float32)
             return mx.concatenate([cond, mx.zeros(x.shape, mx.float32)])
 
@@ -429,13 +429,14 @@ def test_empty_audio_and_padding_rows_are_never_predicted(tiny_tts):
 
 
 def test_a_frame_runs_conditional_and_unconditional_as_one_batch(tiny_tts, monkeypatch):
-    """Per frame: ``llm_projection(h)`` once, the time tokens never (precomputed), and at
-    each Euler step every flow layer once on the 2B rows of both passes, the last one at
-    position 0 only."""
+    """Per frame: ``llm_projection(h)`` once and its first-layer projections with the first
+    step's ``x`` token's, the time tokens never (precomputed); at each later Euler step the
+    first layer's projections of the B new ``x`` rows only; at each step every flow layer
+    once on the 2B rows of both passes, the last one at position 0 only (its queries too)."""
     import mlx.nn as nn
 
     from voxtral_mlx.model.flow import FlowHead, cfg_weights
-    from voxtral_mlx.model.layers import TransformerBlock
+    from voxtral_mlx.model.layers import Attention, TransformerBlock
 
     args = tiny_tts.config.flow
     head = FlowHead(args)
@@ -453,17 +454,30 @@ def test_a_frame_runs_conditional_and_unconditional_as_one_batch(tiny_tts, monke
 
         monkeypatch.setattr(cls, name, wrapper)
 
-    projections = {id(head.llm_projection): "llm", id(head.time_projection): "time"}
+    projections = {
+        id(head.llm_projection): "llm",
+        id(head.time_projection): "time",
+        id(head.layers[-1].attention.wq): "last queries",
+    }
     spy(TransformerBlock, "__call__", lambda _: "layer")
+    spy(TransformerBlock, "from_projections", lambda _: "first")
     spy(TransformerBlock, "first_position", lambda _: "last")
+    spy(Attention, "projections", lambda _: "first projections")
     spy(nn.Linear, "__call__", lambda m: projections.get(id(m)))
     b, n = 3, args.n_decoding_steps
     h = mx.array(np.random.default_rng(0).standard_normal((b, args.dim)), dtype=mx.float32)
     noise = mx.zeros((b, args.n_acoustic_codebook))
     mx.eval(head.frame(h, noise, cfg_weights([1.2] * b)))
-    step = [("layer", (2 * b, 3, args.dim))] * (args.n_layers - 1)
-    step.append(("last", (2 * b, 3, args.dim)))
-    assert seen == [("llm", (b, args.input_dim)), *step * n]
+    assert args.n_layers >= 2
+    rows = (2 * b, 3, args.dim)
+    step = [("first", rows)]
+    step += [("layer", rows)] * (args.n_layers - 2)
+    step += [("last", rows), ("last queries", (2 * b, 1, args.dim))]
+    new_x = [("first projections", (b, args.dim))]
+    # The first step's x token is projected with the llm token, in one product.
+    want = [("llm", (b, args.input_dim)), ("first projections", (2 * b, args.dim)), *step]
+    want += (new_x + step) * (n - 1)
+    assert seen == want
 
 
 def test_a_bfloat16_semantic_head_multiplies_in_bfloat16_then_compares_in_float32(tiny_tts):

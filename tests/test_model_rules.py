@@ -25,7 +25,7 @@ def test_ode_state_starts_from_the_float32_noise_in_a_bfloat16_model(tiny_checkp
         noise = ((2 * k + 1) / levels - 1 + 1e-4).clip(-1, 1).astype(np.float32)[None]
 
         def run() -> np.ndarray:
-            def velocity(x, time_token, llm):
+            def velocity(x, step, tokens, x_token=None):
                 return mx.zeros((2 * x.shape[0], x.shape[1]), mx.float32)
 
             head.velocity = velocity  # an instance attribute: the class is untouched

@@ -71,10 +71,13 @@ def test_flow_velocity_and_codes(tiny_tts, ref):
     h = mx.array(rng.standard_normal((1, dim)).astype(np.float32))
     x = mx.array(rng.standard_normal((1, 36)).astype(np.float32))
     n = tiny_tts.config.flow.n_decoding_steps
+
+    def velocity(i: int) -> mx.array:
+        llm = head.llm_projection(h)
+        return head.velocity(x, i, head.step_tokens(llm, head.first_projections(llm)))
+
     for i in range(n):
-        ours = np.array(
-            tiny_tts.call(lambda i=i: head.velocity(x, head.time_tokens[i], head.llm_projection(h)))
-        )
+        ours = np.array(tiny_tts.call(lambda i=i: velocity(i)))
         theirs = np.array(
             ref.acoustic_transformer._predict_velocity(
                 mx.concatenate([x, x]), mx.full((2,), i / n), mx.concatenate([h, mx.zeros_like(h)])

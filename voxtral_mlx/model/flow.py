@@ -60,20 +60,23 @@ class FlowHead(nn.Module):
         # EMPTY_AUDIO (0) and the padding rows can never be predicted.
         self._semantic_mask = mx.where((valid == 0) | (valid >= limit), -mx.inf, 0.0)
         self._time_tokens: mx.array | None = None
+        self._time_projections: mx.array | None = None
         self._compiled = None
 
     def prepare(self, compile: bool = True) -> None:
-        """Fuse the layers' projections and precompute the time tokens once (after the
-        weights are loaded; again after they change), and compile the frame: semantic head
-        + all Euler steps, fixed shapes per batch size."""
-        for layer in self.layers:
-            layer.prepare()
+        """Fuse the layers' projections and precompute the time tokens (and their first-layer
+        projections) once (after the weights are loaded; again after they change), and
+        compile the frame: semantic head + all Euler steps, fixed shapes per batch size."""
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            layer.prepare(query_apart=0 < i == last)
         n = self.args.n_decoding_steps
         t = mx.arange(n, dtype=mx.float32) / n
         dtype = self.norm.weight.dtype  # the compute dtype, whatever is quantized
         emb = time_embedding(t, self.args.dim).astype(dtype)
         self._time_tokens = self.time_projection(emb)
-        mx.eval(self._time_tokens, self._semantic_mask)
+        self._time_projections = self.first_projections(self._time_tokens)
+        mx.eval(self._time_tokens, self._time_projections, self._semantic_mask)
         self._compiled = mx.compile(self.frame) if compile else None
 
     @property
@@ -82,6 +85,37 @@ class FlowHead(nn.Module):
         if self._time_tokens is None:
             raise RuntimeError("FlowHead.prepare() must run after the weights are loaded")
         return self._time_tokens
+
+    def first_projections(self, tokens: mx.array) -> mx.array:
+        """The first layer's queries, keys and values of ``tokens [..., dim]``, side by side."""
+        first = self.layers[0]
+        return first.attention.projections(first.attention_norm(tokens))
+
+    def step_tokens(self, llm: mx.array, llm_projections: mx.array) -> tuple[mx.array, mx.array]:
+        """What the Euler steps of a frame share, from its llm token ``[B, dim]`` and that
+        token's :meth:`first_projections`: the time and llm tokens ``[n, 2B, 2, dim]`` of
+        each step (cond rows, then uncond rows with the llm token zeroed) and their
+        first-layer projections ``[n, 2B, 2, q+k+v]``.
+
+        Only the ``x`` token's projections are new at each step: the time tokens' are the
+        same every frame, the llm token's through a frame, and the zeroed token's are zeros.
+        A step's first layer then projects a sixth of its rows (a product whose cost grows
+        with its rows on a CPU) and builds its inputs in one concatenation.
+        """
+        return (
+            self._step_tokens(self.time_tokens, llm),
+            self._step_tokens(self._time_projections, llm_projections),
+        )
+
+    @staticmethod
+    def _step_tokens(time: mx.array, llm: mx.array) -> mx.array:
+        """``[n, 2B, 2, d]`` from time rows ``[n, d]`` and llm rows ``[B, d]``."""
+        (n, d), b = time.shape, llm.shape[0]
+        llm = mx.concatenate([llm, mx.zeros_like(llm)])
+        return mx.stack(
+            [mx.broadcast_to(time[:, None], (n, 2 * b, d)), mx.broadcast_to(llm, (n, 2 * b, d))],
+            axis=2,
+        )
 
     def semantic_code(self, h: mx.array) -> mx.array:
         """Greedy semantic code ``[B]`` (with the +2 offset; 1 = END_AUDIO) from ``h [B, dim]``."""
@@ -96,19 +130,39 @@ class FlowHead(nn.Module):
         finite = mx.all(mx.isfinite(h), axis=-1) & mx.all(mx.isfinite(logits), axis=-1)
         return mx.argmax(logits + self._semantic_mask, axis=-1), finite
 
-    def velocity(self, x: mx.array, time_token: mx.array, llm: mx.array) -> mx.array:
-        """Velocities ``[2B, 36]`` for cond (first B rows) and uncond (last B rows)."""
+    def velocity(
+        self,
+        x: mx.array,
+        step: int,
+        tokens: tuple[mx.array, mx.array],
+        x_token: tuple[mx.array, mx.array] | None = None,
+    ) -> mx.array:
+        """Velocities ``[2B, 36]`` at Euler step ``step`` for cond (first B rows) and uncond
+        (last B rows); ``tokens`` from :meth:`step_tokens`; ``x_token``: the input token of
+        ``x`` and its :meth:`first_projections`, when they are already made."""
         b = x.shape[0]
-        xin = self.input_projection(x.astype(llm.dtype))
-        tok = mx.broadcast_to(time_token, xin.shape)
-        cond = mx.stack([xin, tok, llm], axis=1)
-        uncond = mx.stack([xin, tok, mx.zeros_like(llm)], axis=1)
-        seq = mx.concatenate([cond, uncond], axis=0)
-        for layer in self.layers[:-1]:
-            seq = layer(seq)
-        # Only position 0 is read out: the last layer computes nothing else.
-        out = self.acoustic_codebook_output(self.norm(self.layers[-1].first_position(seq)[:, 0]))
+        seq, qkv = tokens
+        if x_token is None:
+            xin = self.input_projection(x.astype(seq.dtype))
+            x_token = xin, self.first_projections(xin)
+        seq = self._with_x(x_token[0], seq[step])
+        qkv = self._with_x(x_token[1], qkv[step])
+        seq = self.layers[0].from_projections(seq, qkv)
+        if len(self.layers) == 1:
+            last = seq[:, 0]
+        else:
+            for layer in self.layers[1:-1]:
+                seq = layer(seq)
+            # Only position 0 is read out: the last layer computes nothing else.
+            last = self.layers[-1].first_position(seq)[:, 0]
+        out = self.acoustic_codebook_output(self.norm(last))
         return out.astype(mx.float32).reshape(2 * b, -1)
+
+    @staticmethod
+    def _with_x(x: mx.array, rest: mx.array) -> mx.array:
+        """The step's tokens ``[2B, 3, d]``: ``x [B, d]`` (cond and uncond) before ``rest``."""
+        x = mx.concatenate([x, x])[:, None]
+        return mx.concatenate([x.astype(rest.dtype), rest], axis=1)
 
     def acoustic_codes(self, h: mx.array, noise: mx.array, cfg: mx.array) -> mx.array:
         """36 acoustic codes ``[B, 36]`` (values 2..levels+1) for hidden states ``h [B, dim]``.
@@ -123,8 +177,13 @@ class FlowHead(nn.Module):
         b = h.shape[0]
         llm = self.llm_projection(h)
         x = noise.astype(mx.float32)
+        xin = self.input_projection(x.astype(llm.dtype))
+        # The first step's x token and the llm token projected as one product: as separate
+        # ones, the first layer's weights would be read once more a frame.
+        x_qkv, llm_qkv = mx.split(self.first_projections(mx.concatenate([xin, llm])), [b])
+        tokens = self.step_tokens(llm, llm_qkv)
         for i in range(n):
-            v = self.velocity(x, self.time_tokens[i], llm)
+            v = self.velocity(x, i, tokens, (xin, x_qkv) if i == 0 else None)
             x = x + (cfg[:, :1] * v[:b] + cfg[:, 1:] * v[b:]) * (1.0 / n)
         levels = args.acoustic_codebook_size - 1
         q = mx.round((mx.clip(x, -1.0, 1.0) + 1.0) / 2.0 * levels)

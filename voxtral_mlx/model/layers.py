@@ -29,6 +29,10 @@ class Fused:
     def __call__(self, x: mx.array) -> list[mx.array]:
         return mx.split(self.layer(x), self._splits, axis=-1)
 
+    def joined(self, x: mx.array) -> mx.array:
+        """The parts' outputs side by side, unsplit."""
+        return self.layer(x)
+
 
 def products(fused: Fused | None, parts: list[nn.Module], x: mx.array) -> list[mx.array]:
     """Each of ``parts`` applied to ``x``: by their fused product when there is one."""
@@ -89,20 +93,45 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
         self._qkv: Fused | None = None
+        self._kv: Fused | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, query_apart: bool = False) -> None:
         """Compute wq, wk and wv as one product from now on (after the weights are loaded;
-        again after they change)."""
-        self._qkv = fuse_linears([self.wq, self.wk, self.wv])
+        again after they change); with ``query_apart``, wk and wv only (a layer whose
+        queries are needed at fewer positions than its keys: see :meth:`first_query`)."""
+        if query_apart:
+            self._qkv, self._kv = None, fuse_linears([self.wk, self.wv])
+        else:
+            self._qkv, self._kv = fuse_linears([self.wq, self.wk, self.wv]), None
+
+    def projections(self, x: mx.array) -> mx.array:
+        """Queries, keys and values of ``x [..., dim]`` side by side, ``[..., q + k + v]``
+        (for :meth:`split_heads`)."""
+        if self._qkv is not None:
+            return self._qkv.joined(x)
+        return mx.concatenate([self.wq(x), *products(self._kv, [self.wk, self.wv], x)], -1)
+
+    def split_heads(self, qkv: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """:meth:`projections` ``[B, T, q + k + v]`` as queries, keys and values
+        ``[B, heads, T, head_dim]``."""
+        q_size = self.n_heads * self.head_dim
+        q, k, v = mx.split(qkv, [q_size, q_size + self.n_kv_heads * self.head_dim], axis=-1)
+        return self._heads(q, self.n_heads), *(self._heads(a, self.n_kv_heads) for a in (k, v))
+
+    def _heads(self, x: mx.array, n: int) -> mx.array:
+        b, t, _ = x.shape
+        return x.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values ``[B, heads, T, head_dim]`` of ``x [B, T, dim]``."""
-        b, t, _ = x.shape
-        q, k, v = products(self._qkv, [self.wq, self.wk, self.wv], x)
-        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        return q, k, v
+        if self._qkv is not None:
+            return self.split_heads(self._qkv.joined(x))
+        k, v = products(self._kv, [self.wk, self.wv], x)
+        return (
+            self._heads(self.wq(x), self.n_heads),
+            self._heads(k, self.n_kv_heads),
+            self._heads(v, self.n_kv_heads),
+        )
 
     def rotate(self, x: mx.array, offset: int | mx.array) -> mx.array:
         """RoPE at positions ``offset`` onwards (an array: one start per row)."""
@@ -129,9 +158,16 @@ class Attention(nn.Module):
 
     def first_query(self, x: mx.array) -> mx.array:
         """Position 0's output ``[B, 1, dim]`` over all positions of ``x [B, t, dim]``, with no
-        mask, cache or positions (the flow head's bidirectional layers)."""
-        q, k, v = self.project(x)
-        out = mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=self.scale)
+        mask, cache or positions (the flow head's bidirectional layers): the query of
+        position 0 only when the layer was fused with ``query_apart``."""
+        if self._qkv is not None:
+            q, k, v = self.project(x)
+            q = q[:, :, :1]
+        else:
+            q = self._heads(self.wq(x[:, :1]), self.n_heads)
+            k, v = products(self._kv, [self.wk, self.wv], x)
+            k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
         return self.merge_heads(out)
 
 
@@ -174,10 +210,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self._decode: tuple[Callable, Callable] | None = None
 
-    def prepare(self, compile_decode: bool = False) -> None:
-        """Fuse the projections (after the weights are loaded; again after they change) and,
-        with ``compile_decode``, compile the fixed-shape parts of a one-position step."""
-        self.attention.fuse()
+    def prepare(self, compile_decode: bool = False, query_apart: bool = False) -> None:
+        """Fuse the projections (after the weights are loaded; again after they change; for
+        ``query_apart`` see :meth:`Attention.fuse`) and, with ``compile_decode``, compile
+        the fixed-shape parts of a one-position step."""
+        self.attention.fuse(query_apart)
         self.feed_forward.fuse()
         self._decode = (
             (mx.compile(self._decode_in), mx.compile(self._decode_out)) if compile_decode else None
@@ -219,6 +256,15 @@ class TransformerBlock(nn.Module):
         projection and SwiGLU of the other positions are never computed."""
         h0 = x[:, :1] + self.attention.first_query(self.attention_norm(x))
         return h0 + self.feed_forward(self.ffn_norm(h0))
+
+    def from_projections(self, x: mx.array, qkv: mx.array) -> mx.array:
+        """The block's output for ``x [B, T, dim]`` whose queries, keys and values are
+        already known (``qkv``: :meth:`Attention.projections` of ``attention_norm(x)``), for
+        a bidirectional block without positions."""
+        q, k, v = self.attention.split_heads(qkv)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.attention.scale)
+        h = x + self.attention.merge_heads(out)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Float32QuantizedLinear(nn.QuantizedLinear):
