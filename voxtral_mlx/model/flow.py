@@ -147,15 +147,15 @@ class FlowHead(nn.Module):
             x_token = xin, self.first_projections(xin)
         seq = self._with_x(x_token[0], seq[step])
         qkv = self._with_x(x_token[1], qkv[step])
-        seq = self.layers[0].from_projections(seq, qkv)
+        # Only position 0 is read out: the last layer computes nothing else.
         if len(self.layers) == 1:
-            last = seq[:, 0]
+            out = self.layers[0].from_projections(seq, qkv, first_only=True)
         else:
+            seq = self.layers[0].from_projections(seq, qkv)
             for layer in self.layers[1:-1]:
                 seq = layer(seq)
-            # Only position 0 is read out: the last layer computes nothing else.
-            last = self.layers[-1].first_position(seq)[:, 0]
-        out = self.acoustic_codebook_output(self.norm(last))
+            out = self.layers[-1].first_position(seq)
+        out = self.acoustic_codebook_output(self.norm(out[:, 0]))
         return out.astype(mx.float32).reshape(2 * b, -1)
 
     @staticmethod

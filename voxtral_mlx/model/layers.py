@@ -257,11 +257,14 @@ class TransformerBlock(nn.Module):
         h0 = x[:, :1] + self.attention.first_query(self.attention_norm(x))
         return h0 + self.feed_forward(self.ffn_norm(h0))
 
-    def from_projections(self, x: mx.array, qkv: mx.array) -> mx.array:
+    def from_projections(self, x: mx.array, qkv: mx.array, first_only: bool = False) -> mx.array:
         """The block's output for ``x [B, T, dim]`` whose queries, keys and values are
         already known (``qkv``: :meth:`Attention.projections` of ``attention_norm(x)``), for
-        a bidirectional block without positions."""
+        a bidirectional block without positions; with ``first_only``, at position 0 only
+        (as :meth:`first_position`)."""
         q, k, v = self.attention.split_heads(qkv)
+        if first_only:
+            q, x = q[:, :, :1], x[:, :1]
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.attention.scale)
         h = x + self.attention.merge_heads(out)
         return h + self.feed_forward(self.ffn_norm(h))
