@@ -620,10 +620,16 @@ def test_model_load_times_a_directory_and_a_quit_while_loading(tiny_checkpoint, 
 
     from voxtral_mlx.loader import load_model_dir
 
-    assert main(["--configs", str(tiny_checkpoint), "--repeats", "1", "--no-record"]) == 0
+    args = ["--configs", str(tiny_checkpoint), "--repeats", "1", "--hub-latency", "0.3"]
+    assert main([*args, "--no-record"]) == 0
     header, row = capsys.readouterr().out.strip().splitlines()[-2:]
     assert header.startswith("config | weights | load()")
-    name, weights, load, rate, peak, quit_wait = row.split(" | ")
+    assert "the Hub answering in 0.3 s" in header
+    name, weights, load, rate, peak, by_repo, paid, quit_wait = row.split(" | ")
+    # The Hub's (simulated) answer is awaited: a repo id's load takes at least its latency.
+    by_repo_s, load_s = float(by_repo.removesuffix(" s")), float(load.removesuffix(" s"))
+    assert by_repo_s >= 0.3
+    assert abs(float(paid) - (by_repo_s - load_s) / 0.3) < 0.05  # (rounded to 0.01 s)
     model = load_model_dir(tiny_checkpoint).model
     expected = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
     assert name == tiny_checkpoint.name and weights == f"{expected / 2**20:.0f} MiB"

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -1763,3 +1765,186 @@ def test_listing_the_voices_online_names_a_whole_cached_model_in_refs_main_again
         assert cli.main(["voices", "-m", REPO]) == 0
         assert "casual_male" in capsys.readouterr().out
         assert calls == [] and refs_main.read_text() == COMMIT
+
+
+# ------------------------------------------------------ a cached copy read while the Hub answers
+
+
+@pytest.fixture
+def online_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty Hub cache, online (downloads fail the test unless a test fakes them)."""
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.chdir(tmp_path)
+
+    def no_download(*args, **kwargs):
+        if not kwargs.get("local_files_only"):
+            pytest.fail(f"a download was started: {args} {kwargs}")
+        return _SNAPSHOT_DOWNLOAD(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_download)
+    return cache
+
+
+_SNAPSHOT_DOWNLOAD = huggingface_hub.snapshot_download
+
+
+def _files_of(folder: Path) -> dict[str, int]:
+    return {
+        p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*") if p.is_file()
+    }
+
+
+class Loads(list):
+    """Each model load's folder and how it ended; ``started`` is set as the first begins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+
+
+def _record_loads(monkeypatch: pytest.MonkeyPatch) -> Loads:
+    import voxtral_mlx.loader as loader
+
+    loads = Loads()
+    real = loader.load_model_dir
+
+    def recorded(model_dir, *args, **kwargs):
+        entry = {"path": Path(model_dir), "end": None}
+        loads.append(entry)
+        loads.started.set()
+        try:
+            out = real(model_dir, *args, **kwargs)
+        except BaseException as e:
+            entry["end"] = type(e).__name__
+            raise
+        entry["end"] = "loaded"
+        return out
+
+    monkeypatch.setattr(loader, "load_model_dir", recorded)
+    return loads
+
+
+def test_a_cached_repo_is_read_while_the_hub_is_asked_whether_it_changed(
+    online_cache: Path, tiny_checkpoint: Path, tiny_tts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Hub's answer (a request of up to 10 s) came before anything was read: now the
+    copy refs/main names is read meanwhile, and used once the Hub says it is current."""
+    snapshot = populate_hub_cache(online_cache, REPO, tiny_checkpoint)
+    loads = _record_loads(monkeypatch)
+    asked: list[bool] = []
+
+    def listing(repo_id):
+        assert repo_id == REPO
+        # The read has begun before the Hub answers (it would wait here for ever if not).
+        asked.append(loads.started.wait(30))
+        return _files_of(tiny_checkpoint), COMMIT
+
+    monkeypatch.setattr(hub_module, "_list_files", listing)
+    tts = voxtral_mlx.load(REPO)
+    try:
+        assert asked == [True]
+        assert [(e["path"], e["end"]) for e in loads] == [(snapshot, "loaded")]
+        assert Path(tts.path) == snapshot
+        ours = tts.synthesize("Hi.", max_frames=2, seed=0)
+        np.testing.assert_array_equal(
+            ours.codes, tiny_tts.synthesize("Hi.", max_frames=2, seed=0).codes
+        )
+    finally:
+        tts.close()
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["downloaded", "download-fails"])
+def test_an_update_the_hub_names_replaces_the_copy_read_meanwhile(
+    online_cache: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, fail: bool
+) -> None:
+    """The Hub lists a newer commit: the older copy's read stops before the download, and
+    the new files are downloaded and loaded, as when nothing was read ahead; a download
+    that fails leaves the older copy in use, read again."""
+    older = populate_hub_cache(online_cache, REPO, tiny_checkpoint)
+    newer_commit = "f" * 40
+    newer = older.parent / newer_commit
+    loads = _record_loads(monkeypatch)
+
+    def listing(repo_id):
+        assert loads.started.wait(30)
+        return _files_of(tiny_checkpoint), newer_commit
+
+    def download(repo_id, *, allow_patterns=None, revision=None, local_files_only=False, **kw):
+        if local_files_only:
+            return _SNAPSHOT_DOWNLOAD(repo_id, allow_patterns=allow_patterns, **kw)
+        assert revision == newer_commit
+        # The read ahead was told to stop before the download: it ends meanwhile, not
+        # once the download is done (the real one takes minutes, the read gigabytes).
+        deadline = time.monotonic() + 30
+        while loads[0]["end"] is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loads[0]["end"] is not None
+        if fail:
+            raise huggingface_hub.errors.HfHubHTTPError("503 Service Unavailable")
+        shutil.copytree(older, newer, symlinks=True)
+        return str(newer)
+
+    monkeypatch.setattr(hub_module, "_list_files", listing)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.setattr(hub_module, "download_failed", None)
+    tts = voxtral_mlx.load(REPO)
+    try:
+        if fail:  # the complete older copy serves, read again (what was read is gone)
+            assert Path(tts.path) == older
+            assert [e["path"] for e in loads] == [older, older]
+            assert loads[1]["end"] == "loaded"
+            return
+        assert Path(tts.path) == newer
+        assert [e["path"] for e in loads] == [older, newer]
+        # Stopped between parts, or done already when the answer came: dropped either way.
+        assert loads[0]["end"] in ("ReadAheadDropped", "loaded")
+        assert loads[1]["end"] == "loaded"
+        assert (
+            online_cache / f"models--{REPO.replace('/', '--')}" / "refs" / "main"
+        ).read_text() == newer_commit
+    finally:
+        tts.close()
+
+
+def test_an_interrupt_while_the_hub_is_asked_stops_the_read_ahead(
+    online_cache: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    populate_hub_cache(online_cache, REPO, tiny_checkpoint)
+    loads = _record_loads(monkeypatch)
+
+    def listing(repo_id):
+        assert loads.started.wait(30)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hub_module, "_list_files", listing)
+    before = {t for t in threading.enumerate() if t.name == "voxtral-mlx"}
+    with pytest.raises(KeyboardInterrupt):
+        voxtral_mlx.load(REPO)
+    left = {t for t in threading.enumerate() if t.name == "voxtral-mlx"} - before
+    for thread in left:
+        thread.join(30)
+    assert not any(t.is_alive() for t in left)
+    assert loads[0]["end"] in ("UsageError", "loaded")
+
+
+def test_what_is_read_ahead_is_a_whole_copy_the_hub_is_asked_about(
+    online_cache: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from voxtral_mlx.hub import cached_main_snapshot
+
+    assert cached_main_snapshot(REPO) is None  # nothing cached
+    snapshot = populate_hub_cache(online_cache, REPO, tiny_checkpoint)
+    assert cached_main_snapshot(REPO) == snapshot
+    assert cached_main_snapshot(str(tiny_checkpoint)) is None  # a local folder
+    assert cached_main_snapshot(Path(REPO)) is None  # a Path is never a repo
+    (snapshot / "tekken.json").unlink()  # not whole: resolve_model_dir decides
+    assert cached_main_snapshot(REPO) is None
+    populate_hub_cache(online_cache, "owner-x/other", tiny_checkpoint)
+    assert cached_main_snapshot("owner-x/other") is not None
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)  # no question asked
+    assert cached_main_snapshot("owner-x/other") is None

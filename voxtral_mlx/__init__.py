@@ -20,6 +20,10 @@ from .errors import InputError, VoxtralError, is_mlx_import_error, mlx_import_er
 DEFAULT_REPO = "mistralai/Voxtral-4B-TTS-2603"
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+    from typing import Any
+
     import mlx.core as mx
 
     from .tts import (
@@ -103,9 +107,10 @@ def load(
     _import_tts()  # MLX missing: one clear error
     from .engine import check_max_batch
     from .fileio import one_line, usable_path
-    from .hub import resolve_model_dir
+    from .hub import cached_main_snapshot, resolve_model_dir
     from .loader import load_model_dir, parse_dtype
     from .prefix_store import PrefixCacheWarning, PrefixStore, model_fingerprint
+    from .read_ahead import ReadAhead
     from .residency import Residency
     from .tokenizer import default_cache_dir
     from .tts import VoxtralTTS
@@ -131,30 +136,53 @@ def load(
             if auto
             else usable_path(prefix_cache_dir, "prefix_cache_dir")
         )
-    model_dir = resolve_model_dir(path_or_repo)
-    if directory is not None and _same_dir(directory, model_dir):
-        raise InputError(
-            f"prefix_cache_dir {one_line(str(directory))} is the model's folder, whose files "
-            "would mix with the weights: give a folder of its own (e.g. a prefix-cache "
-            "folder inside it), 'auto', or None"
-        )
-    if directory is not None and _same_dir(directory, model_dir / "voice_embedding"):
-        raise InputError(
-            f"prefix_cache_dir {one_line(str(directory))} is the model's voice folder, where "
-            "its files would be taken for voices: give a folder of its own, 'auto', or None"
-        )
-    worker = Worker()
-    try:
+
+    def files_state(path: Path) -> str | None:
         # Taken before the weights are read and again after: files replaced meanwhile (a
         # copy or a conversion finishing into the folder) would have prefixes of the
         # weights in memory saved under the new files' fingerprint, for later processes.
-        before = None
-        if directory is not None:
-            with contextlib.suppress(OSError):  # an unreadable folder: the loader says so
-                before = model_fingerprint(model_dir)
-        # Stopped at the next part by a close: at interpreter exit (an app quitting while
-        # it loads) or here, when this thread is interrupted.
-        loaded = worker.call(load_model_dir, model_dir, dtype, worker.raise_if_closed)
+        if directory is None:
+            return None
+        with contextlib.suppress(OSError):  # an unreadable folder: the loader says so
+            return model_fingerprint(path)
+        return None
+
+    # Stopped at the next part by a close: at interpreter exit (an app quitting while it
+    # loads) or here, when this thread is interrupted.
+    def read(path: Path, check: Callable[[], None]) -> Any:
+        return load_model_dir(path, dtype, check)
+
+    model_dir = None
+    worker = Worker()
+    try:
+        early = cached_main_snapshot(path_or_repo)
+        ahead = None
+        if early is not None:  # read while the Hub is asked whether it is current
+            ahead = ReadAhead(worker, early, read, files_state(early))
+        model_dir = resolve_model_dir(
+            path_or_repo, before_download=ahead.stop if ahead is not None else None
+        )
+        if directory is not None and _same_dir(directory, model_dir):
+            raise InputError(
+                f"prefix_cache_dir {one_line(str(directory))} is the model's folder, whose "
+                "files would mix with the weights: give a folder of its own (e.g. a "
+                "prefix-cache folder inside it), 'auto', or None"
+            )
+        if directory is not None and _same_dir(directory, model_dir / "voice_embedding"):
+            raise InputError(
+                f"prefix_cache_dir {one_line(str(directory))} is the model's voice folder, "
+                "where its files would be taken for voices: give a folder of its own, "
+                "'auto', or None"
+            )
+        if ahead is not None and not ahead.stopped and _same_dir(ahead.path, model_dir):
+            loaded, before = ahead.take(), ahead.state
+        else:
+            if ahead is not None:
+                # The Hub named another copy (an update), or its download failed after
+                # the read was stopped and the copy read ahead serves after all.
+                ahead.drop()
+            before = files_state(model_dir)
+            loaded = worker.call(read, model_dir, worker.raise_if_closed)
         store = None
         if directory is not None:
             fingerprint = model_fingerprint(loaded.path)
@@ -175,7 +203,8 @@ def load(
         )
     except BaseException as e:
         worker.close()
-        _name_the_cache_fix(e, model_dir)
+        if model_dir is not None:
+            _name_the_cache_fix(e, model_dir)
         raise
 
 

@@ -237,6 +237,40 @@ def _whole_snapshot(repo_id: str, weights: bool = True) -> Path | None:
     return next((s for s in snapshots if _holds_a_model(s, weights)), None)
 
 
+def cached_main_snapshot(path_or_repo: object = None) -> Path | None:
+    """The snapshot :func:`resolve_model_dir` will most likely return for a Hub repo id it
+    is about to ask the Hub about: the one ``refs/main`` names in the cache, when it holds a
+    whole model. None for a local path, offline (no question asked), or without one.
+    ``load()`` reads it while the Hub answers, which is that it is current unless the repo
+    changed since."""
+    spec = DEFAULT_REPO if path_or_repo is None else path_or_repo
+    if not isinstance(spec, str) or not _repo_id_syntax(spec):
+        return None
+    try:
+        if os.path.lexists(os.path.expanduser(spec)) or not looks_like_repo_id(spec):
+            return None
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            return None
+        repo = _repo_cache(spec)
+    except Exception:  # (its settings, a path it cannot take): resolve_model_dir says
+        return None
+    commit = _main_commit(repo)
+    if not commit or not _COMMIT.fullmatch(commit):
+        return None
+    snapshot = repo / "snapshots" / commit
+    if not _holds_a_model(snapshot):
+        return None
+    # What asking the Hub imports (0.2-0.3 s of Python holding the GIL), imported before
+    # the read starts: while the read builds the tokenizer (which holds the GIL too), the
+    # question would wait for it.
+    with contextlib.suppress(Exception):
+        import huggingface_hub.errors  # noqa: F401
+        from huggingface_hub import model_info, snapshot_download  # noqa: F401
+    return snapshot
+
+
 def _main_commit(repo_cache: Path) -> str | None:
     """The commit ``refs/main`` of a repo's cache folder names, if it can be read."""
     try:
@@ -464,7 +498,10 @@ def _broken_link(path: Path) -> Path | None:
 
 
 def resolve_model_dir(
-    path_or_repo: str | os.PathLike[str] | None = None, *, weights: bool = True
+    path_or_repo: str | os.PathLike[str] | None = None,
+    *,
+    weights: bool = True,
+    before_download: Callable[[], None] | None = None,
 ) -> Path:
     """Return a local directory holding the model, downloading it from the Hub if needed.
 
@@ -473,6 +510,8 @@ def resolve_model_dir(
     local cache). Anything else that does not exist is an error, never a Hub lookup.
     ``weights=False`` fetches only what listing the voices reads (config, tokenizer,
     voices) when the cache has no whole copy; loading the model later fetches the rest.
+    ``before_download`` is called before files are downloaded (a copy read ahead of the
+    Hub's answer is of no use then: see :func:`cached_main_snapshot`).
     """
     if path_or_repo is not None and not isinstance(path_or_repo, (str, os.PathLike)):
         raise ModelNotFoundError(
@@ -489,7 +528,7 @@ def resolve_model_dir(
         )
     path = usable_path(spec, "model directory", ModelNotFoundError)
     if _shadows_a_known_repo(path_or_repo, spec, path):
-        return _download(spec, weights)
+        return _download(spec, weights, before_download)
     if path.exists():
         if not path.is_dir():
             raise ModelNotFoundError(
@@ -525,7 +564,7 @@ def resolve_model_dir(
             f"model directory {spec} does not exist: pass an existing directory or a Hugging "
             f"Face repo id such as {DEFAULT_REPO}"
         )
-    return _download(spec, weights)
+    return _download(spec, weights, before_download)
 
 
 _HUB_URL = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/", re.IGNORECASE)
@@ -563,7 +602,9 @@ def _check_settings(repo_id: str) -> None:
             ) from None
 
 
-def _download(repo_id: str, weights: bool = True) -> Path:
+def _download(
+    repo_id: str, weights: bool = True, before_download: Callable[[], None] | None = None
+) -> Path:
     _check_settings(repo_id)
     try:
         from huggingface_hub import snapshot_download
@@ -650,6 +691,8 @@ def _download(repo_id: str, weights: bool = True) -> Path:
                 download_failed(repo_id, no_room)
             return older
         downloading = True
+        if before_download is not None:
+            before_download()
         folder = _repo_cache(repo_id)
         if download_started is not None and (missing is None or missing or commit is None):
             download_started(repo_id, folder)
