@@ -45,7 +45,10 @@ class ReadAhead:
 
         def read() -> Any:
             try:
-                return load(path, check)
+                loaded = load(path, check)
+                if not self._dropped.is_set():  # (stopped after its last part: let go too)
+                    return loaded
+                loaded = None
             except ReadAheadDropped:
                 pass
             gc.collect()  # what was read goes now, not when the caller next looks
