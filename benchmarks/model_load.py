@@ -86,11 +86,13 @@ def child_repo(model_dir: str, latency: str) -> dict:
     import voxtral_mlx.hub as hub
 
     source = Path(model_dir)
-    files = {p.relative_to(source).as_posix(): p.stat().st_size for p in source.rglob("*")}
+    files = {
+        p.relative_to(source).as_posix(): p.stat().st_size for p in source.rglob("*") if p.is_file()
+    }
 
     def listing(repo_id: str):
         time.sleep(float(latency))
-        return {k: v for k, v in files.items() if (source / k).is_file()}, COMMIT
+        return files, COMMIT
 
     hub._list_files = listing
     t0 = time.perf_counter()

@@ -617,20 +617,29 @@ def test_hub_failures_become_one_line_errors(
 # ------------------------------------------------------------------------ the real cache, offline
 
 
-@pytest.fixture
-def offline_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """An empty Hub cache, offline. huggingface_hub reads these variables at import, so the
-    module constants are patched too (the subprocess test below checks the variables alone)."""
+def _empty_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, offline: bool) -> Path:
+    """An empty Hub cache in ``tmp_path``, the working folder. huggingface_hub reads these
+    variables at import, so the module constants are patched too (the subprocess test below
+    checks the variables alone)."""
     cache = tmp_path / "hf" / "hub"
     cache.mkdir(parents=True)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub, "model_info", _unreachable)
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", offline)
     monkeypatch.chdir(tmp_path)
     return cache
+
+
+@pytest.fixture
+def offline_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty Hub cache, offline."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(huggingface_hub, "model_info", _unreachable)
+    return _empty_cache(monkeypatch, tmp_path, offline=True)
 
 
 def test_repo_resolves_from_the_cache_offline(offline_cache: Path, tiny_checkpoint: Path) -> None:
@@ -1773,13 +1782,7 @@ def test_listing_the_voices_online_names_a_whole_cached_model_in_refs_main_again
 @pytest.fixture
 def online_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """An empty Hub cache, online (downloads fail the test unless a test fakes them)."""
-    cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.chdir(tmp_path)
+    cache = _empty_cache(monkeypatch, tmp_path, offline=False)
 
     def no_download(*args, **kwargs):
         if not kwargs.get("local_files_only"):

@@ -253,14 +253,10 @@ def cached_main_snapshot(path_or_repo: object = None) -> Path | None:
 
         if constants.HF_HUB_OFFLINE:
             return None
-        repo = _repo_cache(spec)
+        snapshot = _whole_main_snapshot(spec)
     except Exception:  # (its settings, a path it cannot take): resolve_model_dir says
         return None
-    commit = _main_commit(repo)
-    if not commit or not _COMMIT.fullmatch(commit):
-        return None
-    snapshot = repo / "snapshots" / commit
-    if not _holds_a_model(snapshot):
+    if snapshot is None:
         return None
     # What asking the Hub imports (0.2-0.3 s of Python holding the GIL), imported before
     # the read starts: while the read builds the tokenizer (which holds the GIL too), the
@@ -279,12 +275,19 @@ def _main_commit(repo_cache: Path) -> str | None:
         return None
 
 
+def _whole_main_snapshot(repo_id: str) -> Path | None:
+    """The snapshot ``refs/main`` names, if it holds a whole model."""
+    repo = _repo_cache(repo_id)
+    commit = _main_commit(repo)
+    if not commit or not _COMMIT.fullmatch(commit):
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if _holds_a_model(snapshot) else None
+
+
 def _main_is_whole(repo_id: str) -> bool:
     """Whether the snapshot ``refs/main`` names holds a whole model."""
-    commit = _main_commit(_repo_cache(repo_id))
-    return bool(commit and _COMMIT.fullmatch(commit)) and _holds_a_model(
-        _repo_cache(repo_id) / "snapshots" / commit
-    )
+    return _whole_main_snapshot(repo_id) is not None
 
 
 def _last_written(folder: Path) -> float:

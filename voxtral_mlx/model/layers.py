@@ -122,16 +122,16 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         return x.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)
 
+    def _keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys and values ``[B, kv_heads, T, head_dim]`` when wq is not fused with them."""
+        k, v = products(self._kv, [self.wk, self.wv], x)
+        return self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values ``[B, heads, T, head_dim]`` of ``x [B, T, dim]``."""
         if self._qkv is not None:
             return self.split_heads(self._qkv.joined(x))
-        k, v = products(self._kv, [self.wk, self.wv], x)
-        return (
-            self._heads(self.wq(x), self.n_heads),
-            self._heads(k, self.n_kv_heads),
-            self._heads(v, self.n_kv_heads),
-        )
+        return self._heads(self.wq(x), self.n_heads), *self._keys_values(x)
 
     def rotate(self, x: mx.array, offset: int | mx.array) -> mx.array:
         """RoPE at positions ``offset`` onwards (an array: one start per row)."""
@@ -165,8 +165,7 @@ class Attention(nn.Module):
             q = q[:, :, :1]
         else:
             q = self._heads(self.wq(x[:, :1]), self.n_heads)
-            k, v = products(self._kv, [self.wk, self.wv], x)
-            k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            k, v = self._keys_values(x)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
         return self.merge_heads(out)
 
