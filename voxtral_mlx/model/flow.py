@@ -145,8 +145,10 @@ class FlowHead(nn.Module):
         if x_token is None:
             xin = self.input_projection(x.astype(seq.dtype))
             x_token = xin, self.first_projections(xin)
-        seq = self._with_x(x_token[0], seq[step])
-        qkv = self._with_x(x_token[1], qkv[step])
+        # A slice, not ``seq[step]``: integer indexing of the first axis is a gather (a
+        # copying kernel), a slice a view.
+        seq = self._with_x(x_token[0], seq[step : step + 1].squeeze(0))
+        qkv = self._with_x(x_token[1], qkv[step : step + 1].squeeze(0))
         # Only position 0 is read out: the last layer computes nothing else.
         if len(self.layers) == 1:
             out = self.layers[0].from_projections(seq, qkv, first_only=True)
