@@ -339,7 +339,7 @@ class FrameBatch:
                 seq.finished, seq.stop_reason = True, "not_finite"
                 continue
             seq.frames += 1
-            produced.append((seq, codes[i]))
+            produced.append((seq, codes[i : i + 1].squeeze(0)))  # a view, not a gather
             if seq.frames >= seq.max_frames:
                 seq.finished, seq.stop_reason = True, "max_frames"
             else:
