@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -206,3 +207,39 @@ def test_the_flow_steps_shortcuts_equal_every_layer_on_every_row(tmp_path, flow_
         want = np.array(_every_row_velocity(head, x, step, h))
         assert np.abs(want[:b] - want[b:]).max() > 0  # the passes do differ
         assert_same(np.array(head.velocity(x, step, tokens)), want)
+
+
+def _graph_ops(arrays: list[mx.array], path) -> list[str]:
+    """The primitives of the graph computing ``arrays`` (MLX's DOT export)."""
+    mx.export_to_dot(str(path), *arrays)
+    return re.findall(r'label ="(\w+)"', path.read_text())
+
+
+def test_a_frame_and_its_polled_codes_copy_no_rows_by_gathering(tiny_checkpoint_bf16, tmp_path):
+    """Integer indexing of an array's first axis is a gather in MLX, a copying kernel: a
+    frame takes each Euler step's tokens, and the batch each sequence's codes, by slices
+    (views)."""
+    from voxtral_mlx.generate import FrameBatch, NoiseSource, Sequence, prefill
+    from voxtral_mlx.model.flow import cfg_weights
+
+    model = load_model_dir(tiny_checkpoint_bf16).model
+    head = model.acoustic_transformer
+    b = 2
+    h = mx.random.normal((b, head.args.input_dim), key=mx.random.key(0)).astype(mx.bfloat16)
+    noise = mx.random.normal((b, head.args.n_acoustic_codebook), key=mx.random.key(1))
+    mx.eval(h, noise)
+    ops = _graph_ops(list(head.frame(h, noise, cfg_weights([1.2, 1.5]))), tmp_path / "f.dot")
+    assert ops.count("Matmul") >= head.args.n_decoding_steps  # the whole frame was read
+    assert "Gather" not in ops
+
+    width = head.args.n_acoustic_codebook
+    batch = FrameBatch(model)
+    for seed in range(b):
+        seq = Sequence(NoiseSource(width, seed=seed), max_frames=3, cfg_alpha=1.2)
+        prefill(model, seq, model.embed_text([1, 2, 3])[None], model.make_cache())
+        batch.add(seq)
+    batch.advance()
+    produced = batch.poll()
+    assert [codes.shape for _, codes in produced] == [(model.config.num_codebooks,)] * b
+    for i, (_, codes) in enumerate(produced):
+        assert "Gather" not in _graph_ops([codes], tmp_path / f"c{i}.dot")
