@@ -216,14 +216,18 @@ class TransformerBlock(nn.Module):
         self.attention.fuse(query_apart)
         self.feed_forward.fuse()
         self._decode = (
-            (mx.compile(self._decode_in), mx.compile(self._decode_out)) if compile_decode else None
+            (mx.compile(self._decode_in), mx.compile(self._after_attention))
+            if compile_decode
+            else None
         )
 
     def _decode_in(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         q, k, v = self.attention.project(self.attention_norm(x))
         return self.attention.rotate(q, offset), self.attention.rotate(k, offset), v
 
-    def _decode_out(self, x: mx.array, out: mx.array) -> mx.array:
+    def _after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+        """The block's output from its input ``x`` and attention outputs ``out``
+        ``[B, heads, T, head_dim]``: output projection, residuals and SwiGLU."""
         h = x + self.attention.merge_heads(out)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -239,13 +243,13 @@ class TransformerBlock(nn.Module):
             and x.shape[1] == 1
             and isinstance(getattr(cache, "offset", None), mx.array)
         ):
-            decode_in, decode_out = self._decode
+            decode_in, after_attention = self._decode
             q, k, v = decode_in(x, cache.offset)
             k, v = cache.update_and_fetch(k, v)
             out = mx.fast.scaled_dot_product_attention(
                 q, k, v, scale=self.attention.scale, mask=mask
             )
-            return decode_out(x, out)
+            return after_attention(x, out)
         h = x + self.attention(self.attention_norm(x), cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -265,8 +269,7 @@ class TransformerBlock(nn.Module):
         if first_only:
             q, x = q[:, :, :1], x[:, :1]
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.attention.scale)
-        h = x + self.attention.merge_heads(out)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return self._after_attention(x, out)
 
 
 class Float32QuantizedLinear(nn.QuantizedLinear):
