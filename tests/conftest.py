@@ -18,6 +18,14 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 if os.environ.get("VOXTRAL_MLX_CACHE") in (None, os.environ.get("VOXTRAL_MLX_TEST_CACHE")):
     os.environ["VOXTRAL_MLX_CACHE"] = os.environ["VOXTRAL_MLX_TEST_CACHE"] = _CACHE
 
+# The CLI tests start a few hundred Python processes. Where the environment turns bytecode
+# caching off, each of them compiled the package from source (0.3 s apiece): theirs goes to
+# one lasting folder instead (never beside the sources; this process is unaffected).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    os.environ.setdefault(
+        "PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / "voxtral-mlx-tests-pycache")
+    )
+
 # MLX's CPU backend compiles fused kernels with g++ into $TMPDIR/mlx, with no lock between
 # processes: a worker could read a source file another is rewriting, or load a library
 # another is still linking. Each worker keeps its own (lasting, so later runs reuse it).
