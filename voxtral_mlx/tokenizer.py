@@ -148,6 +148,7 @@ class TekkenTokenizer:
         self.audio = audio
         self.voice_num_audio_tokens: dict[str, int] = _voice_counts(audio)
         self.path = path
+        self._built: _Built | None = None  # the shared build this one is made from, if any
 
     # ------------------------------------------------------------------ loading
 
@@ -210,7 +211,7 @@ class TekkenTokenizer:
             path=path,
             max_token_bytes=meta["max_token_bytes"],
         )
-        tokenizer._built = built  # keeps the shared build listed while this one lives
+        tokenizer._built = built  # keeps it listed in _LIVE while this one lives
         return tokenizer
 
     # ------------------------------------------------------------------ text
