@@ -180,21 +180,17 @@ class TekkenTokenizer:
 
         digest = hashlib.sha256(raw).hexdigest()
         cache_file = _cache_root(cache_dir) / f"tekken-{digest}-f{CACHE_FORMAT}.json"
-        key = (digest, os.fspath(cache_file))
+        key = os.fspath(cache_file)  # names the content (its digest) and the cache folder
         built = _LIVE.get(key)
+        if built is None and (cached := _read_cache(cache_file, digest)) is not None:
+            built = _shared(key, *cached)
         if built is not None:
             with contextlib.suppress(OSError):
                 os.utime(cache_file)  # least recently used order for pruning
-            return cls._from_built(built, path)
-        cached = _read_cache(cache_file, digest)
-        if cached is not None:
-            with contextlib.suppress(OSError):
-                os.utime(cache_file)
             try:
-                return cls._from_built(_shared(key, *cached), path)
+                return cls._from_built(built, path)
             except Exception:
-                _LIVE.pop(key, None)
-                # an entry this release cannot use: built again below
+                _LIVE.pop(key, None)  # an entry this release cannot use: built again below
         meta, backend = _build(raw, path)
         _write_cache(cache_file, {"sha256": digest, "format": CACHE_FORMAT, **meta}, backend)
         return cls._from_built(_shared(key, meta, backend), path)
@@ -568,14 +564,14 @@ class _Built:
         self.backend = backend
 
 
-# Builds in use, by (file SHA-256, cache entry): a model loaded again, or another precision
-# of it, reuses the one in memory (the real vocabulary takes 0.3 to 0.9 s to read back from
-# the cache) as long as a tokenizer made from it lives. The backend is only ever read
-# (encode and decode take &self in Rust), so sharing it across threads is safe.
-_LIVE: weakref.WeakValueDictionary[tuple[str, str], _Built] = weakref.WeakValueDictionary()
+# Builds in use, by cache entry (file SHA-256 and cache folder): a model loaded again, or
+# another precision of it, reuses the one in memory (the real vocabulary takes 0.3 to 0.9 s
+# to read back from the cache) as long as a tokenizer made from it lives. The backend is
+# only ever read (encode and decode take &self in Rust), so sharing it across threads is safe.
+_LIVE: weakref.WeakValueDictionary[str, _Built] = weakref.WeakValueDictionary()
 
 
-def _shared(key: tuple[str, str], meta: dict[str, Any], backend: Tokenizer) -> _Built:
+def _shared(key: str, meta: dict[str, Any], backend: Tokenizer) -> _Built:
     built = _Built(meta, backend)
     _LIVE[key] = built
     return built
