@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -34,6 +35,34 @@ if _WORKER:
     _JIT = Path(tempfile.gettempdir()) / f"voxtral-mlx-tests-{_WORKER}"
     _JIT.mkdir(exist_ok=True)
     os.environ["TMPDIR"] = str(_JIT)
+
+
+def _share_kernel_compiles() -> None:
+    """Put tests/gxx_pool.py first on PATH as ``g++``: one compile per kernel for all workers.
+
+    Workers inherit the environment, so the controller's setting reaches all of them (and
+    the CLI processes they start). The pool lasts between runs; it is keyed so that another
+    MLX, compiler or flag set never reuses a library.
+    """
+    if sys.platform == "darwin" or os.environ.get("VOXTRAL_MLX_TESTS_GXX"):
+        return
+    compiler = shutil.which("g++")
+    if compiler is None:
+        return
+    bin_dir = tempfile.mkdtemp(prefix="voxtral-mlx-tests-bin-")
+    atexit.register(shutil.rmtree, bin_dir, ignore_errors=True)
+    wrapper = Path(bin_dir) / "g++"
+    pool = Path(__file__).with_name("gxx_pool.py")
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{pool}" "$@"\n')
+    wrapper.chmod(0o755)
+    os.environ["VOXTRAL_MLX_TESTS_GXX"] = os.path.realpath(compiler)
+    os.environ["VOXTRAL_MLX_TESTS_JIT_POOL"] = str(
+        Path(tempfile.gettempdir()) / "voxtral-mlx-tests-jit-pool"
+    )
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+_share_kernel_compiles()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
