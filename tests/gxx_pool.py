@@ -7,8 +7,8 @@ compiled the same kernels again, one to three seconds apiece, most of it parsing
 header every kernel includes first. This stand-in, put first on ``PATH`` by ``conftest.py``:
 
 - precompiles that header once per compiler, flags and MLX headers (GCC takes ``NAME.gch``
-  from an include directory searched before the header's own; a stale or foreign ``.gch`` is
-  ignored by GCC, never misused);
+  from an include directory searched before the header's own; it rejects one made with
+  other options but never compares the header's text, hence the key);
 - compiles each kernel source once into a pool shared by all workers and later runs, keyed
   by the source's bytes, the compiler, the flags and every MLX header (path, size, mtime);
 - hands the pooled library to the path MLX asked for by link or copy, then rename, so MLX
