@@ -31,19 +31,24 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
+@dataclass
 class KernelBuild:
     """One ``-shared`` build of a single C++ source, as MLX issues it."""
 
-    def __init__(self, flags: list[str], includes: list[str], source: str, output: str):
-        self.flags = flags
-        self.includes = includes
-        self.source = source
-        self.output = output
+    flags: list[str]
+    includes: list[str]
+    source: str
+    output: str
+
+    @property
+    def include_args(self) -> list[str]:
+        return [arg for d in self.includes for arg in ("-I", d)]
 
 
 def parse(args: list[str]) -> KernelBuild | None:
@@ -142,10 +147,10 @@ def precompiled_header_dir(
         return None
     pch_dir = pool / f"pch-{sig[:32]}"
     flags = [f for f in build.flags if f != "-shared"]
-    includes = [arg for d in build.includes for arg in ("-I", d)]
 
     def make(part: Path) -> bool:
-        command = [compiler, *flags, *includes, "-x", "c++-header", str(header), "-o", str(part)]
+        command = [compiler, *flags, *build.include_args, "-x", "c++-header", str(header)]
+        command += ["-o", str(part)]
         return run(command).returncode == 0
 
     return pch_dir if locked_build(pch_dir / f"{name}.gch", make) else None
@@ -175,8 +180,8 @@ def compile_kernel(compiler: str, build: KernelBuild, pool: Path) -> int:
     def make(part: Path) -> bool:
         pch_dir = precompiled_header_dir(compiler, build, source_text, pool, sig)
         includes = [] if pch_dir is None else ["-I", str(pch_dir)]
-        includes += [arg for d in build.includes for arg in ("-I", d)]
-        result = run([compiler, *build.flags, *includes, build.source, "-o", str(part)])
+        command = [compiler, *build.flags, *includes, *build.include_args, build.source]
+        result = run([*command, "-o", str(part)])
         if result.returncode != 0:
             failed.append(result)
         return result.returncode == 0

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-GXX = shutil.which("g++", path=os.defpath) or shutil.which("g++")
+# The real compiler: conftest.py resolved it before putting the pool first on PATH.
+GXX = os.environ.get("VOXTRAL_MLX_TESTS_GXX") or shutil.which("g++")
 POOL_SCRIPT = Path(__file__).with_name("gxx_pool.py")
 FLAGS = ["-std=c++17", "-O3", "-Wall", "-fPIC", "-shared"]
 
@@ -160,4 +161,7 @@ def test_the_suite_compiles_through_the_pool():
     found = shutil.which("g++")
     assert found is not None and Path(found).parent.name.startswith("voxtral-mlx-tests-bin-")
     assert Path(found).read_text().count(str(POOL_SCRIPT)) == 1
-    assert os.environ["VOXTRAL_MLX_TESTS_GXX"] == os.path.realpath(GXX)
+    # ...and the pool calls the compiler found behind it, never itself.
+    real = shutil.which("g++", path=os.environ["PATH"].split(os.pathsep, 1)[1])
+    assert real is not None
+    assert os.environ["VOXTRAL_MLX_TESTS_GXX"] == os.path.realpath(real)
